@@ -1,0 +1,3 @@
+from moekit.cli import main
+
+raise SystemExit(main())

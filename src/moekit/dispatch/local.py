@@ -1,0 +1,63 @@
+"""Single-device dispatch: sort assignments by expert, gather, and scatter back weighted.
+
+Legend: T tokens, D model dim, E experts, R assignments kept after any capacity drop.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from moekit.routing import RouterOutput
+
+
+@dataclass(frozen=True)
+class DispatchMeta:
+    """Everything combine needs, handed from dispatch to combine (no state on the module)."""
+
+    token_idx: Tensor  # [R] token each sorted row came from
+    weights: Tensor  # [R] combine weight of each sorted row
+    num_tokens: int  # T
+    tokens_per_expert: Tensor  # [E] rows each expert received, after any capacity drop
+    routed_per_expert: Tensor  # [E] assignments each expert was routed, before any capacity drop
+
+
+class LocalDispatcher:
+    """Dropless (MegaBlocks) or capacity-limited (Switch/GShard) dispatch on one device."""
+
+    def __init__(self, num_experts: int, capacity_factor: float | None = None) -> None:
+        self.num_experts = num_experts
+        self.capacity_factor = capacity_factor
+
+    def capacity(self, num_assignments: int) -> int:
+        """Rows each expert may keep: ``ceil(capacity_factor * R / E)``."""
+        assert self.capacity_factor is not None
+        return math.ceil(self.capacity_factor * num_assignments / self.num_experts)
+
+    def dispatch(self, x_TD: Tensor, routing: RouterOutput) -> tuple[Tensor, DispatchMeta]:
+        """Rows of ``x`` grouped by expert: returns x_sorted [R, D] and the meta for combine."""
+        # NOTE: the sort is stable so rows keep the router's k-major order inside each expert;
+        # that order is GShard's priority for capacity drops and makes results reproducible.
+        expert_sorted, order = torch.sort(routing.expert_idx, stable=True)
+        routed = torch.bincount(routing.expert_idx, minlength=self.num_experts)
+        if self.capacity_factor is not None:
+            starts = torch.cumsum(routed, dim=0) - routed
+            position = torch.arange(order.numel(), device=order.device) - starts[expert_sorted]
+            keep = position < self.capacity(routing.expert_idx.numel())
+            order, expert_sorted = order[keep], expert_sorted[keep]
+            kept = torch.bincount(expert_sorted, minlength=self.num_experts)
+        else:
+            kept = routed
+        token_idx = routing.token_idx[order]
+        meta = DispatchMeta(token_idx, routing.weights[order], routing.num_tokens, kept, routed)
+        return x_TD.index_select(0, token_idx), meta
+
+    @staticmethod
+    def combine(y_sorted_RD: Tensor, meta: DispatchMeta) -> Tensor:
+        """Weighted sum of each token's expert outputs: y[t] = sum_r w_r * y_sorted[r] (r of t)."""
+        weighted = y_sorted_RD * meta.weights.unsqueeze(1).to(y_sorted_RD.dtype)
+        out = y_sorted_RD.new_zeros(meta.num_tokens, y_sorted_RD.shape[1])
+        return out.index_add_(0, meta.token_idx, weighted)

@@ -1,0 +1,98 @@
+"""Grouped GEMM: rows of x sorted by expert, each group multiplied by its own expert's weight.
+
+Legend: R rows (sorted by expert), K input dim, N output dim, E experts.
+
+Two implementations of the same op, chosen by measurement (benchmarks/moe_layer.py):
+- ``grouped_mm``: ``torch._grouped_mm``, one kernel for all experts (the fast form on Hopper GPUs).
+- ``per_expert_mm``: one ``torch.mm`` per expert into preallocated slices, with a hand-written
+  backward. On CPU ``torch._grouped_mm`` is itself such a loop, and this form measured faster;
+  it is also the fallback where ``torch._grouped_mm`` is missing. Autograd over weight slices
+  (``w[e]``) would materialise a full-size zero gradient per expert; the custom backward writes
+  each expert's gradient once.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+class _PerExpertMatmul(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_RK: Tensor, w_EKN: Tensor, counts: list[int]) -> Tensor:
+        y_RN = x_RK.new_empty(x_RK.shape[0], w_EKN.shape[2])
+        for e, rows in _expert_slices(counts):
+            torch.mm(x_RK[rows], w_EKN[e], out=y_RN[rows])
+        ctx.save_for_backward(x_RK, w_EKN)
+        ctx.counts = counts
+        return y_RN
+
+    @staticmethod
+    def backward(ctx, dy_RN: Tensor):
+        x_RK, w_EKN = ctx.saved_tensors
+        dy_RN = dy_RN.contiguous()
+        dx = torch.empty_like(x_RK) if ctx.needs_input_grad[0] else None
+        dw = torch.empty_like(w_EKN) if ctx.needs_input_grad[1] else None
+        if dw is not None:
+            # NOTE: only idle experts need zeros; filling the whole [E, K, N] costs as much as a GEMM.
+            for e, n in enumerate(ctx.counts):
+                if n == 0:
+                    dw[e].zero_()
+        for e, rows in _expert_slices(ctx.counts):
+            if dx is not None:
+                torch.mm(dy_RN[rows], w_EKN[e].t(), out=dx[rows])
+            if dw is not None:
+                torch.mm(x_RK[rows].t(), dy_RN[rows], out=dw[e])
+        return dx, dw, None
+
+
+def _expert_slices(counts: list[int]):
+    """(expert, row slice) for every expert that received rows."""
+    start = 0
+    for e, n in enumerate(counts):
+        if n:
+            yield e, slice(start, start + n)
+        start += n
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the incoming gradient contiguous.
+
+    NOTE: torch 2.13's CPU backward of ``torch._grouped_mm`` rejects gradients with zero strides,
+    which is what ``y.sum().backward()`` produces; this guard makes the op safe to differentiate.
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor) -> Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> Tensor:
+        return grad.contiguous()
+
+
+def has_grouped_mm() -> bool:
+    return hasattr(torch, "_grouped_mm")
+
+
+def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype) -> str:
+    """Pick the grouped GEMM for ``auto``: torch._grouped_mm on Hopper-class GPUs in bf16, else
+    per-expert matmuls (measured faster on CPU, where _grouped_mm is a loop)."""
+    if backend != "auto":
+        return backend
+    hopper_bf16 = (
+        device.type == "cuda" and dtype == torch.bfloat16 and torch.cuda.get_device_capability(device) >= (9, 0)
+    )
+    return "grouped_mm" if hopper_bf16 and has_grouped_mm() else "per_expert_mm"
+
+
+def grouped_matmul(x_RK: Tensor, w_EKN: Tensor, tokens_per_expert: Tensor, backend: str = "auto") -> Tensor:
+    """y[rows of e] = x[rows of e] @ w[e] for every expert e; rows are grouped by expert in order."""
+    backend = resolve_backend(backend, x_RK.device, x_RK.dtype)
+    if backend == "grouped_mm":
+        if not has_grouped_mm():
+            raise RuntimeError("gemm='grouped_mm' needs torch._grouped_mm (torch >= 2.8); use gemm='auto'")
+        offsets = torch.cumsum(tokens_per_expert, dim=0, dtype=torch.int32)
+        return _ContiguousGrad.apply(torch._grouped_mm(x_RK, w_EKN, offs=offsets))
+    assert backend == "per_expert_mm", backend
+    return _PerExpertMatmul.apply(x_RK, w_EKN, tokens_per_expert.tolist())

@@ -1,0 +1,101 @@
+"""Routed experts with stacked weights: one grouped GEMM per weight matrix.
+
+Legend: R rows sorted by expert, D model dim, F expert hidden dim, E experts.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from moekit.experts.gemm import grouped_matmul
+
+
+def compute_dtype(x: Tensor) -> torch.dtype:
+    """The dtype the expert matmuls run in: autocast's if it is on, else the input's."""
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
+
+
+class _SwiGLU(torch.autograd.Function):
+    """``silu(gate) * up`` over a fused ``[..., 2F]`` input (gate first).
+
+    The backward writes both halves of one ``[..., 2F]`` gradient in place, instead of autograd's
+    separate gradients and a concatenation; ``silu(gate)`` is kept from the forward rather than
+    recomputed. Each saved pass over these, the largest activations, is measurable on CPU.
+    """
+
+    @staticmethod
+    def forward(ctx, h: Tensor) -> Tensor:
+        gate, up = h.chunk(2, dim=-1)
+        silu_gate = F.silu(gate)
+        ctx.save_for_backward(h, silu_gate)
+        return silu_gate * up
+
+    @staticmethod
+    def backward(ctx, d_out: Tensor) -> Tensor:
+        h, silu_gate = ctx.saved_tensors
+        gate, up = h.chunk(2, dim=-1)
+        d_h = torch.empty_like(h)
+        d_gate, d_up = d_h.chunk(2, dim=-1)
+        torch.mul(d_out, silu_gate, out=d_up)
+        torch.ops.aten.silu_backward.grad_input(d_out * up, gate, grad_input=d_gate)
+        return d_h
+
+
+def apply_activation(h_RX: Tensor, activation: str) -> Tensor:
+    """SwiGLU: silu(gate) * up, with gate and up fused side by side in one GEMM output; or GELU."""
+    if activation == "swiglu":
+        return _SwiGLU.apply(h_RX)
+    return F.gelu(h_RX)
+
+
+class GroupedExperts(nn.Module):
+    """E expert FFNs stored as ``w_in [E, D, F or 2F]`` and ``w_out [E, F, D]``.
+
+    Weights are laid out [in, out] so each expert's matmul is ``x @ w[e]``, the layout
+    ``torch._grouped_mm`` takes. For SwiGLU the gate and up projections are fused in ``w_in``
+    (gate first), so the first layer is one grouped GEMM, not two.
+    """
+
+    def __init__(
+        self, num_experts: int, d_model: int, d_ff: int, activation: str = "swiglu", gemm: str = "auto"
+    ) -> None:
+        super().__init__()
+        self.activation = activation
+        self.gemm = gemm
+        width_in = 2 * d_ff if activation == "swiglu" else d_ff
+        self.w_in = nn.Parameter(torch.empty(num_experts, d_model, width_in))
+        self.w_out = nn.Parameter(torch.empty(num_experts, d_ff, d_model))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.w_in, std=self.w_in.shape[1] ** -0.5)
+        nn.init.normal_(self.w_out, std=self.w_out.shape[1] ** -0.5)
+
+    @property
+    def num_experts(self) -> int:
+        return self.w_in.shape[0]
+
+    def forward(self, x_RD: Tensor, tokens_per_expert: Tensor) -> Tensor:
+        dtype = compute_dtype(x_RD)
+        x_RD = x_RD.to(dtype)
+        h = grouped_matmul(x_RD, self.w_in.to(dtype), tokens_per_expert, self.gemm)
+        h = apply_activation(h, self.activation)
+        return grouped_matmul(h, self.w_out.to(dtype), tokens_per_expert, self.gemm)
+
+
+class DenseFFN(nn.Module):
+    """A plain FFN with the same activation choices (shared experts, residual MLP, dense layers)."""
+
+    def __init__(self, d_model: int, d_ff: int, activation: str = "swiglu") -> None:
+        super().__init__()
+        self.activation = activation
+        width_in = 2 * d_ff if activation == "swiglu" else d_ff
+        self.w_in = nn.Linear(d_model, width_in, bias=False)
+        self.w_out = nn.Linear(d_ff, d_model, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.w_out(apply_activation(self.w_in(x), self.activation))

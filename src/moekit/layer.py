@@ -1,0 +1,88 @@
+"""The MoE layer: router -> dispatcher -> grouped experts -> combine (+ shared / residual MLP).
+
+Legend: T tokens, D model dim, E experts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from moekit.config import MoEConfig
+from moekit.dispatch import LocalDispatcher
+from moekit.experts import DenseFFN, GroupedExperts
+from moekit.routing import RouterOutput, build_router, router_z_loss, switch_aux_loss
+
+
+@dataclass(frozen=True)
+class MoEStats:
+    """Routing statistics and auxiliary losses of one forward call."""
+
+    aux_loss: Tensor  # Switch load-balancing loss (1.0 = uniform), differentiable
+    z_loss: Tensor  # router z-loss, differentiable
+    loss: Tensor  # aux_loss_coef * aux_loss + z_loss_coef * z_loss: add this to the training loss
+    tokens_per_expert: Tensor  # [E] assignments routed to each expert (before capacity drops)
+    dropped_per_expert: Tensor  # [E] assignments dropped by capacity limits
+    num_tokens: int  # T
+
+    @property
+    def num_dropped(self) -> int:
+        return int(self.dropped_per_expert.sum())
+
+
+class MoE(nn.Module):
+    """A mixture-of-experts FFN. ``forward(x)`` maps ``[..., d_model]`` to the same shape.
+
+    ``forward(x, return_stats=True)`` also returns the call's ``MoEStats``; the layer keeps none of
+    it. Hash routing needs ``token_ids`` (same leading shape as x).
+    """
+
+    def __init__(self, cfg: MoEConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.router = build_router(cfg)
+        self.dispatcher = LocalDispatcher(
+            cfg.num_experts, cfg.capacity_factor if cfg.router != "expert_choice" else None
+        )
+        self.experts = GroupedExperts(cfg.num_experts, cfg.d_model, cfg.d_ff, cfg.activation, cfg.gemm)
+        self.shared = (
+            DenseFFN(cfg.d_model, cfg.d_ff * cfg.num_shared_experts, cfg.activation) if cfg.num_shared_experts else None
+        )
+        self.residual_mlp = DenseFFN(cfg.d_model, cfg.d_ff, cfg.activation) if cfg.residual else None
+        self.residual_gate = nn.Linear(cfg.d_model, 2) if cfg.residual else None
+
+    def forward(self, x: Tensor, token_ids: Tensor | None = None, return_stats: bool = False):
+        x_TD = x.reshape(-1, self.cfg.d_model)
+        routing = self.router(x_TD, token_ids)
+        x_sorted, meta = self.dispatcher.dispatch(x_TD, routing)
+        y_sorted = self.experts(x_sorted, meta.tokens_per_expert)
+        y_TD = self.dispatcher.combine(y_sorted, meta)
+        if self.residual_mlp is not None:
+            # DeepSpeed PR-MoE: a per-token learned mix of the dense MLP and the experts.
+            mix = torch.softmax(self.residual_gate(x_TD), dim=-1)
+            y_TD = self.residual_mlp(x_TD) * mix[:, :1] + y_TD * mix[:, 1:]
+        if self.shared is not None:
+            y_TD = y_TD + self.shared(x_TD)
+        y = y_TD.to(x.dtype).reshape(x.shape)
+        if not return_stats:
+            return y
+        return y, self._stats(routing, meta.tokens_per_expert, meta.routed_per_expert)
+
+    def _stats(self, routing: RouterOutput, kept: Tensor, routed: Tensor) -> MoEStats:
+        zero = torch.zeros((), device=routed.device)
+        aux = (
+            switch_aux_loss(routing.probs, routing.expert_idx, self.cfg.num_experts)
+            if routing.probs is not None
+            else zero
+        )
+        z = router_z_loss(routing.logits) if routing.logits is not None else zero
+        loss = self.cfg.aux_loss_coef * aux + self.cfg.z_loss_coef * z
+        return MoEStats(aux, z, loss, routed, routed - kept, routing.num_tokens)
+
+    @torch.no_grad()
+    def update_bias(self, tokens_per_expert: Tensor) -> None:
+        """Aux-loss-free balancing: nudge the router's selection bias from the observed load."""
+        if self.cfg.bias_update_rate > 0:
+            self.router.update_bias(tokens_per_expert)

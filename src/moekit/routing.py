@@ -1,0 +1,218 @@
+"""Routers, their output, the balancing losses and the aux-loss-free bias update.
+
+Legend: T tokens, D model dim, E experts, K picks per token, R assignments (token, expert) pairs.
+
+Every router returns the same ``RouterOutput``: a flat list of assignments, so token-choice,
+expert-choice and hash routing all feed one dispatcher. Token-choice assignments are laid out
+k-major (all first choices, then all second choices, ...), which is GShard's priority order when
+an expert overflows its capacity.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from moekit.config import MoEConfig
+
+
+@dataclass(frozen=True)
+class RouterOutput:
+    """What a router decided for T tokens; handed to the dispatcher, never stored on a module."""
+
+    token_idx: Tensor  # [R] long: token of each assignment
+    expert_idx: Tensor  # [R] long: expert of each assignment
+    weights: Tensor  # [R] combine weight of each assignment (differentiable)
+    logits: Tensor | None  # [T, E] fp32 router logits (None for hash routing)
+    probs: Tensor | None  # [T, E] fp32 normalised scores used by the aux loss
+    num_tokens: int  # T
+
+
+# ---------------------------------------------------------------------------------------------
+# Balancing losses and the bias update: pure functions over tensors.
+
+
+def switch_aux_loss(probs_TE: Tensor, expert_idx: Tensor, num_experts: int) -> Tensor:
+    """Switch Transformer load-balancing loss ``E * sum_i f_i * P_i``.
+
+    ``f_i`` is the fraction of assignments routed to expert i (before any capacity drop) and
+    ``P_i`` the mean router probability of expert i. It equals 1 under perfectly uniform routing.
+    """
+    counts = torch.bincount(expert_idx, minlength=num_experts).to(probs_TE.dtype)
+    fraction = counts / expert_idx.numel()
+    return num_experts * torch.sum(fraction * probs_TE.mean(dim=0))
+
+
+def router_z_loss(logits_TE: Tensor) -> Tensor:
+    """ST-MoE router z-loss: mean over tokens of ``logsumexp(logits)^2``; keeps logits small."""
+    return torch.logsumexp(logits_TE, dim=-1).square().mean()
+
+
+@torch.no_grad()
+def update_expert_bias(bias_E: Tensor, tokens_per_expert: Tensor, rate: float) -> None:
+    """Aux-loss-free balancing (DeepSeek-V3): push each expert's selection bias toward uniform load.
+
+    Over-loaded experts lose ``rate``, under-loaded ones gain it; the bias only affects which
+    experts are selected, never the combine weights, so it adds no gradient and no loss term.
+    """
+    load = tokens_per_expert.to(bias_E.dtype)
+    bias_E.add_(rate * torch.sign(load.mean() - load))
+
+
+# ---------------------------------------------------------------------------------------------
+# Routers.
+
+
+def _fp32_logits(x_TD: Tensor, weight_ED: Tensor) -> Tensor:
+    # NOTE: router logits and softmax stay in fp32 even under bf16 autocast (Switch Transformer):
+    # small logit differences decide the routing, and bf16 rounds them away.
+    with torch.autocast(device_type=x_TD.device.type, enabled=False):
+        return F.linear(x_TD.float(), weight_ED.float())
+
+
+def _k_major(values_TK: Tensor) -> Tensor:
+    """Flatten [T, K] picks so all first choices come first (GShard's capacity priority)."""
+    return values_TK.t().reshape(-1)
+
+
+class TopKRouter(nn.Module):
+    """Token-choice routing: each token picks k experts.
+
+    Covers plain top-k (softmax or sigmoid scores), Switch top-1, GShard top-2 with random
+    second-expert dispatch, and noisy top-k (Shazeer et al. 2017). An optional per-expert bias
+    (aux-loss-free balancing) shifts selection only.
+    """
+
+    def __init__(self, cfg: MoEConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.gate = nn.Linear(cfg.d_model, cfg.num_experts, bias=False)
+        self.noise = nn.Linear(cfg.d_model, cfg.num_experts, bias=False) if cfg.router == "noisy_topk" else None
+        self.register_buffer("expert_bias", torch.zeros(cfg.num_experts), persistent=True)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.gate.weight, std=self.cfg.d_model**-0.5)
+        if self.noise is not None:
+            nn.init.zeros_(self.noise.weight)
+
+    def forward(self, x_TD: Tensor, token_ids: Tensor | None = None) -> RouterOutput:
+        cfg = self.cfg
+        num_tokens = x_TD.shape[0]
+        logits = _fp32_logits(x_TD, self.gate.weight)
+        if cfg.score_func == "sigmoid":
+            scores = torch.sigmoid(logits)
+            probs = scores / scores.sum(dim=-1, keepdim=True)
+        else:
+            probs = scores = torch.softmax(logits, dim=-1)
+
+        selection_logits = logits
+        if self.noise is not None and self.training:
+            noise_std = F.softplus(_fp32_logits(x_TD, self.noise.weight))
+            selection_logits = logits + torch.randn_like(logits) * noise_std
+        if self.noise is not None or not cfg.softmax_before_topk:
+            # Pick on logits, then softmax over the k picked (Shazeer's softmax(KeepTopK(H))).
+            picked_logits, experts_TK = self._select(selection_logits)
+            weights_TK = (
+                torch.softmax(picked_logits, dim=-1) if cfg.score_func == "softmax" else torch.sigmoid(picked_logits)
+            )
+        else:
+            _, experts_TK = self._select(scores)
+            weights_TK = scores.gather(1, experts_TK)
+        if cfg.normalize_topk and cfg.top_k > 1:
+            weights_TK = weights_TK / weights_TK.sum(dim=-1, keepdim=True)
+        weights_TK = weights_TK * cfg.route_scale
+
+        tokens_TK = torch.arange(num_tokens, device=x_TD.device).unsqueeze(1).expand(-1, cfg.top_k)
+        token_idx, expert_idx, weights = _k_major(tokens_TK), _k_major(experts_TK), _k_major(weights_TK)
+        if cfg.router == "gshard" and self.training:
+            token_idx, expert_idx, weights = self._random_second_dispatch(token_idx, expert_idx, weights, weights_TK)
+        return RouterOutput(token_idx, expert_idx, weights, logits, probs, num_tokens)
+
+    def _select(self, scores_TE: Tensor) -> tuple[Tensor, Tensor]:
+        """Top-k over scores plus the balancing bias; returns the picked *unbiased* scores."""
+        biased = scores_TE + self.expert_bias
+        experts_TK = biased.topk(self.cfg.top_k, dim=-1).indices
+        return scores_TE.gather(1, experts_TK), experts_TK
+
+    @staticmethod
+    def _random_second_dispatch(token_idx: Tensor, expert_idx: Tensor, weights: Tensor, weights_TK: Tensor):
+        """GShard: keep the second expert with probability ``2 * g2`` (g normalised over the pair)."""
+        g2 = weights_TK[:, 1] / weights_TK.sum(dim=-1)
+        keep_second = torch.rand_like(g2) < 2 * g2.detach()
+        keep = torch.cat([torch.ones_like(keep_second), keep_second])
+        return token_idx[keep], expert_idx[keep], weights[keep]
+
+    def update_bias(self, tokens_per_expert: Tensor) -> None:
+        update_expert_bias(self.expert_bias, tokens_per_expert, self.cfg.bias_update_rate)
+
+
+class ExpertChoiceRouter(nn.Module):
+    """Expert-choice routing (Zhou et al. 2022): each expert picks its top-C tokens.
+
+    C = ceil(capacity_factor * T * k / E) (capacity_factor defaults to 1), so every expert
+    processes exactly C tokens and load is balanced by construction; a token may get 0..E experts.
+    """
+
+    def __init__(self, cfg: MoEConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.gate = nn.Linear(cfg.d_model, cfg.num_experts, bias=False)
+        nn.init.normal_(self.gate.weight, std=cfg.d_model**-0.5)
+
+    def capacity(self, num_tokens: int) -> int:
+        factor = self.cfg.capacity_factor or 1.0
+        return min(num_tokens, math.ceil(factor * num_tokens * self.cfg.top_k / self.cfg.num_experts))
+
+    def forward(self, x_TD: Tensor, token_ids: Tensor | None = None) -> RouterOutput:
+        num_tokens = x_TD.shape[0]
+        logits = _fp32_logits(x_TD, self.gate.weight)
+        probs = torch.softmax(logits, dim=-1)
+        capacity = self.capacity(num_tokens)
+        weights_EC, tokens_EC = probs.t().topk(capacity, dim=-1)
+        experts_EC = torch.arange(self.cfg.num_experts, device=x_TD.device).unsqueeze(1).expand(-1, capacity)
+        weights = weights_EC.reshape(-1) * self.cfg.route_scale
+        return RouterOutput(tokens_EC.reshape(-1), experts_EC.reshape(-1), weights, logits, probs, num_tokens)
+
+
+class HashRouter(nn.Module):
+    """Hash routing (Roller et al. 2021): a fixed token-id -> expert map, no learned parameters.
+
+    Pick j of token id v is expert ``(h(v) + j) mod E`` with Knuth's multiplicative hash h, so the
+    k picks are distinct; each has weight 1/k.
+    """
+
+    _KNUTH = 2654435761
+
+    def __init__(self, cfg: MoEConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+
+    def forward(self, x_TD: Tensor, token_ids: Tensor | None = None) -> RouterOutput:
+        if token_ids is None:
+            raise ValueError("router='hash' needs token_ids: call the layer as moe(x, token_ids=ids)")
+        ids_T = token_ids.reshape(-1).long()
+        if ids_T.numel() != x_TD.shape[0]:
+            raise ValueError(f"token_ids has {ids_T.numel()} ids for {x_TD.shape[0]} tokens")
+        cfg = self.cfg
+        base_T = (ids_T * self._KNUTH) % (2**32) % cfg.num_experts
+        picks_K = torch.arange(cfg.top_k, device=x_TD.device)
+        experts_TK = (base_T.unsqueeze(1) + picks_K) % cfg.num_experts
+        tokens_TK = torch.arange(x_TD.shape[0], device=x_TD.device).unsqueeze(1).expand(-1, cfg.top_k)
+        weights = torch.full(
+            (experts_TK.numel(),), cfg.route_scale / cfg.top_k, device=x_TD.device, dtype=torch.float32
+        )
+        return RouterOutput(_k_major(tokens_TK), _k_major(experts_TK), weights, None, None, x_TD.shape[0])
+
+
+def build_router(cfg: MoEConfig) -> nn.Module:
+    """The router module named by ``cfg.router``."""
+    if cfg.router == "expert_choice":
+        return ExpertChoiceRouter(cfg)
+    if cfg.router == "hash":
+        return HashRouter(cfg)
+    return TopKRouter(cfg)
