@@ -1,20 +1,164 @@
-"""The ``moekit`` command line."""
+"""The ``moekit`` command line: train, generate, plot."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
+import sys
+import time
+import typing
+from pathlib import Path
 
 from moekit import __version__
 
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
+
+
+def _type_name(annotation) -> str:
+    text = getattr(annotation, "__name__", None) or str(annotation)
+    return text.replace("NoneType", "none").replace("typing.", "").upper()
+
+
+def add_config_flags(parser: argparse.ArgumentParser) -> None:
+    """One ``--section.field`` flag per config field, with its one-line reason as help."""
+    from moekit.runconfig import SECTIONS, field_help
+
+    for section, cls in SECTIONS.items():
+        group = parser.add_argument_group(f"[{section}] {cls.__doc__.splitlines()[0]}")
+        reasons = field_help(cls)
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            if section == "moe" and f.name == "d_model":
+                continue  # decided by model.d_model
+            default = "" if f.default is dataclasses.MISSING else f" (default {f.default})"
+            if section == "moe" and f.name == "d_ff":
+                default = " (default model.d_ff)"
+            group.add_argument(
+                f"--{section}.{f.name}",
+                metavar=_type_name(hints[f.name]),
+                default=argparse.SUPPRESS,
+                help=reasons.get(f.name, "") + default,
+            )
+
 
 def build_parser() -> argparse.ArgumentParser:
+    from moekit.runconfig import preset_names
+
     parser = argparse.ArgumentParser(
         prog="moekit",
         description="Train and serve Mixture-of-Experts language models with PyTorch.",
+        epilog="Run 'moekit COMMAND --help' for a command's options. Start with: moekit train",
     )
     parser.add_argument("--version", action="version", version=f"moekit {__version__}")
-    parser.add_subparsers(dest="command", title="commands", metavar="COMMAND")
+    commands = parser.add_subparsers(dest="command", title="commands", metavar="COMMAND")
+
+    train = commands.add_parser(
+        "train",
+        help="train a GPT-style MoE language model",
+        description="Train a GPT-style MoE language model. With no flags: the 'default' preset on this "
+        "Python's standard library source, a few minutes on a laptop CPU. Every config field below can be "
+        "overridden; presets set some of them.",
+        epilog=f"presets: {', '.join(preset_names())} (or a path to a .toml file)",
+    )
+    train.add_argument("--preset", default="default", help="config preset (default: %(default)s)")
+    train.add_argument("--data", help="text file, directory or glob (default: Python's stdlib source)")
+    train.add_argument("--run-dir", type=Path, help="where the run is written (default: runs/PRESET-TIME)")
+    train.add_argument("--resume", action="store_true", help="continue the run in --run-dir from its latest checkpoint")
+    train.add_argument("--device", default="auto", help="cpu, cuda, or auto (cuda when available)")
+    train.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_config_flags(train)
+
+    gen = commands.add_parser(
+        "generate", help="generate text from a trained run", description="Generate text from a trained run."
+    )
+    gen.add_argument("run_dir", type=Path, help="a run directory written by moekit train")
+    gen.add_argument("--prompt", default="\n", help="text to continue (default: a newline)")
+    gen.add_argument("--max-new-tokens", type=int, default=200, help="tokens to generate (default: %(default)s)")
+    gen.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default: %(default)s)")
+    gen.add_argument(
+        "--top-k", type=int, default=50, help="sample among the k likeliest tokens; 0 = all (default: %(default)s)"
+    )
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: %(default)s)")
+    gen.add_argument("--seed", type=int, default=0, help="sampling seed (default: %(default)s)")
+    gen.add_argument("--device", default="auto", help="cpu, cuda, or auto")
+
+    plot = commands.add_parser(
+        "plot", help="write PNG plots of a run's metrics", description="Write PNG plots of a run."
+    )
+    plot.add_argument("run_dir", type=Path, help="a run directory written by moekit train")
+    plot.add_argument("--out", type=Path, help="output directory (default: RUN_DIR/plots)")
     return parser
+
+
+def _device(name: str) -> str:
+    import torch
+
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return name
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from moekit import runconfig
+    from moekit.infer.generate import generate_text, load_run
+    from moekit.train.loop import train
+    from moekit.train.plots import plot_run
+
+    overrides = {k: v for k, v in vars(args).items() if "." in k}
+    if args.data is not None:
+        overrides["data.path"] = args.data
+    if args.resume:
+        if args.run_dir is None:
+            raise ValueError("--resume needs --run-dir: the run to continue")
+        base = json.loads((args.run_dir / "config.json").read_text()) if (args.run_dir / "config.json").exists() else {}
+        base.get("moe", {}).pop("d_model", None)
+        cfg = runconfig.build(runconfig.apply_overrides(base, overrides))
+    else:
+        cfg = runconfig.resolve(args.preset, overrides)
+    run_dir = args.run_dir or Path("runs") / f"{Path(args.preset).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
+    result = train(cfg, run_dir, resume=args.resume, device=_device(args.device), progress=not args.quiet)
+    if result.interrupted:
+        return EXIT_INTERRUPTED
+    plots = plot_run(run_dir)
+    lines = [f"run directory: {run_dir}", f"  final val loss {result.val_loss:.4f} after {result.steps} steps"]
+    lines.append(f"  checkpoint:  {result.checkpoint}")
+    lines.append(f"  plots:       {', '.join(str(p) for p in plots)}")
+    lines.append(f"  tensorboard: tensorboard --logdir {run_dir / 'tensorboard'}")
+    if cfg.train.sample_tokens:
+        run = load_run(run_dir, _device(args.device))
+        sample = generate_text(run, "\n", cfg.train.sample_tokens, seed=cfg.train.seed)
+        (run_dir / "sample.txt").write_text(sample)
+        lines.append(f"  sample:      {run_dir / 'sample.txt'}")
+        lines.append("-" * 60 + "\n" + sample.strip("\n") + "\n" + "-" * 60)
+    lines.append(f"generate more: moekit generate {run_dir} --prompt '...'")
+    print("\n".join(lines))
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from moekit.infer.generate import generate_text, load_run
+
+    if args.max_new_tokens < 0:
+        raise ValueError(f"--max-new-tokens={args.max_new_tokens}: must be >= 0")
+    run = load_run(args.run_dir, _device(args.device))
+    text = generate_text(
+        run, args.prompt, args.max_new_tokens, args.temperature, args.top_k or None, args.top_p, args.seed
+    )
+    print(text)
+    return 0
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    from moekit.train.plots import plot_run
+
+    for path in plot_run(args.run_dir, args.out):
+        print(path)
+    return 0
+
+
+COMMANDS = {"train": cmd_train, "generate": cmd_generate, "plot": cmd_plot}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -22,4 +166,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
-    return 0
+        return 0
+    from moekit.train.checkpoint import CheckpointError
+    from moekit.train.loop import TrainingError
+
+    try:
+        return COMMANDS[args.command](args)
+    except (ValueError, CheckpointError, TrainingError, FileNotFoundError) as err:
+        print(f"moekit {args.command}: error: {err}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print(f"moekit {args.command}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED

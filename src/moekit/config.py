@@ -76,3 +76,122 @@ class MoEConfig:
                 self.bias_update_rate,
                 f"aux-loss-free bias needs a token-choice router, not {self.router!r}",
             )
+
+
+TOKENIZERS = ("byte", "char", "bpe")
+
+
+@dataclass
+class DataConfig:
+    """Where training text comes from and how it becomes tokens."""
+
+    path: str | None = None  # text file, directory or glob; None: this Python's standard library source
+    tokenizer: str = "byte"  # byte (no training) | char (corpus alphabet) | bpe (trained on the corpus)
+    bpe_vocab_size: int = 4096  # vocabulary size when tokenizer = bpe
+    val_fraction: float = 0.1  # share of tokens (the tail of the corpus) held out for validation
+    cache_dir: str | None = None  # token cache; None: ~/.cache/moekit/tokens
+
+    def __post_init__(self) -> None:
+        _one_of("data.tokenizer", self.tokenizer, TOKENIZERS)
+        _require(self.bpe_vocab_size >= 260, "data.bpe_vocab_size", self.bpe_vocab_size, "must be >= 260")
+        _require(0 < self.val_fraction < 1, "data.val_fraction", self.val_fraction, "must be in (0, 1)")
+
+
+MLP_ACTIVATIONS = ACTIVATIONS
+DTYPES = ("fp32", "bf16")
+
+
+@dataclass
+class ModelConfig:
+    """A decoder-only transformer; which of its layers are MoE is decided here, the MoE itself in [moe]."""
+
+    vocab_size: int = 256  # token ids the model embeds; set from the tokenizer when training
+    context_length: int = 256  # longest sequence the model attends over
+    n_layers: int = 4  # transformer blocks
+    n_heads: int = 4  # attention query heads
+    n_kv_heads: int | None = None  # key/value heads (fewer than n_heads: grouped-query attention); None = n_heads
+    d_model: int = 256  # residual stream width
+    d_ff: int = 768  # hidden width of dense MLPs (and of each expert unless moe.d_ff is set)
+    mlp_activation: str = "swiglu"  # dense MLP: swiglu or gelu
+    dropout: float = 0.0  # dropout on attention and residual branches while training
+    tie_embeddings: bool = True  # share the input embedding with the output projection
+    rope_theta: float = 10000.0  # RoPE base frequency
+    init_std: float = 0.02  # std of weight init; residual output projections get 1/sqrt(2*n_layers) of it
+    moe_every: int = 1  # every n-th block (after first_dense_layers) is MoE; 0 = a dense model
+    first_dense_layers: int = 0  # leading blocks kept dense (DeepSeek-MoE)
+    experts_per_layer: list[int] | None = None  # pyramid MoE: experts of each MoE block, overrides moe.num_experts
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "context_length", "n_layers", "n_heads", "d_model", "d_ff"):
+            value = getattr(self, name)
+            _require(isinstance(value, int) and value > 0, f"model.{name}", value, "must be a positive integer")
+        _require(self.d_model % self.n_heads == 0, "model.n_heads", self.n_heads, f"must divide d_model={self.d_model}")
+        _require(
+            (self.d_model // self.n_heads) % 2 == 0, "model.n_heads", self.n_heads, "head size must be even (RoPE)"
+        )
+        kv = self.kv_heads
+        _require(kv > 0 and self.n_heads % kv == 0, "model.n_kv_heads", self.n_kv_heads, "must divide n_heads")
+        _one_of("model.mlp_activation", self.mlp_activation, MLP_ACTIVATIONS)
+        _require(0 <= self.dropout < 1, "model.dropout", self.dropout, "must be in [0, 1)")
+        _require(self.moe_every >= 0, "model.moe_every", self.moe_every, "must be >= 0")
+        _require(self.first_dense_layers >= 0, "model.first_dense_layers", self.first_dense_layers, "must be >= 0")
+        if self.experts_per_layer is not None:
+            n_moe = len(self.moe_layers())
+            _require(
+                len(self.experts_per_layer) == n_moe,
+                "model.experts_per_layer",
+                self.experts_per_layer,
+                f"needs one entry per MoE block ({n_moe})",
+            )
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    def moe_layers(self) -> list[int]:
+        """Indices of the blocks whose FFN is an MoE layer."""
+        if self.moe_every == 0:
+            return []
+        return [
+            i
+            for i in range(self.first_dense_layers, self.n_layers)
+            if (i - self.first_dense_layers) % self.moe_every == 0
+        ]
+
+
+@dataclass
+class TrainConfig:
+    """The optimisation loop, evaluation, logging and checkpoints."""
+
+    steps: int = 300  # optimizer steps
+    batch_size: int = 16  # sequences per micro-batch
+    grad_accum: int = 1  # micro-batches per optimizer step
+    lr: float = 1e-3  # peak learning rate (AdamW)
+    min_lr: float = 1e-4  # learning rate at the end of the cosine decay
+    warmup_steps: int = 30  # linear warmup from 0 to lr
+    weight_decay: float = 0.1  # AdamW decay on matrices (not on norms, biases or router biases)
+    beta1: float = 0.9  # AdamW first-moment decay
+    beta2: float = 0.95  # AdamW second-moment decay
+    grad_clip: float = 1.0  # clip the global gradient norm to this; 0 = off
+    dtype: str = "fp32"  # fp32, or bf16 autocast (fp32 master weights, router kept in fp32)
+    compile: bool = False  # torch.compile the model
+    seed: int = 1337  # seeds init, data order and dropout: equal seeds give equal runs on CPU
+    eval_every: int = 50  # steps between validation passes (and one at the end)
+    eval_iters: int = 10  # validation batches per pass
+    ckpt_every: int = 100  # steps between checkpoints (and one at the end); 0 = only at the end
+    keep_checkpoints: int = 2  # newest checkpoints kept on disk
+    peak_tflops: float = 0.5  # device peak for MFU (2-core CPU ~0.5 fp32; H100 bf16 dense ~989)
+    sample_tokens: int = 200  # tokens generated into sample.txt at the end; 0 = none
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "batch_size", "grad_accum", "eval_every", "eval_iters", "keep_checkpoints"):
+            value = getattr(self, name)
+            _require(isinstance(value, int) and value > 0, f"train.{name}", value, "must be a positive integer")
+        for name in ("warmup_steps", "ckpt_every", "sample_tokens"):
+            value = getattr(self, name)
+            _require(isinstance(value, int) and value >= 0, f"train.{name}", value, "must be an integer >= 0")
+        _require(self.lr > 0, "train.lr", self.lr, "must be > 0")
+        _require(0 <= self.min_lr <= self.lr, "train.min_lr", self.min_lr, f"must be in [0, lr={self.lr}]")
+        _require(self.grad_clip >= 0, "train.grad_clip", self.grad_clip, "must be >= 0")
+        _require(self.peak_tflops > 0, "train.peak_tflops", self.peak_tflops, "must be > 0")
+        _one_of("train.dtype", self.dtype, DTYPES)

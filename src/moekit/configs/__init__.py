@@ -1,0 +1,1 @@
+"""TOML presets for ``moekit train --preset NAME``."""

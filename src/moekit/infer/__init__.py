@@ -1,0 +1,1 @@
+"""Inference: loading trained runs and generating text."""

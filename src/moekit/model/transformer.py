@@ -1,0 +1,189 @@
+"""A GPT-style decoder: token embedding, RoPE, RMSNorm, causal SDPA attention (GQA), and per block
+either a dense MLP or the MoE layer. Written for one device; parallelism is applied from outside.
+
+Legend: B batch, L sequence length, D model dim, H query heads, G key/value heads, S cached length.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from moekit.config import ModelConfig, MoEConfig
+from moekit.experts import DenseFFN
+from moekit.layer import MoE, MoEStats
+
+
+@dataclass(frozen=True)
+class ModelOutput:
+    logits: Tensor  # [B, L, vocab]
+    loss: Tensor | None  # cross-entropy + every MoE layer's weighted aux losses (when targets given)
+    lm_loss: Tensor | None  # cross-entropy alone
+    moe_stats: list[MoEStats]  # one per MoE block, in order
+
+
+class KVCache:
+    """Keys and values of the tokens seen so far, per layer: ``[B, G, max_len, head_dim]``."""
+
+    def __init__(self, cfg: ModelConfig, batch_size: int, device: torch.device, dtype: torch.dtype) -> None:
+        head_dim = cfg.d_model // cfg.n_heads
+        shape = (batch_size, cfg.kv_heads, cfg.context_length, head_dim)
+        self.keys = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layers)]
+        self.values = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layers)]
+        self.length = 0  # tokens cached
+
+    def append(self, layer: int, k_BGLd: Tensor, v_BGLd: Tensor) -> tuple[Tensor, Tensor]:
+        """Store this step's keys/values at positions [length, length+L); return all cached so far."""
+        end = self.length + k_BGLd.shape[2]
+        self.keys[layer][:, :, self.length : end] = k_BGLd
+        self.values[layer][:, :, self.length : end] = v_BGLd
+        return self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
+
+
+def rope_tables(head_dim: int, max_len: int, theta: float) -> tuple[Tensor, Tensor]:
+    freqs = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    angles = torch.outer(torch.arange(max_len, dtype=torch.float32), freqs)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x_BHLd: Tensor, cos_Ld2: Tensor, sin_Ld2: Tensor) -> Tensor:
+    """Rotate pairs (x[2i], x[2i+1]) by position-dependent angles (Su et al. 2021)."""
+    x1, x2 = x_BHLd.float().unflatten(-1, (-1, 2)).unbind(-1)
+    rotated = torch.stack((x1 * cos_Ld2 - x2 * sin_Ld2, x1 * sin_Ld2 + x2 * cos_Ld2), dim=-1)
+    return rotated.flatten(-2).type_as(x_BHLd)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads = cfg.n_heads, cfg.kv_heads
+        self.head_dim = cfg.d_model // cfg.n_heads
+        self.qkv = nn.Linear(cfg.d_model, (cfg.n_heads + 2 * cfg.kv_heads) * self.head_dim, bias=False)
+        self.out = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+        self.dropout = cfg.dropout
+
+    def forward(self, x_BLD: Tensor, cos: Tensor, sin: Tensor, cache: KVCache | None, layer: int) -> Tensor:
+        B, L, _ = x_BLD.shape
+        q, k, v = self.qkv(x_BLD).split(
+            [self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim, self.n_kv_heads * self.head_dim], dim=-1
+        )
+        q = apply_rope(q.view(B, L, self.n_heads, self.head_dim).transpose(1, 2), cos, sin)
+        k = apply_rope(k.view(B, L, self.n_kv_heads, self.head_dim).transpose(1, 2), cos, sin)
+        v = v.view(B, L, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        start = 0
+        if cache is not None:
+            start = cache.length
+            k, v = cache.append(layer, k, v)
+        dropout = self.dropout if self.training else 0.0
+        gqa = self.n_kv_heads != self.n_heads
+        if start == 0:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout, enable_gqa=gqa)
+        else:  # queries at positions start.. attend to every cached key up to their own position
+            mask = torch.arange(k.shape[2], device=q.device) <= (start + torch.arange(L, device=q.device)).unsqueeze(1)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, enable_gqa=gqa)
+        return self.out(y.transpose(1, 2).reshape(B, L, -1))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, moe_cfg: MoEConfig | None) -> None:
+        super().__init__()
+        self.attn_norm = nn.RMSNorm(cfg.d_model)
+        self.attn = Attention(cfg)
+        self.ffn_norm = nn.RMSNorm(cfg.d_model)
+        self.ffn = MoE(moe_cfg) if moe_cfg is not None else DenseFFN(cfg.d_model, cfg.d_ff, cfg.mlp_activation)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x, cos, sin, cache, layer, token_ids) -> tuple[Tensor, MoEStats | None]:
+        x = x + self.drop(self.attn(self.attn_norm(x), cos, sin, cache, layer))
+        h = self.ffn_norm(x)
+        if isinstance(self.ffn, MoE):
+            y, stats = self.ffn(h, token_ids=token_ids, return_stats=True)
+            return x + self.drop(y), stats
+        return x + self.drop(self.ffn(h)), None
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig, moe_cfg: MoEConfig | None = None) -> None:
+        super().__init__()
+        moe_layers = cfg.moe_layers()
+        if moe_layers and moe_cfg is None:
+            raise ValueError("model has MoE blocks (model.moe_every > 0) but no MoE config was given")
+        self.cfg, self.moe_cfg = cfg, moe_cfg
+        experts = dict(zip(moe_layers, cfg.experts_per_layer or [None] * len(moe_layers), strict=True))
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList(
+            Block(cfg, self._layer_moe(moe_cfg, experts[i]) if i in experts else None) for i in range(cfg.n_layers)
+        )
+        self.norm = nn.RMSNorm(cfg.d_model)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+        cos, sin = rope_tables(cfg.d_model // cfg.n_heads, cfg.context_length, cfg.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.reset_parameters()
+
+    @staticmethod
+    def _layer_moe(moe_cfg: MoEConfig, num_experts: int | None) -> MoEConfig:
+        return moe_cfg if num_experts is None else replace(moe_cfg, num_experts=num_experts)
+
+    def reset_parameters(self) -> None:
+        """GPT-2 init: N(0, init_std), residual output projections scaled by 1/sqrt(2 * n_layers)."""
+        std = self.cfg.init_std
+        out_std = std / math.sqrt(2 * self.cfg.n_layers)
+        for name, p in self.named_parameters():
+            if p.dim() < 2 or "router" in name:
+                continue  # norms keep ones; routers keep their own init
+            is_output = name.endswith(("attn.out.weight", "w_out.weight", "experts.w_out"))
+            nn.init.normal_(p, std=out_std if is_output else std)
+
+    def moe_layers(self) -> list[MoE]:
+        return [b.ffn for b in self.blocks if isinstance(b.ffn, MoE)]
+
+    def forward(self, idx_BL: Tensor, targets_BL: Tensor | None = None, cache: KVCache | None = None) -> ModelOutput:
+        B, L = idx_BL.shape
+        start = cache.length if cache is not None else 0
+        if start + L > self.cfg.context_length:
+            raise ValueError(f"sequence of {start + L} tokens exceeds model.context_length={self.cfg.context_length}")
+        cos, sin = self.rope_cos[start : start + L], self.rope_sin[start : start + L]
+        x = self.drop(self.embed(idx_BL))
+        stats: list[MoEStats] = []
+        for i, block in enumerate(self.blocks):
+            x, s = block(x, cos, sin, cache, i, idx_BL)
+            if s is not None:
+                stats.append(s)
+        if cache is not None:
+            cache.length += L
+        logits = self.lm_head(self.norm(x))
+        if targets_BL is None:
+            return ModelOutput(logits, None, None, stats)
+        lm_loss = F.cross_entropy(logits.float().flatten(0, 1), targets_BL.flatten())
+        loss = lm_loss + sum((s.loss for s in stats), start=torch.zeros((), device=lm_loss.device))
+        return ModelOutput(logits, loss, lm_loss, stats)
+
+    # --- sizes -----------------------------------------------------------------------------------
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def num_active_params(self) -> int:
+        """Parameters one token uses: everything except the routed experts it does not pick."""
+        inactive = 0
+        for moe in self.moe_layers():
+            per_expert = sum(p[0].numel() for p in moe.experts.parameters())
+            inactive += per_expert * (moe.cfg.num_experts - moe.cfg.top_k)
+        return self.num_params() - inactive
+
+    def flops_per_token(self) -> float:
+        """Training FLOPs per token: 6 * active non-embedding params + attention (PaLM appendix B)."""
+        cfg = self.cfg
+        # The embedding lookup costs no FLOPs, the output projection does: with tied weights the
+        # shared matrix counts once (as the output head), untied the embedding is left out.
+        matmul_params = self.num_active_params() - (0 if cfg.tie_embeddings else self.embed.weight.numel())
+        attention = 12 * cfg.n_layers * cfg.d_model * cfg.context_length
+        return 6 * matmul_params + attention

@@ -1,0 +1,167 @@
+"""A training run's configuration: TOML presets, dotted command-line overrides, resolved JSON.
+
+A run has four sections, one dataclass each: ``model`` (ModelConfig), ``moe`` (MoEConfig, whose
+d_model comes from the model and whose d_ff defaults to model.d_ff), ``data`` and ``train``.
+``--moe.num_experts 16`` on the command line overrides ``[moe] num_experts`` of the preset.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import json
+import re
+import sys
+import types
+import typing
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from moekit.config import DataConfig, ModelConfig, MoEConfig, TrainConfig
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+SECTIONS: dict[str, type] = {"model": ModelConfig, "moe": MoEConfig, "data": DataConfig, "train": TrainConfig}
+_MOE_FROM_MODEL = ("d_model",)  # moe fields the model section decides
+
+
+@dataclass
+class RunConfig:
+    model: ModelConfig
+    moe: MoEConfig
+    data: DataConfig
+    train: TrainConfig
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return {name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS}
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    @property
+    def is_moe(self) -> bool:
+        return bool(self.model.moe_layers())
+
+
+def preset_names() -> list[str]:
+    return sorted(
+        p.name.removesuffix(".toml") for p in resources.files("moekit.configs").iterdir() if p.name.endswith(".toml")
+    )
+
+
+def load_preset(name: str) -> dict[str, dict[str, Any]]:
+    """The raw section tree of a preset shipped in ``moekit/configs`` (or of a TOML file path)."""
+    path = Path(name)
+    if path.suffix == ".toml" and path.is_file():
+        text = path.read_text()
+    else:
+        if name not in preset_names():
+            raise ValueError(
+                f"--preset: unknown preset {name!r} (choose from {', '.join(preset_names())}, or a .toml file)"
+            )
+        text = resources.files("moekit.configs").joinpath(f"{name}.toml").read_text()
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as err:
+        raise ValueError(f"preset {name}: invalid TOML: {err}") from None
+
+
+def field_help(cls: type) -> dict[str, str]:
+    """Each field's one-line reason: the ``# comment`` beside it in the dataclass source."""
+    pattern = re.compile(r"^\s+(\w+):[^#]*#\s*(.+)$")
+    return {m.group(1): m.group(2).strip() for m in map(pattern.match, inspect.getsource(cls).splitlines()) if m}
+
+
+def _field_types(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def parse_value(text: str, annotation: Any, name: str) -> Any:
+    """Convert a command-line string to the field's type (int, float, bool, str, X | None, list[int])."""
+    args = typing.get_args(annotation)
+    if type(annotation) is types.UnionType or typing.get_origin(annotation) is typing.Union:
+        if text.lower() in ("none", "null"):
+            return None
+        annotation = next(a for a in args if a is not type(None))
+        args = typing.get_args(annotation)
+    try:
+        if annotation is bool:
+            if text.lower() in ("true", "1", "yes", "on"):
+                return True
+            if text.lower() in ("false", "0", "no", "off"):
+                return False
+            raise ValueError
+        if typing.get_origin(annotation) is list:
+            return [args[0](item) for item in text.strip("[]").replace(" ", "").split(",") if item]
+        return annotation(text)
+    except (ValueError, TypeError):
+        raise ValueError(f"--{name}: cannot read {text!r} as {getattr(annotation, '__name__', annotation)}") from None
+
+
+def apply_overrides(tree: dict[str, dict[str, Any]], overrides: dict[str, str]) -> dict[str, dict[str, Any]]:
+    """A copy of ``tree`` with ``{"section.field": "text"}`` overrides applied, typed by the dataclasses."""
+    merged = {section: dict(tree.get(section, {})) for section in SECTIONS}
+    for dotted, text in overrides.items():
+        section, _, name = dotted.partition(".")
+        cls = SECTIONS.get(section)
+        if cls is None:
+            raise ValueError(f"--{dotted}: unknown section {section!r} (sections: {', '.join(SECTIONS)})")
+        types_ = _field_types(cls)
+        if name not in types_:
+            raise ValueError(f"--{dotted}: unknown field {name!r} of [{section}] (see moekit train --help)")
+        merged[section][name] = parse_value(text, types_[name], dotted)
+    return merged
+
+
+def build(tree: dict[str, dict[str, Any]]) -> RunConfig:
+    """Validate a section tree into a RunConfig; every error names section.field."""
+    unknown_sections = set(tree) - set(SECTIONS)
+    if unknown_sections:
+        raise ValueError(f"unknown config section [{sorted(unknown_sections)[0]}] (sections: {', '.join(SECTIONS)})")
+    for section, cls in SECTIONS.items():
+        names = {f.name for f in dataclasses.fields(cls)}
+        for key in tree.get(section, {}):
+            if key not in names:
+                raise ValueError(f"unknown config field {section}.{key}")
+    model = ModelConfig(**tree.get("model", {}))
+    moe_values = dict(tree.get("moe", {}))
+    for key in _MOE_FROM_MODEL:
+        if key in moe_values and moe_values[key] != getattr(model, key):
+            raise ValueError(f"moe.{key}={moe_values[key]!r}: set by model.{key} ({getattr(model, key)})")
+    moe_values["d_model"] = model.d_model
+    moe_values.setdefault("d_ff", model.d_ff)
+    moe = _with_prefix("moe", lambda: MoEConfig(**moe_values))
+    for n in model.experts_per_layer or []:
+        if n < moe.top_k:
+            raise ValueError(
+                f"model.experts_per_layer={model.experts_per_layer!r}: each needs >= moe.top_k={moe.top_k}"
+            )
+    return RunConfig(model, moe, DataConfig(**tree.get("data", {})), TrainConfig(**tree.get("train", {})))
+
+
+def _with_prefix(section: str, make):
+    """MoEConfig names its fields bare (it is also used on its own); prefix them with the section."""
+    try:
+        return make()
+    except ValueError as err:
+        raise ValueError(f"{section}.{err}") from None
+
+
+def resolve(preset: str, overrides: dict[str, str]) -> RunConfig:
+    return build(apply_overrides(load_preset(preset), overrides))
+
+
+def from_json(path: Path) -> RunConfig:
+    """The resolved config a run wrote into its directory."""
+    try:
+        tree = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise ValueError(f"{path}: cannot read the run's config: {err}") from None
+    moe = tree.get("moe", {})
+    moe.pop("d_model", None)
+    return build(tree)

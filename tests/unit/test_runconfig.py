@@ -1,0 +1,86 @@
+"""Presets, dotted overrides, and the help that lists every field with its reason."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+
+import pytest
+
+from moekit import runconfig
+from moekit.config import ModelConfig, MoEConfig
+
+
+def test_every_preset_resolves() -> None:
+    names = runconfig.preset_names()
+    assert {"tiny", "default", "shakespeare-dense", "shakespeare-moe"} <= set(names)
+    for name in names:
+        cfg = runconfig.resolve(name, {})
+        assert cfg.moe.d_model == cfg.model.d_model
+    assert not runconfig.resolve("shakespeare-dense", {}).is_moe
+    assert runconfig.resolve("shakespeare-moe", {}).is_moe
+
+
+def test_overrides_are_typed() -> None:
+    cfg = runconfig.resolve(
+        "tiny",
+        {
+            "moe.num_experts": "16",
+            "moe.capacity_factor": "1.25",
+            "model.tie_embeddings": "false",
+            "model.n_kv_heads": "none",
+            "model.n_layers": "3",
+            "model.experts_per_layer": "4,8,16",
+        },
+    )
+    assert cfg.moe.num_experts == 16 and cfg.moe.capacity_factor == 1.25
+    assert cfg.model.tie_embeddings is False and cfg.model.n_kv_heads is None
+    assert cfg.model.experts_per_layer == [4, 8, 16]
+
+
+def test_resolved_config_round_trips_through_json(tmp_path) -> None:
+    cfg = runconfig.resolve("default", {"moe.d_ff": "64"})
+    path = tmp_path / "config.json"
+    path.write_text(cfg.to_json())
+    again = runconfig.from_json(path)
+    assert again == cfg
+    assert json.loads(path.read_text())["moe"]["d_ff"] == 64
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"moe.nope": "1"}, "unknown field 'nope'"),
+        ({"optim.lr": "1"}, "unknown section 'optim'"),
+        ({"model.experts_per_layer": "4,8,16"}, "model.experts_per_layer"),
+        ({"model.n_heads": "3"}, "model.n_heads=3"),
+        ({"train.min_lr": "1.0"}, "train.min_lr=1.0"),
+        ({"moe.router": "magic"}, "moe.router='magic'"),
+    ],
+)
+def test_bad_overrides_name_the_field(overrides: dict[str, str], message: str) -> None:
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace("[", r"\[")):
+        runconfig.resolve("tiny", overrides)
+
+
+def test_every_field_has_a_reason() -> None:
+    for cls in runconfig.SECTIONS.values():
+        reasons = runconfig.field_help(cls)
+        missing = [f.name for f in dataclasses.fields(cls) if not reasons.get(f.name)]
+        assert not missing, f"{cls.__name__}: fields without a one-line reason: {missing}"
+
+
+def test_help_lists_presets_and_fields() -> None:
+    out = subprocess.run([sys.executable, "-m", "moekit", "train", "--help"], capture_output=True, text=True).stdout
+    assert "--moe.num_experts" in out and "routed experts in the layer" in out
+    assert "--model.n_layers" in out and "presets: default" in out
+    top = subprocess.run([sys.executable, "-m", "moekit", "--help"], capture_output=True, text=True).stdout
+    for command in ("train", "generate", "plot"):
+        assert command in top
+
+
+def test_config_dataclasses_have_defaults_for_the_cli() -> None:
+    assert ModelConfig().moe_layers() == [0, 1, 2, 3]
+    assert MoEConfig(d_model=8, d_ff=8).router == "topk"
