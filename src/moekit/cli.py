@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
 import time
 import typing
@@ -112,9 +111,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.resume:
         if args.run_dir is None:
             raise ValueError("--resume needs --run-dir: the run to continue")
-        base = json.loads((args.run_dir / "config.json").read_text()) if (args.run_dir / "config.json").exists() else {}
-        base.get("moe", {}).pop("d_model", None)
-        cfg = runconfig.build(runconfig.apply_overrides(base, overrides))
+        cfg = runconfig.build(runconfig.apply_overrides(runconfig.read_tree(args.run_dir / "config.json"), overrides))
     else:
         cfg = runconfig.resolve(args.preset, overrides)
     run_dir = args.run_dir or Path("runs") / f"{Path(args.preset).stem}-{time.strftime('%Y%m%d-%H%M%S')}"

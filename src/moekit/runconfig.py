@@ -156,12 +156,17 @@ def resolve(preset: str, overrides: dict[str, str]) -> RunConfig:
     return build(apply_overrides(load_preset(preset), overrides))
 
 
-def from_json(path: Path) -> RunConfig:
-    """The resolved config a run wrote into its directory."""
+def read_tree(path: Path) -> dict[str, dict[str, Any]]:
+    """The section tree of a resolved config a run wrote (``RUN_DIR/config.json``)."""
     try:
-        tree = json.loads(path.read_text())
+        tree = json.loads(Path(path).read_text())
     except (OSError, json.JSONDecodeError) as err:
         raise ValueError(f"{path}: cannot read the run's config: {err}") from None
-    moe = tree.get("moe", {})
-    moe.pop("d_model", None)
-    return build(tree)
+    for key in _MOE_FROM_MODEL:
+        tree.get("moe", {}).pop(key, None)
+    return tree
+
+
+def from_json(path: Path) -> RunConfig:
+    """The resolved config a run wrote into its directory."""
+    return build(read_tree(path))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import resource
 import shutil
 import signal
@@ -61,6 +62,15 @@ def test_resume_equals_uninterrupted_bitwise(corpus_file: Path, tmp_path: Path) 
     a = load_run(tmp_path / "full").model.state_dict()
     b = load_run(half).model.state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_bf16_autocast_trains(corpus_file: Path, tmp_path: Path) -> None:
+    cfg = tiny(corpus_file, tmp_path / "cache", **{"train.dtype": "bf16", "train.steps": "20"})
+    result = train(cfg, tmp_path / "run", progress=False)
+    assert all(math.isfinite(x) for x in result.losses)
+    assert sum(result.losses[-3:]) / 3 < sum(result.losses[:3]) / 3 - 0.5
+    weights = load_run(tmp_path / "run").model.state_dict()
+    assert all(w.dtype == torch.float32 for w in weights.values())  # fp32 master weights
 
 
 def test_existing_run_needs_resume(corpus_file: Path, tmp_path: Path) -> None:

@@ -44,17 +44,21 @@ class KVCache:
         return self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
 
 
-def rope_tables(head_dim: int, max_len: int, theta: float) -> tuple[Tensor, Tensor]:
+def rope_frequencies(head_dim: int, max_len: int, theta: float) -> Tensor:
+    """``e^(i * position * theta^(-2j/head_dim))`` as complex64 ``[max_len, head_dim / 2]``."""
     freqs = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
     angles = torch.outer(torch.arange(max_len, dtype=torch.float32), freqs)
-    return angles.cos(), angles.sin()
+    return torch.polar(torch.ones_like(angles), angles)
 
 
-def apply_rope(x_BHLd: Tensor, cos_Ld2: Tensor, sin_Ld2: Tensor) -> Tensor:
-    """Rotate pairs (x[2i], x[2i+1]) by position-dependent angles (Su et al. 2021)."""
-    x1, x2 = x_BHLd.float().unflatten(-1, (-1, 2)).unbind(-1)
-    rotated = torch.stack((x1 * cos_Ld2 - x2 * sin_Ld2, x1 * sin_Ld2 + x2 * cos_Ld2), dim=-1)
-    return rotated.flatten(-2).type_as(x_BHLd)
+def apply_rope(x_BLNd: Tensor, freqs_Ld2: Tensor) -> Tensor:
+    """Rotate pairs (x[2j], x[2j+1]) by position-dependent angles (Su et al. 2021).
+
+    NOTE: one complex multiply instead of the cos/sin form: on small CPU batches the four real
+    multiplies and a stack, with their backward, cost three times as much.
+    """
+    pairs = torch.view_as_complex(x_BLNd.float().unflatten(-1, (-1, 2)))
+    return torch.view_as_real(pairs * freqs_Ld2.unsqueeze(1)).flatten(-2).type_as(x_BLNd)
 
 
 class Attention(nn.Module):
@@ -66,13 +70,12 @@ class Attention(nn.Module):
         self.out = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
         self.dropout = cfg.dropout
 
-    def forward(self, x_BLD: Tensor, cos: Tensor, sin: Tensor, cache: KVCache | None, layer: int) -> Tensor:
+    def forward(self, x_BLD: Tensor, freqs: Tensor, cache: KVCache | None, layer: int) -> Tensor:
         B, L, _ = x_BLD.shape
-        q, k, v = self.qkv(x_BLD).split(
-            [self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim, self.n_kv_heads * self.head_dim], dim=-1
-        )
-        q = apply_rope(q.view(B, L, self.n_heads, self.head_dim).transpose(1, 2), cos, sin)
-        k = apply_rope(k.view(B, L, self.n_kv_heads, self.head_dim).transpose(1, 2), cos, sin)
+        qk_width = (self.n_heads + self.n_kv_heads) * self.head_dim
+        qk, v = self.qkv(x_BLD).split([qk_width, self.n_kv_heads * self.head_dim], dim=-1)
+        qk = apply_rope(qk.view(B, L, self.n_heads + self.n_kv_heads, self.head_dim), freqs)  # q and k at once
+        q, k = qk.transpose(1, 2).split([self.n_heads, self.n_kv_heads], dim=1)
         v = v.view(B, L, self.n_kv_heads, self.head_dim).transpose(1, 2)
         start = 0
         if cache is not None:
@@ -97,8 +100,8 @@ class Block(nn.Module):
         self.ffn = MoE(moe_cfg) if moe_cfg is not None else DenseFFN(cfg.d_model, cfg.d_ff, cfg.mlp_activation)
         self.drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, x, cos, sin, cache, layer, token_ids) -> tuple[Tensor, MoEStats | None]:
-        x = x + self.drop(self.attn(self.attn_norm(x), cos, sin, cache, layer))
+    def forward(self, x, freqs, cache, layer, token_ids) -> tuple[Tensor, MoEStats | None]:
+        x = x + self.drop(self.attn(self.attn_norm(x), freqs, cache, layer))
         h = self.ffn_norm(x)
         if isinstance(self.ffn, MoE):
             y, stats = self.ffn(h, token_ids=token_ids, return_stats=True)
@@ -123,9 +126,8 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
-        cos, sin = rope_tables(cfg.d_model // cfg.n_heads, cfg.context_length, cfg.rope_theta)
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
+        freqs = rope_frequencies(cfg.d_model // cfg.n_heads, cfg.context_length, cfg.rope_theta)
+        self.register_buffer("rope_freqs", freqs, persistent=False)
         self.reset_parameters()
 
     @staticmethod
@@ -150,11 +152,11 @@ class Transformer(nn.Module):
         start = cache.length if cache is not None else 0
         if start + L > self.cfg.context_length:
             raise ValueError(f"sequence of {start + L} tokens exceeds model.context_length={self.cfg.context_length}")
-        cos, sin = self.rope_cos[start : start + L], self.rope_sin[start : start + L]
+        freqs = self.rope_freqs[start : start + L]
         x = self.drop(self.embed(idx_BL))
         stats: list[MoEStats] = []
         for i, block in enumerate(self.blocks):
-            x, s = block(x, cos, sin, cache, i, idx_BL)
+            x, s = block(x, freqs, cache, i, idx_BL)
             if s is not None:
                 stats.append(s)
         if cache is not None:

@@ -133,7 +133,8 @@ def train(
     say = tqdm.write if progress else (lambda msg: print(msg, file=sys.stderr))
     total, active = model.num_params() / 1e6, model.num_active_params() / 1e6
     say(
-        f"moekit: {total:.2f}M parameters ({active:.2f}M active per token), {len(model.moe_layers())} MoE blocks; "
+        f"moekit: {total:.2f}M parameters ({active:.2f}M active per token, "
+        f"{model.flops_per_token() / 1e6:.1f} MFLOPs per token trained), {len(model.moe_layers())} MoE blocks; "
         f"corpus {corpus.source}, {len(corpus.train):,} train tokens"
         + (f"; resuming at step {start_step}" if resume else "")
     )
@@ -192,7 +193,7 @@ def _train_step(forward, model, optimizer, corpus, cfg: RunConfig, dev, step: in
         (out.loss / tc.grad_accum).backward()
         lm_loss += out.lm_loss.item() / tc.grad_accum
         stats.add(out.moe_stats)
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip or float("inf"))
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip or float("inf"), foreach=True)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     for moe, load in zip(model.moe_layers(), stats.loads, strict=False):
