@@ -5,7 +5,9 @@
 Impls, timed side by side in one process, interleaved round by round; medians reported:
 - limit: the same expert FLOPs on perfectly balanced tokens with no routing, as one torch.bmm per
   weight (w1, w3, w2 separate, or gate/up fused) or torch._grouped_mm; the fastest form counts.
-- moekit-dropless: moekit.MoE, dropless, default grouped GEMM for the device.
+- moekit-dropless: moekit.MoE, dropless, default grouped GEMM for the device (gemm="auto"); and
+  moekit-dropless/<backend>: the same with each grouped GEMM forced, so that what "auto" picks
+  stays checked by measurement.
 - moekit-capacity: moekit.MoE with capacity_factor 1.25.
 - loop: a per-expert Python loop over the selected tokens with stacked [E, ...] weights indexed
   per expert, as the Hugging Face Mixtral block (transformers 5) does it.
@@ -26,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from moekit import MoE, MoEConfig
+from moekit.config import GEMM_BACKENDS
 
 
 @dataclass(frozen=True)
@@ -103,6 +106,10 @@ def make_cases(s: Shape) -> dict[str, Case]:
     loop = hf_style_loop(dropless)
     cases = dict(limit_forms(s))
     cases["moekit-dropless"] = (lambda: dropless(x), [x, *dropless.parameters()])
+    for backend in (b for b in GEMM_BACKENDS if b != "auto"):
+        other = MoE(MoEConfig(**cfg, gemm=backend))
+        other.load_state_dict(dropless.state_dict())
+        cases[f"moekit-dropless/{backend}"] = (lambda m=other: m(x), [x, *other.parameters()])
     cases["moekit-capacity"] = (lambda: capacity(x), [x, *capacity.parameters()])
     cases["loop"] = (lambda: loop(x), [x, *dropless.parameters()])
     return cases
@@ -153,12 +160,12 @@ def run_shape(s: Shape, passes: list[str], repeats: int, warmup: int, skip: set[
 
 
 def print_table(rows: list[dict]) -> None:
-    header = f"{'shape':<6}{'pass':<9}{'impl':<20}{'median ms':>11}{'tokens/s':>12}{'vs limit':>10}"
+    header = f"{'shape':<6}{'pass':<9}{'impl':<30}{'median ms':>11}{'tokens/s':>12}{'vs limit':>10}"
     print(header)
     print("-" * len(header))
     for r in rows:
         print(
-            f"{r['shape']:<6}{r['pass']:<9}{r['impl']:<20}{r['median_ms']:>11.1f}{r['tokens_per_s']:>12.0f}{r['ratio_to_limit']:>10.2f}"
+            f"{r['shape']:<6}{r['pass']:<9}{r['impl']:<30}{r['median_ms']:>11.1f}{r['tokens_per_s']:>12.0f}{r['ratio_to_limit']:>10.2f}"
         )
 
 

@@ -119,7 +119,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     if result.interrupted:
         return EXIT_INTERRUPTED
     plots = plot_run(run_dir)
-    lines = [f"run directory: {run_dir}", f"  final val loss {result.val_loss:.4f} after {result.steps} steps"]
+    val = f"{result.val_loss:.4f}" if result.val_loss is not None else "-"
+    lines = [f"run directory: {run_dir}", f"  final val loss {val} after {result.steps} steps"]
     lines.append(f"  checkpoint:  {result.checkpoint}")
     lines.append(f"  plots:       {', '.join(str(p) for p in plots)}")
     lines.append(f"  tensorboard: tensorboard --logdir {run_dir / 'tensorboard'}")

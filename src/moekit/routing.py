@@ -121,11 +121,11 @@ class TopKRouter(nn.Module):
                 torch.softmax(picked_logits, dim=-1) if cfg.score_func == "softmax" else torch.sigmoid(picked_logits)
             )
         else:
-            _, experts_TK = self._select(scores)
-            weights_TK = scores.gather(1, experts_TK)
+            weights_TK, experts_TK = self._select(scores)
         if cfg.normalize_topk and cfg.top_k > 1:
             weights_TK = weights_TK / weights_TK.sum(dim=-1, keepdim=True)
-        weights_TK = weights_TK * cfg.route_scale
+        if cfg.route_scale != 1.0:
+            weights_TK = weights_TK * cfg.route_scale
 
         tokens_TK = torch.arange(num_tokens, device=x_TD.device).unsqueeze(1).expand(-1, cfg.top_k)
         token_idx, expert_idx, weights = _k_major(tokens_TK), _k_major(experts_TK), _k_major(weights_TK)

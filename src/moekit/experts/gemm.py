@@ -2,11 +2,11 @@
 
 Legend: R rows (sorted by expert), K input dim, N output dim, E experts.
 
-Two implementations of the same op, chosen by measurement (benchmarks/moe_layer.py):
-- ``grouped_mm``: ``torch._grouped_mm``, one kernel for all experts (the fast form on Hopper GPUs).
+Two implementations of the same op, chosen by measurement (see ``resolve_backend``):
+- ``grouped_mm``: ``torch._grouped_mm``, one call for all experts (a kernel on Hopper GPUs, a C++
+  loop of matmuls on CPU).
 - ``per_expert_mm``: one ``torch.mm`` per expert into preallocated slices, with a hand-written
-  backward. On CPU ``torch._grouped_mm`` is itself such a loop, and this form measured faster;
-  it is also the fallback where ``torch._grouped_mm`` is missing. Autograd over weight slices
+  backward; the fallback where ``torch._grouped_mm`` is missing. Autograd over weight slices
   (``w[e]``) would materialise a full-size zero gradient per expert; the custom backward writes
   each expert's gradient once.
 """
@@ -75,20 +75,29 @@ def has_grouped_mm() -> bool:
     return hasattr(torch, "_grouped_mm")
 
 
-def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype) -> str:
-    """Pick the grouped GEMM for ``auto``: torch._grouped_mm on Hopper-class GPUs in bf16, else
-    per-expert matmuls (measured faster on CPU, where _grouped_mm is a loop)."""
+def resolve_backend(backend: str, x: Tensor, w: Tensor) -> str:
+    """The grouped GEMM ``auto`` stands for, by measurement (benchmarks/moe_layer.py):
+
+    - CUDA: ``torch._grouped_mm`` on compute capability 9.0+ in bf16 (what its kernels cover);
+      elsewhere per-expert matmuls.
+    - CPU, training: ``torch._grouped_mm`` (forward+backward 0.88 / 0.94 of the balanced bmm limit
+      on the S1 / S2 shapes, against 0.81 / 0.88 for per-expert matmuls).
+    - CPU, inference: per-expert matmuls (forward 1.03 vs 0.87 of the limit on S1, equal on S2).
+    """
     if backend != "auto":
         return backend
-    hopper_bf16 = (
-        device.type == "cuda" and dtype == torch.bfloat16 and torch.cuda.get_device_capability(device) >= (9, 0)
-    )
-    return "grouped_mm" if hopper_bf16 and has_grouped_mm() else "per_expert_mm"
+    if not has_grouped_mm():
+        return "per_expert_mm"
+    if x.device.type == "cuda":
+        hopper = torch.cuda.get_device_capability(x.device) >= (9, 0)
+        return "grouped_mm" if hopper and x.dtype == torch.bfloat16 else "per_expert_mm"
+    training = torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)
+    return "grouped_mm" if training else "per_expert_mm"
 
 
 def grouped_matmul(x_RK: Tensor, w_EKN: Tensor, tokens_per_expert: Tensor, backend: str = "auto") -> Tensor:
     """y[rows of e] = x[rows of e] @ w[e] for every expert e; rows are grouped by expert in order."""
-    backend = resolve_backend(backend, x_RK.device, x_RK.dtype)
+    backend = resolve_backend(backend, x_RK, w_EKN)
     if backend == "grouped_mm":
         if not has_grouped_mm():
             raise RuntimeError("gemm='grouped_mm' needs torch._grouped_mm (torch >= 2.8); use gemm='auto'")

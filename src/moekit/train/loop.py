@@ -6,7 +6,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -147,31 +149,50 @@ def train(
     step = start_step
     bar = tqdm(total=cfg.train.steps, initial=start_step, disable=not progress, unit="step", dynamic_ncols=True)
     model.train()
-    try:
-        with MetricsLogger(run_dir) as logger:
-            while step < cfg.train.steps:
-                started = time.perf_counter()
-                record = _train_step(forward, model, optimizer, corpus, cfg, dev, step, checkpoint)
-                step += 1
-                elapsed = time.perf_counter() - started
-                record["tokens_per_s"] = tokens_per_step / elapsed
-                record["mfu"] = flops_per_token * record["tokens_per_s"] / (cfg.train.peak_tflops * 1e12)
-                losses.append(record["loss"])
-                if step % cfg.train.eval_every == 0 or step == cfg.train.steps:
-                    val_loss = record["val_loss"] = evaluate(forward, corpus, cfg, dev)
-                logger.log(record)
-                if (cfg.train.ckpt_every and step % cfg.train.ckpt_every == 0) or step == cfg.train.steps:
-                    checkpoint = _save(run_dir, step, model, optimizer, cfg, record)
-                bar.update(1)
-                bar.set_postfix(loss=f"{record['loss']:.3f}", val=f"{val_loss:.3f}" if val_loss else "-", refresh=False)
-    except KeyboardInterrupt:
-        bar.close()
-        if step > start_step and (checkpoint is None or not checkpoint.name.endswith(f"{step:06d}")):
-            checkpoint = _save(run_dir, step, model, optimizer, cfg, {"loss": losses[-1]})
-        say(f"moekit: interrupted at step {step}; checkpoint {checkpoint} (continue with --resume)")
-        return TrainResult(run_dir, step, losses, val_loss, checkpoint, interrupted=True)
+    with MetricsLogger(run_dir) as logger, _StopOnInterrupt() as interrupt:
+        while step < cfg.train.steps and not interrupt.requested:
+            started = time.perf_counter()
+            record = _train_step(forward, model, optimizer, corpus, cfg, dev, step, checkpoint)
+            step += 1
+            elapsed = time.perf_counter() - started
+            record["tokens_per_s"] = tokens_per_step / elapsed
+            record["mfu"] = flops_per_token * record["tokens_per_s"] / (cfg.train.peak_tflops * 1e12)
+            losses.append(record["loss"])
+            if step % cfg.train.eval_every == 0 or step == cfg.train.steps:
+                val_loss = record["val_loss"] = evaluate(forward, corpus, cfg, dev)
+            logger.log(record)
+            periodic = cfg.train.ckpt_every and step % cfg.train.ckpt_every == 0
+            if periodic or step == cfg.train.steps or interrupt.requested:
+                checkpoint = _save(run_dir, step, model, optimizer, cfg, record)
+            bar.update(1)
+            bar.set_postfix(loss=f"{record['loss']:.3f}", val=f"{val_loss:.3f}" if val_loss else "-", refresh=False)
     bar.close()
-    return TrainResult(run_dir, step, losses, val_loss, checkpoint)
+    if interrupt.requested:
+        say(f"moekit: interrupted at step {step}; checkpoint {checkpoint} (continue with --resume)")
+    return TrainResult(run_dir, step, losses, val_loss, checkpoint, interrupted=interrupt.requested)
+
+
+class _StopOnInterrupt:
+    """Turns the first Ctrl-C into a request to stop at the end of the current step (which is then
+    checkpointed), so no half-applied step is ever saved; a second Ctrl-C stops at once."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._previous = None
+
+    def _handle(self, signum, frame) -> None:
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+
+    def __enter__(self) -> _StopOnInterrupt:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
 
 
 def _train_step(forward, model, optimizer, corpus, cfg: RunConfig, dev, step: int, checkpoint) -> dict[str, Any]:
