@@ -72,11 +72,7 @@ class MoE(nn.Module):
 
     def _stats(self, routing: RouterOutput, kept: Tensor, routed: Tensor) -> MoEStats:
         zero = torch.zeros((), device=routed.device)
-        aux = (
-            switch_aux_loss(routing.probs, routing.expert_idx, self.cfg.num_experts)
-            if routing.probs is not None
-            else zero
-        )
+        aux = switch_aux_loss(routing.probs, routed) if routing.probs is not None else zero
         z = router_z_loss(routing.logits) if routing.logits is not None else zero
         loss = self.cfg.aux_loss_coef * aux + self.cfg.z_loss_coef * z
         return MoEStats(aux, z, loss, routed, routed - kept, routing.num_tokens)

@@ -36,15 +36,14 @@ class RouterOutput:
 # Balancing losses and the bias update: pure functions over tensors.
 
 
-def switch_aux_loss(probs_TE: Tensor, expert_idx: Tensor, num_experts: int) -> Tensor:
+def switch_aux_loss(probs_TE: Tensor, tokens_per_expert: Tensor) -> Tensor:
     """Switch Transformer load-balancing loss ``E * sum_i f_i * P_i``.
 
-    ``f_i`` is the fraction of assignments routed to expert i (before any capacity drop) and
-    ``P_i`` the mean router probability of expert i. It equals 1 under perfectly uniform routing.
+    ``f_i`` is the fraction of assignments routed to expert i (counted before any capacity drop)
+    and ``P_i`` the mean router probability of expert i. It equals 1 under perfectly uniform routing.
     """
-    counts = torch.bincount(expert_idx, minlength=num_experts).to(probs_TE.dtype)
-    fraction = counts / expert_idx.numel()
-    return num_experts * torch.sum(fraction * probs_TE.mean(dim=0))
+    fraction = tokens_per_expert.to(probs_TE.dtype) / tokens_per_expert.sum()
+    return tokens_per_expert.numel() * torch.sum(fraction * probs_TE.mean(dim=0))
 
 
 def router_z_loss(logits_TE: Tensor) -> Tensor:
@@ -135,7 +134,7 @@ class TopKRouter(nn.Module):
 
     def _select(self, scores_TE: Tensor) -> tuple[Tensor, Tensor]:
         """Top-k over scores plus the balancing bias; returns the picked *unbiased* scores."""
-        biased = scores_TE + self.expert_bias
+        biased = scores_TE + self.expert_bias if self.cfg.bias_update_rate > 0 else scores_TE
         experts_TK = biased.topk(self.cfg.top_k, dim=-1).indices
         return scores_TE.gather(1, experts_TK), experts_TK
 
