@@ -98,6 +98,7 @@ class DataConfig:
 
 
 MLP_ACTIVATIONS = ACTIVATIONS
+NORMS = ("rmsnorm", "layernorm")
 DTYPES = ("fp32", "bf16")
 
 
@@ -113,6 +114,7 @@ class ModelConfig:
     d_model: int = 256  # residual stream width
     d_ff: int = 768  # hidden width of dense MLPs (and of each expert unless moe.d_ff is set)
     mlp_activation: str = "swiglu"  # dense MLP: swiglu or gelu
+    norm: str = "rmsnorm"  # rmsnorm (Llama, Mixtral) or layernorm without bias (GPT-2, nanoGPT)
     dropout: float = 0.0  # dropout on attention and residual branches while training
     tie_embeddings: bool = True  # share the input embedding with the output projection
     rope_theta: float = 10000.0  # RoPE base frequency
@@ -132,6 +134,7 @@ class ModelConfig:
         kv = self.kv_heads
         _require(kv > 0 and self.n_heads % kv == 0, "model.n_kv_heads", self.n_kv_heads, "must divide n_heads")
         _one_of("model.mlp_activation", self.mlp_activation, MLP_ACTIVATIONS)
+        _one_of("model.norm", self.norm, NORMS)
         _require(0 <= self.dropout < 1, "model.dropout", self.dropout, "must be in [0, 1)")
         _require(self.moe_every >= 0, "model.moe_every", self.moe_every, "must be >= 0")
         _require(self.first_dense_layers >= 0, "model.first_dense_layers", self.first_dense_layers, "must be >= 0")

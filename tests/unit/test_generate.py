@@ -23,7 +23,7 @@ def tiny_model(sharpen: float = 20.0, **overrides: str) -> Transformer:
     "overrides",
     [
         {},
-        {"model.moe_every": "0"},
+        {"model.moe_every": "0", "model.norm": "layernorm", "model.mlp_activation": "gelu"},
         {"model.n_kv_heads": "1", "moe.router": "switch", "moe.top_k": "1"},
         {"moe.num_shared_experts": "1", "model.tie_embeddings": "false"},
     ],

@@ -1,5 +1,6 @@
-"""A GPT-style decoder: token embedding, RoPE, RMSNorm, causal SDPA attention (GQA), and per block
-either a dense MLP or the MoE layer. Written for one device; parallelism is applied from outside.
+"""A GPT-style decoder: token embedding, RoPE, RMSNorm (or LayerNorm), causal SDPA attention (GQA),
+and per block either a dense MLP or the MoE layer. Written for one device; parallelism is applied
+from outside.
 
 Legend: B batch, L sequence length, D model dim, H query heads, G key/value heads, S cached length.
 """
@@ -91,12 +92,18 @@ class Attention(nn.Module):
         return self.out(y.transpose(1, 2).reshape(B, L, -1))
 
 
+def make_norm(cfg: ModelConfig) -> nn.Module:
+    if cfg.norm == "layernorm":
+        return nn.LayerNorm(cfg.d_model, bias=False)
+    return nn.RMSNorm(cfg.d_model)
+
+
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, moe_cfg: MoEConfig | None) -> None:
         super().__init__()
-        self.attn_norm = nn.RMSNorm(cfg.d_model)
+        self.attn_norm = make_norm(cfg)
         self.attn = Attention(cfg)
-        self.ffn_norm = nn.RMSNorm(cfg.d_model)
+        self.ffn_norm = make_norm(cfg)
         self.ffn = MoE(moe_cfg) if moe_cfg is not None else DenseFFN(cfg.d_model, cfg.d_ff, cfg.mlp_activation)
         self.drop = nn.Dropout(cfg.dropout)
 
@@ -122,7 +129,7 @@ class Transformer(nn.Module):
         self.blocks = nn.ModuleList(
             Block(cfg, self._layer_moe(moe_cfg, experts[i]) if i in experts else None) for i in range(cfg.n_layers)
         )
-        self.norm = nn.RMSNorm(cfg.d_model)
+        self.norm = make_norm(cfg)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
