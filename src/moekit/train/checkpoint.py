@@ -19,6 +19,8 @@ import torch
 from safetensors.torch import load_model, save_model
 from torch import nn
 
+from moekit.train.fileio import fsync_file, write_bytes_atomic
+
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
 MODEL_FILE = "model.safetensors"
@@ -36,21 +38,6 @@ def _sha256(path: Path) -> str:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             digest.update(chunk)
     return digest.hexdigest()
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    _fsync(tmp)
-    os.replace(tmp, path)
 
 
 def checkpoint_dir(run_dir: Path) -> Path:
@@ -89,13 +76,13 @@ def save_checkpoint(
         torch.save(trainer_state, tmp / TRAINER_FILE)
         files = {name: _sha256(tmp / name) for name in (MODEL_FILE, TRAINER_FILE)}
         for name in files:
-            _fsync(tmp / name)
+            fsync_file(tmp / name)
         manifest = {"step": step, "files": files, **info}
-        _write_atomic(tmp / MANIFEST, json.dumps(manifest, indent=2))
+        write_bytes_atomic(tmp / MANIFEST, json.dumps(manifest, indent=2).encode())
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
-        _write_atomic(root / LATEST, final.name)
+        write_bytes_atomic(root / LATEST, final.name.encode())
     except Exception as err:  # OSError from our writes; torch and safetensors wrap theirs in RuntimeError
         shutil.rmtree(tmp, ignore_errors=True)
         previous = latest_checkpoint(run_dir)

@@ -16,16 +16,16 @@ import json
 import os
 import sys
 import sysconfig
-import uuid
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
 
 from moekit.config import DataConfig
+from moekit.train.fileio import write_atomic, write_bytes_atomic
 
 if TYPE_CHECKING:
     import tokenizers
@@ -139,7 +139,7 @@ class BPETokenizer:
         return self._tokenizer.decode(ids)
 
     def save(self, directory: Path) -> None:
-        _write_bytes(Path(directory) / "tokenizer.json", self._tokenizer.to_str().encode("utf-8"))
+        write_bytes_atomic(Path(directory) / "tokenizer.json", self._tokenizer.to_str().encode("utf-8"))
 
 
 def _import_tokenizers() -> Any:
@@ -318,27 +318,8 @@ def _token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16 if vocab_size <= 65535 else np.uint32)
 
 
-def _write_atomic(path: Path, write: Callable[[IO[bytes]], None]) -> None:
-    """Write through a temp file in the same directory, then rename: readers see all or nothing."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp")  # unique per writer
-    try:
-        with open(tmp, "xb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
-def _write_bytes(path: Path, data: bytes) -> None:
-    _write_atomic(path, lambda f: f.write(data))
-
-
 def _write_json(path: Path, obj: dict[str, Any]) -> None:
-    _write_bytes(path, (json.dumps(obj, ensure_ascii=False, indent=1) + "\n").encode("utf-8"))
+    write_bytes_atomic(path, (json.dumps(obj, ensure_ascii=False, indent=1) + "\n").encode("utf-8"))
 
 
 def _write_cache(directory: Path, tokenizer: Tokenizer, ids: np.ndarray, meta: dict[str, Any]) -> None:
@@ -347,7 +328,7 @@ def _write_cache(directory: Path, tokenizer: Tokenizer, ids: np.ndarray, meta: d
     try:
         tokenizer.save(directory)
         _write_json(directory / "meta.json", meta)
-        _write_atomic(directory / "tokens.bin", ids.tofile)
+        write_atomic(directory / "tokens.bin", ids.tofile)
     except OSError as e:
         raise DataError(f"data.cache_dir: cannot write the token cache {directory}: {e.strerror or e}") from None
 
