@@ -31,7 +31,7 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
         for f in dataclasses.fields(cls):
             if section == "moe" and f.name == "d_model":
                 continue  # decided by model.d_model
-            default = "" if f.default is dataclasses.MISSING else f" (default {f.default})"
+            default = "" if f.default is dataclasses.MISSING else f" (base default {f.default})"
             if section == "moe" and f.name == "d_ff":
                 default = " (default model.d_ff)"
             group.add_argument(
@@ -58,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="train a GPT-style MoE language model",
         description="Train a GPT-style MoE language model. With no flags: the 'default' preset on this "
         "Python's standard library source, a few minutes on a laptop CPU. Every config field below can be "
-        "overridden; presets set some of them.",
+        "overridden; the preset's value, where it sets one, replaces the base default shown.",
         epilog=f"presets: {', '.join(preset_names())} (or a path to a .toml file)",
     )
     train.add_argument("--preset", default="default", help="config preset (default: %(default)s)")
@@ -96,6 +96,8 @@ def _device(name: str) -> str:
 
     if name == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--device={name}: no CUDA device is available here (use cpu or auto)")
     return name
 
 
@@ -140,6 +142,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     if args.max_new_tokens < 0:
         raise ValueError(f"--max-new-tokens={args.max_new_tokens}: must be >= 0")
+    if args.temperature < 0:
+        raise ValueError(f"--temperature={args.temperature}: must be >= 0 (0 = greedy)")
+    if args.top_k < 0:
+        raise ValueError(f"--top-k={args.top_k}: must be >= 0 (0 = all tokens)")
+    if not 0 < args.top_p <= 1:
+        raise ValueError(f"--top-p={args.top_p}: must be in (0, 1]")
     run = load_run(args.run_dir, _device(args.device))
     text = generate_text(
         run, args.prompt, args.max_new_tokens, args.temperature, args.top_k or None, args.top_p, args.seed

@@ -36,7 +36,7 @@ class MoEConfig:
     softmax_before_topk: bool = True  # softmax over all experts, then pick; False: over the k picked
     normalize_topk: bool = True  # rescale the k picked weights to sum to 1
     route_scale: float = 1.0  # multiplier on the combine weights (DeepSeek-V3's routed scaling)
-    capacity_factor: float | None = None  # None: dropless; else each expert keeps cf*T*k/E tokens
+    capacity_factor: float | None = None  # None: dropless; else each expert keeps cf*T*k/E (batch-wide, not causal)
     activation: str = "swiglu"  # expert FFN: swiglu (gated SiLU) or gelu
     num_shared_experts: int = 0  # always-on experts of width d_ff each (DeepSeek-MoE)
     residual: bool = False  # add a dense MLP mixed with the MoE by a learned gate (DeepSpeed PR-MoE)
@@ -63,6 +63,15 @@ class MoEConfig:
             _require(self.top_k == 1, "top_k", self.top_k, "the switch router picks exactly 1 expert")
         if self.router == "gshard":
             _require(self.top_k == 2, "top_k", self.top_k, "the gshard router picks exactly 2 experts")
+        softmax_over_picks = self.router == "noisy_topk" or not self.softmax_before_topk
+        if self.top_k == 1 and self.score_func == "softmax" and self.router in ("topk", "noisy_topk"):
+            _require(
+                not softmax_over_picks,
+                "top_k",
+                self.top_k,
+                "a softmax over one picked logit is always 1, so the router would get no gradient; "
+                "use top_k >= 2 or softmax_before_topk = true with router = topk",
+            )
         if self.capacity_factor is not None:
             _require(self.capacity_factor > 0, "capacity_factor", self.capacity_factor, "must be > 0")
         _require(self.num_shared_experts >= 0, "num_shared_experts", self.num_shared_experts, "must be >= 0")
@@ -134,6 +143,7 @@ class ModelConfig:
         kv = self.kv_heads
         _require(kv > 0 and self.n_heads % kv == 0, "model.n_kv_heads", self.n_kv_heads, "must divide n_heads")
         _one_of("model.mlp_activation", self.mlp_activation, MLP_ACTIVATIONS)
+        _require(self.init_std > 0, "model.init_std", self.init_std, "must be > 0")
         _one_of("model.norm", self.norm, NORMS)
         _require(0 <= self.dropout < 1, "model.dropout", self.dropout, "must be in [0, 1)")
         _require(self.moe_every >= 0, "model.moe_every", self.moe_every, "must be >= 0")
@@ -149,7 +159,7 @@ class ModelConfig:
 
     @property
     def kv_heads(self) -> int:
-        return self.n_kv_heads or self.n_heads
+        return self.n_kv_heads if self.n_kv_heads is not None else self.n_heads
 
     def moe_layers(self) -> list[int]:
         """Indices of the blocks whose FFN is an MoE layer."""

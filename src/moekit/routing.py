@@ -30,6 +30,7 @@ class RouterOutput:
     logits: Tensor | None  # [T, E] fp32 router logits (None for hash routing)
     probs: Tensor | None  # [T, E] fp32 normalised scores used by the aux loss
     num_tokens: int  # T
+    num_picks: int  # T * k requested: what capacity is measured against, before random drops
 
 
 # ---------------------------------------------------------------------------------------------
@@ -130,7 +131,7 @@ class TopKRouter(nn.Module):
         token_idx, expert_idx, weights = _k_major(tokens_TK), _k_major(experts_TK), _k_major(weights_TK)
         if cfg.router == "gshard" and self.training:
             token_idx, expert_idx, weights = self._random_second_dispatch(token_idx, expert_idx, weights, weights_TK)
-        return RouterOutput(token_idx, expert_idx, weights, logits, probs, num_tokens)
+        return RouterOutput(token_idx, expert_idx, weights, logits, probs, num_tokens, num_tokens * cfg.top_k)
 
     def _select(self, scores_TE: Tensor) -> tuple[Tensor, Tensor]:
         """Top-k over scores plus the balancing bias; returns the picked *unbiased* scores."""
@@ -175,7 +176,8 @@ class ExpertChoiceRouter(nn.Module):
         weights_EC, tokens_EC = probs.t().topk(capacity, dim=-1)
         experts_EC = torch.arange(self.cfg.num_experts, device=x_TD.device).unsqueeze(1).expand(-1, capacity)
         weights = weights_EC.reshape(-1) * self.cfg.route_scale
-        return RouterOutput(tokens_EC.reshape(-1), experts_EC.reshape(-1), weights, logits, probs, num_tokens)
+        experts, tokens = experts_EC.reshape(-1), tokens_EC.reshape(-1)
+        return RouterOutput(tokens, experts, weights, logits, probs, num_tokens, experts.numel())
 
 
 class HashRouter(nn.Module):
@@ -205,7 +207,9 @@ class HashRouter(nn.Module):
         weights = torch.full(
             (experts_TK.numel(),), cfg.route_scale / cfg.top_k, device=x_TD.device, dtype=torch.float32
         )
-        return RouterOutput(_k_major(tokens_TK), _k_major(experts_TK), weights, None, None, x_TD.shape[0])
+        return RouterOutput(
+            _k_major(tokens_TK), _k_major(experts_TK), weights, None, None, x_TD.shape[0], weights.numel()
+        )
 
 
 def build_router(cfg: MoEConfig) -> nn.Module:

@@ -57,6 +57,7 @@ def test_capacity_drops_in_gshard_order() -> None:
         logits=None,
         probs=None,
         num_tokens=4,
+        num_picks=8,
     )
     dispatcher = LocalDispatcher(num_experts=2, capacity_factor=0.5)
     x = torch.arange(4.0).unsqueeze(1)
@@ -67,6 +68,17 @@ def test_capacity_drops_in_gshard_order() -> None:
     assert meta.tokens_per_expert.tolist() == [2, 2]
     assert (meta.routed_per_expert - meta.tokens_per_expert).tolist() == [2, 2]
     assert x_sorted.squeeze(1).tolist() == [0.0, 1.0, 2.0, 0.0]
+
+
+def test_gshard_capacity_counts_the_requested_picks() -> None:
+    torch.manual_seed(0)
+    moe = MoE(MoEConfig(d_model=8, d_ff=8, num_experts=4, top_k=2, router="gshard", capacity_factor=1.0))
+    moe.train()
+    x = torch.randn(400, 8)
+    routing = moe.router(x)
+    assert routing.num_picks == 800 and routing.expert_idx.numel() < 800  # random second-expert drops
+    _, meta = moe.dispatcher.dispatch(x, routing)
+    assert int(meta.tokens_per_expert.max()) <= 200  # ceil(1.0 * 400 * 2 / 4), not from the survivors
 
 
 def test_expert_choice_gives_each_expert_its_capacity() -> None:
@@ -155,6 +167,8 @@ def test_update_expert_bias_direction() -> None:
         (dict(score_func="tanh"), "score_func"),
         (dict(gemm="cutlass"), "gemm"),
         (dict(router="expert_choice", bias_update_rate=0.1), "bias_update_rate"),
+        (dict(router="noisy_topk", top_k=1), "top_k"),
+        (dict(softmax_before_topk=False, top_k=1), "top_k"),
     ],
 )
 def test_bad_config_names_field_and_value(overrides: dict, field: str) -> None:

@@ -184,6 +184,19 @@ def test_bad_input_gives_one_line_error(args: list[str], message: str, tmp_path:
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.parametrize(
+    "flag, message",
+    [
+        (["--top-p", "0"], "--top-p=0.0"),
+        (["--top-k", "-3"], "--top-k=-3"),
+        (["--temperature", "-1"], "--temperature=-1.0"),
+    ],
+)
+def test_generate_rejects_bad_sampling_flags(flag: list[str], message: str, tmp_path: Path) -> None:
+    proc = moekit_cli("generate", str(tmp_path), *flag)
+    assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr
+
+
 def test_empty_data_file(tmp_path: Path) -> None:
     empty = tmp_path / "empty.txt"
     empty.write_text("")

@@ -46,7 +46,7 @@ class LocalDispatcher:
         if self.capacity_factor is not None:
             starts = torch.cumsum(routed, dim=0) - routed
             position = torch.arange(order.numel(), device=order.device) - starts[expert_sorted]
-            keep = position < self.capacity(routing.expert_idx.numel())
+            keep = position < self.capacity(routing.num_picks)
             order, expert_sorted = order[keep], expert_sorted[keep]
             kept = torch.bincount(expert_sorted, minlength=self.num_experts)
         else:

@@ -86,7 +86,7 @@ def resolve_backend(backend: str, x: Tensor, w: Tensor) -> str:
     """
     if backend != "auto":
         return backend
-    if not has_grouped_mm():
+    if not has_grouped_mm() or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return "per_expert_mm"
     if x.device.type == "cuda":
         hopper = torch.cuda.get_device_capability(x.device) >= (9, 0)

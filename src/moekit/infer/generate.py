@@ -89,7 +89,7 @@ def generate(
             logits = model(out[:, -ctx:]).logits[:, -1]
         else:
             if cache is None or cache.length >= ctx:
-                window = out[:, -(ctx // 2 if cache is not None else ctx) :]
+                window = out[:, -(max(1, ctx // 2) if cache is not None else ctx) :]
                 cache = KVCache(model.cfg, out.shape[0], out.device, model.embed.weight.dtype)
                 logits = model(window, cache=cache).logits[:, -1]
             else:

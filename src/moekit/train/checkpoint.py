@@ -94,7 +94,7 @@ def save_checkpoint(
 
 
 def _prune(root: Path, keep: int, newest: Path) -> None:
-    steps = sorted(p for p in root.glob("step_*") if p.is_dir())
+    steps = sorted((p for p in root.glob("step_*") if p.is_dir()), key=lambda p: int(p.name.removeprefix("step_")))
     for old in steps[:-keep]:
         if old != newest:
             shutil.rmtree(old, ignore_errors=True)
