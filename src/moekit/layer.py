@@ -72,8 +72,9 @@ class MoE(nn.Module):
 
     def _stats(self, routing: RouterOutput, kept: Tensor, routed: Tensor) -> MoEStats:
         zero = torch.zeros((), device=routed.device)
-        aux = switch_aux_loss(routing.probs, routed) if routing.probs is not None else zero
-        z = router_z_loss(routing.logits) if routing.logits is not None else zero
+        has_scores = routing.probs is not None and routing.num_tokens > 0  # no tokens: no loss, not 0/0
+        aux = switch_aux_loss(routing.probs, routed) if has_scores else zero
+        z = router_z_loss(routing.logits) if has_scores else zero
         loss = self.cfg.aux_loss_coef * aux + self.cfg.z_loss_coef * z
         return MoEStats(aux, z, loss, routed, routed - kept, routing.num_tokens)
 

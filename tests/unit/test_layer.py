@@ -101,6 +101,17 @@ def test_single_token(case: str) -> None:
     assert_matches_reference(moe, torch.randn(1, 16))
 
 
+@pytest.mark.parametrize("gemm", ["per_expert_mm", "grouped_mm"])
+def test_no_tokens(gemm: str) -> None:
+    moe = build(gemm=gemm)
+    x = torch.randn(0, 16, requires_grad=True)
+    y, stats = moe(x, return_stats=True)
+    assert y.shape == (0, 16)
+    assert stats.aux_loss.item() == 0 and stats.z_loss.item() == 0 and stats.num_dropped == 0
+    (y.sum() + stats.loss).backward()
+    assert x.grad.shape == (0, 16)
+
+
 def test_one_expert_top1_equals_dense_ffn() -> None:
     moe = build(num_experts=1, top_k=1)
     x = torch.randn(4, 7, 16)
