@@ -134,15 +134,15 @@ def train(
     forward = torch.compile(model) if cfg.train.compile else model
     say = tqdm.write if progress else (lambda msg: print(msg, file=sys.stderr))
     total, active = model.num_params() / 1e6, model.num_active_params() / 1e6
+    flops_per_token = model.flops_per_token()
     say(
         f"moekit: {total:.2f}M parameters ({active:.2f}M active per token, "
-        f"{model.flops_per_token() / 1e6:.1f} MFLOPs per token trained), {len(model.moe_layers())} MoE blocks; "
+        f"{flops_per_token / 1e6:.1f} MFLOPs per token trained), {len(model.moe_layers())} MoE blocks; "
         f"corpus {corpus.source}, {len(corpus.train):,} train tokens"
         + (f"; resuming at step {start_step}" if resume else "")
     )
 
     tokens_per_step = cfg.train.batch_size * cfg.model.context_length * cfg.train.grad_accum
-    flops_per_token = model.flops_per_token()
     losses: list[float] = []
     val_loss: float | None = None
     checkpoint = latest_checkpoint(run_dir)
