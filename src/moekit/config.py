@@ -87,6 +87,45 @@ class MoEConfig:
             )
 
 
+ALL_TO_ALL = ("flat", "two_level")
+EXPERT_SHARDING = ("shard", "replicate")
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs")
+
+
+@dataclass
+class ParallelConfig:
+    """How a run is spread over ranks; the world size must equal dp * ep * tp * pp."""
+
+    dp: int = 0  # data-parallel (FSDP) degree; 0 = what the world size leaves after ep * tp * pp
+    ep: int = 1  # expert-parallel degree: each ep rank holds num_experts / ep experts of every MoE layer
+    tp: int = 1  # tensor-parallel degree for attention and dense MLPs
+    pp: int = 1  # pipeline stages (layers split into pp ranks)
+    all_to_all: str = "flat"  # flat | two_level (within a node, then across nodes: Tutel 2DH)
+    node_size: int = 0  # ep ranks per node for the two-level all-to-all; 0 = ranks on this host / tp
+    overlap_chunks: int = 1  # >1: split each dispatch so one chunk's all-to-all overlaps another's GEMM
+    expert_sharding: str = "shard"  # expert weights over dp: shard (FSDP) | replicate (all-reduced grads)
+    pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b | looped_bfs
+    pp_microbatches: int = 0  # micro-batches per pipeline step; 0 = 2 * pp (must divide train.batch_size)
+    timeout_s: float = 300.0  # a collective waiting longer than this (a dead rank) ends the run with an error
+
+    def __post_init__(self) -> None:
+        for name in ("ep", "tp", "pp", "overlap_chunks"):
+            value = getattr(self, name)
+            _require(isinstance(value, int) and value > 0, f"parallel.{name}", value, "must be a positive integer")
+        for name in ("dp", "node_size", "pp_microbatches"):
+            value = getattr(self, name)
+            _require(isinstance(value, int) and value >= 0, f"parallel.{name}", value, "must be an integer >= 0")
+        _one_of("parallel.all_to_all", self.all_to_all, ALL_TO_ALL)
+        _one_of("parallel.expert_sharding", self.expert_sharding, EXPERT_SHARDING)
+        _one_of("parallel.pp_schedule", self.pp_schedule, PP_SCHEDULES)
+        _require(self.timeout_s > 0, "parallel.timeout_s", self.timeout_s, "must be > 0")
+
+    @property
+    def stages_per_rank(self) -> int:
+        """Interleaved schedules hold two model chunks per pipeline rank."""
+        return 2 if self.pp_schedule in ("interleaved_1f1b", "looped_bfs") else 1
+
+
 TOKENIZERS = ("byte", "char", "bpe")
 
 

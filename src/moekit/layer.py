@@ -56,9 +56,7 @@ class MoE(nn.Module):
     def forward(self, x: Tensor, token_ids: Tensor | None = None, return_stats: bool = False):
         x_TD = x.reshape(-1, self.cfg.d_model)
         routing = self.router(x_TD, token_ids)
-        x_sorted, meta = self.dispatcher.dispatch(x_TD, routing)
-        y_sorted = self.experts(x_sorted, meta.tokens_per_expert)
-        y_TD = self.dispatcher.combine(y_sorted, meta)
+        y_TD, meta = self.dispatcher.apply(x_TD, routing, self.experts)
         if self.residual_mlp is not None:
             # DeepSpeed PR-MoE: a per-token learned mix of the dense MLP and the experts.
             mix = torch.softmax(self.residual_gate(x_TD), dim=-1)

@@ -1,7 +1,8 @@
 """A training run's configuration: TOML presets, dotted command-line overrides, resolved JSON.
 
-A run has four sections, one dataclass each: ``model`` (ModelConfig), ``moe`` (MoEConfig, whose
-d_model comes from the model and whose d_ff defaults to model.d_ff), ``data`` and ``train``.
+A run has five sections, one dataclass each: ``model`` (ModelConfig), ``moe`` (MoEConfig, whose
+d_model comes from the model and whose d_ff defaults to model.d_ff), ``data``, ``train`` and
+``parallel`` (how the run is spread over ranks).
 ``--moe.num_experts 16`` on the command line overrides ``[moe] num_experts`` of the preset.
 """
 
@@ -19,14 +20,20 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from moekit.config import DataConfig, ModelConfig, MoEConfig, TrainConfig
+from moekit.config import DataConfig, ModelConfig, MoEConfig, ParallelConfig, TrainConfig
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
     import tomli as tomllib
 
-SECTIONS: dict[str, type] = {"model": ModelConfig, "moe": MoEConfig, "data": DataConfig, "train": TrainConfig}
+SECTIONS: dict[str, type] = {
+    "model": ModelConfig,
+    "moe": MoEConfig,
+    "data": DataConfig,
+    "train": TrainConfig,
+    "parallel": ParallelConfig,
+}
 _MOE_FROM_MODEL = ("d_model",)  # moe fields the model section decides
 
 
@@ -36,6 +43,7 @@ class RunConfig:
     moe: MoEConfig
     data: DataConfig
     train: TrainConfig
+    parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return {name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS}
@@ -141,7 +149,8 @@ def build(tree: dict[str, dict[str, Any]]) -> RunConfig:
             raise ValueError(
                 f"model.experts_per_layer={model.experts_per_layer!r}: each needs >= moe.top_k={moe.top_k}"
             )
-    return RunConfig(model, moe, DataConfig(**tree.get("data", {})), TrainConfig(**tree.get("train", {})))
+    data, train = DataConfig(**tree.get("data", {})), TrainConfig(**tree.get("train", {}))
+    return RunConfig(model, moe, data, train, ParallelConfig(**tree.get("parallel", {})))
 
 
 def _with_prefix(section: str, make):

@@ -55,6 +55,11 @@ class LocalDispatcher:
         meta = DispatchMeta(token_idx, routing.weights[order], routing.num_tokens, kept, routed)
         return x_TD.index_select(0, token_idx), meta
 
+    def apply(self, x_TD: Tensor, routing: RouterOutput, experts) -> tuple[Tensor, DispatchMeta]:
+        """dispatch -> experts -> combine: the one call the MoE layer makes on any dispatcher."""
+        x_sorted, meta = self.dispatch(x_TD, routing)
+        return self.combine(experts(x_sorted, meta.tokens_per_expert), meta), meta
+
     @staticmethod
     def combine(y_sorted_RD: Tensor, meta: DispatchMeta) -> Tensor:
         """Weighted sum of each token's expert outputs: y[t] = sum_r w_r * y_sorted[r] (r of t)."""

@@ -8,8 +8,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from moekit.experts.gemm import grouped_matmul
+
+
+def local_tensor(w: Tensor) -> Tensor:
+    """This rank's experts when expert parallelism made ``w`` a DTensor sharded over experts."""
+    return w.to_local() if isinstance(w, DTensor) else w
 
 
 def compute_dtype(x: Tensor) -> torch.dtype:
@@ -80,22 +86,28 @@ class GroupedExperts(nn.Module):
         return self.w_in.shape[0]
 
     def forward(self, x_RD: Tensor, tokens_per_expert: Tensor) -> Tensor:
+        """Rows grouped by expert in order -> outputs; ``tokens_per_expert`` counts this module's experts."""
         dtype = compute_dtype(x_RD)
         x_RD = x_RD.to(dtype)
-        h = grouped_matmul(x_RD, self.w_in.to(dtype), tokens_per_expert, self.gemm)
+        h = grouped_matmul(x_RD, local_tensor(self.w_in).to(dtype), tokens_per_expert, self.gemm)
         h = apply_activation(h, self.activation)
-        return grouped_matmul(h, self.w_out.to(dtype), tokens_per_expert, self.gemm)
+        return grouped_matmul(h, local_tensor(self.w_out).to(dtype), tokens_per_expert, self.gemm)
 
 
 class DenseFFN(nn.Module):
-    """A plain FFN with the same activation choices (shared experts, residual MLP, dense layers)."""
+    """A plain FFN with the same activation choices (shared experts, residual MLP, dense layers).
+
+    SwiGLU keeps its gate and up projections apart (``w_gate``, ``w_in``) so that tensor parallelism
+    can split each by rows.
+    """
 
     def __init__(self, d_model: int, d_ff: int, activation: str = "swiglu") -> None:
         super().__init__()
-        self.activation = activation
-        width_in = 2 * d_ff if activation == "swiglu" else d_ff
-        self.w_in = nn.Linear(d_model, width_in, bias=False)
+        self.w_gate = nn.Linear(d_model, d_ff, bias=False) if activation == "swiglu" else None
+        self.w_in = nn.Linear(d_model, d_ff, bias=False)
         self.w_out = nn.Linear(d_ff, d_model, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.w_out(apply_activation(self.w_in(x), self.activation))
+        h = self.w_in(x)
+        h = F.silu(self.w_gate(x)) * h if self.w_gate is not None else F.gelu(h)
+        return self.w_out(h)

@@ -53,37 +53,63 @@ def rope_frequencies(head_dim: int, max_len: int, theta: float) -> Tensor:
 
 
 def apply_rope(x_BLNd: Tensor, freqs_Ld2: Tensor) -> Tensor:
-    """Rotate pairs (x[2j], x[2j+1]) by position-dependent angles (Su et al. 2021).
+    """Rotate pairs (x[2j], x[2j+1]) by position-dependent angles (Su et al. 2021); any number of
+    head dimensions may sit between L and d.
 
     NOTE: one complex multiply instead of the cos/sin form: on small CPU batches the four real
     multiplies and a stack, with their backward, cost three times as much.
     """
     pairs = torch.view_as_complex(x_BLNd.float().unflatten(-1, (-1, 2)))
-    return torch.view_as_real(pairs * freqs_Ld2.unsqueeze(1)).flatten(-2).type_as(x_BLNd)
+    freqs = freqs_Ld2.view(freqs_Ld2.shape[0], *[1] * (x_BLNd.dim() - 3), -1)
+    return torch.view_as_real(pairs * freqs).flatten(-2).type_as(x_BLNd)
 
 
 class Attention(nn.Module):
+    """Causal self-attention with one fused projection for queries, keys and values.
+
+    NOTE: the fused ``qkv`` rows are laid out per key/value group, ``[q heads of group g, k_g, v_g]``
+    for g = 0..G-1 (Megatron's layout), so that a tensor-parallel split of its rows into contiguous
+    pieces hands each rank whole groups. The module reads the group count from the projection's
+    width, so it runs unchanged on such a piece.
+    """
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.n_heads, self.n_kv_heads = cfg.n_heads, cfg.kv_heads
+        self.q_per_group = cfg.n_heads // cfg.kv_heads
         self.head_dim = cfg.d_model // cfg.n_heads
         self.qkv = nn.Linear(cfg.d_model, (cfg.n_heads + 2 * cfg.kv_heads) * self.head_dim, bias=False)
         self.out = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
         self.dropout = cfg.dropout
 
+    @staticmethod
+    def fuse_qkv(wq: Tensor, wk: Tensor, wv: Tensor, n_kv_heads: int) -> Tensor:
+        """The ``qkv`` weight from separate q [H*d, D], k and v [G*d, D] projections."""
+        groups = [w.unflatten(0, (n_kv_heads, -1)) for w in (wq, wk, wv)]
+        return torch.cat(groups, dim=1).flatten(0, 1)
+
+    @staticmethod
+    def split_qkv(w: Tensor, n_heads: int, n_kv_heads: int) -> tuple[Tensor, Tensor, Tensor]:
+        """Inverse of ``fuse_qkv``."""
+        q_per_group = n_heads // n_kv_heads
+        head_dim = w.shape[0] // (n_heads + 2 * n_kv_heads)
+        grouped = w.unflatten(0, (n_kv_heads, (q_per_group + 2) * head_dim))
+        wq, wk, wv = grouped.split([q_per_group * head_dim, head_dim, head_dim], dim=1)
+        return wq.flatten(0, 1), wk.flatten(0, 1), wv.flatten(0, 1)
+
     def forward(self, x_BLD: Tensor, freqs: Tensor, cache: KVCache | None, layer: int) -> Tensor:
         B, L, _ = x_BLD.shape
-        qk_width = (self.n_heads + self.n_kv_heads) * self.head_dim
-        qk, v = self.qkv(x_BLD).split([qk_width, self.n_kv_heads * self.head_dim], dim=-1)
-        qk = apply_rope(qk.view(B, L, self.n_heads + self.n_kv_heads, self.head_dim), freqs)  # q and k at once
-        q, k = qk.transpose(1, 2).split([self.n_heads, self.n_kv_heads], dim=1)
-        v = v.view(B, L, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        Q = self.q_per_group
+        h = self.qkv(x_BLD).view(B, L, -1, Q + 2, self.head_dim)  # [B, L, G, Q + 2, d]
+        qk = apply_rope(h[..., : Q + 1, :], freqs)  # queries and keys rotated at once
+        q = qk[..., :Q, :].reshape(B, L, -1, self.head_dim).transpose(1, 2)
+        k = qk[..., Q, :].transpose(1, 2)
+        v = h[..., Q + 1, :].transpose(1, 2)
         start = 0
         if cache is not None:
             start = cache.length
             k, v = cache.append(layer, k, v)
         dropout = self.dropout if self.training else 0.0
-        gqa = self.n_kv_heads != self.n_heads
+        gqa = Q > 1
         if start == 0:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout, enable_gqa=gqa)
         else:  # queries at positions start.. attend to every cached key up to their own position

@@ -15,9 +15,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from tqdm.auto import tqdm
 
 from moekit.model import Transformer
+from moekit.parallel.runtime import ParallelModel, init_distributed
 from moekit.runconfig import RunConfig
 from moekit.train.checkpoint import (
     CheckpointError,
@@ -53,55 +55,56 @@ def autocast(cfg: RunConfig, device: torch.device):
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, corpus: Corpus, cfg: RunConfig, device: torch.device) -> float:
-    """Mean validation cross-entropy over the same ``eval_iters`` batches every time."""
-    was_training = model.training
-    model.eval()
+def evaluate(pm: ParallelModel, forward, corpus: Corpus, cfg: RunConfig, device: torch.device) -> float:
+    """Mean validation cross-entropy over the same ``eval_iters`` batches every time (on every rank)."""
+    pm.train(False)
     losses = []
     for i in range(cfg.train.eval_iters):
         x, y = corpus.batch("val", i, cfg.train.batch_size, cfg.model.context_length, cfg.train.seed)
         with autocast(cfg, device):
-            losses.append(model(x.to(device), y.to(device)).lm_loss.item())
-    model.train(was_training)
+            losses.append(pm.lm_loss(x.to(device), y.to(device), forward).item())
+    pm.train(True)
     return sum(losses) / len(losses)
 
 
 class StepStats:
-    """Accumulates one optimizer step's MoE statistics over its micro-batches."""
+    """One optimizer step's MoE statistics, per MoE layer, summed over its micro-batches.
+
+    Each layer is one vector ``[aux sum, z sum, micro-batches, dropped, tokens per expert...]`` so that
+    sums over ranks (and a gather over pipeline stages) reduce them exactly.
+    """
 
     def __init__(self) -> None:
-        self.aux: list[float] = []
-        self.z: list[float] = []
-        self.loads: list[torch.Tensor] = []
-        self.dropped = 0
-        self.routed = 0
+        self.layers: list[torch.Tensor] = []
 
     def add(self, moe_stats) -> None:
         for i, s in enumerate(moe_stats):
-            self.aux.append(s.aux_loss.item())
-            self.z.append(s.z_loss.item())
-            load = s.tokens_per_expert.detach().cpu()
-            if i < len(self.loads):
-                self.loads[i] = self.loads[i] + load
+            head = torch.stack([s.aux_loss.detach().float(), s.z_loss.detach().float()]).cpu()
+            dropped = s.dropped_per_expert.sum().float().cpu().view(1)
+            row = torch.cat([head, torch.ones(1), dropped, s.tokens_per_expert.detach().float().cpu()])
+            if i < len(self.layers):
+                self.layers[i] = self.layers[i] + row
             else:
-                self.loads.append(load)
-            self.dropped += int(s.dropped_per_expert.sum())
-            self.routed += int(s.tokens_per_expert.sum())
+                self.layers.append(row)
+
+    @property
+    def loads(self) -> list[torch.Tensor]:
+        return [layer[4:] for layer in self.layers]
 
     def record(self) -> dict[str, Any]:
-        if not self.loads:
+        if not self.layers:
             return {}
-        fractions = [(load / load.sum()).tolist() for load in self.loads]
-        mean = [load.float().mean() for load in self.loads]
+        loads = self.loads
+        mean = [load.mean() for load in loads]
+        micro = sum(layer[2] for layer in self.layers)
+        routed = sum(load.sum() for load in loads)
         return {
-            "aux_loss": sum(self.aux) / len(self.aux),
-            "z_loss": sum(self.z) / len(self.z),
-            "load_max_over_mean": [(load.max() / m).item() for load, m in zip(self.loads, mean, strict=True)],
-            "load_cv": [
-                (load.float().std(unbiased=False) / m).item() for load, m in zip(self.loads, mean, strict=True)
-            ],
-            "dropped_frac": self.dropped / max(1, self.routed),
-            "expert_load": fractions,
+            "aux_loss": (sum(layer[0] for layer in self.layers) / micro).item(),
+            "z_loss": (sum(layer[1] for layer in self.layers) / micro).item(),
+            "load_max_over_mean": [(load.max() / m).item() for load, m in zip(loads, mean, strict=True)],
+            "load_cv": [(load.std(unbiased=False) / m).item() for load, m in zip(loads, mean, strict=True)],
+            "dropped_frac": (sum(layer[3] for layer in self.layers) / routed.clamp(min=1)).item(),
+            "expert_load": [(load / load.sum()).tolist() for load in loads],
         }
 
 
@@ -116,60 +119,98 @@ def _prepare_run_dir(run_dir: Path, resume: bool) -> None:
 def train(
     cfg: RunConfig, run_dir: Path, *, resume: bool = False, device: str = "cpu", progress: bool = True
 ) -> TrainResult:
-    """Train ``cfg`` into ``run_dir``: metrics, TensorBoard logs, checkpoints, config and tokenizer."""
+    """Train ``cfg`` into ``run_dir``: metrics, TensorBoard logs, checkpoints, config and tokenizer.
+
+    Under torchrun every rank calls this; rank 0 owns the console and the run directory.
+    """
     run_dir = Path(run_dir)
     dev = torch.device(device)
-    _prepare_run_dir(run_dir, resume)
+    layout, mesh = init_distributed(cfg, dev)
+    main = mesh is None or dist.get_rank() == 0
+    if resume and mesh is not None:
+        raise TrainingError("--resume: resuming a multi-rank run needs sharded checkpoints, not yet supported")
+    if main:
+        _prepare_run_dir(run_dir, resume)
     torch.manual_seed(cfg.train.seed)
-    corpus = prepare_corpus(cfg.data, cfg.model.context_length)
+    corpus = _prepare_corpus_once(cfg, main, mesh is not None)
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=corpus.tokenizer.vocab_size))
-    (run_dir / "config.json").write_text(cfg.to_json())
-    corpus.tokenizer.save(run_dir)
+    if main:
+        (run_dir / "config.json").write_text(cfg.to_json())
+        corpus.tokenizer.save(run_dir)
 
     model = Transformer(cfg.model, cfg.moe if cfg.is_moe else None).to(dev)
-    optimizer = build_optimizer(model, cfg.train)
+    total, active = model.num_params() / 1e6, model.num_active_params() / 1e6
+    flops_per_token = model.flops_per_token()
+    n_moe = len(model.moe_layers())
+    pm = ParallelModel(model, cfg, dev, layout, mesh)
+    optimizer = build_optimizer(pm.parameters(), cfg.train)
     start_step = 0
     if resume:
         start_step = _restore(run_dir, model, optimizer)
-    forward = torch.compile(model) if cfg.train.compile else model
+    forward = torch.compile(model) if cfg.train.compile and mesh is None else None
+    progress = progress and main
     say = tqdm.write if progress else (lambda msg: print(msg, file=sys.stderr))
-    total, active = model.num_params() / 1e6, model.num_active_params() / 1e6
-    flops_per_token = model.flops_per_token()
-    say(
-        f"moekit: {total:.2f}M parameters ({active:.2f}M active per token, "
-        f"{flops_per_token / 1e6:.1f} MFLOPs per token trained), {len(model.moe_layers())} MoE blocks; "
-        f"corpus {corpus.source}, {len(corpus.train):,} train tokens"
-        + (f"; resuming at step {start_step}" if resume else "")
-    )
+    if main:
+        where = f"; {layout.world} ranks ({_describe(layout)})" if mesh is not None else ""
+        say(
+            f"moekit: {total:.2f}M parameters ({active:.2f}M active per token, "
+            f"{flops_per_token / 1e6:.1f} MFLOPs per token trained), {n_moe} MoE blocks; "
+            f"corpus {corpus.source}, {len(corpus.train):,} train tokens{where}"
+            + (f"; resuming at step {start_step}" if resume else "")
+        )
 
-    tokens_per_step = cfg.train.batch_size * cfg.model.context_length * cfg.train.grad_accum
+    tokens_per_step = cfg.train.batch_size * cfg.model.context_length * cfg.train.grad_accum * layout.batch_ranks
     losses: list[float] = []
     val_loss: float | None = None
-    checkpoint = latest_checkpoint(run_dir)
+    checkpoint = latest_checkpoint(run_dir) if main else None
     step = start_step
     bar = tqdm(total=cfg.train.steps, initial=start_step, disable=not progress, unit="step", dynamic_ncols=True)
-    model.train()
-    with MetricsLogger(run_dir) as logger, _StopOnInterrupt() as interrupt:
-        while step < cfg.train.steps and not interrupt.requested:
+    pm.train(True)
+    logger = MetricsLogger(run_dir) if main else contextlib.nullcontext()
+    with logger, _StopOnInterrupt() as interrupt:
+        while step < cfg.train.steps and not _agree(interrupt.requested, mesh):
             started = time.perf_counter()
-            record = _train_step(forward, model, optimizer, corpus, cfg, dev, step, checkpoint)
+            record = _train_step(pm, forward, optimizer, corpus, cfg, dev, step, checkpoint)
             step += 1
             elapsed = time.perf_counter() - started
             record["tokens_per_s"] = tokens_per_step / elapsed
-            record["mfu"] = flops_per_token * record["tokens_per_s"] / (cfg.train.peak_tflops * 1e12)
+            record["mfu"] = flops_per_token * record["tokens_per_s"] / (cfg.train.peak_tflops * 1e12 * layout.world)
             losses.append(record["loss"])
             if step % cfg.train.eval_every == 0 or step == cfg.train.steps:
-                val_loss = record["val_loss"] = evaluate(forward, corpus, cfg, dev)
-            logger.log(record)
+                val_loss = record["val_loss"] = evaluate(pm, forward, corpus, cfg, dev)
+            if main:
+                logger.log(record)
             periodic = cfg.train.ckpt_every and step % cfg.train.ckpt_every == 0
-            if periodic or step == cfg.train.steps or interrupt.requested:
-                checkpoint = _save(run_dir, step, model, optimizer, cfg, record)
+            if periodic or step == cfg.train.steps or _agree(interrupt.requested, mesh):
+                checkpoint = _save(run_dir, step, pm, optimizer, cfg, record)
             bar.update(1)
             bar.set_postfix(loss=f"{record['loss']:.3f}", val=f"{val_loss:.3f}" if val_loss else "-", refresh=False)
     bar.close()
-    if interrupt.requested:
+    if interrupt.requested and main:
         say(f"moekit: interrupted at step {step}; checkpoint {checkpoint} (continue with --resume)")
     return TrainResult(run_dir, step, losses, val_loss, checkpoint, interrupted=interrupt.requested)
+
+
+def _describe(layout) -> str:
+    return " x ".join(f"{name}={getattr(layout, name)}" for name in ("dp", "ep", "tp", "pp"))
+
+
+def _agree(flag: bool, mesh) -> bool:
+    """True on every rank if it is true on any (a Ctrl-C reaches ranks at different steps)."""
+    if mesh is None:
+        return flag
+    value = torch.tensor(float(flag))
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())
+
+
+def _prepare_corpus_once(cfg: RunConfig, main: bool, distributed: bool) -> Corpus:
+    """Rank 0 tokenises (and fills the cache) first; the other ranks then read the cache."""
+    if not distributed:
+        return prepare_corpus(cfg.data, cfg.model.context_length)
+    corpus = prepare_corpus(cfg.data, cfg.model.context_length) if main else None
+    dist.barrier()
+    return corpus or prepare_corpus(cfg.data, cfg.model.context_length)
 
 
 class _StopOnInterrupt:
@@ -195,43 +236,61 @@ class _StopOnInterrupt:
             signal.signal(signal.SIGINT, self._previous)
 
 
-def _train_step(forward, model, optimizer, corpus, cfg: RunConfig, dev, step: int, checkpoint) -> dict[str, Any]:
-    """One optimizer step over ``grad_accum`` micro-batches; returns the step's metrics."""
+def _train_step(pm: ParallelModel, forward, optimizer, corpus, cfg: RunConfig, dev, step: int, checkpoint):
+    """One optimizer step over ``grad_accum`` micro-batches per rank; returns the step's metrics.
+
+    Rank b of the N data-reading ranks takes micro-batches b, b + N, ...: the same samples, in the
+    same order, as one process with N times the gradient accumulation.
+    """
     tc = cfg.train
     lr = lr_at(step, tc)
     for group in optimizer.param_groups:
         group["lr"] = lr
     stats = StepStats()
-    lm_loss = 0.0
+    lm_loss = torch.zeros(())
+    ranks = pm.ranks
     for micro in range(tc.grad_accum):
-        x, y = corpus.batch("train", step * tc.grad_accum + micro, tc.batch_size, cfg.model.context_length, tc.seed)
+        index = (step * tc.grad_accum + micro) * ranks.batch_ranks + ranks.batch_rank
+        x, y = corpus.batch("train", index, tc.batch_size, cfg.model.context_length, tc.seed)
         with autocast(cfg, dev):
-            out = forward(x.to(dev), y.to(dev))
-        loss_value = out.loss.item()
+            loss, lm, moe_stats = pm.forward_backward(x.to(dev), y.to(dev), 1.0 / tc.grad_accum, forward)
+        lm_loss = lm_loss + lm.float().cpu() / tc.grad_accum
+        loss_value = pm.mean_over_batch(pm.broadcast_from_last_stage(loss)).item()
         if not math.isfinite(loss_value):
             where = f"the last good checkpoint is {checkpoint}" if checkpoint else "no checkpoint was written yet"
             raise TrainingError(f"loss is {loss_value} at step {step + 1}: training stopped; {where}")
-        (out.loss / tc.grad_accum).backward()
-        lm_loss += out.lm_loss.item() / tc.grad_accum
-        stats.add(out.moe_stats)
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip or float("inf"), foreach=True)
+        stats.add(moe_stats)
+    pm.finish_gradients()
+    grad_norm = pm.clip_gradients(tc.grad_clip)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    for moe, load in zip(model.moe_layers(), stats.loads, strict=False):
-        moe.update_bias(load.to(dev))
-    return {"step": step + 1, "loss": lm_loss, "lr": lr, "grad_norm": grad_norm.item(), **stats.record()}
+    stats.layers = pm.reduce_layers(stats.layers)
+    whole_model_index = {id(m): i for i, m in enumerate(pm.full_model.moe_layers())}
+    for moe in pm.moe_layers():
+        moe.update_bias(stats.loads[whole_model_index[id(moe)]].to(dev))
+    lm_loss = pm.mean_over_batch(pm.broadcast_from_last_stage(lm_loss))
+    record = {"step": step + 1, "loss": lm_loss.item(), "lr": lr, "grad_norm": grad_norm.item()}
+    return {**record, **stats.record()}
 
 
-def _save(run_dir: Path, step: int, model, optimizer, cfg: RunConfig, record: dict[str, Any]) -> Path:
-    state = {"optimizer": optimizer.state_dict(), "torch_rng": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda_rng"] = torch.cuda.get_rng_state_all()
+def _save(run_dir: Path, step: int, pm: ParallelModel, optimizer, cfg: RunConfig, record: dict[str, Any]):
+    """A checkpoint of the full weights (gathered on rank 0 under torchrun)."""
+    weights = pm.full_state_dict()
+    if not pm.ranks.is_main:
+        return None
     info = {
-        "data_position": {"train_batches": step * cfg.train.grad_accum},
+        "data_position": {"train_batches": step * cfg.train.grad_accum * pm.ranks.batch_ranks},
         "loss": record.get("loss"),
         "val_loss": record.get("val_loss"),
     }
-    return save_checkpoint(run_dir, step, model, state, info, cfg.train.keep_checkpoints)
+    if pm.mesh is None:
+        state = {"optimizer": optimizer.state_dict(), "torch_rng": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            state["cuda_rng"] = torch.cuda.get_rng_state_all()
+        return save_checkpoint(run_dir, step, pm.full_model, state, info, cfg.train.keep_checkpoints)
+    whole = Transformer(cfg.model, cfg.moe if cfg.is_moe else None)
+    whole.load_state_dict(weights)
+    return save_checkpoint(run_dir, step, whole, {"torch_rng": torch.get_rng_state()}, info, cfg.train.keep_checkpoints)
 
 
 def _restore(run_dir: Path, model, optimizer) -> int:

@@ -1,0 +1,227 @@
+"""Expert-parallel dispatch: tokens travel to the ranks that hold their experts and back.
+
+Legend: T tokens, D model dim, E experts (global), El experts per rank, W ranks in the ep group,
+C overlap chunks, R rows.
+
+The data path of one layer (Tutel's, in five steps):
+    local sort by expert -> exchange counts -> all-to-all rows -> grouped GEMM -> all-to-all back
+Expert e lives on ep rank ``e // El``, so rows sorted by global expert id are already ordered by
+destination rank. An exchange is differentiable: its backward is the reverse exchange.
+
+Two exchange forms share one contract (input rows ordered by destination rank, output rows ordered
+by source rank): a flat ``all_to_all_single``, and a two-level one (within a node, then across
+nodes among ranks with the same local index: Tutel 2DH, SMILE) that sends fewer, larger messages
+between nodes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from moekit.dispatch.local import DispatchMeta, LocalDispatcher
+from moekit.routing import RouterOutput
+
+
+def block_permutation(counts_AB: Tensor) -> Tensor:
+    """Row index that reorders blocks laid out ``(a, b)``-major into ``(b, a)``-major order.
+
+    ``counts_AB[a, b]`` is the length of block (a, b); the result gathers rows so that all blocks of
+    b = 0 come first (in order of a), then b = 1, and so on.
+    """
+    counts_AB = counts_AB.long()
+    starts = (torch.cumsum(counts_AB.flatten(), 0) - counts_AB.flatten()).view_as(counts_AB)
+    lengths = counts_AB.t().flatten()
+    block_starts = starts.t().flatten()
+    total = int(lengths.sum())
+    first_row = torch.repeat_interleave(torch.cumsum(lengths, 0) - lengths, lengths, output_size=total)
+    return torch.repeat_interleave(block_starts, lengths, output_size=total) + torch.arange(total) - first_row
+
+
+class _Permute(torch.autograd.Function):
+    """``x[index]`` for a permutation ``index``; its backward is a copy, not an accumulating scatter."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, index: Tensor) -> Tensor:
+        ctx.save_for_backward(index)
+        return x.index_select(0, index)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        (index,) = ctx.saved_tensors
+        return torch.empty_like(grad).index_copy_(0, index, grad), None
+
+
+def permute_rows(x: Tensor, index: Tensor) -> Tensor:
+    return _Permute.apply(x, index)
+
+
+ExpertsFn = Callable[[Tensor, Tensor], Tensor]  # (rows grouped by local expert, rows per expert) -> outputs
+
+
+@dataclass(frozen=True)
+class Exchange:
+    """One all-to-all of rows between the W ranks of an ep group, planned from the full count matrix.
+
+    ``rows[s, d]`` is how many rows ep rank s sends ep rank d. ``run`` and ``reverse`` move plain
+    tensors (no autograd); ``exchange`` wraps them into a differentiable op.
+    """
+
+    rows: Tensor  # [W, W] on CPU
+    rank: int  # this rank's index in the ep group
+    group: dist.ProcessGroup
+    node_size: int = 0  # > 0: two-level exchange with nodes of this many ep ranks
+    intra_group: dist.ProcessGroup | None = None  # ranks of this rank's node
+    inter_group: dist.ProcessGroup | None = None  # ranks with this rank's local index, one per node
+
+    def run(self, x: Tensor) -> Tensor:
+        return self._move(x, self.rows)
+
+    def reverse(self, x: Tensor) -> Tensor:
+        return self._move(x, self.rows.t())
+
+    def _move(self, x: Tensor, rows: Tensor) -> Tensor:
+        if self.node_size:
+            return self._two_level(x, rows)
+        return _all_to_all(x, rows[:, self.rank].tolist(), rows[self.rank].tolist(), self.group)
+
+    def _two_level(self, x: Tensor, rows: Tensor) -> Tensor:
+        S = self.node_size
+        N = rows.shape[0] // S
+        node, local = divmod(self.rank, S)
+        # Phase 1, within the node: to local rank l' go the rows for every node's rank l', by node.
+        mine = rows[self.rank].view(N, S)  # [dst node, dst local]
+        x = x.index_select(0, block_permutation(mine))
+        from_node = rows[node * S : (node + 1) * S, local::S]  # [src local, dst node] rows for my local index
+        x = _all_to_all(x, from_node.sum(1).tolist(), mine.sum(0).tolist(), self.intra_group)
+        # Phase 2, across nodes: to node n'' go the rows of all my node's sources for rank (n'', local).
+        x = x.index_select(0, block_permutation(from_node))
+        to_me = rows[:, self.rank].view(N, S).sum(1)  # rows from each source node
+        return _all_to_all(x, to_me.tolist(), from_node.sum(0).tolist(), self.inter_group)
+
+
+def _all_to_all(x: Tensor, out_splits: list[int], in_splits: list[int], group) -> Tensor:
+    out = x.new_empty((sum(out_splits), *x.shape[1:]))
+    dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+    return out
+
+
+class _Exchanged(torch.autograd.Function):
+    """Differentiable exchange. ``result`` may be precomputed (overlap); the backward is the reverse."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, plan: Exchange, result: Tensor | None) -> Tensor:
+        ctx.plan = plan
+        return plan.run(x) if result is None else result
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return ctx.plan.reverse(grad.contiguous()), None, None
+
+
+def exchange(x: Tensor, plan: Exchange, result: Tensor | None = None) -> Tensor:
+    return _Exchanged.apply(x, plan, result)
+
+
+@dataclass(frozen=True)
+class EPGroups:
+    """The process groups an expert-parallel dispatcher talks over."""
+
+    ep: dist.ProcessGroup
+    node_size: int = 0  # > 0: two-level exchange with nodes of this many ep ranks
+    intra: dist.ProcessGroup | None = None  # this rank's node
+    inter: dist.ProcessGroup | None = None  # this rank's local index on every node
+
+
+class AllToAllDispatcher:
+    """Dropless or capacity dispatch across the ep group; capacity is per rank, as in DeepSpeed-MoE.
+
+    With ``chunks > 1`` every (rank, expert) block is cut into C row chunks; a background thread
+    exchanges them in order while the experts compute the chunks already received, and sends each
+    result back while the next computes (Tutel / FasterMoE pipelining). Backward exchanges run in
+    the autograd thread.
+    """
+
+    def __init__(
+        self, num_experts: int, groups: EPGroups, capacity_factor: float | None = None, chunks: int = 1
+    ) -> None:
+        self.world = dist.get_world_size(groups.ep)
+        assert num_experts % self.world == 0, "ep must divide num_experts (checked by the layout)"
+        self.local_experts = num_experts // self.world
+        self.rank = dist.get_rank(groups.ep)
+        self.groups = groups
+        self.chunks = chunks
+        self.local = LocalDispatcher(num_experts, capacity_factor)
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="moekit-a2a") if chunks > 1 else None
+
+    def apply(self, x_TD: Tensor, routing: RouterOutput, experts: ExpertsFn) -> tuple[Tensor, DispatchMeta]:
+        """Route rows to their experts' ranks, compute them there, bring them back and combine."""
+        x_sorted, meta = self.local.dispatch(x_TD, routing)
+        W, El, C = self.world, self.local_experts, self.chunks
+        counts_EC = _split_counts(meta.tokens_per_expert.cpu(), C)  # [E, C]
+        chunk_order = None
+        if C > 1:
+            chunk_order = block_permutation(counts_EC).to(x_sorted.device)
+            x_sorted = permute_rows(x_sorted, chunk_order)
+        every = [torch.empty_like(counts_EC) for _ in range(W)]
+        dist.all_gather(every, counts_EC, group=self.groups.ep)
+        to_rank_WWLC = torch.stack(every).view(W, W, El, C)  # [src, dst rank, dst's local expert, chunk]
+        plans = [self._plan(to_rank_WWLC[..., c].sum(2)) for c in range(C)]
+        chunks_in = torch.split(x_sorted, [int(p.rows[self.rank].sum()) for p in plans])
+        sent = self._start([(p.run, x) for p, x in zip(plans, chunks_in, strict=True)])
+        outs, returned = [], []
+        for c, (plan, x_c) in enumerate(zip(plans, chunks_in, strict=True)):
+            received_WL = to_rank_WWLC[:, self.rank, :, c]  # rows from each source for each local expert
+            regroup = block_permutation(received_WL).to(x_sorted.device)  # [src][expert] -> [expert][src]
+            x_c = permute_rows(exchange(x_c, plan, _result(sent[c])), regroup)
+            y_c = permute_rows(experts(x_c, received_WL.sum(0).to(x_c.device)), _inverse(regroup))
+            outs.append(y_c)
+            returned += self._start([(plan.reverse, y_c)])
+        y = torch.cat(
+            [_ReverseExchanged.apply(y_c, plan, _result(f)) for y_c, plan, f in zip(outs, plans, returned, strict=True)]
+        )
+        if chunk_order is not None:
+            y = permute_rows(y, _inverse(chunk_order))
+        return LocalDispatcher.combine(y, meta), meta
+
+    def _plan(self, rows_WW: Tensor) -> Exchange:
+        g = self.groups
+        return Exchange(rows_WW, self.rank, g.ep, g.node_size, g.intra, g.inter)
+
+    def _start(self, work: list[tuple[Callable[[Tensor], Tensor], Tensor]]) -> list[Future | None]:
+        """With overlap, queue exchanges on the background thread (FIFO: the same order on every rank)."""
+        if self._pool is None:
+            return [None] * len(work)
+        return [self._pool.submit(fn, x.detach()) for fn, x in work]
+
+
+class _ReverseExchanged(torch.autograd.Function):
+    """The combine direction: forward is the reverse exchange, backward the forward one."""
+
+    @staticmethod
+    def forward(ctx, y: Tensor, plan: Exchange, result: Tensor | None) -> Tensor:
+        ctx.plan = plan
+        return plan.reverse(y) if result is None else result
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return ctx.plan.run(grad.contiguous()), None, None
+
+
+def _result(future: Future | None) -> Tensor | None:
+    return None if future is None else future.result()
+
+
+def _inverse(index: Tensor) -> Tensor:
+    return torch.empty_like(index).scatter_(0, index, torch.arange(index.numel(), device=index.device))
+
+
+def _split_counts(counts_E: Tensor, chunks: int) -> Tensor:
+    """[E, C]: each expert's rows cut into C nearly equal consecutive chunks."""
+    base, extra = counts_E // chunks, counts_E % chunks
+    return base.unsqueeze(1) + (torch.arange(chunks) < extra.unsqueeze(1)).long()

@@ -1,0 +1,1 @@
+"""Parallelism applied to the single-device model from outside: mesh, ep, tp, pp, FSDP, runtime."""

@@ -1,0 +1,41 @@
+"""Expert parallelism, applied to a built model: each ep rank keeps num_experts / ep experts of every
+MoE layer (as a DTensor sharded on the ``ep`` mesh dimension) and the layer's dispatcher becomes
+the all-to-all one. Routers, shared experts and everything else stay whole on every rank."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Shard, distribute_tensor
+
+from moekit.config import ParallelConfig
+from moekit.dispatch.all_to_all import AllToAllDispatcher, EPGroups
+from moekit.model import Transformer
+from moekit.parallel.mesh import Layout
+
+
+def ep_groups(mesh: DeviceMesh, layout: Layout, cfg: ParallelConfig) -> EPGroups:
+    if cfg.all_to_all == "two_level":
+        return EPGroups(
+            mesh["ep"].get_group(), layout.node_size, mesh["ep_local"].get_group(), mesh["ep_node"].get_group()
+        )
+    return EPGroups(mesh["ep"].get_group())
+
+
+def apply_ep(model: Transformer, mesh: DeviceMesh, layout: Layout, cfg: ParallelConfig) -> None:
+    """Shard every MoE layer's experts over ``mesh["ep"]`` and swap in the all-to-all dispatcher."""
+    if layout.ep == 1:
+        return
+    groups = ep_groups(mesh, layout, cfg)
+    for moe in model.moe_layers():
+        for name, weight in list(moe.experts.named_parameters(recurse=False)):
+            sharded = distribute_tensor(weight.detach(), mesh["ep"], [Shard(0)])
+            setattr(moe.experts, name, nn.Parameter(sharded, requires_grad=weight.requires_grad))
+        capacity = moe.dispatcher.capacity_factor
+        moe.dispatcher = AllToAllDispatcher(moe.cfg.num_experts, groups, capacity, cfg.overlap_chunks)
+
+
+def expert_parameters(model: nn.Module) -> list[torch.nn.Parameter]:
+    """The routed experts' weights in model order (reduced over dp only; the rest over dp x ep)."""
+    return [p for moe in model.moe_layers() for p in moe.experts.parameters()]

@@ -1,0 +1,42 @@
+"""The global gradient norm of a model spread over any mix of meshes (FSDP, ep, tp, pp)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.placement_types import Shard
+
+
+def _distinct_shards(p: Tensor) -> int:
+    """How many different pieces of ``p`` exist across the ranks that hold it."""
+    if not isinstance(p, DTensor):
+        return 1
+    return math.prod(p.device_mesh.size(i) for i, pl in enumerate(p.placements) if isinstance(pl, Shard))
+
+
+@torch.no_grad()
+def clip_grad_norm(params: list[Tensor], max_norm: float, stage_ranks: int = 1, distributed: bool = False) -> Tensor:
+    """Clip gradients to a global L2 norm and return that norm (as ``clip_grad_norm_`` does).
+
+    Every rank adds the squares of the gradient pieces it holds, divided by how many ranks of its
+    pipeline stage (``stage_ranks`` of them) hold the same piece; with ``distributed``, one
+    all-reduce over the world then sums each piece exactly once. ``torch.nn.utils.clip_grad_norm_`` cannot mix meshes.
+    """
+    grads = [p.grad for p in params if p.grad is not None]
+    total = torch.zeros((), dtype=torch.float64)
+    for g in grads:
+        local = g.to_local() if isinstance(g, DTensor) else g
+        replicas = stage_ranks / _distinct_shards(g)
+        total += local.detach().double().square().sum().cpu() / replicas
+    if distributed:
+        dist.all_reduce(total)
+    norm = total.sqrt().float()
+    if max_norm > 0 and math.isfinite(norm.item()):
+        scale = (max_norm / (norm + 1e-6)).clamp(max=1.0).item()
+        if scale < 1.0:
+            torch._foreach_mul_([g.to_local() if isinstance(g, DTensor) else g for g in grads], scale)
+    return norm

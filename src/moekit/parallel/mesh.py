@@ -1,0 +1,97 @@
+"""The parallel layout of a run: sizes checked against the model and the world, then a DeviceMesh.
+
+Mesh dimensions, outermost first: ``pp, dp, ep_node, ep_local, tp``. ``ep`` is ``ep_node x ep_local``
+flattened (nodes of ``node_size`` ep ranks, for the two-level all-to-all), and ``batch`` is
+``dp x ep``: every rank of it reads different data, as expert parallelism is data parallel outside
+the experts.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from moekit.runconfig import RunConfig
+
+
+class LayoutError(ValueError):
+    """A parallel layout that cannot run this model on this world; raised before any collective."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    dp: int
+    ep: int
+    tp: int
+    pp: int
+    node_size: int  # ep ranks per node (ep when the all-to-all is flat)
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.ep * self.tp * self.pp
+
+    @property
+    def batch_ranks(self) -> int:
+        """Ranks that read different micro-batches (dp x ep)."""
+        return self.dp * self.ep
+
+
+def resolve_layout(cfg: RunConfig, world_size: int, local_world_size: int | None = None) -> Layout:
+    """Check ``cfg.parallel`` against the model and ``world_size``; fill in dp and node_size."""
+    p, m = cfg.parallel, cfg.model
+    fixed = p.ep * p.tp * p.pp
+    if p.dp == 0:
+        if world_size % fixed:
+            raise LayoutError(
+                f"parallel: ep*tp*pp = {p.ep}*{p.tp}*{p.pp} = {fixed} does not divide the world size {world_size}"
+            )
+        dp = world_size // fixed
+    else:
+        dp = p.dp
+        if dp * fixed != world_size:
+            raise LayoutError(
+                f"parallel: dp*ep*tp*pp = {dp}*{p.ep}*{p.tp}*{p.pp} = {dp * fixed} != world size {world_size}"
+            )
+    experts = m.experts_per_layer or ([cfg.moe.num_experts] if cfg.is_moe else [])
+    bad = [n for n in experts if n % p.ep]
+    if p.ep > 1 and not experts:
+        raise LayoutError(f"parallel.ep={p.ep}: the model has no MoE blocks to spread")
+    if bad:
+        raise LayoutError(f"parallel.ep={p.ep} must divide the experts of every MoE block (got {bad[0]})")
+    if m.kv_heads % p.tp:
+        raise LayoutError(f"parallel.tp={p.tp} must divide the key/value heads (model.n_kv_heads={m.kv_heads})")
+    if p.tp > 1 and (m.d_ff % p.tp or (cfg.is_moe and cfg.moe.num_shared_experts and cfg.moe.d_ff % p.tp)):
+        raise LayoutError(f"parallel.tp={p.tp} must divide model.d_ff={m.d_ff} and the shared experts' width")
+    stages = p.pp * p.stages_per_rank
+    if stages > m.n_layers:
+        raise LayoutError(
+            f"parallel.pp={p.pp} with {p.pp_schedule} needs {stages} pipeline stages but the model has "
+            f"{m.n_layers} layers"
+        )
+    if p.pp > 1 and cfg.train.batch_size % microbatches(cfg):
+        raise LayoutError(
+            f"parallel.pp_microbatches={microbatches(cfg)} must divide train.batch_size={cfg.train.batch_size}"
+        )
+    node_size = p.ep
+    if p.all_to_all == "two_level":
+        local = local_world_size or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+        node_size = p.node_size or max(1, min(p.ep, local // p.tp))
+        if p.ep % node_size:
+            raise LayoutError(f"parallel.node_size={node_size} must divide parallel.ep={p.ep}")
+    return Layout(dp, p.ep, p.tp, p.pp, node_size)
+
+
+def microbatches(cfg: RunConfig) -> int:
+    return cfg.parallel.pp_microbatches or 2 * cfg.parallel.pp
+
+
+def build_mesh(layout: Layout, device_type: str) -> DeviceMesh:
+    """The run's DeviceMesh, with the flattened ``ep`` and ``batch`` (dp x ep) dimensions."""
+    names = ("pp", "dp", "ep_node", "ep_local", "tp")
+    shape = (layout.pp, layout.dp, layout.ep // layout.node_size, layout.node_size, layout.tp)
+    mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
+    mesh["ep_node", "ep_local"]._flatten("ep")
+    mesh["dp", "ep_node", "ep_local"]._flatten("batch")
+    return mesh

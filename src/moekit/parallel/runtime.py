@@ -1,0 +1,224 @@
+"""One training step's work on any layout: the single process, or ranks under torchrun.
+
+``ParallelModel`` is what the training loop drives. It builds the layout from ``cfg.parallel``
+(checked before any collective), applies the parallelisms to the single-device model in one order
+(pipeline split -> tensor parallel -> expert parallel -> FSDP), and offers the few operations the
+loop needs: forward+backward of a micro-batch, evaluation, gradient finishing and clipping, reduced
+statistics, and the full weights for checkpoints.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.device_mesh import DeviceMesh
+
+from moekit.layer import MoE, MoEStats
+from moekit.model import Transformer
+from moekit.parallel.ep import apply_ep
+from moekit.parallel.fsdp import apply_fsdp, finish_expert_grads
+from moekit.parallel.grads import clip_grad_norm
+from moekit.parallel.mesh import Layout, LayoutError, build_mesh, microbatches, resolve_layout
+from moekit.parallel.pp import Pipeline, build_pipeline, build_stages
+from moekit.parallel.tp import apply_tp
+from moekit.runconfig import RunConfig
+
+
+def world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """Where this process sits."""
+
+    rank: int = 0
+    world: int = 1
+    batch_rank: int = 0  # index among the ranks that read different data (dp x ep)
+    batch_ranks: int = 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def init_distributed(cfg: RunConfig, device: torch.device) -> tuple[Layout, DeviceMesh | None]:
+    """Check the layout against the world (before any collective), then join the process group."""
+    world = world_size()
+    layout = resolve_layout(cfg, world)
+    if world == 1:
+        return layout, None
+    if cfg.model.tie_embeddings and layout.pp > 1:
+        raise LayoutError("parallel.pp > 1 needs model.tie_embeddings = false (the first and last stages differ)")
+    if layout.pp > 1 and cfg.moe.router == "hash" and cfg.is_moe:
+        raise LayoutError("parallel.pp > 1 cannot carry the token ids hash routing needs past the first stage")
+    if device.type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if not dist.is_initialized():
+        dist.init_process_group(backend, timeout=timedelta(seconds=cfg.parallel.timeout_s))
+    return layout, build_mesh(layout, device.type)
+
+
+class ParallelModel:
+    """The model as this rank holds it, and the step operations over it."""
+
+    def __init__(
+        self, model: Transformer, cfg: RunConfig, device: torch.device, layout: Layout, mesh: DeviceMesh | None
+    ) -> None:
+        self.cfg, self.device = cfg, device
+        self.layout, self.mesh = layout, mesh
+        self.full_model = model  # single-device structure; its modules are shared with the shards
+        self.pipeline: Pipeline | None = None
+        if self.mesh is None:
+            self.ranks = Ranks()
+            self.modules: list[nn.Module] = [model]
+            return
+        mesh, layout = self.mesh, self.layout
+        self.ranks = Ranks(dist.get_rank(), dist.get_world_size(), mesh["batch"].get_local_rank(), layout.batch_ranks)
+        if layout.pp > 1:
+            self.modules = build_stages(model, mesh["pp"], cfg.parallel.stages_per_rank)
+        else:
+            self.modules = [model]
+        for module in self.modules:
+            apply_tp(module, mesh["tp"])
+            apply_ep(module, mesh, layout, cfg.parallel)
+            blocks = list(module.blocks.values()) if isinstance(module.blocks, nn.ModuleDict) else list(module.blocks)
+            apply_fsdp(module, blocks, mesh, layout, cfg.parallel)
+        if layout.pp > 1:
+            self.pipeline = build_pipeline(
+                self.modules, mesh["pp"], cfg.parallel.pp_schedule, microbatches(cfg), device
+            )
+
+    # --- what the loop calls -----------------------------------------------------------------------
+
+    def parameters(self) -> list[nn.Parameter]:
+        seen: dict[int, nn.Parameter] = {}
+        for module in self.modules:
+            for p in module.parameters():
+                seen.setdefault(id(p), p)
+        return list(seen.values())
+
+    def moe_layers(self) -> list[MoE]:
+        return [m for module in self.modules for m in module.moe_layers()]
+
+    def train(self, mode: bool = True) -> None:
+        for module in self.modules:
+            module.train(mode)
+
+    def forward_backward(
+        self, x: Tensor, y: Tensor, scale: float, forward=None
+    ) -> tuple[Tensor, Tensor, list[MoEStats]]:
+        """One micro-batch: backward of ``loss * scale``; returns (loss, lm loss, this rank's MoE stats).
+
+        Under pipeline parallelism both losses are the last stage's lm loss (NaN on other stages
+        until broadcast) and the stats are the local stages' merged over the schedule's micro-batches.
+        """
+        if self.pipeline is None:
+            out = (forward or self.modules[0])(x, y)
+            (out.loss * scale).backward()
+            return out.loss.detach(), out.lm_loss.detach(), out.moe_stats
+        for stage in self.pipeline.stages:
+            stage.aux_scale = scale
+        losses: list[Tensor] = []
+        kwargs = {"target": y, "losses": losses} if self.pipeline.has_last else {}
+        args = (x,) if self.pipeline.has_first else ()
+        self.pipeline.schedule.step(*args, **kwargs)
+        lm = torch.stack(losses).mean().detach() if losses else torch.full((), float("nan"))
+        return lm, lm, _merge_micro(self.pipeline.collect_stats())
+
+    @torch.no_grad()
+    def lm_loss(self, x: Tensor, y: Tensor, forward=None) -> Tensor:
+        """Validation cross-entropy of one batch (the same on every rank)."""
+        if self.pipeline is None:
+            return (forward or self.modules[0])(x, y).lm_loss
+        losses: list[Tensor] = []
+        kwargs = {"target": y, "losses": losses} if self.pipeline.has_last else {}
+        self.pipeline.schedule.eval(*((x,) if self.pipeline.has_first else ()), **kwargs)
+        self.pipeline.collect_stats()
+        return self.broadcast_from_last_stage(torch.stack(losses).mean() if losses else torch.zeros(()))
+
+    def broadcast_from_last_stage(self, value: Tensor) -> Tensor:
+        """Every rank gets the last pipeline stage's value (the lm loss lives there)."""
+        if self.mesh is None or self.layout.pp == 1:
+            return value
+        value = value.detach().float().cpu().clone()
+        pp_mesh = self.mesh["pp"]
+        dist.broadcast(value, group_src=pp_mesh.size() - 1, group=pp_mesh.get_group())
+        return value
+
+    def mean_over_batch(self, value: Tensor) -> Tensor:
+        if self.mesh is None or self.layout.batch_ranks == 1:
+            return value
+        value = value.detach().float().cpu().clone()
+        dist.all_reduce(value, group=self.mesh["batch"].get_group())
+        return value / self.layout.batch_ranks
+
+    def finish_gradients(self) -> None:
+        if self.mesh is not None:
+            for module in self.modules:
+                finish_expert_grads(module, self.mesh, self.layout, self.cfg.parallel)
+
+    def clip_gradients(self, max_norm: float) -> Tensor:
+        stage_ranks = self.ranks.world // self.layout.pp
+        return clip_grad_norm(self.parameters(), max_norm, stage_ranks, distributed=self.mesh is not None)
+
+    def reduce_layers(self, layers: list[Tensor]) -> list[Tensor]:
+        """Per-layer statistic vectors of this rank's MoE layers -> the whole model's, in layer order,
+        summed over all data-reading ranks."""
+        if self.mesh is None:
+            return layers
+        if layers and self.layout.batch_ranks > 1:
+            flat = torch.cat(layers)
+            dist.all_reduce(flat, group=self.mesh["batch"].get_group())
+            layers = list(flat.split([t.numel() for t in layers]))
+        if self.layout.pp > 1:
+            every: list[list[tuple[int, Tensor]] | None] = [None] * self.layout.pp
+            index = {id(m): i for i, m in enumerate(self.full_model.moe_layers())}
+            mine = [(index[id(m)], t) for m, t in zip(self.moe_layers(), layers, strict=True)]
+            dist.all_gather_object(every, mine, group=self.mesh["pp"].get_group())
+            return [t for _, t in sorted(item for stage in every for item in stage)]
+        return layers
+
+    def full_state_dict(self) -> dict[str, Tensor] | None:
+        """The unsharded weights, on the main rank (None elsewhere); a collective on every rank."""
+        if self.mesh is None:
+            return self.full_model.state_dict()
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        pieces = {}
+        for module in self.modules:
+            pieces.update(get_model_state_dict(module, options=options))
+        if self.layout.pp > 1:
+            every: list[dict | None] = [None] * self.ranks.world
+            dist.all_gather_object(every, pieces)
+            merged: dict[str, Tensor] = {}
+            for part in every:
+                merged.update(part)
+            pieces = merged
+        return pieces if self.ranks.is_main else None
+
+
+def _merge_micro(per_micro: list[list[MoEStats]]) -> list[MoEStats]:
+    """Stats of a pipeline step per layer: counts summed, losses averaged over micro-batches."""
+    if not per_micro:
+        return []
+    merged = []
+    for layer in zip(*per_micro, strict=True):
+        n = len(layer)
+        merged.append(
+            MoEStats(
+                aux_loss=sum(s.aux_loss.detach() for s in layer) / n,
+                z_loss=sum(s.z_loss.detach() for s in layer) / n,
+                loss=sum(s.loss.detach() for s in layer) / n,
+                tokens_per_expert=sum(s.tokens_per_expert for s in layer),
+                dropped_per_expert=sum(s.dropped_per_expert for s in layer),
+                num_tokens=sum(s.num_tokens for s in layer),
+            )
+        )
+    return merged
