@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 import time
 import typing
@@ -67,6 +68,16 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--resume", action="store_true", help="continue the run in --run-dir from its latest checkpoint")
     train.add_argument("--device", default="auto", help="cpu, cuda, or auto (cuda when available)")
     train.add_argument("--quiet", action="store_true", help="no progress bar")
+    launch = train.add_argument_group(
+        "launching ranks",
+        "Run under 'torchrun --nproc-per-node N -m moekit train ...', or let --nproc start torch's elastic "
+        "launcher for you; size the layout with --parallel.dp/ep/tp/pp.",
+    )
+    launch.add_argument("--nproc", type=int, help="ranks to start on this machine (through torch.distributed.run)")
+    launch.add_argument("--nnodes", default="1", help="machines, or MIN:MAX for an elastic job (default: 1)")
+    launch.add_argument("--rdzv-endpoint", help="HOST:PORT every machine can reach (needed with --nnodes > 1)")
+    launch.add_argument("--rdzv-id", default="moekit", help="job id shared by the machines (default: %(default)s)")
+    launch.add_argument("--max-restarts", type=int, default=0, help="restarts after a rank fails (default: 0)")
     add_config_flags(train)
 
     gen = commands.add_parser(
@@ -117,9 +128,13 @@ def cmd_train(args: argparse.Namespace) -> int:
     else:
         cfg = runconfig.resolve(args.preset, overrides)
     run_dir = args.run_dir or Path("runs") / f"{Path(args.preset).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
+    if args.nproc and "WORLD_SIZE" not in os.environ:
+        return _launch(args, cfg, run_dir)
     result = train(cfg, run_dir, resume=args.resume, device=_device(args.device), progress=not args.quiet)
     if result.interrupted:
         return EXIT_INTERRUPTED
+    if int(os.environ.get("RANK", "0")) != 0:
+        return 0  # rank 0 reports for the job
     plots = plot_run(run_dir)
     val = f"{result.val_loss:.4f}" if result.val_loss is not None else "-"
     lines = [f"run directory: {run_dir}", f"  final val loss {val} after {result.steps} steps"]
@@ -135,6 +150,59 @@ def cmd_train(args: argparse.Namespace) -> int:
     lines.append(f"generate more: moekit generate {run_dir} --prompt '...'")
     print("\n".join(lines))
     return 0
+
+
+def _launch(args: argparse.Namespace, cfg, run_dir: Path) -> int:
+    """Start the ranks through torch's elastic launcher, after checking the layout here."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import main as torchrun
+
+    from moekit.parallel.mesh import resolve_layout
+    from moekit.train.loop import TrainingError
+
+    if args.nproc < 1:
+        raise ValueError(f"--nproc={args.nproc}: must be >= 1")
+    multi_node = args.nnodes != "1"
+    if multi_node and not args.rdzv_endpoint:
+        raise ValueError(f"--nnodes={args.nnodes}: needs --rdzv-endpoint HOST:PORT")
+    if not multi_node:
+        resolve_layout(cfg, args.nproc, args.nproc)
+    rendezvous = (
+        ["--rdzv-backend", "c10d", "--rdzv-endpoint", args.rdzv_endpoint, "--rdzv-id", args.rdzv_id]
+        if multi_node
+        else ["--standalone"]
+    )
+    argv = list(args.argv)
+    argv.remove("train")
+    forwarded = _without_launch_flags(argv)
+    if args.run_dir is None:
+        forwarded += ["--run-dir", str(run_dir)]
+    launcher = ["--nproc-per-node", str(args.nproc), "--nnodes", args.nnodes, "--max-restarts", str(args.max_restarts)]
+    try:
+        torchrun([*launcher, *rendezvous, "-m", "moekit", "train", *forwarded])
+    except ChildFailedError as err:
+        rank, failure = err.get_first_failure()
+        raise TrainingError(
+            f"rank {rank} failed with exit code {failure.exitcode}; its error is printed above"
+        ) from None
+    return 0
+
+
+_LAUNCH_FLAGS = {"--nproc", "--nnodes", "--rdzv-endpoint", "--rdzv-id", "--max-restarts"}
+
+
+def _without_launch_flags(argv: list[str]) -> list[str]:
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+            continue
+        name = arg.split("=", 1)[0]
+        if name in _LAUNCH_FLAGS:
+            skip = "=" not in arg
+            continue
+        out.append(arg)
+    return out
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -170,16 +238,19 @@ COMMANDS = {"train": cmd_train, "generate": cmd_generate, "plot": cmd_plot}
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     if args.command is None:
         parser.print_help()
         return 0
+    from moekit.parallel.runtime import RankFailure
     from moekit.train.checkpoint import CheckpointError
     from moekit.train.loop import TrainingError
 
     try:
         return COMMANDS[args.command](args)
-    except (ValueError, CheckpointError, TrainingError, FileNotFoundError) as err:
-        print(f"moekit {args.command}: error: {err}", file=sys.stderr)
+    except (ValueError, CheckpointError, TrainingError, RankFailure, FileNotFoundError) as err:
+        rank = f" (rank {os.environ['RANK']})" if "RANK" in os.environ and "WORLD_SIZE" in os.environ else ""
+        print(f"moekit {args.command}{rank}: error: {err}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
         print(f"moekit {args.command}: interrupted", file=sys.stderr)

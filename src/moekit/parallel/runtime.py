@@ -9,6 +9,7 @@ statistics, and the full weights for checkpoints.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -28,6 +29,27 @@ from moekit.parallel.mesh import Layout, LayoutError, build_mesh, microbatches, 
 from moekit.parallel.pp import Pipeline, build_pipeline, build_stages
 from moekit.parallel.tp import apply_tp
 from moekit.runconfig import RunConfig
+
+
+class RankFailure(RuntimeError):
+    """A collective failed: another rank died, or hung past ``parallel.timeout_s``."""
+
+
+@contextlib.contextmanager
+def collective_errors(timeout_s: float):
+    """Turn a failed collective (a dead or hung peer) into one clear ``RankFailure`` on this rank."""
+    try:
+        yield
+    except RuntimeError as err:
+        text = str(err).strip()
+        backend = isinstance(err, dist.DistError) or any(w in text for w in ("gloo", "NCCL", "Connection", "Timed out"))
+        if not (dist.is_initialized() and backend):
+            raise
+        first = text.splitlines()[0] if text else type(err).__name__
+        raise RankFailure(
+            f"rank {dist.get_rank()}: a collective failed, so another rank died or hung longer than "
+            f"parallel.timeout_s={timeout_s:g}s ({first[:200]})"
+        ) from None
 
 
 def world_size() -> int:

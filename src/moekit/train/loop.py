@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import os
 import signal
 import sys
 import threading
@@ -19,7 +20,7 @@ import torch.distributed as dist
 from tqdm.auto import tqdm
 
 from moekit.model import Transformer
-from moekit.parallel.runtime import ParallelModel, init_distributed
+from moekit.parallel.runtime import ParallelModel, collective_errors, init_distributed, world_size
 from moekit.runconfig import RunConfig
 from moekit.train.checkpoint import (
     CheckpointError,
@@ -108,12 +109,14 @@ class StepStats:
         }
 
 
-def _prepare_run_dir(run_dir: Path, resume: bool) -> None:
+def _prepare_run_dir(run_dir: Path, resume: bool, create: bool = True) -> None:
+    """Check (on every rank, before any collective) that the run directory fits the request."""
     if not resume and latest_checkpoint(run_dir) is not None:
         raise TrainingError(f"{run_dir} already holds a trained run: pass --resume, or choose another --run-dir")
     if resume and latest_checkpoint(run_dir) is None:
         raise TrainingError(f"--resume: {run_dir} has no checkpoint to resume from")
-    run_dir.mkdir(parents=True, exist_ok=True)
+    if create:
+        run_dir.mkdir(parents=True, exist_ok=True)
 
 
 def train(
@@ -125,12 +128,11 @@ def train(
     """
     run_dir = Path(run_dir)
     dev = torch.device(device)
-    layout, mesh = init_distributed(cfg, dev)
-    main = mesh is None or dist.get_rank() == 0
-    if resume and mesh is not None:
+    main = int(os.environ.get("RANK", "0")) == 0
+    if resume and world_size() > 1:
         raise TrainingError("--resume: resuming a multi-rank run needs sharded checkpoints, not yet supported")
-    if main:
-        _prepare_run_dir(run_dir, resume)
+    _prepare_run_dir(run_dir, resume, create=main)
+    layout, mesh = init_distributed(cfg, dev)
     torch.manual_seed(cfg.train.seed)
     corpus = _prepare_corpus_once(cfg, main, mesh is not None)
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=corpus.tokenizer.vocab_size))
@@ -167,7 +169,7 @@ def train(
     bar = tqdm(total=cfg.train.steps, initial=start_step, disable=not progress, unit="step", dynamic_ncols=True)
     pm.train(True)
     logger = MetricsLogger(run_dir) if main else contextlib.nullcontext()
-    with logger, _StopOnInterrupt() as interrupt:
+    with logger, _StopOnInterrupt() as interrupt, collective_errors(cfg.parallel.timeout_s):
         while step < cfg.train.steps and not _agree(interrupt.requested, mesh):
             started = time.perf_counter()
             record = _train_step(pm, forward, optimizer, corpus, cfg, dev, step, checkpoint)
