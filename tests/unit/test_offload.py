@@ -9,34 +9,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from moekit import runconfig
 from moekit.infer.expert_store import ExpertStoreError, read_safetensors_header
 from moekit.infer.generate import generate, generate_texts, left_pad, load_run
 from moekit.infer.offload import OffloadOptions, model_bytes, parse_bytes
 from moekit.model import Transformer
-from moekit.train.checkpoint import save_checkpoint
-from moekit.train.data import ByteTokenizer
 
-OVERRIDES = {"model.n_layers": "3", "moe.num_experts": "6", "model.context_length": "48"}
 PROMPTS = [[5, 17, 99, 3, 42, 8, 1], [200, 13], [7, 7, 7, 7]]
 
 
-def write_run(run_dir: Path, **overrides: str) -> Path:
-    """A run directory like ``moekit train`` writes: config, tokenizer, one checkpoint."""
-    cfg = runconfig.resolve("tiny", {**OVERRIDES, **overrides})
-    torch.manual_seed(0)
-    model = Transformer(cfg.model, cfg.moe)
-    with torch.no_grad():  # sharpen the random model so greedy choices are not near-ties
-        model.lm_head.weight.mul_(20.0)
-    run_dir.mkdir(parents=True)
-    (run_dir / "config.json").write_text(cfg.to_json())
-    ByteTokenizer().save(run_dir)
-    save_checkpoint(run_dir, 1, model, {}, {}, keep=1)
-    return run_dir
-
-
 @pytest.fixture(scope="module")
-def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def run_dir(tmp_path_factory: pytest.TempPathFactory, write_run) -> Path:
     return write_run(tmp_path_factory.mktemp("offload") / "run")
 
 

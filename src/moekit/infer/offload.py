@@ -35,7 +35,7 @@ from moekit.config import ModelConfig, MoEConfig
 from moekit.experts.grouped import apply_activation, compute_dtype
 from moekit.infer.cache import Entry, ExpertCache, make_policy
 from moekit.infer.expert_store import ExpertStore, ExpertStoreError, Key
-from moekit.infer.quant import QUANT_FORMATS, expert_weights, roles, write_quantized_store
+from moekit.infer.quant import QUANT_FORMATS, matmul, roles, write_quantized_store
 from moekit.layer import MoE
 from moekit.model import Transformer
 
@@ -200,8 +200,7 @@ class Offloader:
         self._record_prediction(block, needed)
         self.stats.trace.append([(block, e) for e in needed])
 
-        dtype = compute_dtype(x_RD)
-        x_RD = x_RD.to(dtype)
+        x_RD = x_RD.to(compute_dtype(x_RD))
         y_RD = x_RD.new_empty(x_RD.shape)
         ready: list[tuple[int, Entry]] = []
         missing: list[int] = []
@@ -222,17 +221,18 @@ class Offloader:
         if not missing:
             self._prefetch_for(block, x_RD)
         for e, entry in ready:
-            self._compute(e, entry, x_RD, y_RD, starts, activation, dtype)
+            self._compute(e, entry, x_RD, y_RD, starts, activation)
         for e in missing:  # the budget holds fewer experts than this layer needs: one at a time
             entry = self._load_now((block, e))
             assert entry is not None, "a layer's own experts are unpinned once computed"
-            self._compute(e, entry, x_RD, y_RD, starts, activation, dtype)
+            self._compute(e, entry, x_RD, y_RD, starts, activation)
         return y_RD
 
-    def _compute(self, e: int, entry: Entry, x_RD: Tensor, y_RD: Tensor, starts: list[int], act: str, dtype) -> None:
+    def _compute(self, e: int, entry: Entry, x_RD: Tensor, y_RD: Tensor, starts: list[int], act: str) -> None:
         rows = slice(starts[e], starts[e + 1])
-        w_in, w_out = expert_weights(self.fmt, self.store.views(self.cache.slot(entry)), dtype)
-        torch.mm(apply_activation(torch.mm(x_RD[rows], w_in), act), w_out, out=y_RD[rows])
+        views = self.store.views(self.cache.slot(entry))
+        h = apply_activation(matmul(self.fmt, views, "w_in", x_RD[rows]), act)
+        y_RD[rows] = matmul(self.fmt, views, "w_out", h)
         self.cache.unpin(entry)
 
     def _record_prediction(self, block: int, needed: list[int]) -> None:
