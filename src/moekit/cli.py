@@ -82,6 +82,17 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: %(default)s)")
     gen.add_argument("--seed", type=int, default=0, help="sampling seed (default: %(default)s)")
     gen.add_argument("--device", default="auto", help="cpu, cuda, or auto")
+    gen.add_argument("--prompts-file", type=Path, help="one prompt per line, generated in batches (replaces --prompt)")
+    gen.add_argument("--batch-size", type=int, default=1, help="prompts generated together (default: %(default)s)")
+    off = gen.add_argument_group("offloaded experts (models larger than memory)")
+    off.add_argument(
+        "--memory-budget", help="bytes for resident weights (e.g. 512MB): non-expert weights + an expert cache"
+    )
+    off.add_argument("--policy", default="lru", help="expert cache eviction: lru, lfu, fifo (default: %(default)s)")
+    off.add_argument(
+        "--prefetch", default="router", help="router (predict the next layer), all (ring), off (default: %(default)s)"
+    )
+    off.add_argument("--expert-format", default="fp", help="fp, int8 or int4 expert weights (default: %(default)s)")
 
     plot = commands.add_parser(
         "plot", help="write PNG plots of a run's metrics", description="Write PNG plots of a run."
@@ -138,7 +149,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from moekit.infer.generate import generate_text, load_run
+    from moekit.infer.generate import generate_texts, load_run
+    from moekit.infer.offload import OffloadOptions, format_bytes, parse_bytes
 
     if args.max_new_tokens < 0:
         raise ValueError(f"--max-new-tokens={args.max_new_tokens}: must be >= 0")
@@ -148,11 +160,42 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise ValueError(f"--top-k={args.top_k}: must be >= 0 (0 = all tokens)")
     if not 0 < args.top_p <= 1:
         raise ValueError(f"--top-p={args.top_p}: must be in (0, 1]")
-    run = load_run(args.run_dir, _device(args.device))
-    text = generate_text(
-        run, args.prompt, args.max_new_tokens, args.temperature, args.top_k or None, args.top_p, args.seed
-    )
-    print(text)
+    prompts = [args.prompt]
+    if args.prompts_file is not None:
+        try:
+            prompts = [line for line in args.prompts_file.read_text("utf-8").splitlines() if line]
+        except (OSError, UnicodeDecodeError) as err:
+            raise ValueError(f"--prompts-file={args.prompts_file}: unreadable ({err})") from None
+        if not prompts:
+            raise ValueError(f"--prompts-file={args.prompts_file}: has no non-empty line")
+    offload = None
+    if args.memory_budget is not None:
+        offload = OffloadOptions(parse_bytes(args.memory_budget), args.policy, args.prefetch, args.expert_format)
+    run = load_run(args.run_dir, _device(args.device), offload)
+    start = time.perf_counter()
+    try:
+        texts = generate_texts(
+            run,
+            prompts,
+            args.max_new_tokens,
+            args.temperature,
+            args.top_k or None,
+            args.top_p,
+            args.seed,
+            args.batch_size,
+        )
+    finally:
+        if run.offloader is not None:
+            run.offloader.close()
+    seconds = time.perf_counter() - start
+    print("\n".join(texts))
+    report = f"{len(prompts) * args.max_new_tokens / seconds:.1f} tokens/s"
+    if run.offloader is not None:
+        stats = run.offloader.stats
+        report += f", expert cache hit rate {stats.hit_rate:.1%}, read {format_bytes(stats.bytes_read)}"
+        if args.prefetch == "router":
+            report += f", prefetch recall {stats.prediction_recall:.1%}"
+    print(report, file=sys.stderr)
     return 0
 
 
@@ -173,12 +216,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 0
+    from moekit.infer.expert_store import ExpertStoreError
     from moekit.train.checkpoint import CheckpointError
     from moekit.train.loop import TrainingError
 
     try:
         return COMMANDS[args.command](args)
-    except (ValueError, CheckpointError, TrainingError, FileNotFoundError) as err:
+    except (ValueError, CheckpointError, ExpertStoreError, TrainingError, FileNotFoundError) as err:
         print(f"moekit {args.command}: error: {err}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:

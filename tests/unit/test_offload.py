@@ -117,3 +117,21 @@ def test_parse_bytes() -> None:
     assert parse_bytes("4096") == 4096
     with pytest.raises(ValueError, match="--memory-budget='lots'"):
         parse_bytes("lots")
+
+
+def test_cli_generate_offloaded_batch(run_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from moekit.cli import main
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("ab\nhello\n\nxyz\n")
+    budget = str(budget_for(run_dir, 2))
+    argv = ["generate", str(run_dir), "--prompts-file", str(prompts), "--batch-size", "2", "--max-new-tokens", "5"]
+    assert main([*argv, "--memory-budget", budget, "--temperature", "0", "--policy", "lfu"]) == 0
+    out = capsys.readouterr()
+    assert len(out.out.splitlines()) == 3 and out.out.startswith("ab")
+    assert "tokens/s" in out.err and "hit rate" in out.err and "read " in out.err
+    assert main([*argv, "--memory-budget", "10KB"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "smaller than the non-expert weights" in err
+    assert main([*argv, "--memory-budget", budget, "--policy", "mru"]) == 2
+    assert "--policy='mru'" in capsys.readouterr().err

@@ -33,7 +33,7 @@ from torch import Tensor, nn
 
 from moekit.config import ModelConfig, MoEConfig
 from moekit.experts.grouped import apply_activation, compute_dtype
-from moekit.infer.cache import Entry, ExpertCache, make_policy
+from moekit.infer.cache import POLICIES, Entry, ExpertCache, make_policy
 from moekit.infer.expert_store import ExpertStore, ExpertStoreError, Key
 from moekit.infer.quant import QUANT_FORMATS, matmul, roles, write_quantized_store
 from moekit.layer import MoE
@@ -268,14 +268,24 @@ class OffloadOptions:
     expert_format: str = "fp"  # fp (the checkpoint itself) | int8 | int4 (a quantized store, made once)
     drop_pages: bool = False  # evict each read from the OS page cache (measure the disk, not RAM)
 
+    def __post_init__(self) -> None:
+        choices = {
+            "--policy": (self.policy, tuple(POLICIES)),
+            "--prefetch": (self.prefetch, PREFETCH_MODES),
+            "--expert-format": (self.expert_format, ("fp", *QUANT_FORMATS)),
+        }
+        for flag, (value, allowed) in choices.items():
+            if value not in allowed:
+                raise ValueError(f"{flag}={value!r}: choose from {', '.join(allowed)}")
+        if self.memory_budget <= 0:
+            raise ValueError(f"--memory-budget={self.memory_budget}: must be > 0")
+
 
 def open_store(checkpoint: Path, blocks: dict[int, int], options: OffloadOptions) -> ExpertStore:
     """The checkpoint's own safetensors file (fp), or its quantized copy, written on first use."""
     weights = checkpoint / "model.safetensors"
     if options.expert_format == "fp":
         return ExpertStore(weights, blocks, roles("fp"), options.drop_pages)
-    if options.expert_format not in QUANT_FORMATS:
-        raise ValueError(f"--expert-format={options.expert_format!r}: choose from fp, {', '.join(QUANT_FORMATS)}")
     path = checkpoint / f"experts-{options.expert_format}.safetensors"
     if not path.is_file():
         with ExpertStore(weights, blocks, roles("fp")) as source:
