@@ -56,6 +56,20 @@ def load_run(run_dir: Path, device: str = "cpu", offload: OffloadOptions | None 
     return LoadedRun(model.to(device).eval(), load_tokenizer(run_dir), cfg, path)
 
 
+def check_sampling(max_new_tokens: int, temperature: float, top_k: int, top_p: float, prefix: str = "--") -> None:
+    """ValueError naming the first out-of-range option (``prefix`` + its name: a flag or a JSON field)."""
+    dash = "-" if prefix == "--" else "_"
+    name = {k: prefix + k.replace("_", dash) for k in ("max_new_tokens", "temperature", "top_k", "top_p")}
+    if max_new_tokens < 0:
+        raise ValueError(f"{name['max_new_tokens']}={max_new_tokens}: must be >= 0")
+    if temperature < 0:
+        raise ValueError(f"{name['temperature']}={temperature}: must be >= 0 (0 = greedy)")
+    if top_k < 0:
+        raise ValueError(f"{name['top_k']}={top_k}: must be >= 0 (0 = all tokens)")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"{name['top_p']}={top_p}: must be in (0, 1]")
+
+
 def sample_next(
     logits_BV: Tensor, temperature: float, top_k: int | None, top_p: float | None, generator: torch.Generator | None
 ) -> Tensor:
