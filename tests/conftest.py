@@ -6,6 +6,12 @@ import random
 from pathlib import Path
 
 import pytest
+import torch
+
+from moekit import runconfig
+from moekit.model import Transformer
+from moekit.train.checkpoint import save_checkpoint
+from moekit.train.data import ByteTokenizer
 
 SENTENCE = (
     "the king and queen of the castle walked along the river to see the ships that came from the "
@@ -29,3 +35,26 @@ def write_corpus(path: Path, n_lines: int = 600, seed: int = 0) -> Path:
 @pytest.fixture
 def corpus_file(tmp_path: Path) -> Path:
     return write_corpus(tmp_path / "corpus.txt")
+
+
+RUN_OVERRIDES = {"model.n_layers": "3", "moe.num_experts": "6", "model.context_length": "48"}
+
+
+def _write_run(run_dir: Path, **overrides: str) -> Path:
+    """A run directory like ``moekit train`` writes: config, tokenizer, one checkpoint."""
+    cfg = runconfig.resolve("tiny", {**RUN_OVERRIDES, **overrides})
+    torch.manual_seed(0)
+    model = Transformer(cfg.model, cfg.moe)
+    with torch.no_grad():  # sharpen the random model so greedy choices are not near-ties
+        model.lm_head.weight.mul_(20.0)
+    run_dir.mkdir(parents=True)
+    (run_dir / "config.json").write_text(cfg.to_json())
+    ByteTokenizer().save(run_dir)
+    save_checkpoint(run_dir, 1, model, {}, {}, keep=1)
+    return run_dir
+
+
+@pytest.fixture(scope="session")
+def write_run():
+    """``write_run(run_dir, **overrides)``: a tiny MoE run directory with one checkpoint."""
+    return _write_run

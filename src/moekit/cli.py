@@ -1,4 +1,4 @@
-"""The ``moekit`` command line: train, generate, plot."""
+"""The ``moekit`` command line: train, generate, serve, plot."""
 
 from __future__ import annotations
 
@@ -93,6 +93,20 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: %(default)s)")
     gen.add_argument("--seed", type=int, default=0, help="sampling seed (default: %(default)s)")
     gen.add_argument("--device", default="auto", help="cpu, cuda, or auto")
+    gen.add_argument("--prompts-file", type=Path, help="one prompt per line, generated in batches (replaces --prompt)")
+    gen.add_argument("--batch-size", type=int, default=1, help="prompts generated together (default: %(default)s)")
+    _add_offload_flags(gen)
+
+    serve = commands.add_parser(
+        "serve",
+        help="serve a trained run over HTTP",
+        description="Serve a trained run over HTTP: POST /generate (JSON), GET /health.",
+    )
+    serve.add_argument("run_dir", type=Path, help="a run directory written by moekit train")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
+    serve.add_argument("--port", type=int, default=8000, help="port (default: %(default)s; 0 = any free)")
+    serve.add_argument("--device", default="auto", help="cpu, cuda, or auto")
+    _add_offload_flags(serve)
 
     plot = commands.add_parser(
         "plot", help="write PNG plots of a run's metrics", description="Write PNG plots of a run."
@@ -100,6 +114,29 @@ def build_parser() -> argparse.ArgumentParser:
     plot.add_argument("run_dir", type=Path, help="a run directory written by moekit train")
     plot.add_argument("--out", type=Path, help="output directory (default: RUN_DIR/plots)")
     return parser
+
+
+def _add_offload_flags(parser: argparse.ArgumentParser) -> None:
+    off = parser.add_argument_group("offloaded experts (models larger than memory)")
+    off.add_argument(
+        "--memory-budget", help="bytes for resident weights (e.g. 512MB): non-expert weights + an expert cache"
+    )
+    off.add_argument("--policy", default="lru", help="expert cache eviction: lru, lfu, fifo (default: %(default)s)")
+    off.add_argument(
+        "--prefetch", default="router", help="router (predict the next layer), all (ring), off (default: %(default)s)"
+    )
+    off.add_argument("--expert-format", default="fp", help="fp, int8 or int4 expert weights (default: %(default)s)")
+
+
+def _load_for_inference(args: argparse.Namespace):
+    """The run, its experts offloaded when --memory-budget is given."""
+    from moekit.infer.generate import load_run
+    from moekit.infer.offload import OffloadOptions, parse_bytes
+
+    offload = None
+    if args.memory_budget is not None:
+        offload = OffloadOptions(parse_bytes(args.memory_budget), args.policy, args.prefetch, args.expert_format)
+    return load_run(args.run_dir, _device(args.device), offload)
 
 
 def _device(name: str) -> str:
@@ -206,21 +243,64 @@ def _without_launch_flags(argv: list[str]) -> list[str]:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from moekit.infer.generate import generate_text, load_run
+    from moekit.infer.generate import check_sampling, generate_texts
+    from moekit.infer.offload import format_bytes
 
-    if args.max_new_tokens < 0:
-        raise ValueError(f"--max-new-tokens={args.max_new_tokens}: must be >= 0")
-    if args.temperature < 0:
-        raise ValueError(f"--temperature={args.temperature}: must be >= 0 (0 = greedy)")
-    if args.top_k < 0:
-        raise ValueError(f"--top-k={args.top_k}: must be >= 0 (0 = all tokens)")
-    if not 0 < args.top_p <= 1:
-        raise ValueError(f"--top-p={args.top_p}: must be in (0, 1]")
-    run = load_run(args.run_dir, _device(args.device))
-    text = generate_text(
-        run, args.prompt, args.max_new_tokens, args.temperature, args.top_k or None, args.top_p, args.seed
-    )
-    print(text)
+    check_sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p)
+    prompts = [args.prompt]
+    if args.prompts_file is not None:
+        try:
+            prompts = [line for line in args.prompts_file.read_text("utf-8").splitlines() if line]
+        except (OSError, UnicodeDecodeError) as err:
+            raise ValueError(f"--prompts-file={args.prompts_file}: unreadable ({err})") from None
+        if not prompts:
+            raise ValueError(f"--prompts-file={args.prompts_file}: has no non-empty line")
+    run = _load_for_inference(args)
+    start = time.perf_counter()
+    try:
+        texts = generate_texts(
+            run,
+            prompts,
+            args.max_new_tokens,
+            args.temperature,
+            args.top_k or None,
+            args.top_p,
+            args.seed,
+            args.batch_size,
+        )
+    finally:
+        if run.offloader is not None:
+            run.offloader.close()
+    seconds = time.perf_counter() - start
+    print("\n".join(texts))
+    report = f"{len(prompts) * args.max_new_tokens / seconds:.1f} tokens/s"
+    if run.offloader is not None:
+        stats = run.offloader.stats
+        report += f", expert cache hit rate {stats.hit_rate:.1%}, read {format_bytes(stats.bytes_read)}"
+        if args.prefetch == "router":
+            report += f", prefetch recall {stats.prediction_recall:.1%}"
+    print(report, file=sys.stderr)
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from moekit.infer.serve import make_server
+
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port={args.port}: must be in 0..65535")
+    run = _load_for_inference(args)
+    try:
+        server = make_server(run, args.host, args.port)
+    except OSError as err:
+        raise ValueError(f"--port={args.port}: cannot listen on {args.host} ({err.strerror})") from None
+    host, port = server.server_address[:2]
+    print(f"serving {args.run_dir} on http://{host}:{port} (POST /generate, GET /health); Ctrl-C stops", flush=True)
+    try:
+        server.serve_forever()
+    finally:
+        server.server_close()
+        if run.offloader is not None:
+            run.offloader.close()
     return 0
 
 
@@ -232,7 +312,7 @@ def cmd_plot(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"train": cmd_train, "generate": cmd_generate, "plot": cmd_plot}
+COMMANDS = {"train": cmd_train, "generate": cmd_generate, "serve": cmd_serve, "plot": cmd_plot}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -242,13 +322,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 0
+    from moekit.infer.expert_store import ExpertStoreError
     from moekit.parallel.runtime import RankFailure
     from moekit.train.checkpoint import CheckpointError
     from moekit.train.loop import TrainingError
 
     try:
         return COMMANDS[args.command](args)
-    except (ValueError, CheckpointError, TrainingError, RankFailure, FileNotFoundError) as err:
+    except (ValueError, CheckpointError, ExpertStoreError, TrainingError, RankFailure, FileNotFoundError) as err:
         rank = f" (rank {os.environ['RANK']})" if "RANK" in os.environ and "WORLD_SIZE" in os.environ else ""
         print(f"moekit {args.command}{rank}: error: {err}", file=sys.stderr)
         return EXIT_USAGE

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from moekit import runconfig
-from moekit.infer.generate import generate, sample_next
+from moekit.infer.generate import generate, left_pad, sample_next
 from moekit.model import KVCache, Transformer
 
 
@@ -77,3 +77,13 @@ def test_top_k_and_top_p_filtering() -> None:
 def test_empty_prompt_is_rejected() -> None:
     with pytest.raises(ValueError, match="prompt is empty"):
         generate(tiny_model(), torch.zeros(1, 0, dtype=torch.long), 3)
+
+
+def test_left_padded_batch_equals_each_prompt_alone() -> None:
+    model = tiny_model()
+    prompts = [[5, 17, 99, 3, 42, 8, 1], [200, 13], [7]]
+    ids, pad = left_pad(prompts)
+    batched = generate(model, ids, 20, temperature=0, left_pad_B=pad)
+    for row, prompt, p in zip(batched, prompts, pad.tolist(), strict=True):
+        alone = generate(model, torch.tensor([prompt]), 20, temperature=0)[0]
+        assert torch.equal(row[p:], alone)

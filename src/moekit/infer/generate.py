@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -16,6 +17,9 @@ from moekit.runconfig import RunConfig, from_json
 from moekit.train.checkpoint import CheckpointError, latest_checkpoint, load_model_weights, read_manifest
 from moekit.train.data import Tokenizer, load_tokenizer
 
+if TYPE_CHECKING:
+    from moekit.infer.offload import Offloader, OffloadOptions
+
 
 @dataclass(frozen=True)
 class LoadedRun:
@@ -23,10 +27,15 @@ class LoadedRun:
     tokenizer: Tokenizer
     config: RunConfig
     checkpoint: Path
+    offloader: Offloader | None = None  # set when the experts are offloaded
 
 
-def load_run(run_dir: Path, device: str = "cpu") -> LoadedRun:
-    """The trained model (newest checkpoint, weights verified), its tokenizer and config."""
+def load_run(run_dir: Path, device: str = "cpu", offload: OffloadOptions | None = None) -> LoadedRun:
+    """The trained model (newest checkpoint, weights verified), its tokenizer and config.
+
+    With ``offload`` the experts stay on disk and are served through a budgeted cache
+    (``moekit.infer.offload``); only the non-expert weights are loaded.
+    """
     run_dir = Path(run_dir)
     if not (run_dir / "config.json").is_file():
         raise CheckpointError(f"{run_dir}: not a moekit run directory (no config.json)")
@@ -34,10 +43,31 @@ def load_run(run_dir: Path, device: str = "cpu") -> LoadedRun:
     path = latest_checkpoint(run_dir)
     if path is None:
         raise CheckpointError(f"{run_dir}: has no checkpoint yet")
+    if offload is not None:
+        from moekit.infer.offload import build_offloaded
+
+        if not cfg.is_moe:
+            raise ValueError(f"--memory-budget: {run_dir} is a dense model; it has no experts to offload")
+        model, offloader = build_offloaded(cfg.model, cfg.moe, path, offload, device)
+        return LoadedRun(model, load_tokenizer(run_dir), cfg, path, offloader)
     read_manifest(path)
     model = Transformer(cfg.model, cfg.moe if cfg.is_moe else None)
     load_model_weights(path, model)
     return LoadedRun(model.to(device).eval(), load_tokenizer(run_dir), cfg, path)
+
+
+def check_sampling(max_new_tokens: int, temperature: float, top_k: int, top_p: float, prefix: str = "--") -> None:
+    """ValueError naming the first out-of-range option (``prefix`` + its name: a flag or a JSON field)."""
+    dash = "-" if prefix == "--" else "_"
+    name = {k: prefix + k.replace("_", dash) for k in ("max_new_tokens", "temperature", "top_k", "top_p")}
+    if max_new_tokens < 0:
+        raise ValueError(f"{name['max_new_tokens']}={max_new_tokens}: must be >= 0")
+    if temperature < 0:
+        raise ValueError(f"{name['temperature']}={temperature}: must be >= 0 (0 = greedy)")
+    if top_k < 0:
+        raise ValueError(f"{name['top_k']}={top_k}: must be >= 0 (0 = all tokens)")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"{name['top_p']}={top_p}: must be in (0, 1]")
 
 
 def sample_next(
@@ -70,15 +100,19 @@ def generate(
     top_p: float | None = None,
     seed: int | None = None,
     use_cache: bool = True,
+    left_pad_B: Tensor | None = None,
 ) -> Tensor:
     """Prompt followed by ``max_new_tokens`` generated tokens, ``[B, L + max_new_tokens]``.
 
     With ``use_cache`` the prompt is prefilled once and each new token costs one position; when the
     context fills, the cache is rebuilt from the last half-context (a sliding window). Without it,
     every step reruns the whole (cropped) sequence: the reference the cache is tested against.
+    ``left_pad_B``: leading padding positions of each row (prompts of different lengths).
     """
     if prompt_BL.shape[1] == 0:
         raise ValueError("prompt is empty: give at least one token")
+    if left_pad_B is not None and not use_cache:
+        raise ValueError("left-padded prompts need use_cache=True (the cache carries the padding mask)")
     generator = torch.Generator().manual_seed(seed) if seed is not None else None
     model.eval()
     ctx = model.cfg.context_length
@@ -90,13 +124,51 @@ def generate(
         else:
             if cache is None or cache.length >= ctx:
                 window = out[:, -(max(1, ctx // 2) if cache is not None else ctx) :]
-                cache = KVCache(model.cfg, out.shape[0], out.device, model.embed.weight.dtype)
+                pad = None
+                if left_pad_B is not None:  # padding that the window cut off is gone
+                    pad = (left_pad_B - (out.shape[1] - window.shape[1])).clamp_min(0)
+                cache = KVCache(model.cfg, out.shape[0], out.device, model.embed.weight.dtype, pad)
                 logits = model(window, cache=cache).logits[:, -1]
             else:
                 logits = model(out[:, -1:], cache=cache).logits[:, -1]
         next_B1 = sample_next(logits, temperature, top_k, top_p, generator).unsqueeze(1)
         out = torch.cat([out, next_B1], dim=1)
     return out
+
+
+def left_pad(prompts: list[list[int]], pad_id: int = 0) -> tuple[Tensor, Tensor]:
+    """Token ids ``[B, max length]`` right-aligned behind padding, and each row's padding count [B]."""
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], dtype=torch.long)
+    return ids, torch.tensor([width - len(p) for p in prompts])
+
+
+def generate_texts(
+    run: LoadedRun,
+    prompts: list[str],
+    max_new_tokens: int,
+    temperature: float = 0.8,
+    top_k: int | None = 50,
+    top_p: float | None = None,
+    seed: int | None = 0,
+    batch_size: int = 1,
+) -> list[str]:
+    """Continuations of several prompts (each prompt included), generated ``batch_size`` at a time."""
+    if batch_size < 1:
+        raise ValueError(f"--batch-size={batch_size}: must be >= 1")
+    encoded = [run.tokenizer.encode(p) for p in prompts]
+    for i, ids in enumerate(encoded):
+        if not ids:
+            raise ValueError(f"prompt {i + 1} is empty after tokenisation: give at least one character")
+    device = run.model.embed.weight.device
+    texts = []
+    for start in range(0, len(encoded), batch_size):
+        ids_BL, pad_B = left_pad(encoded[start : start + batch_size])
+        out = generate(
+            run.model, ids_BL.to(device), max_new_tokens, temperature, top_k, top_p, seed, True, pad_B.to(device)
+        )
+        texts += [run.tokenizer.decode(row[pad:].tolist()) for row, pad in zip(out, pad_B.tolist(), strict=True)]
+    return texts
 
 
 def generate_text(
@@ -109,10 +181,6 @@ def generate_text(
     seed: int | None = 0,
 ) -> str:
     """Decode the continuation of ``prompt`` (the prompt itself included)."""
-    ids = run.tokenizer.encode(prompt)
-    if not ids:
+    if not run.tokenizer.encode(prompt):
         raise ValueError("--prompt is empty after tokenisation: give at least one character")
-    device = run.model.embed.weight.device
-    prompt_BL = torch.tensor([ids], dtype=torch.long, device=device)
-    out = generate(run.model, prompt_BL, max_new_tokens, temperature, top_k, top_p, seed)
-    return run.tokenizer.decode(out[0].tolist())
+    return generate_texts(run, [prompt], max_new_tokens, temperature, top_k, top_p, seed)[0]

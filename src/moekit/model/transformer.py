@@ -28,14 +28,40 @@ class ModelOutput:
 
 
 class KVCache:
-    """Keys and values of the tokens seen so far, per layer: ``[B, G, max_len, head_dim]``."""
+    """Keys and values of the tokens seen so far, per layer: ``[B, G, max_len, head_dim]``.
 
-    def __init__(self, cfg: ModelConfig, batch_size: int, device: torch.device, dtype: torch.dtype) -> None:
+    ``left_pad_B`` (batched prompts of different lengths, left-aligned with padding) says how many
+    leading positions of each row are padding: no real token attends to them. RoPE sees only
+    relative positions, so a row shifted right by its padding computes what it would alone.
+    """
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        batch_size: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        left_pad_B: Tensor | None = None,
+    ) -> None:
         head_dim = cfg.d_model // cfg.n_heads
         shape = (batch_size, cfg.kv_heads, cfg.context_length, head_dim)
         self.keys = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layers)]
         self.values = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layers)]
         self.length = 0  # tokens cached
+        self.left_pad = left_pad_B if left_pad_B is not None and bool(left_pad_B.any()) else None
+
+    def attention_mask(self, num_queries: int, num_keys: int, device: torch.device) -> Tensor | None:
+        """``[B or 1, 1, L, S]`` boolean mask for queries at positions length.. (None: plain causal)."""
+        if self.length == 0 and self.left_pad is None:
+            return None
+        key_pos = torch.arange(num_keys, device=device)
+        query_pos = (self.length + torch.arange(num_queries, device=device)).unsqueeze(1)
+        mask = key_pos <= query_pos  # [L, S]
+        if self.left_pad is None:
+            return mask
+        # NOTE: a padding query still sees itself, so its row stays finite (no 0/0 softmax).
+        real = key_pos >= self.left_pad.view(-1, 1, 1, 1)
+        return mask & (real | (key_pos == query_pos))
 
     def append(self, layer: int, k_BGLd: Tensor, v_BGLd: Tensor) -> tuple[Tensor, Tensor]:
         """Store this step's keys/values at positions [length, length+L); return all cached so far."""
@@ -104,16 +130,15 @@ class Attention(nn.Module):
         q = qk[..., :Q, :].reshape(B, L, -1, self.head_dim).transpose(1, 2)
         k = qk[..., Q, :].transpose(1, 2)
         v = h[..., Q + 1, :].transpose(1, 2)
-        start = 0
+        mask = None
         if cache is not None:
-            start = cache.length
             k, v = cache.append(layer, k, v)
+            mask = cache.attention_mask(L, k.shape[2], q.device)
         dropout = self.dropout if self.training else 0.0
         gqa = Q > 1
-        if start == 0:
+        if mask is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout, enable_gqa=gqa)
-        else:  # queries at positions start.. attend to every cached key up to their own position
-            mask = torch.arange(k.shape[2], device=q.device) <= (start + torch.arange(L, device=q.device)).unsqueeze(1)
+        else:  # queries at positions start.. attend to every cached (real) key up to their own position
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, enable_gqa=gqa)
         return self.out(y.transpose(1, 2).reshape(B, L, -1))
 

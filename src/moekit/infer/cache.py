@@ -1,0 +1,218 @@
+"""The fast tier: a fixed arena of expert-sized slots under a strict byte budget, and its eviction policies.
+
+The arena is allocated once (``num_slots * slot_bytes`` <= budget), so the resident expert bytes can
+never exceed the budget: a load needs a free slot or evicts an unpinned one. Pins protect the
+experts a layer is computing with and those prefetched for the next layer.
+
+Policies are pluggable (``POLICIES``): ``lru``, ``lfu`` (counts kept across evictions, ties broken
+by recency) and ``fifo`` (the ring order throughput mode streams layers through). ``replay`` runs a
+recorded routing trace through any of them, or through Belady's optimal policy, offline.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Hashable, Iterable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+
+class Policy(Protocol):
+    """Chooses which unpinned resident key to evict."""
+
+    def touch(self, key: Hashable) -> None: ...  # key was used
+    def insert(self, key: Hashable) -> None: ...  # key became resident
+    def remove(self, key: Hashable) -> None: ...  # key was evicted
+    def victim(self, candidates: Iterable[Hashable]) -> Hashable: ...  # one of candidates to evict
+
+
+class LRU:
+    """Evict the least recently used."""
+
+    def __init__(self) -> None:
+        self._order: OrderedDict[Hashable, None] = OrderedDict()
+
+    def touch(self, key: Hashable) -> None:
+        self._order.move_to_end(key)
+
+    def insert(self, key: Hashable) -> None:
+        self._order[key] = None
+
+    def remove(self, key: Hashable) -> None:
+        self._order.pop(key, None)
+
+    def victim(self, candidates: Iterable[Hashable]) -> Hashable:
+        allowed = set(candidates)
+        return next(k for k in self._order if k in allowed)
+
+
+class FIFO(LRU):
+    """Evict the oldest resident, whatever its use: a ring over the slots."""
+
+    def touch(self, key: Hashable) -> None:
+        pass
+
+
+class LFU:
+    """Evict the least frequently used; counts survive eviction (popular experts stay popular)."""
+
+    def __init__(self) -> None:
+        self._count: dict[Hashable, int] = {}
+        self._last: dict[Hashable, int] = {}
+        self._clock = 0
+
+    def touch(self, key: Hashable) -> None:
+        self._clock += 1
+        self._count[key] = self._count.get(key, 0) + 1
+        self._last[key] = self._clock
+
+    def insert(self, key: Hashable) -> None:
+        self.touch(key)
+
+    def remove(self, key: Hashable) -> None:
+        pass
+
+    def victim(self, candidates: Iterable[Hashable]) -> Hashable:
+        return min(candidates, key=lambda k: (self._count.get(k, 0), self._last.get(k, 0)))
+
+
+POLICIES = {"lru": LRU, "lfu": LFU, "fifo": FIFO}
+
+
+def make_policy(name: str) -> Policy:
+    if name not in POLICIES:
+        raise ValueError(f"cache policy {name!r}: choose from {', '.join(POLICIES)}")
+    return POLICIES[name]()
+
+
+@dataclass
+class Entry:
+    slot: int
+    pins: int = 0
+    loading: Future | None = None  # set while a background read fills the slot
+    prefetched: bool = False  # loaded ahead of need and not used yet
+
+
+@dataclass
+class CacheCounters:
+    peak_slots: int = 0  # most slots ever occupied at once
+    evictions: int = 0
+
+
+class ExpertCache:
+    """``num_slots`` expert slots of ``slot_bytes`` each in one arena on ``device``; thread-safe."""
+
+    def __init__(self, num_slots: int, slot_bytes: int, device: torch.device, policy: Policy) -> None:
+        assert num_slots >= 1
+        self.num_slots, self.slot_bytes = num_slots, slot_bytes
+        self.arena = torch.empty(num_slots * slot_bytes, dtype=torch.uint8, device=device)
+        self.policy = policy
+        self.entries: dict[Hashable, Entry] = {}
+        self._free = list(range(num_slots - 1, -1, -1))
+        self.lock = threading.RLock()
+        self.counters = CacheCounters()
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.num_slots * self.slot_bytes
+
+    @property
+    def resident_bytes(self) -> int:
+        return len(self.entries) * self.slot_bytes
+
+    def slot(self, entry: Entry) -> Tensor:
+        return self.arena[entry.slot * self.slot_bytes : (entry.slot + 1) * self.slot_bytes]
+
+    def get(self, key: Hashable) -> Entry | None:
+        """The resident entry for key (counted as a use), or None."""
+        with self.lock:
+            entry = self.entries.get(key)
+            if entry is not None:
+                self.policy.touch(key)
+            return entry
+
+    def reserve(self, key: Hashable) -> Entry | None:
+        """A slot for key, pinned once: a free one, or the policy's unpinned victim; None if all are pinned."""
+        with self.lock:
+            assert key not in self.entries, key
+            if not self._free:
+                candidates = [k for k, e in self.entries.items() if e.pins == 0 and e.loading is None]
+                if not candidates:
+                    return None
+                victim = self.policy.victim(candidates)
+                self._free.append(self.entries.pop(victim).slot)
+                self.policy.remove(victim)
+                self.counters.evictions += 1
+            entry = Entry(self._free.pop(), pins=1)
+            self.entries[key] = entry
+            self.policy.insert(key)
+            occupied = len(self.entries)
+            assert occupied <= self.num_slots and self.resident_bytes <= self.capacity_bytes
+            self.counters.peak_slots = max(self.counters.peak_slots, occupied)
+            return entry
+
+    def drop(self, key: Hashable) -> None:
+        """Forget key (a failed or cancelled load): its slot is free again."""
+        with self.lock:
+            entry = self.entries.pop(key)
+            self.policy.remove(key)
+            self._free.append(entry.slot)
+
+    def unpin(self, entry: Entry) -> None:
+        with self.lock:
+            assert entry.pins > 0
+            entry.pins -= 1
+
+    def pin(self, entry: Entry) -> None:
+        with self.lock:
+            entry.pins += 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Offline replay of a routing trace: the hit rate each policy reaches, and Belady's ceiling.
+
+
+def replay(trace: Sequence[Sequence[Hashable]], capacity: int, policy: str) -> float:
+    """Hit rate of ``policy`` (a name in POLICIES, or ``belady``) over ``trace``.
+
+    ``trace`` is one request per (step, layer): the experts that layer needed in that step. A
+    request's own experts are never evicted while it is served, as in the live cache.
+    """
+    flat = [(i, key) for i, request in enumerate(trace) for key in request]
+    next_use = _next_uses([key for _, key in flat]) if policy == "belady" else []
+    chooser = None if policy == "belady" else make_policy(policy)
+    resident: dict[Hashable, int] = {}  # key -> position of its next use (belady) or 0
+    hits = 0
+    for pos, (i, key) in enumerate(flat):
+        if key in resident:
+            hits += 1
+            if chooser is not None:
+                chooser.touch(key)
+        else:
+            if len(resident) >= capacity:
+                current = set(trace[i])
+                candidates = [k for k in resident if k not in current] or list(resident)
+                if chooser is None:
+                    victim = max(candidates, key=lambda k: resident[k])
+                else:
+                    victim = chooser.victim(candidates)
+                    chooser.remove(victim)
+                del resident[victim]
+            if chooser is not None:
+                chooser.insert(key)
+        resident[key] = next_use[pos] if next_use else 0
+    return hits / max(1, len(flat))
+
+
+def _next_uses(keys: list[Hashable]) -> list[int]:
+    """For each position, where the same key is next requested (len(keys) if never)."""
+    out, seen = [0] * len(keys), {}
+    for pos in range(len(keys) - 1, -1, -1):
+        out[pos] = seen.get(keys[pos], len(keys))
+        seen[keys[pos]] = pos
+    return out

@@ -1,0 +1,362 @@
+"""Inference beyond memory: experts in a slow tier, a budgeted fast-tier cache, prefetch on a thread.
+
+The model stays the single-device ``Transformer``; each MoE layer's ``experts`` module is swapped
+for an ``OffloadedExperts`` that asks the ``Offloader`` for the weights of the experts its tokens
+picked. Non-expert weights stay resident. Per layer and step:
+
+1. experts prefetched for this layer are waited for (needed) or let go (mispredicted);
+2. every needed expert already resident is pinned (a hit); misses are read on demand, each at most
+   once per step for the whole batch;
+3. the next MoE layer's experts are predicted by applying its router to this layer's input
+   (``prefetch="router"``; Eliseev & Mazur 2023) or taken whole (``prefetch="all"``: throughput
+   mode, layers streamed round-robin through the slots with FIFO eviction, MoESys/MoE-Lightning)
+   and read on a background thread while this layer computes;
+4. each expert's rows are computed with plain matmuls, the same arithmetic as the resident
+   per-expert path, so greedy tokens match resident inference exactly in full precision.
+
+When the budget holds fewer experts than a layer needs, the layer runs in chunks: resident
+experts first, then each missing one loaded into an evicted slot and computed at once.
+
+Legend: R rows sorted by expert, D model dim, E experts.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from moekit.config import ModelConfig, MoEConfig
+from moekit.experts.grouped import apply_activation, compute_dtype
+from moekit.infer.cache import POLICIES, Entry, ExpertCache, make_policy
+from moekit.infer.expert_store import ExpertStore, ExpertStoreError, Key
+from moekit.infer.quant import QUANT_FORMATS, matmul, roles, write_quantized_store
+from moekit.layer import MoE
+from moekit.model import Transformer
+
+PREFETCH_MODES = ("router", "all", "off")
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def parse_bytes(text: str, name: str = "--memory-budget") -> int:
+    """``512MB``, ``1.5GiB``, ``1000000`` -> bytes."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    if not match or match.group(2).lower() not in _UNITS:
+        raise ValueError(f"{name}={text!r}: give a size such as 512MB, 2GiB or a byte count")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def format_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    raise AssertionError
+
+
+@dataclass
+class OffloadStats:
+    """Counters of an offloaded run; ``reads_per_step`` proves no expert is read twice in a step."""
+
+    steps: int = 0
+    hits: int = 0  # needed experts found resident (loaded earlier or prefetched)
+    misses: int = 0  # needed experts read on demand
+    bytes_read: int = 0
+    reads: int = 0
+    prefetch_reads: int = 0
+    predicted: int = 0  # experts the prefetcher predicted (in layers that had a prediction)
+    predicted_needed: int = 0  # of those needed experts, how many were predicted
+    needed_with_prediction: int = 0  # needed experts in layers that had a prediction
+    reads_per_step: Counter = field(default_factory=Counter)  # (step, key) -> reads
+    trace: list[list[Key]] = field(default_factory=list)  # needed experts per (step, layer)
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / max(1, self.hits + self.misses)
+
+    @property
+    def prediction_recall(self) -> float:
+        """Share of needed experts the prefetcher had predicted."""
+        return self.predicted_needed / max(1, self.needed_with_prediction)
+
+    @property
+    def prediction_precision(self) -> float:
+        return self.predicted_needed / max(1, self.predicted)
+
+
+class Offloader:
+    """Serves expert weights of every MoE block of one model from a store through a budgeted cache."""
+
+    def __init__(
+        self, store: ExpertStore, cache: ExpertCache, fmt: str, layers: dict[int, MoE], prefetch: str = "router"
+    ) -> None:
+        if prefetch not in PREFETCH_MODES:
+            raise ValueError(f"prefetch={prefetch!r}: choose from {', '.join(PREFETCH_MODES)}")
+        self.store, self.cache, self.fmt, self.prefetch = store, cache, fmt, prefetch
+        self.blocks = sorted(layers)
+        self.routers = {b: layers[b].router for b in self.blocks}
+        self.num_experts = {b: layers[b].cfg.num_experts for b in self.blocks}
+        self.stats = OffloadStats()
+        self._pending: dict[int, list[Key]] = {}  # block -> keys prefetched for it, not yet settled
+        self._predicted: tuple[int, set[int]] | None = None  # (block, experts) the router prefetch predicted
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="moekit-prefetch") if prefetch != "off" else None
+        self._staging = self.cache.arena.device.type != "cpu"
+
+    def close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=True, cancel_futures=True)
+        self.store.close()
+
+    # --- loading -------------------------------------------------------------------------------
+
+    def _read(self, key: Key, entry: Entry, step: int, prefetch: bool) -> None:
+        slot = self.cache.slot(entry)
+        if self._staging:  # GPU: read into host memory, then copy into the device slot
+            host = torch.empty(self.cache.slot_bytes, dtype=torch.uint8).pin_memory()
+            self.store.read_into(key, host)
+            slot.copy_(host)
+        else:
+            self.store.read_into(key, slot)
+        with self.cache.lock:
+            self.stats.reads += 1
+            self.stats.prefetch_reads += prefetch
+            self.stats.bytes_read += self.store.bytes_per_expert
+            self.stats.reads_per_step[(step, key)] += 1
+
+    def _load_now(self, key: Key) -> Entry | None:
+        """Read a missing expert on the calling thread into a pinned slot (None: every slot is pinned)."""
+        entry = self.cache.reserve(key)
+        if entry is None:
+            return None
+        try:
+            self._read(key, entry, self.stats.steps, prefetch=False)
+        except BaseException:
+            self.cache.drop(key)
+            raise
+        return entry
+
+    def _settle(self, block: int, needed: set[int]) -> None:
+        """Wait for prefetched experts this layer needs; cancel or release the others."""
+        for key in self._pending.pop(block, []):
+            entry = self.cache.entries[key]
+            future = entry.loading
+            assert future is not None
+            if key[1] not in needed and future.cancel():
+                self.cache.drop(key)
+                continue
+            try:
+                future.result()
+            except BaseException:
+                self.cache.drop(key)
+                raise
+            entry.loading = None
+            self.cache.unpin(entry)
+
+    def _prefetch_for(self, block: int, x_RD: Tensor) -> None:
+        """Start background reads of the experts the next MoE layer is predicted to need."""
+        i = self.blocks.index(block)
+        if self._executor is None or (i + 1 == len(self.blocks) and self.prefetch == "router"):
+            return
+        target = self.blocks[(i + 1) % len(self.blocks)]
+        if self.prefetch == "all":
+            predicted = list(range(self.num_experts[target]))
+        else:
+            router = self.routers[target]
+            if router.cfg.router == "hash" or x_RD.shape[0] == 0:
+                return  # a hash router needs token ids, not hidden states
+            predicted = torch.unique(router(x_RD).expert_idx).tolist()
+            self.stats.predicted += len(predicted)
+        step = self.stats.steps + (target <= block)  # wrapping around: the next step's first layer
+        keys = []
+        for expert in predicted:
+            key = (target, expert)
+            if key in self.cache.entries:  # resident already (a prediction is not a use)
+                continue
+            entry = self.cache.reserve(key)
+            if entry is None:
+                break  # every slot is pinned: no room to look further ahead
+            entry.loading = self._executor.submit(self._read, key, entry, step, True)
+            keys.append(key)
+        self._pending[target] = keys
+        self._predicted = (target, set(predicted)) if self.prefetch == "router" else None
+
+    # --- one layer -----------------------------------------------------------------------------
+
+    def run_layer(self, block: int, x_RD: Tensor, tokens_per_expert: Tensor, activation: str) -> Tensor:
+        """The experts' outputs [R, D] for rows sorted by expert, loading weights as needed."""
+        if block == self.blocks[0]:
+            self.stats.steps += 1
+        counts = tokens_per_expert.tolist()
+        starts = [0]
+        for n in counts:
+            starts.append(starts[-1] + n)
+        needed = [e for e, n in enumerate(counts) if n]
+        self._settle(block, set(needed))
+        self._record_prediction(block, needed)
+        self.stats.trace.append([(block, e) for e in needed])
+
+        x_RD = x_RD.to(compute_dtype(x_RD))
+        y_RD = x_RD.new_empty(x_RD.shape)
+        ready: list[tuple[int, Entry]] = []
+        missing: list[int] = []
+        for e in needed:
+            entry = self.cache.get((block, e))
+            if entry is not None:
+                self.cache.pin(entry)
+                ready.append((e, entry))
+            else:
+                missing.append(e)
+        self.stats.hits += len(ready)
+        self.stats.misses += len(missing)
+        while missing:  # demand reads while there are slots
+            entry = self._load_now((block, missing[0]))
+            if entry is None:
+                break
+            ready.append((missing.pop(0), entry))
+        if not missing:
+            self._prefetch_for(block, x_RD)
+        for e, entry in ready:
+            self._compute(e, entry, x_RD, y_RD, starts, activation)
+        for e in missing:  # the budget holds fewer experts than this layer needs: one at a time
+            entry = self._load_now((block, e))
+            assert entry is not None, "a layer's own experts are unpinned once computed"
+            self._compute(e, entry, x_RD, y_RD, starts, activation)
+        return y_RD
+
+    def _compute(self, e: int, entry: Entry, x_RD: Tensor, y_RD: Tensor, starts: list[int], act: str) -> None:
+        rows = slice(starts[e], starts[e + 1])
+        views = self.store.views(self.cache.slot(entry))
+        h = apply_activation(matmul(self.fmt, views, "w_in", x_RD[rows]), act)
+        y_RD[rows] = matmul(self.fmt, views, "w_out", h)
+        self.cache.unpin(entry)
+
+    def _record_prediction(self, block: int, needed: list[int]) -> None:
+        if self._predicted is None or self._predicted[0] != block:
+            return
+        self.stats.needed_with_prediction += len(needed)
+        self.stats.predicted_needed += len(self._predicted[1].intersection(needed))
+        self._predicted = None
+
+
+class OffloadedExperts(nn.Module):
+    """Drop-in for ``GroupedExperts`` at inference: same call, weights fetched from the offloader."""
+
+    def __init__(self, offloader: Offloader, block: int, activation: str) -> None:
+        super().__init__()
+        self.offloader, self.block, self.activation = offloader, block, activation
+
+    def forward(self, x_RD: Tensor, tokens_per_expert: Tensor) -> Tensor:
+        return self.offloader.run_layer(self.block, x_RD, tokens_per_expert, self.activation)
+
+
+# ---------------------------------------------------------------------------------------------
+# Building an offloaded model from a run directory.
+
+
+@dataclass(frozen=True)
+class OffloadOptions:
+    """How a run's experts are offloaded (the ``moekit generate`` flags of the same names)."""
+
+    memory_budget: int  # bytes for resident weights: non-expert weights + the expert cache
+    policy: str = "lru"  # cache eviction: lru | lfu | fifo
+    prefetch: str = "router"  # router (predict the next layer) | all (throughput ring) | off
+    expert_format: str = "fp"  # fp (the checkpoint itself) | int8 | int4 (a quantized store, made once)
+    drop_pages: bool = False  # evict each read from the OS page cache (measure the disk, not RAM)
+
+    def __post_init__(self) -> None:
+        choices = {
+            "--policy": (self.policy, tuple(POLICIES)),
+            "--prefetch": (self.prefetch, PREFETCH_MODES),
+            "--expert-format": (self.expert_format, ("fp", *QUANT_FORMATS)),
+        }
+        for flag, (value, allowed) in choices.items():
+            if value not in allowed:
+                raise ValueError(f"{flag}={value!r}: choose from {', '.join(allowed)}")
+        if self.memory_budget <= 0:
+            raise ValueError(f"--memory-budget={self.memory_budget}: must be > 0")
+
+
+def open_store(checkpoint: Path, blocks: dict[int, int], options: OffloadOptions) -> ExpertStore:
+    """The checkpoint's own safetensors file (fp), or its quantized copy, written on first use."""
+    weights = checkpoint / "model.safetensors"
+    if options.expert_format == "fp":
+        return ExpertStore(weights, blocks, roles("fp"), options.drop_pages)
+    path = checkpoint / f"experts-{options.expert_format}.safetensors"
+    if not path.is_file():
+        with ExpertStore(weights, blocks, roles("fp")) as source:
+            write_quantized_store(source, path, options.expert_format)
+    return ExpertStore(path, blocks, roles(options.expert_format), options.drop_pages)
+
+
+def model_bytes(model: nn.Module) -> int:
+    """Bytes of a model's parameters and buffers (shared tensors counted once)."""
+    seen: dict[int, int] = {}
+    for t in [*model.parameters(), *model.buffers()]:
+        seen[t.data_ptr()] = t.numel() * t.element_size()
+    return sum(seen.values())
+
+
+def build_offloaded(
+    model_cfg: ModelConfig, moe_cfg: MoEConfig, checkpoint: Path, options: OffloadOptions, device: str = "cpu"
+) -> tuple[Transformer, Offloader]:
+    """A ``Transformer`` whose non-expert weights are loaded from the checkpoint and whose experts
+    come from a store through a cache of what the budget leaves after the non-expert weights.
+
+    The expert tensors are never materialised: the model is built on the meta device, its experts
+    swapped for ``OffloadedExperts``, then the remaining tensors allocated and loaded by name. The
+    checkpoint's checksum is not recomputed (that would read every expert); a truncated file is
+    still caught, by the store, naming the first expert it cuts.
+    """
+    from safetensors import safe_open
+
+    from moekit.model.transformer import rope_frequencies
+
+    with torch.device("meta"):
+        model = Transformer(model_cfg, moe_cfg)
+    layers = {i: b.ffn for i, b in enumerate(model.blocks) if isinstance(b.ffn, MoE)}
+    for moe in layers.values():
+        del moe.experts  # replaced below, once the offloader exists
+    model.to_empty(device=device)
+    if model_cfg.tie_embeddings:  # allocating meta tensors one module at a time unties shared ones
+        model.lm_head.weight = model.embed.weight
+    head_dim = model_cfg.d_model // model_cfg.n_heads
+    model.rope_freqs = rope_frequencies(head_dim, model_cfg.context_length, model_cfg.rope_theta).to(device)
+    store = open_store(Path(checkpoint), {b: m.cfg.num_experts for b, m in layers.items()}, options)
+    wanted = model.state_dict()
+    state = {}
+    weights = Path(checkpoint) / "model.safetensors"
+    with safe_open(str(weights), "pt", device="cpu") as f:
+        for name in f.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
+            if name in wanted:
+                state[name] = f.get_tensor(name)
+    model.load_state_dict(state, strict=False)
+    loaded = {wanted[n].data_ptr() for n in state}
+    missing = [n for n, t in wanted.items() if t.data_ptr() not in loaded]
+    if missing:
+        store.close()
+        raise ExpertStoreError(f"{weights}: does not fit this model (missing {sorted(missing)[:3]})")
+    budget, resident = options.memory_budget, model_bytes(model)
+    slots = min((budget - resident) // store.slot_bytes, len(store.pieces))
+    if slots < 1:
+        store.close()
+    if budget < resident:
+        raise ValueError(
+            f"--memory-budget={format_bytes(budget)} is smaller than the non-expert weights "
+            f"({format_bytes(resident)}), which stay resident"
+        )
+    if slots < 1:
+        raise ValueError(
+            f"--memory-budget={format_bytes(budget)} leaves {format_bytes(budget - resident)} for experts "
+            f"after the non-expert weights ({format_bytes(resident)}): "
+            f"less than one expert ({format_bytes(store.slot_bytes)})"
+        )
+    cache = ExpertCache(slots, store.slot_bytes, torch.device(device), make_policy(options.policy))
+    offloader = Offloader(store, cache, options.expert_format, layers, options.prefetch)
+    for block, moe in layers.items():
+        moe.experts = OffloadedExperts(offloader, block, moe.cfg.activation)
+    return model.eval(), offloader

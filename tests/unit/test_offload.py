@@ -1,0 +1,137 @@
+"""Offloaded experts: same greedy tokens as resident inference, a budget never exceeded, each expert
+read at most once per step, prefetch on/off equal, clear errors. Real run directories on disk."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from moekit.infer.expert_store import ExpertStoreError, read_safetensors_header
+from moekit.infer.generate import generate, generate_texts, left_pad, load_run
+from moekit.infer.offload import OffloadOptions, model_bytes, parse_bytes
+from moekit.model import Transformer
+
+PROMPTS = [[5, 17, 99, 3, 42, 8, 1], [200, 13], [7, 7, 7, 7]]
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory: pytest.TempPathFactory, write_run) -> Path:
+    return write_run(tmp_path_factory.mktemp("offload") / "run")
+
+
+def budget_for(run_dir: Path, experts: int, **options) -> int:
+    """Bytes for the non-expert weights plus ``experts`` cache slots."""
+    probe = load_run(run_dir, offload=OffloadOptions(memory_budget=1 << 40, **options))
+    try:
+        return model_bytes(probe.model) + experts * probe.offloader.cache.slot_bytes
+    finally:
+        probe.offloader.close()
+
+
+def greedy(model: Transformer, new_tokens: int = 12) -> torch.Tensor:
+    ids, pad = left_pad(PROMPTS)
+    return generate(model, ids, new_tokens, temperature=0, left_pad_B=pad)
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+@pytest.mark.parametrize("experts", [1, 2, 5, 18])  # one expert .. all 3 x 6
+def test_greedy_tokens_equal_resident_and_budget_holds(run_dir: Path, experts: int, policy: str) -> None:
+    reference = greedy(load_run(run_dir).model)
+    budget = budget_for(run_dir, experts)
+    run = load_run(run_dir, offload=OffloadOptions(memory_budget=budget, policy=policy))
+    off = run.offloader
+    try:
+        assert torch.equal(greedy(run.model), reference)
+        cache = off.cache
+        assert cache.num_slots == experts
+        assert model_bytes(run.model) + cache.counters.peak_slots * cache.slot_bytes <= budget
+        assert max(off.stats.reads_per_step.values()) == 1  # each expert read at most once per step
+        assert off.stats.bytes_read == off.stats.reads * off.store.bytes_per_expert
+        if experts == 18:  # everything fits: each expert is read once in the whole run
+            assert off.stats.reads <= 18 and cache.counters.evictions == 0
+    finally:
+        off.close()
+
+
+@pytest.mark.parametrize("prefetch", ["router", "all", "off"])
+def test_prefetch_modes_give_the_same_tokens(run_dir: Path, prefetch: str) -> None:
+    reference = greedy(load_run(run_dir).model)
+    budget = budget_for(run_dir, 9)
+    run = load_run(run_dir, offload=OffloadOptions(memory_budget=budget, prefetch=prefetch, policy="fifo"))
+    stats = run.offloader.stats
+    try:
+        assert torch.equal(greedy(run.model), reference)
+        assert max(stats.reads_per_step.values()) == 1
+        if prefetch == "off":  # on demand only: never an expert the step did not select
+            needed = set()
+            layers = len(run.offloader.blocks)
+            for i, request in enumerate(stats.trace):
+                needed |= {(i // layers + 1, key) for key in request}
+            assert set(stats.reads_per_step) <= needed and stats.prefetch_reads == 0
+        else:
+            assert stats.prefetch_reads > 0
+        if prefetch == "router":
+            assert stats.predicted > 0 and 0 < stats.prediction_recall <= 1
+    finally:
+        run.offloader.close()
+
+
+def test_sampled_batched_text_equals_resident(run_dir: Path) -> None:
+    prompts = ["ab", "hello there", "x"]
+    resident = generate_texts(load_run(run_dir), prompts, 10, temperature=1.0, top_k=20, seed=3, batch_size=2)
+    run = load_run(run_dir, offload=OffloadOptions(memory_budget=budget_for(run_dir, 3)))
+    try:
+        assert generate_texts(run, prompts, 10, temperature=1.0, top_k=20, seed=3, batch_size=2) == resident
+    finally:
+        run.offloader.close()
+
+
+def test_budget_errors_are_clear(run_dir: Path) -> None:
+    one_expert = budget_for(run_dir, 1)
+    with pytest.raises(ValueError, match=r"smaller than the non-expert weights"):
+        load_run(run_dir, offload=OffloadOptions(memory_budget=1000))
+    with pytest.raises(ValueError, match=r"less than one expert"):
+        load_run(run_dir, offload=OffloadOptions(memory_budget=one_expert - 1))
+    assert load_run(run_dir, offload=OffloadOptions(memory_budget=one_expert)).offloader.cache.num_slots == 1
+
+
+def test_truncated_expert_file_names_the_expert(run_dir: Path, tmp_path: Path) -> None:
+    broken = tmp_path / "run"
+    shutil.copytree(run_dir, broken)
+    weights = next(broken.glob("checkpoints/step_*/model.safetensors"))
+    header, data_start = read_safetensors_header(weights)
+    w_out = header["blocks.2.ffn.experts.w_out"]
+    per_expert = (w_out["data_offsets"][1] - w_out["data_offsets"][0]) // 6
+    with open(weights, "r+b") as f:  # cut in the middle of expert 3's w_out
+        f.truncate(data_start + w_out["data_offsets"][0] + 3 * per_expert + per_expert // 2)
+    with pytest.raises(ExpertStoreError, match=r"truncated: expert 3 of block 2 "):
+        load_run(broken, offload=OffloadOptions(memory_budget=1 << 30))
+
+
+def test_parse_bytes() -> None:
+    assert parse_bytes("512MB") == 512 * 10**6
+    assert parse_bytes("1.5GiB") == int(1.5 * 2**30)
+    assert parse_bytes("4096") == 4096
+    with pytest.raises(ValueError, match="--memory-budget='lots'"):
+        parse_bytes("lots")
+
+
+def test_cli_generate_offloaded_batch(run_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from moekit.cli import main
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("ab\nhello\n\nxyz\n")
+    budget = str(budget_for(run_dir, 2))
+    argv = ["generate", str(run_dir), "--prompts-file", str(prompts), "--batch-size", "2", "--max-new-tokens", "5"]
+    assert main([*argv, "--memory-budget", budget, "--temperature", "0", "--policy", "lfu"]) == 0
+    out = capsys.readouterr()
+    assert len(out.out.splitlines()) == 3 and out.out.startswith("ab")
+    assert "tokens/s" in out.err and "hit rate" in out.err and "read " in out.err
+    assert main([*argv, "--memory-budget", "10KB"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "smaller than the non-expert weights" in err
+    assert main([*argv, "--memory-budget", budget, "--policy", "mru"]) == 2
+    assert "--policy='mru'" in capsys.readouterr().err
