@@ -62,12 +62,29 @@ def apply_rope(x_BLNd: Tensor, freqs_Ld2: Tensor) -> Tensor:
     return torch.view_as_real(pairs * freqs_Ld2.unsqueeze(1)).flatten(-2).type_as(x_BLNd)
 
 
+class QKNorm(nn.Module):
+    """RMSNorm over the whole query projection and over the whole key projection, before RoPE (OLMoE)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        head_dim = cfg.d_model // cfg.n_heads
+        self.q = nn.RMSNorm(cfg.n_heads * head_dim, eps=cfg.norm_eps)
+        self.k = nn.RMSNorm(cfg.kv_heads * head_dim, eps=cfg.norm_eps)
+
+    def forward(self, qk_BLX: Tensor) -> Tensor:
+        q, k = qk_BLX.split([self.q.normalized_shape[0], self.k.normalized_shape[0]], dim=-1)
+        return torch.cat([self.q(q), self.k(k)], dim=-1)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.n_heads, self.n_kv_heads = cfg.n_heads, cfg.kv_heads
         self.head_dim = cfg.d_model // cfg.n_heads
-        self.qkv = nn.Linear(cfg.d_model, (cfg.n_heads + 2 * cfg.kv_heads) * self.head_dim, bias=False)
+        self.qkv = nn.Linear(cfg.d_model, (cfg.n_heads + 2 * cfg.kv_heads) * self.head_dim, bias=cfg.qkv_bias)
+        if cfg.qkv_bias:
+            nn.init.zeros_(self.qkv.bias)
+        self.qk_norm = QKNorm(cfg) if cfg.qk_norm else None
         self.out = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
         self.dropout = cfg.dropout
 
@@ -75,6 +92,8 @@ class Attention(nn.Module):
         B, L, _ = x_BLD.shape
         qk_width = (self.n_heads + self.n_kv_heads) * self.head_dim
         qk, v = self.qkv(x_BLD).split([qk_width, self.n_kv_heads * self.head_dim], dim=-1)
+        if self.qk_norm is not None:
+            qk = self.qk_norm(qk)
         qk = apply_rope(qk.view(B, L, self.n_heads + self.n_kv_heads, self.head_dim), freqs)  # q and k at once
         q, k = qk.transpose(1, 2).split([self.n_heads, self.n_kv_heads], dim=1)
         v = v.view(B, L, self.n_kv_heads, self.head_dim).transpose(1, 2)
@@ -94,8 +113,8 @@ class Attention(nn.Module):
 
 def make_norm(cfg: ModelConfig) -> nn.Module:
     if cfg.norm == "layernorm":
-        return nn.LayerNorm(cfg.d_model, bias=False)
-    return nn.RMSNorm(cfg.d_model)
+        return nn.LayerNorm(cfg.d_model, bias=False, eps=1e-5 if cfg.norm_eps is None else cfg.norm_eps)
+    return nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
 
 
 class Block(nn.Module):

@@ -114,15 +114,33 @@ def _prepare_run_dir(run_dir: Path, resume: bool) -> None:
 
 
 def train(
-    cfg: RunConfig, run_dir: Path, *, resume: bool = False, device: str = "cpu", progress: bool = True
+    cfg: RunConfig,
+    run_dir: Path,
+    *,
+    resume: bool = False,
+    device: str = "cpu",
+    progress: bool = True,
+    init: Path | None = None,
 ) -> TrainResult:
-    """Train ``cfg`` into ``run_dir``: metrics, TensorBoard logs, checkpoints, config and tokenizer."""
+    """Train ``cfg`` into ``run_dir``: metrics, TensorBoard logs, checkpoints, config and tokenizer.
+
+    ``init``: a run directory whose latest weights and tokenizer the model starts from (a converted or
+    upcycled model), with a fresh optimizer at step 0; ``cfg.model`` must describe those weights.
+    """
     run_dir = Path(run_dir)
     dev = torch.device(device)
+    if init is not None and resume:
+        raise TrainingError("--init starts a new run from another run's weights; it cannot be combined with --resume")
     _prepare_run_dir(run_dir, resume)
     torch.manual_seed(cfg.train.seed)
-    corpus = prepare_corpus(cfg.data, cfg.model.context_length)
-    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=corpus.tokenizer.vocab_size))
+    corpus = prepare_corpus(cfg.data, cfg.model.context_length, tokenizer_dir=init)
+    if init is None:
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=corpus.tokenizer.vocab_size))
+    elif corpus.tokenizer.vocab_size > cfg.model.vocab_size:
+        raise TrainingError(
+            f"--init {init}: its tokenizer has {corpus.tokenizer.vocab_size} tokens, "
+            f"more than model.vocab_size={cfg.model.vocab_size}"
+        )
     (run_dir / "config.json").write_text(cfg.to_json())
     corpus.tokenizer.save(run_dir)
 
@@ -131,6 +149,8 @@ def train(
     start_step = 0
     if resume:
         start_step = _restore(run_dir, model, optimizer)
+    if init is not None:
+        _load_init(Path(init), model)
     forward = torch.compile(model) if cfg.train.compile else model
     say = tqdm.write if progress else (lambda msg: print(msg, file=sys.stderr))
     total, active = model.num_params() / 1e6, model.num_active_params() / 1e6
@@ -140,6 +160,7 @@ def train(
         f"{flops_per_token / 1e6:.1f} MFLOPs per token trained), {len(model.moe_layers())} MoE blocks; "
         f"corpus {corpus.source}, {len(corpus.train):,} train tokens"
         + (f"; resuming at step {start_step}" if resume else "")
+        + (f"; weights from {init}" if init is not None else "")
     )
 
     tokens_per_step = cfg.train.batch_size * cfg.model.context_length * cfg.train.grad_accum
@@ -201,6 +222,8 @@ def _train_step(forward, model, optimizer, corpus, cfg: RunConfig, dev, step: in
     lr = lr_at(step, tc)
     for group in optimizer.param_groups:
         group["lr"] = lr
+    for moe in model.moe_layers():
+        moe.set_step(step)
     stats = StepStats()
     lm_loss = 0.0
     for micro in range(tc.grad_accum):
@@ -241,6 +264,8 @@ def _restore(run_dir: Path, model, optimizer) -> int:
     manifest = read_manifest(path)
     load_model_weights(path, model)
     state = load_trainer_state(path)
+    if "optimizer" not in state:
+        raise CheckpointError(f"{path}: holds weights only (a converted or upcycled model): start from it with --init")
     try:
         optimizer.load_state_dict(state["optimizer"])
     except (ValueError, KeyError) as err:
@@ -249,3 +274,12 @@ def _restore(run_dir: Path, model, optimizer) -> int:
     if "cuda_rng" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda_rng"])
     return int(manifest["step"])
+
+
+def _load_init(init: Path, model: torch.nn.Module) -> None:
+    """Load the latest weights of run ``init`` (checksums verified) into ``model``."""
+    path = latest_checkpoint(init)
+    if path is None:
+        raise CheckpointError(f"--init {init}: has no checkpoint to start from")
+    read_manifest(path)
+    load_model_weights(path, model)
