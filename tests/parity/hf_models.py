@@ -48,13 +48,13 @@ def randomize(model: torch.nn.Module, seed: int = 0) -> None:
             p.copy_(1 + 0.2 * noise if "norm" in name else 0.15 * noise)
 
 
-def save_hf(family: str, directory: Path, **overrides) -> torch.nn.Module:
+def save_hf(family: str, directory: Path, shard_size: str | None = None, **overrides) -> torch.nn.Module:
     """Build, randomise and ``save_pretrained`` a tiny ``family`` model; return it in eval mode (fp32)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_config(hf_config(family, **overrides))
     randomize(model)
-    model.save_pretrained(directory)
+    model.save_pretrained(directory, **({"max_shard_size": shard_size} if shard_size else {}))
     return model.eval()
 
 

@@ -41,6 +41,15 @@ def test_moe_families_convert_exactly(family: str, tmp_path: Path) -> None:
     assert_same_model(hf_model, ours)
 
 
+def test_sharded_checkpoint(tmp_path: Path) -> None:
+    hf_model = save_hf("mixtral", tmp_path / "hf", shard_size="40KB")
+    assert len(list((tmp_path / "hf").glob("model-*.safetensors"))) > 1
+    ours = from_hf(tmp_path / "hf")
+    ids = tokens(ours.cfg.vocab_size, (2, 24))
+    with torch.no_grad():
+        assert (hf_model(ids).logits - ours(ids).logits).abs().max().item() < TOL
+
+
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2"])
 def test_dense_families_convert_exactly(family: str, tmp_path: Path) -> None:
     hf_model = save_hf(family, tmp_path / "hf")

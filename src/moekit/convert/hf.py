@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 from torch import Tensor
 
 from moekit.config import ModelConfig, MoEConfig
@@ -180,33 +181,27 @@ class SafetensorsDir:
     """The tensors of a Hugging Face checkpoint directory (one or many safetensors shards), read lazily."""
 
     def __init__(self, path: Path) -> None:
-        from safetensors import safe_open
-
         self.path = Path(path)
+        self._handles: dict[Path, Any] = {}
         index = self.path / "model.safetensors.index.json"
         if index.is_file():
             try:
                 weight_map = json.loads(index.read_text())["weight_map"]
             except (OSError, ValueError, KeyError) as err:
                 raise ConversionError(f"{index}: unreadable shard index ({err})") from None
-            files = {key: self.path / name for key, name in weight_map.items()}
+            self.files = {key: self.path / name for key, name in weight_map.items()}
         elif (self.path / "model.safetensors").is_file():
-            files = {}
+            single = self.path / "model.safetensors"
+            self.files = {key: single for key in self._handle(single).keys()}  # noqa: SIM118 (not a dict)
         else:
             raise ConversionError(
                 f"{self.path}: no model.safetensors or model.safetensors.index.json (only safetensors are read)"
             )
-        self._handles: dict[Path, Any] = {}
-        self._open = lambda file: safe_open(str(file), framework="pt")
-        if not files:
-            single = self.path / "model.safetensors"
-            files = {key: single for key in self._handle(single).keys()}  # noqa: SIM118 (not a dict)
-        self.files = files
 
     def _handle(self, file: Path) -> Any:
         if file not in self._handles:
             try:
-                self._handles[file] = self._open(file)
+                self._handles[file] = safe_open(str(file), framework="pt")
             except Exception as err:  # safetensors raises its own error types for a damaged header
                 raise ConversionError(f"{file}: unreadable safetensors file ({err})") from None
         return self._handles[file]
