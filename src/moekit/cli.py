@@ -1,4 +1,4 @@
-"""The ``moekit`` command line: train, generate, serve, plot."""
+"""The ``moekit`` command line: train, generate, serve, plot, convert, export, upcycle."""
 
 from __future__ import annotations
 
@@ -66,6 +66,13 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--data", help="text file, directory or glob (default: Python's stdlib source)")
     train.add_argument("--run-dir", type=Path, help="where the run is written (default: runs/PRESET-TIME)")
     train.add_argument("--resume", action="store_true", help="continue the run in --run-dir from its latest checkpoint")
+    train.add_argument(
+        "--init",
+        type=Path,
+        metavar="RUN_DIR",
+        help="start from this run's weights, config and tokenizer (a converted or upcycled model) with a fresh "
+        "optimizer; --preset is then not used, flags override the run's config",
+    )
     train.add_argument("--device", default="auto", help="cpu, cuda, or auto (cuda when available)")
     train.add_argument("--quiet", action="store_true", help="no progress bar")
     launch = train.add_argument_group(
@@ -113,6 +120,39 @@ def build_parser() -> argparse.ArgumentParser:
     )
     plot.add_argument("run_dir", type=Path, help="a run directory written by moekit train")
     plot.add_argument("--out", type=Path, help="output directory (default: RUN_DIR/plots)")
+
+    convert = commands.add_parser(
+        "convert",
+        help="convert a Hugging Face model directory into a moekit run",
+        description="Convert a local Hugging Face directory (config.json, safetensors, tokenizer.json) of "
+        "Mixtral, Qwen2-MoE, OLMoE, Llama, Mistral or Qwen2 into a moekit run directory.",
+    )
+    convert.add_argument("hf_dir", type=Path, help="a Hugging Face model directory")
+    convert.add_argument("--out", type=Path, required=True, help="the run directory to write")
+
+    export = commands.add_parser(
+        "export", help="write a run's model in another format", description="Write a run's model in another format."
+    )
+    export.add_argument("run_dir", type=Path, help="a run directory")
+    export.add_argument(
+        "--format", choices=sorted(EXPORTERS), required=True, help="hf: a Hugging Face directory (Mixtral or Qwen2-MoE)"
+    )
+    export.add_argument("--out", type=Path, required=True, help="the directory to write")
+
+    up = commands.add_parser(
+        "upcycle",
+        help="turn a dense model into an MoE whose experts start as its MLPs",
+        description="Sparse upcycling: every MLP of a dense model (a moekit run or a Hugging Face Llama, Mistral "
+        "or Qwen2 directory) becomes an MoE layer computing the same function at step 0. "
+        "Continue with: moekit train --init RUN_DIR",
+    )
+    up.add_argument("dense", type=Path, help="a dense moekit run directory or Hugging Face directory")
+    up.add_argument("--experts", type=int, default=8, help="experts per MoE layer (default: %(default)s)")
+    up.add_argument("--top-k", type=int, default=2, help="experts each token picks (default: %(default)s)")
+    up.add_argument("--split", type=int, default=1, help="cut each MLP into this many finer experts (default: 1)")
+    up.add_argument("--noise", type=float, default=0.0, help="relative noise added to each expert (default: 0)")
+    up.add_argument("--seed", type=int, default=0, help="seed of the noise (default: %(default)s)")
+    up.add_argument("--out", type=Path, required=True, help="the run directory to write")
     return parser
 
 
@@ -158,16 +198,19 @@ def cmd_train(args: argparse.Namespace) -> int:
     overrides = {k: v for k, v in vars(args).items() if "." in k}
     if args.data is not None:
         overrides["data.path"] = args.data
-    if args.resume:
+    if args.resume or args.init:
         if args.run_dir is None:
-            raise ValueError("--resume needs --run-dir: the run to continue")
-        cfg = runconfig.build(runconfig.apply_overrides(runconfig.read_tree(args.run_dir / "config.json"), overrides))
+            raise ValueError("--resume and --init need --run-dir: the run to continue or to start")
+        source = args.init or args.run_dir
+        cfg = runconfig.build(runconfig.apply_overrides(runconfig.read_tree(source / "config.json"), overrides))
     else:
         cfg = runconfig.resolve(args.preset, overrides)
     run_dir = args.run_dir or Path("runs") / f"{Path(args.preset).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
     if args.nproc and "WORLD_SIZE" not in os.environ:
         return _launch(args, cfg, run_dir)
-    result = train(cfg, run_dir, resume=args.resume, device=_device(args.device), progress=not args.quiet)
+    result = train(
+        cfg, run_dir, resume=args.resume, device=_device(args.device), progress=not args.quiet, init=args.init
+    )
     if result.interrupted:
         return EXIT_INTERRUPTED
     if int(os.environ.get("RANK", "0")) != 0:
@@ -312,7 +355,85 @@ def cmd_plot(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"train": cmd_train, "generate": cmd_generate, "serve": cmd_serve, "plot": cmd_plot}
+def _load_model(path: Path):
+    """(model, tokenizer, run config) of a moekit run directory or of a Hugging Face directory."""
+    from moekit import runconfig
+    from moekit.config import DataConfig
+    from moekit.convert import from_hf
+    from moekit.infer.generate import load_run
+    from moekit.train.data import load_tokenizer
+
+    if not (path / "config.json").is_file():
+        raise ValueError(f"{path}: no config.json (neither a moekit run nor a Hugging Face directory)")
+    if (path / "checkpoints").is_dir():
+        run = load_run(path)
+        return run.model, run.tokenizer, run.config
+    model = from_hf(path)
+    # The run trains on text encoded with this tokenizer (train --init), whatever data.tokenizer says.
+    return model, load_tokenizer(path), runconfig.for_model(model.cfg, model.moe_cfg, DataConfig(tokenizer="bpe"))
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    from moekit.train.checkpoint import save_weights_run
+
+    if (args.hf_dir / "checkpoints").is_dir():
+        raise ValueError(f"{args.hf_dir}: is a moekit run already (convert reads Hugging Face directories)")
+    model, tokenizer, cfg = _load_model(args.hf_dir)
+    save_weights_run(args.out, cfg.to_json(), model, tokenizer, f"converted from {args.hf_dir}")
+    kind = f"{len(model.moe_layers())} MoE blocks" if model.moe_layers() else "dense"
+    print(f"run directory: {args.out} ({model.num_params() / 1e6:.2f}M parameters, {kind})")
+    print(f"generate: moekit generate {args.out} --prompt '...';  train: moekit train --init {args.out} --run-dir ...")
+    return 0
+
+
+def export_hf(args: argparse.Namespace) -> None:
+    from moekit.convert import to_hf
+    from moekit.infer.generate import load_run
+
+    if (args.out / "config.json").exists():
+        raise ValueError(f"--out {args.out}: already holds a config.json; choose an empty directory")
+    run = load_run(args.run_dir)
+    family = to_hf(run.model, args.out)
+    print(f"{args.out}: {family.architecture} (load with transformers.AutoModelForCausalLM.from_pretrained)")
+    if run.tokenizer.name == "bpe":  # a Hugging Face tokenizer already; byte and char ones have no such form
+        run.tokenizer.save(args.out)
+    else:
+        print(f"tokenizer: moekit's {run.tokenizer.name} tokenizer has no Hugging Face form; not written")
+
+
+EXPORTERS = {"hf": export_hf}
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    EXPORTERS[args.format](args)
+    return 0
+
+
+def cmd_upcycle(args: argparse.Namespace) -> int:
+    from moekit.convert.upcycle import upcycle
+    from moekit.runconfig import for_model
+    from moekit.train.checkpoint import save_weights_run
+
+    dense, tokenizer, cfg = _load_model(args.dense)
+    model = upcycle(dense, args.experts, args.top_k, split=args.split, noise=args.noise, seed=args.seed)
+    # Keep the dense run's data and training settings: continuing on the same text is the usual next step.
+    up_cfg = dataclasses.replace(for_model(model.cfg, model.moe_cfg, cfg.data), train=cfg.train)
+    save_weights_run(args.out, up_cfg.to_json(), model, tokenizer, f"upcycled from {args.dense}")
+    total, active = model.num_params() / 1e6, model.num_active_params() / 1e6
+    print(f"run directory: {args.out} ({total:.2f}M parameters, {active:.2f}M active per token)")
+    print(f"continue: moekit train --init {args.out} --run-dir ...")
+    return 0
+
+
+COMMANDS = {
+    "train": cmd_train,
+    "generate": cmd_generate,
+    "serve": cmd_serve,
+    "plot": cmd_plot,
+    "convert": cmd_convert,
+    "export": cmd_export,
+    "upcycle": cmd_upcycle,
+}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -44,6 +44,9 @@ class MoEConfig:
     z_loss_coef: float = 0.001  # weight of the ST-MoE router z-loss in MoEStats.loss
     bias_update_rate: float = 0.0  # >0: aux-loss-free balancing bias step per update (DeepSeek-V3)
     gemm: str = "auto"  # grouped GEMM: auto | grouped_mm (torch._grouped_mm) | per_expert_mm
+    shared_expert_gate: bool = False  # scale the shared experts' output by a learned per-token sigmoid (Qwen2-MoE)
+    dts_steps: int = 0  # >0: DTS gate (Nie et al.): start on all experts, anneal to top_k over this many steps
+    dts_temperature: float = 2.0  # softmax temperature of the DTS gate at step 0, annealed to 1
 
     def __post_init__(self) -> None:
         for name in ("d_model", "d_ff", "num_experts", "top_k"):
@@ -76,6 +79,15 @@ class MoEConfig:
             _require(self.capacity_factor > 0, "capacity_factor", self.capacity_factor, "must be > 0")
         _require(self.num_shared_experts >= 0, "num_shared_experts", self.num_shared_experts, "must be >= 0")
         _require(self.route_scale > 0, "route_scale", self.route_scale, "must be > 0")
+        if self.shared_expert_gate:
+            _require(self.num_shared_experts > 0, "shared_expert_gate", True, "needs num_shared_experts > 0")
+        _require(isinstance(self.dts_steps, int) and self.dts_steps >= 0, "dts_steps", self.dts_steps, "must be >= 0")
+        _require(self.dts_temperature > 0, "dts_temperature", self.dts_temperature, "must be > 0")
+        if self.dts_steps:
+            dts_ok = self.router == "topk" and self.score_func == "softmax" and self.softmax_before_topk
+            _require(
+                dts_ok, "dts_steps", self.dts_steps, "the DTS gate needs router = topk with a softmax before top-k"
+            )
         for name in ("aux_loss_coef", "z_loss_coef", "bias_update_rate"):
             _require(getattr(self, name) >= 0, name, getattr(self, name), "must be >= 0")
         if self.bias_update_rate > 0:
@@ -166,6 +178,9 @@ class ModelConfig:
     dropout: float = 0.0  # dropout on attention and residual branches while training
     tie_embeddings: bool = True  # share the input embedding with the output projection
     rope_theta: float = 10000.0  # RoPE base frequency
+    norm_eps: float | None = None  # epsilon of every norm; None: torch's default (imported checkpoints set theirs)
+    qkv_bias: bool = False  # biases on the query, key and value projections (Qwen2)
+    qk_norm: bool = False  # RMSNorm over the whole query and key projections before RoPE (OLMoE)
     init_std: float = 0.02  # std of weight init; residual output projections get 1/sqrt(2*n_layers) of it
     moe_every: int = 1  # every n-th block (after first_dense_layers) is MoE; 0 = a dense model
     first_dense_layers: int = 0  # leading blocks kept dense (DeepSeek-MoE)
@@ -184,6 +199,8 @@ class ModelConfig:
         _one_of("model.mlp_activation", self.mlp_activation, MLP_ACTIVATIONS)
         _require(self.init_std > 0, "model.init_std", self.init_std, "must be > 0")
         _one_of("model.norm", self.norm, NORMS)
+        if self.norm_eps is not None:
+            _require(self.norm_eps > 0, "model.norm_eps", self.norm_eps, "must be > 0")
         _require(0 <= self.dropout < 1, "model.dropout", self.dropout, "must be in [0, 1)")
         _require(self.moe_every >= 0, "model.moe_every", self.moe_every, "must be >= 0")
         _require(self.first_dense_layers >= 0, "model.first_dense_layers", self.first_dense_layers, "must be >= 0")

@@ -50,6 +50,8 @@ class MoE(nn.Module):
         self.shared = (
             DenseFFN(cfg.d_model, cfg.d_ff * cfg.num_shared_experts, cfg.activation) if cfg.num_shared_experts else None
         )
+        # Qwen2-MoE: the shared experts' output is scaled per token by sigmoid(x @ w_gate).
+        self.shared_gate = nn.Linear(cfg.d_model, 1, bias=False) if cfg.shared_expert_gate else None
         self.residual_mlp = DenseFFN(cfg.d_model, cfg.d_ff, cfg.activation) if cfg.residual else None
         self.residual_gate = nn.Linear(cfg.d_model, 2) if cfg.residual else None
 
@@ -62,7 +64,10 @@ class MoE(nn.Module):
             mix = torch.softmax(self.residual_gate(x_TD), dim=-1)
             y_TD = self.residual_mlp(x_TD) * mix[:, :1] + y_TD * mix[:, 1:]
         if self.shared is not None:
-            y_TD = y_TD + self.shared(x_TD)
+            shared_TD = self.shared(x_TD)
+            if self.shared_gate is not None:
+                shared_TD = shared_TD * torch.sigmoid(self.shared_gate(x_TD))
+            y_TD = y_TD + shared_TD
         y = y_TD.to(x.dtype).reshape(x.shape)
         if not return_stats:
             return y
@@ -75,6 +80,11 @@ class MoE(nn.Module):
         z = router_z_loss(routing.logits) if has_scores else zero
         loss = self.cfg.aux_loss_coef * aux + self.cfg.z_loss_coef * z
         return MoEStats(aux, z, loss, routed, routed - kept, routing.num_tokens)
+
+    def set_step(self, step: int) -> None:
+        """Tell a scheduled router (the DTS gate) the optimizer step about to run."""
+        if self.cfg.dts_steps:
+            self.router.step = step
 
     @torch.no_grad()
     def update_bias(self, tokens_per_expert: Tensor) -> None:

@@ -63,6 +63,19 @@ def update_expert_bias(bias_E: Tensor, tokens_per_expert: Tensor, rate: float) -
     bias_E.add_(rate * torch.sign(load.mean() - load))
 
 
+def dts_schedule(step: int, num_experts: int, top_k: int, steps: int, temperature: float) -> tuple[int, float]:
+    """The dense-to-sparse gate (Nie et al. 2021) at ``step``: (experts per token, softmax temperature).
+
+    It starts dense, every token on all E experts through a softmax at ``temperature``, and anneals
+    linearly in the number of experts and geometrically in temperature to (top_k, 1) at ``steps``,
+    where it becomes the plain top-k softmax router, so the hand-over is continuous.
+    """
+    if step >= steps:
+        return top_k, 1.0
+    done = step / steps
+    return max(top_k, round(num_experts - (num_experts - top_k) * done)), temperature ** (1.0 - done)
+
+
 # ---------------------------------------------------------------------------------------------
 # Routers.
 
@@ -84,7 +97,8 @@ class TopKRouter(nn.Module):
 
     Covers plain top-k (softmax or sigmoid scores), Switch top-1, GShard top-2 with random
     second-expert dispatch, and noisy top-k (Shazeer et al. 2017). An optional per-expert bias
-    (aux-loss-free balancing) shifts selection only.
+    (aux-loss-free balancing) shifts selection only. With ``dts_steps`` the training loop tells the
+    router its step (``step``); left unset, as at inference, the DTS gate is taken as annealed.
     """
 
     def __init__(self, cfg: MoEConfig) -> None:
@@ -93,6 +107,7 @@ class TopKRouter(nn.Module):
         self.gate = nn.Linear(cfg.d_model, cfg.num_experts, bias=False)
         self.noise = nn.Linear(cfg.d_model, cfg.num_experts, bias=False) if cfg.router == "noisy_topk" else None
         self.register_buffer("expert_bias", torch.zeros(cfg.num_experts), persistent=True)
+        self.step: int | None = None  # optimizer step, for the DTS schedule; None: schedule finished
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -104,11 +119,14 @@ class TopKRouter(nn.Module):
         cfg = self.cfg
         num_tokens = x_TD.shape[0]
         logits = _fp32_logits(x_TD, self.gate.weight)
+        top_k, temperature = cfg.top_k, 1.0
+        if cfg.dts_steps and self.step is not None:
+            top_k, temperature = dts_schedule(self.step, cfg.num_experts, cfg.top_k, cfg.dts_steps, cfg.dts_temperature)
         if cfg.score_func == "sigmoid":
             scores = torch.sigmoid(logits)
             probs = scores / scores.sum(dim=-1, keepdim=True)
         else:
-            probs = scores = torch.softmax(logits, dim=-1)
+            probs = scores = torch.softmax(logits / temperature if temperature != 1.0 else logits, dim=-1)
 
         selection_logits = logits
         if self.noise is not None and self.training:
@@ -116,27 +134,27 @@ class TopKRouter(nn.Module):
             selection_logits = logits + torch.randn_like(logits) * noise_std
         if self.noise is not None or not cfg.softmax_before_topk:
             # Pick on logits, then softmax over the k picked (Shazeer's softmax(KeepTopK(H))).
-            picked_logits, experts_TK = self._select(selection_logits)
+            picked_logits, experts_TK = self._select(selection_logits, top_k)
             weights_TK = (
                 torch.softmax(picked_logits, dim=-1) if cfg.score_func == "softmax" else torch.sigmoid(picked_logits)
             )
         else:
-            weights_TK, experts_TK = self._select(scores)
-        if cfg.normalize_topk and cfg.top_k > 1:
+            weights_TK, experts_TK = self._select(scores, top_k)
+        if cfg.normalize_topk and top_k > 1:
             weights_TK = weights_TK / weights_TK.sum(dim=-1, keepdim=True)
         if cfg.route_scale != 1.0:
             weights_TK = weights_TK * cfg.route_scale
 
-        tokens_TK = torch.arange(num_tokens, device=x_TD.device).unsqueeze(1).expand(-1, cfg.top_k)
+        tokens_TK = torch.arange(num_tokens, device=x_TD.device).unsqueeze(1).expand(-1, top_k)
         token_idx, expert_idx, weights = _k_major(tokens_TK), _k_major(experts_TK), _k_major(weights_TK)
         if cfg.router == "gshard" and self.training:
             token_idx, expert_idx, weights = self._random_second_dispatch(token_idx, expert_idx, weights, weights_TK)
-        return RouterOutput(token_idx, expert_idx, weights, logits, probs, num_tokens, num_tokens * cfg.top_k)
+        return RouterOutput(token_idx, expert_idx, weights, logits, probs, num_tokens, num_tokens * top_k)
 
-    def _select(self, scores_TE: Tensor) -> tuple[Tensor, Tensor]:
+    def _select(self, scores_TE: Tensor, top_k: int) -> tuple[Tensor, Tensor]:
         """Top-k over scores plus the balancing bias; returns the picked *unbiased* scores."""
         biased = scores_TE + self.expert_bias if self.cfg.bias_update_rate > 0 else scores_TE
-        experts_TK = biased.topk(self.cfg.top_k, dim=-1).indices
+        experts_TK = biased.topk(top_k, dim=-1).indices
         return scores_TE.gather(1, experts_TK), experts_TK
 
     @staticmethod

@@ -153,6 +153,13 @@ def build(tree: dict[str, dict[str, Any]]) -> RunConfig:
     return RunConfig(model, moe, data, train, ParallelConfig(**tree.get("parallel", {})))
 
 
+def for_model(model: ModelConfig, moe: MoEConfig | None, data: DataConfig | None = None) -> RunConfig:
+    """The run config of a model made outside training (converted, upcycled); train at its defaults."""
+    moe_values = {} if moe is None else {k: v for k, v in dataclasses.asdict(moe).items() if k != "d_model"}
+    data_values = dataclasses.asdict(data) if data is not None else {}
+    return build({"model": dataclasses.asdict(model), "moe": moe_values, "data": data_values})
+
+
 def _with_prefix(section: str, make):
     """MoEConfig names its fields bare (it is also used on its own); prefix them with the section."""
     try:

@@ -90,6 +90,25 @@ def apply_rope(x_BLNd: Tensor, freqs_Ld2: Tensor) -> Tensor:
     return torch.view_as_real(pairs * freqs).flatten(-2).type_as(x_BLNd)
 
 
+class QKNorm(nn.Module):
+    """RMSNorm over the whole query projection and over the whole key projection, before RoPE (OLMoE).
+
+    Works on the grouped projection ``[B, L, G, Q + 2, d]`` (queries, key, value per group).
+    """
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        head_dim = cfg.d_model // cfg.n_heads
+        self.q = nn.RMSNorm(cfg.n_heads * head_dim, eps=cfg.norm_eps)
+        self.k = nn.RMSNorm(cfg.kv_heads * head_dim, eps=cfg.norm_eps)
+
+    def forward(self, h: Tensor) -> Tensor:
+        Q = h.shape[-2] - 2
+        q = self.q(h[..., :Q, :].flatten(-3)).view_as(h[..., :Q, :])
+        k = self.k(h[..., Q, :].flatten(-2)).view_as(h[..., Q, :])
+        return torch.cat([q, k.unsqueeze(-2), h[..., Q + 1 :, :]], dim=-2)
+
+
 class Attention(nn.Module):
     """Causal self-attention with one fused projection for queries, keys and values.
 
@@ -103,7 +122,10 @@ class Attention(nn.Module):
         super().__init__()
         self.q_per_group = cfg.n_heads // cfg.kv_heads
         self.head_dim = cfg.d_model // cfg.n_heads
-        self.qkv = nn.Linear(cfg.d_model, (cfg.n_heads + 2 * cfg.kv_heads) * self.head_dim, bias=False)
+        self.qkv = nn.Linear(cfg.d_model, (cfg.n_heads + 2 * cfg.kv_heads) * self.head_dim, bias=cfg.qkv_bias)
+        if cfg.qkv_bias:
+            nn.init.zeros_(self.qkv.bias)
+        self.qk_norm = QKNorm(cfg) if cfg.qk_norm else None
         self.out = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
         self.dropout = cfg.dropout
 
@@ -126,6 +148,8 @@ class Attention(nn.Module):
         B, L, _ = x_BLD.shape
         Q = self.q_per_group
         h = self.qkv(x_BLD).view(B, L, -1, Q + 2, self.head_dim)  # [B, L, G, Q + 2, d]
+        if self.qk_norm is not None:
+            h = self.qk_norm(h)
         qk = apply_rope(h[..., : Q + 1, :], freqs)  # queries and keys rotated at once
         q = qk[..., :Q, :].reshape(B, L, -1, self.head_dim).transpose(1, 2)
         k = qk[..., Q, :].transpose(1, 2)
@@ -145,8 +169,8 @@ class Attention(nn.Module):
 
 def make_norm(cfg: ModelConfig) -> nn.Module:
     if cfg.norm == "layernorm":
-        return nn.LayerNorm(cfg.d_model, bias=False)
-    return nn.RMSNorm(cfg.d_model)
+        return nn.LayerNorm(cfg.d_model, bias=False, eps=1e-5 if cfg.norm_eps is None else cfg.norm_eps)
+    return nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
 
 
 class Block(nn.Module):

@@ -93,6 +93,21 @@ def save_checkpoint(
     return final
 
 
+def save_weights_run(run_dir: Path, config_json: str, model: nn.Module, tokenizer: Any, source: str) -> Path:
+    """A run directory holding only weights, at step 0: what ``convert`` and ``upcycle`` write.
+
+    ``config.json``, the tokenizer (anything with ``save(directory)``) and one checkpoint without
+    optimizer state; ``moekit train --init RUN_DIR`` starts training from it.
+    """
+    run_dir = Path(run_dir)
+    if latest_checkpoint(run_dir) is not None:
+        raise CheckpointError(f"{run_dir} already holds a run: choose another --out")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    write_bytes_atomic(run_dir / "config.json", config_json.encode())
+    tokenizer.save(run_dir)
+    return save_checkpoint(run_dir, 0, model, {}, {"source": source}, keep=1)
+
+
 def _prune(root: Path, keep: int, newest: Path) -> None:
     steps = sorted((p for p in root.glob("step_*") if p.is_dir()), key=lambda p: int(p.name.removeprefix("step_")))
     for old in steps[:-keep]:

@@ -274,11 +274,13 @@ def _describe(where: str, texts: list[bytes]) -> str:
 # Tokenising and the token cache.
 
 
-def _cache_key(cfg: DataConfig, texts: list[bytes]) -> str:
-    """sha256 of the tokenizer settings and each text's bytes (length-prefixed), never the paths."""
+def _cache_key(cfg: DataConfig, texts: list[bytes], tokenizer_file: bytes | None = None) -> str:
+    """sha256 of the tokenizer settings (or given tokenizer) and each text's bytes, never the paths."""
     digest = hashlib.sha256()
     vocab = cfg.bpe_vocab_size if cfg.tokenizer == "bpe" else ""
     digest.update(f"{CACHE_VERSION}\0{cfg.tokenizer}\0{vocab}\0".encode())
+    if tokenizer_file is not None:
+        digest.update(b"given\0" + hashlib.sha256(tokenizer_file).digest())
     for text in texts:
         digest.update(len(text).to_bytes(8, "little"))
         digest.update(text)
@@ -312,6 +314,13 @@ def _tokenize(cfg: DataConfig, texts: list[bytes]) -> tuple[Tokenizer, np.ndarra
     tokenizer = BPETokenizer.train(_chunks(strings), cfg.bpe_vocab_size)
     ids = tokenizer.encode_batch(list(_chunks(strings)))
     return tokenizer, np.concatenate([np.asarray(piece, dtype=np.uint32) for piece in ids])
+
+
+def _encode(tokenizer: Tokenizer, texts: list[bytes]) -> np.ndarray:
+    """Encode the texts with a tokenizer that already exists (the one of a run training starts from)."""
+    chunks = list(_chunks([text.decode("utf-8") for text in texts]))
+    pieces = tokenizer.encode_batch(chunks) if isinstance(tokenizer, BPETokenizer) else map(tokenizer.encode, chunks)
+    return np.concatenate([np.asarray(piece, dtype=np.uint32) for piece in pieces])
 
 
 def _token_dtype(vocab_size: int) -> np.dtype:
@@ -400,8 +409,11 @@ class Corpus:
         return xy_BC1[:, :-1].contiguous(), xy_BC1[:, 1:].contiguous()
 
 
-def prepare_corpus(cfg: DataConfig, context_length: int) -> Corpus:
+def prepare_corpus(cfg: DataConfig, context_length: int, tokenizer_dir: Path | None = None) -> Corpus:
     """Resolve ``cfg.path``, tokenise it (or reuse the token cache) and split it into train and val.
+
+    With ``tokenizer_dir`` the text is encoded with the tokenizer saved there (a run whose weights
+    training starts from) instead of one built from ``cfg.tokenizer``.
 
     The cache entry ``<cache_dir>/<key[:16]>/`` holds ``tokens.bin``, ``tokenizer.json`` and
     ``meta.json``; the key hashes the tokenizer settings and the files' contents, so moving or
@@ -420,13 +432,15 @@ def prepare_corpus(cfg: DataConfig, context_length: int) -> Corpus:
         raise DataError(f"data.path: {files[0]} is empty" if len(files) == 1 else f"data.path: {where} holds no text")
     source = _describe(where, texts)
     cache_root = Path(cfg.cache_dir).expanduser() if cfg.cache_dir else Path.home() / ".cache" / "moekit" / "tokens"
-    directory = cache_root / _cache_key(cfg, texts)[:16]
+    given = load_tokenizer(tokenizer_dir) if tokenizer_dir is not None else None
+    given_file = (Path(tokenizer_dir) / "tokenizer.json").read_bytes() if tokenizer_dir is not None else None
+    directory = cache_root / _cache_key(cfg, texts, given_file)[:16]
     cache_path = directory / "tokens.bin"
 
-    cached = _load_cache(directory, cfg.tokenizer)
+    cached = _load_cache(directory, given.name if given is not None else cfg.tokenizer)
     cache_hit = cached is not None
     if cached is None:
-        tokenizer, ids = _tokenize(cfg, texts)
+        tokenizer, ids = (given, _encode(given, texts)) if given is not None else _tokenize(cfg, texts)
         dtype = _token_dtype(tokenizer.vocab_size)
         meta = {
             "version": CACHE_VERSION,

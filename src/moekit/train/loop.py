@@ -120,27 +120,45 @@ def _prepare_run_dir(run_dir: Path, resume: bool, create: bool = True) -> None:
 
 
 def train(
-    cfg: RunConfig, run_dir: Path, *, resume: bool = False, device: str = "cpu", progress: bool = True
+    cfg: RunConfig,
+    run_dir: Path,
+    *,
+    resume: bool = False,
+    device: str = "cpu",
+    progress: bool = True,
+    init: Path | None = None,
 ) -> TrainResult:
     """Train ``cfg`` into ``run_dir``: metrics, TensorBoard logs, checkpoints, config and tokenizer.
 
     Under torchrun every rank calls this; rank 0 owns the console and the run directory.
+    ``init``: a run directory whose latest weights and tokenizer the model starts from (a converted or
+    upcycled model), with a fresh optimizer at step 0; ``cfg.model`` must describe those weights.
     """
     run_dir = Path(run_dir)
     dev = torch.device(device)
+    if init is not None and resume:
+        raise TrainingError("--init starts a new run from another run's weights; it cannot be combined with --resume")
     main = int(os.environ.get("RANK", "0")) == 0
     if resume and world_size() > 1:
         raise TrainingError("--resume: resuming a multi-rank run needs sharded checkpoints, not yet supported")
     _prepare_run_dir(run_dir, resume, create=main)
     layout, mesh = init_distributed(cfg, dev)
     torch.manual_seed(cfg.train.seed)
-    corpus = _prepare_corpus_once(cfg, main, mesh is not None)
-    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=corpus.tokenizer.vocab_size))
+    corpus = _prepare_corpus_once(cfg, main, mesh is not None, init)
+    if init is None:
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=corpus.tokenizer.vocab_size))
+    elif corpus.tokenizer.vocab_size > cfg.model.vocab_size:
+        raise TrainingError(
+            f"--init {init}: its tokenizer has {corpus.tokenizer.vocab_size} tokens, "
+            f"more than model.vocab_size={cfg.model.vocab_size}"
+        )
     if main:
         (run_dir / "config.json").write_text(cfg.to_json())
         corpus.tokenizer.save(run_dir)
 
     model = Transformer(cfg.model, cfg.moe if cfg.is_moe else None).to(dev)
+    if init is not None:
+        _load_init(Path(init), model)
     total, active = model.num_params() / 1e6, model.num_active_params() / 1e6
     flops_per_token = model.flops_per_token()
     n_moe = len(model.moe_layers())
@@ -159,6 +177,7 @@ def train(
             f"{flops_per_token / 1e6:.1f} MFLOPs per token trained), {n_moe} MoE blocks; "
             f"corpus {corpus.source}, {len(corpus.train):,} train tokens{where}"
             + (f"; resuming at step {start_step}" if resume else "")
+            + (f"; weights from {init}" if init is not None else "")
         )
 
     tokens_per_step = cfg.train.batch_size * cfg.model.context_length * cfg.train.grad_accum * layout.batch_ranks
@@ -206,13 +225,13 @@ def _agree(flag: bool, mesh) -> bool:
     return bool(value.item())
 
 
-def _prepare_corpus_once(cfg: RunConfig, main: bool, distributed: bool) -> Corpus:
+def _prepare_corpus_once(cfg: RunConfig, main: bool, distributed: bool, init: Path | None) -> Corpus:
     """Rank 0 tokenises (and fills the cache) first; the other ranks then read the cache."""
     if not distributed:
-        return prepare_corpus(cfg.data, cfg.model.context_length)
-    corpus = prepare_corpus(cfg.data, cfg.model.context_length) if main else None
+        return prepare_corpus(cfg.data, cfg.model.context_length, tokenizer_dir=init)
+    corpus = prepare_corpus(cfg.data, cfg.model.context_length, tokenizer_dir=init) if main else None
     dist.barrier()
-    return corpus or prepare_corpus(cfg.data, cfg.model.context_length)
+    return corpus or prepare_corpus(cfg.data, cfg.model.context_length, tokenizer_dir=init)
 
 
 class _StopOnInterrupt:
@@ -248,6 +267,8 @@ def _train_step(pm: ParallelModel, forward, optimizer, corpus, cfg: RunConfig, d
     lr = lr_at(step, tc)
     for group in optimizer.param_groups:
         group["lr"] = lr
+    for moe in pm.moe_layers():
+        moe.set_step(step)
     stats = StepStats()
     lm_loss = torch.zeros(())
     ranks = pm.ranks
@@ -302,6 +323,8 @@ def _restore(run_dir: Path, model, optimizer) -> int:
     manifest = read_manifest(path)
     load_model_weights(path, model)
     state = load_trainer_state(path)
+    if "optimizer" not in state:
+        raise CheckpointError(f"{path}: holds weights only (a converted or upcycled model): start from it with --init")
     try:
         optimizer.load_state_dict(state["optimizer"])
     except (ValueError, KeyError) as err:
@@ -310,3 +333,12 @@ def _restore(run_dir: Path, model, optimizer) -> int:
     if "cuda_rng" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda_rng"])
     return int(manifest["step"])
+
+
+def _load_init(init: Path, model: torch.nn.Module) -> None:
+    """Load the latest weights of run ``init`` (checksums verified) into ``model``."""
+    path = latest_checkpoint(init)
+    if path is None:
+        raise CheckpointError(f"--init {init}: has no checkpoint to start from")
+    read_manifest(path)
+    load_model_weights(path, model)

@@ -1,0 +1,5 @@
+"""Models in and out of moekit: Hugging Face checkpoints (hf.py) and dense-to-MoE upcycling (upcycle.py)."""
+
+from moekit.convert.hf import ConversionError, from_hf, to_hf
+
+__all__ = ["ConversionError", "from_hf", "to_hf"]

@@ -1,0 +1,79 @@
+"""``moekit convert``, ``export`` and ``upcycle`` on Hugging Face directories, checked against transformers."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers", reason="the Hugging Face parity tests need transformers: pip install -e '.[test]'")
+from hf_models import TINY, save_hf  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
+
+from moekit.cli import main  # noqa: E402
+from moekit.infer.generate import load_run  # noqa: E402
+
+TOL = 1e-4
+
+
+def save_tokenizer(directory: Path) -> None:
+    """A word-level tokenizer over the tiny vocabulary, as Hugging Face's tokenizer.json."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {f"w{i}": i for i in range(TINY["vocab_size"] - 1)} | {"[UNK]": TINY["vocab_size"] - 1}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.save(str(directory / "tokenizer.json"))
+
+
+def max_gap(hf_model: torch.nn.Module, ours: torch.nn.Module) -> float:
+    ids = torch.randint(TINY["vocab_size"], (2, 20), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        return (hf_model(ids).logits - ours(ids).logits).abs().max().item()
+
+
+def test_convert_generate_export(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    hf_model = save_hf("qwen2_moe", tmp_path / "hf")
+    save_tokenizer(tmp_path / "hf")
+    run = tmp_path / "run"
+    assert main(["convert", str(tmp_path / "hf"), "--out", str(run)]) == 0
+    assert max_gap(hf_model, load_run(run).model) < TOL
+    capsys.readouterr()
+    greedy = ["generate", str(run), "--prompt", "w1 w2 w3", "--temperature", "0", "--max-new-tokens", "6"]
+    assert main(greedy) == 0
+    assert capsys.readouterr().out.split()[:3] == ["w1", "w2", "w3"]
+
+    out = tmp_path / "out"
+    assert main(["export", str(run), "--format", "hf", "--out", str(out)]) == 0
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["Qwen2MoeForCausalLM"]
+    assert (out / "tokenizer.json").is_file()
+    assert max_gap(AutoModelForCausalLM.from_pretrained(out).eval(), load_run(run).model) < TOL
+    assert main(["export", str(run), "--format", "hf", "--out", str(out)]) == 2  # never over another model
+
+
+def test_upcycle_a_hugging_face_dense_model(tmp_path: Path) -> None:
+    hf_model = save_hf("llama", tmp_path / "hf")
+    save_tokenizer(tmp_path / "hf")
+    assert main(["upcycle", str(tmp_path / "hf"), "--experts", "4", "--top-k", "2", "--out", str(tmp_path / "up")]) == 0
+    up = load_run(tmp_path / "up")
+    assert up.config.is_moe and up.tokenizer.vocab_size == TINY["vocab_size"]
+    assert max_gap(hf_model, up.model) < TOL
+
+
+def test_cli_errors_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    save_hf("olmoe", tmp_path / "olmoe")
+    save_tokenizer(tmp_path / "olmoe")
+    assert main(["convert", str(tmp_path / "olmoe"), "--out", str(tmp_path / "run")]) == 0
+    capsys.readouterr()
+    cases = [
+        (["export", str(tmp_path / "run"), "--format", "hf", "--out", str(tmp_path / "o")], "model.qk_norm=True"),
+        (["convert", str(tmp_path / "nowhere"), "--out", str(tmp_path / "x")], "no config.json"),
+        (["convert", str(tmp_path / "olmoe"), "--out", str(tmp_path / "run")], "already holds a run"),
+        (["upcycle", str(tmp_path / "run"), "--experts", "4", "--out", str(tmp_path / "u")], "already has MoE blocks"),
+    ]
+    for argv, message in cases:
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1, err
