@@ -258,6 +258,8 @@ def _launch(args: argparse.Namespace, cfg, run_dir: Path) -> int:
     if args.run_dir is None:
         forwarded += ["--run-dir", str(run_dir)]
     launcher = ["--nproc-per-node", str(args.nproc), "--nnodes", args.nnodes, "--max-restarts", str(args.max_restarts)]
+    # Every rank's output goes to RUN_DIR/logs; the console shows rank 0 only.
+    launcher += ["--log-dir", str(run_dir / "logs"), "--tee", "3", "--local-ranks-filter", "0"]
     try:
         torchrun([*launcher, *rendezvous, "-m", "moekit", "train", *forwarded])
     except ChildFailedError as err:

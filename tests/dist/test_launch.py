@@ -39,6 +39,8 @@ def test_nproc_launches_an_expert_parallel_run(corpus_file, tmp_path) -> None:
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_000004"
     assert (run_dir / "sample.txt").read_text()
     assert "run directory" in done.stdout and done.stdout.count("run directory") == 1  # rank 0 reports once
+    rank_logs = sorted((run_dir / "logs").rglob("stderr.log"))
+    assert len(rank_logs) == 2 and "moekit rank 1/2" in rank_logs[1].read_text()
 
 
 def test_bad_layout_fails_before_launching(tmp_path) -> None:

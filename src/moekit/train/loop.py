@@ -170,6 +170,12 @@ def train(
     forward = torch.compile(model) if cfg.train.compile and mesh is None else None
     progress = progress and main
     say = tqdm.write if progress else (lambda msg: print(msg, file=sys.stderr))
+    if not main:
+        held = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in pm.parameters())
+        print(
+            f"moekit rank {pm.ranks.rank}/{layout.world}: mesh {mesh}, {held / 1e6:.2f}M parameters held",
+            file=sys.stderr,
+        )
     if main:
         where = f"; {layout.world} ranks ({_describe(layout)})" if mesh is not None else ""
         say(
