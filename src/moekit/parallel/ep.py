@@ -6,16 +6,15 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from moekit.config import ParallelConfig
 from moekit.dispatch.all_to_all import AllToAllDispatcher, EPGroups
 from moekit.model import Transformer
-from moekit.parallel.mesh import Layout
+from moekit.parallel.mesh import Layout, RunMesh
 
 
-def ep_groups(mesh: DeviceMesh, layout: Layout, cfg: ParallelConfig) -> EPGroups:
+def ep_groups(mesh: RunMesh, layout: Layout, cfg: ParallelConfig) -> EPGroups:
     if cfg.all_to_all == "two_level":
         return EPGroups(
             mesh["ep"].get_group(), layout.node_size, mesh["ep_local"].get_group(), mesh["ep_node"].get_group()
@@ -23,7 +22,7 @@ def ep_groups(mesh: DeviceMesh, layout: Layout, cfg: ParallelConfig) -> EPGroups
     return EPGroups(mesh["ep"].get_group())
 
 
-def apply_ep(model: Transformer, mesh: DeviceMesh, layout: Layout, cfg: ParallelConfig) -> None:
+def apply_ep(model: Transformer, mesh: RunMesh, layout: Layout, cfg: ParallelConfig) -> None:
     """Shard every MoE layer's experts over ``mesh["ep"]`` and swap in the all-to-all dispatcher."""
     if layout.ep == 1:
         return

@@ -12,18 +12,15 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from moekit.config import ParallelConfig
 from moekit.parallel.ep import expert_parameters
-from moekit.parallel.mesh import Layout
+from moekit.parallel.mesh import Layout, RunMesh
 
 
-def apply_fsdp(
-    model: nn.Module, blocks: list[nn.Module], mesh: DeviceMesh, layout: Layout, cfg: ParallelConfig
-) -> None:
+def apply_fsdp(model: nn.Module, blocks: list[nn.Module], mesh: RunMesh, layout: Layout, cfg: ParallelConfig) -> None:
     """Shard each block, then the rest of the model, over the batch ranks."""
     if layout.batch_ranks == 1:
         return
@@ -43,7 +40,7 @@ def _expert_modules(block: nn.Module) -> list[nn.Module]:
 
 
 @torch.no_grad()
-def finish_expert_grads(model: nn.Module, mesh: DeviceMesh, layout: Layout, cfg: ParallelConfig) -> None:
+def finish_expert_grads(model: nn.Module, mesh: RunMesh, layout: Layout, cfg: ParallelConfig) -> None:
     """Turn expert gradients into the mean over all dp x ep ranks' losses.
 
     FSDP already averaged sharded experts over dp, leaving the 1 / ep; replicated experts (or

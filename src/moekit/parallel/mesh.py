@@ -87,11 +87,24 @@ def microbatches(cfg: RunConfig) -> int:
     return cfg.parallel.pp_microbatches or 2 * cfg.parallel.pp
 
 
-def build_mesh(layout: Layout, device_type: str) -> DeviceMesh:
-    """The run's DeviceMesh, with the flattened ``ep`` and ``batch`` (dp x ep) dimensions."""
+class RunMesh:
+    """The run's DeviceMesh by dimension name, including the flattened ``ep`` and ``batch`` (dp x ep)."""
+
+    def __init__(self, root: DeviceMesh) -> None:
+        self.root = root
+        self._flat = {
+            "ep": root["ep_node", "ep_local"]._flatten("ep"),
+            "batch": root["dp", "ep_node", "ep_local"]._flatten("batch"),
+        }
+
+    def __getitem__(self, name: str) -> DeviceMesh:
+        return self._flat[name] if name in self._flat else self.root[name]
+
+    def __repr__(self) -> str:
+        return repr(self.root)
+
+
+def build_mesh(layout: Layout, device_type: str) -> RunMesh:
     names = ("pp", "dp", "ep_node", "ep_local", "tp")
     shape = (layout.pp, layout.dp, layout.ep // layout.node_size, layout.node_size, layout.tp)
-    mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
-    mesh["ep_node", "ep_local"]._flatten("ep")
-    mesh["dp", "ep_node", "ep_local"]._flatten("batch")
-    return mesh
+    return RunMesh(init_device_mesh(device_type, shape, mesh_dim_names=names))

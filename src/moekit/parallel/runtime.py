@@ -18,14 +18,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from torch.distributed.device_mesh import DeviceMesh
 
 from moekit.layer import MoE, MoEStats
 from moekit.model import Transformer
 from moekit.parallel.ep import apply_ep
 from moekit.parallel.fsdp import apply_fsdp, finish_expert_grads
 from moekit.parallel.grads import clip_grad_norm
-from moekit.parallel.mesh import Layout, LayoutError, build_mesh, microbatches, resolve_layout
+from moekit.parallel.mesh import Layout, LayoutError, RunMesh, build_mesh, microbatches, resolve_layout
 from moekit.parallel.pp import Pipeline, build_pipeline, build_stages
 from moekit.parallel.tp import apply_tp
 from moekit.runconfig import RunConfig
@@ -70,7 +69,7 @@ class Ranks:
         return self.rank == 0
 
 
-def init_distributed(cfg: RunConfig, device: torch.device) -> tuple[Layout, DeviceMesh | None]:
+def init_distributed(cfg: RunConfig, device: torch.device) -> tuple[Layout, RunMesh | None]:
     """Check the layout against the world (before any collective), then join the process group."""
     world = world_size()
     layout = resolve_layout(cfg, world)
@@ -92,7 +91,7 @@ class ParallelModel:
     """The model as this rank holds it, and the step operations over it."""
 
     def __init__(
-        self, model: Transformer, cfg: RunConfig, device: torch.device, layout: Layout, mesh: DeviceMesh | None
+        self, model: Transformer, cfg: RunConfig, device: torch.device, layout: Layout, mesh: RunMesh | None
     ) -> None:
         self.cfg, self.device = cfg, device
         self.layout, self.mesh = layout, mesh
