@@ -6,7 +6,7 @@ trained one after the other in this process on the same data, against nanoGPT's 
 The dense run is the ``shakespeare-dense`` preset (nanoGPT's CPU configuration: character level,
 4 layers, 4 heads, d_model 128, context 64, batch 12, 2000 iterations, lr 1e-3 -> 1e-4, no
 dropout, LayerNorm and a 4x GELU MLP; nanoGPT reports val loss 1.88). The MoE run is
-``shakespeare-moe``: each MLP becomes 16 GELU experts of half its width, top-2 (equal active
+``shakespeare-moe``: every other MLP becomes 16 GELU experts of half its width, top-2 (equal active
 parameters). Prints a table, writes
 ``convergence.png`` with both loss curves into the output directory, and with ``--json`` one JSON
 object on the last line.

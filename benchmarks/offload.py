@@ -36,14 +36,16 @@ from moekit.model import Transformer
 from moekit.train.checkpoint import save_checkpoint
 from moekit.train.data import ByteTokenizer
 
-TEXT = Path("/work/shared/data/tinyshakespeare.txt")
+DEFAULT_TEXT = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "tinyshakespeare.txt"
+# Fine-grained experts (DeepSeek-MoE, OLMoE): 128 per layer, so a batch of 16 top-2 tokens needs
+# about a fifth of a layer's experts, the case expert-granular offload is for.
 OVERRIDES = {
     "model.n_layers": "4",
     "model.d_model": "1024",
-    "model.d_ff": "1024",
+    "model.d_ff": "352",
     "model.n_heads": "8",
     "model.context_length": "256",
-    "moe.num_experts": "44",
+    "moe.num_experts": "128",
     "moe.top_k": "2",
 }
 
@@ -84,8 +86,8 @@ class NaiveLayerExperts(nn.Module):
         return y_RD
 
 
-def prompts(batch: int, length: int = 32) -> tuple[Tensor, Tensor]:
-    data = TEXT.read_bytes()
+def prompts(text: Path, batch: int, length: int = 32) -> tuple[Tensor, Tensor]:
+    data = text.read_bytes()
     step = len(data) // 17
     return left_pad([list(data[i * step : i * step + length]) for i in range(batch)])
 
@@ -101,8 +103,8 @@ def read_bandwidth(store: ExpertStore, count: int = 24) -> float:
     return total / (time.perf_counter() - start)
 
 
-def timed(model: Transformer, batch: int, new_tokens: int) -> tuple[Tensor, float]:
-    ids, pad = prompts(batch)
+def timed(model: Transformer, text: Path, batch: int, new_tokens: int) -> tuple[Tensor, float]:
+    ids, pad = prompts(text, batch)
     start = time.perf_counter()
     out = generate(model, ids, new_tokens, temperature=0, left_pad_B=pad)
     return out, time.perf_counter() - start
@@ -110,11 +112,14 @@ def timed(model: Transformer, batch: int, new_tokens: int) -> tuple[Tensor, floa
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--data", type=Path, default=DEFAULT_TEXT, help="prompt and validation text (tinyshakespeare)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     parser.add_argument("--cache-dir", type=Path, default=Path("/tmp/moekit-offload-bench"))
     parser.add_argument("--budget", default="512MB", help="memory budget of the offloaded runs")
     parser.add_argument("--new-tokens", type=int, default=8, help="tokens generated per prompt")
     args = parser.parse_args()
+    if not args.data.is_file():
+        parser.error(f"--data: no such file: {args.data}")
     torch.set_num_threads(max(1, torch.get_num_threads()))
     run_dir = build_run(args.cache_dir / "run")
     budget = parse_bytes(args.budget)
@@ -127,7 +132,7 @@ def main() -> None:
         off = run.offloader
         if not warm:
             off.store.drop_page_cache()
-        out, seconds = timed(run.model, batch, args.new_tokens)
+        out, seconds = timed(run.model, args.data, batch, args.new_tokens)
         off.close()
         tokens = batch * args.new_tokens
         stats = off.stats
@@ -150,7 +155,7 @@ def main() -> None:
     traces: dict[int, tuple[list, int]] = {}
     for batch in (1, 16):
         resident = load_run(run_dir).model
-        out, seconds = timed(resident, batch, args.new_tokens)
+        out, seconds = timed(resident, args.data, batch, args.new_tokens)
         reference[batch] = out
         rows.append(dict(config="resident", batch=batch, tokens_per_s=batch * args.new_tokens / seconds))
         resident_bytes = model_bytes(resident)
@@ -163,7 +168,7 @@ def main() -> None:
             moe = run.model.blocks[block].ffn
             moe.experts = NaiveLayerExperts(run.offloader.store, block, moe.cfg.num_experts, moe.cfg.activation)
             naive.append(moe.experts)
-        out, seconds = timed(run.model, batch, args.new_tokens)
+        out, seconds = timed(run.model, args.data, batch, args.new_tokens)
         run.offloader.close()
         tokens = batch * args.new_tokens
         rows.append(
@@ -196,7 +201,7 @@ def main() -> None:
     replays = {
         batch: {p: replay(trace, slots, p) for p in (*POLICIES, "belady")} for batch, (trace, slots) in traces.items()
     }
-    perplexity = validation_perplexity(run_dir, budget)
+    perplexity = validation_perplexity(args.data, run_dir, budget)
     result = dict(
         expert_bytes_on_disk=expert_bytes,
         budget=budget,
@@ -209,9 +214,9 @@ def main() -> None:
     print(json.dumps(result, indent=2) if args.json else table(result))
 
 
-def validation_perplexity(run_dir: Path, budget: int) -> dict[str, float]:
+def validation_perplexity(text: Path, run_dir: Path, budget: int) -> dict[str, float]:
     """Perplexity of the tail of the text (teacher-forced, 255 tokens) with each expert format."""
-    ids = torch.tensor([list(TEXT.read_bytes()[-256:])])
+    ids = torch.tensor([list(text.read_bytes()[-256:])])
     out = {}
     for fmt in ("fp", "int8", "int4"):
         run = load_run(run_dir, offload=OffloadOptions(memory_budget=budget, expert_format=fmt, prefetch="off"))

@@ -170,9 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     print("-" * len(header))
     for name, r in results.items():
         b = r["bytes"]
-        mb = [
-            b[k] / 1e6 for k in ("all_to_all_single", "all_gather_single", "reduce_scatter_single", "all_reduce")
-        ]
+        mb = [b[k] / 1e6 for k in ("all_to_all_single", "all_gather_single", "reduce_scatter_single", "all_reduce")]
         print(
             f"{name:<30}{r['step_ms']:>10.1f}{mb[0]:>10.2f}{mb[1]:>9.2f}{mb[2]:>9.2f}{mb[3]:>9.2f}"
             f"{r['a2a_bytes_per_token_layer']:>17.0f}"
