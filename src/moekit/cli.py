@@ -139,6 +139,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     export.add_argument("--out", type=Path, required=True, help="the directory to write")
 
+    plan = commands.add_parser(
+        "plan",
+        help="rank parallel layouts of a model on a cluster by predicted step time",
+        description="The auto-parallel planner: enumerate dp x ep x tp x pp x micro-batches x all-to-all form x "
+        "overlap, drop layouts that do not fit in memory, print the fastest by predicted step time. With --loads, "
+        "re-score them with a run's measured expert loads, with and without load-aware placement.",
+    )
+    plan.add_argument("--model", required=True, help="model preset (mixtral-8x7b, deepseek-moe-16b) or a .toml file")
+    plan.add_argument("--cluster", required=True, help="cluster preset (h100x8, h100-ib-32, ...) or a .toml file")
+    plan.add_argument("--top", type=int, default=10, help="rows to print (default: %(default)s)")
+    plan.add_argument("--loads", type=Path, metavar="RUN_DIR", help="re-score with this run's measured expert loads")
+    plan.add_argument("--steps-left", type=int, default=1000, help="steps a re-placement can pay back over")
+
     up = commands.add_parser(
         "upcycle",
         help="turn a dense model into an MoE whose experts start as its MLPs",
@@ -357,6 +370,44 @@ def cmd_plot(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    from moekit.parallel import planner
+
+    spec, cluster = planner.load_model(args.model), planner.load_cluster(args.cluster)
+    if args.top <= 0:
+        raise ValueError(f"--top={args.top}: must be > 0")
+    rows = planner.plan(spec, cluster, args.top)
+    print(f"{spec.name} on {cluster.name} ({cluster.world} devices): {len(rows)} fastest layouts that fit")
+    if not rows:
+        print("no layout fits in memory: use more devices or a smaller global batch")
+        return 0
+    print(planner.format_table(rows))
+    if args.loads is not None:
+        loads = _measured_loads(args.loads, spec.moe.num_experts)
+        again = planner.rescore(spec, cluster, rows, loads, args.steps_left)
+        print(f"\nre-scored with the expert loads of {args.loads} (plain EP -> load-aware placement):")
+        for i, r in enumerate(again, 1):
+            c = r.estimate.candidate
+            print(
+                f"{i:>3} dp={c.dp} ep={c.ep} tp={c.tp} pp={c.pp} mb={c.micro} {c.all_to_all}"
+                f"{' overlap' if c.overlap else ''}: {r.estimate.step_s:.4f} s -> {r.placed.step_s:.4f} s; "
+                f"re-placing costs {r.switch_s:.4f} s: {'switch' if r.switch else 'keep'}"
+            )
+    return 0
+
+
+def _measured_loads(run_dir: Path, num_experts: int) -> list[list[float]]:
+    """Per-layer expert shares averaged over a run's last 50 logged steps."""
+    from moekit.train.metrics import read_metrics
+
+    records = [r["expert_load"] for r in read_metrics(run_dir) if r.get("expert_load")][-50:]
+    if not records:
+        raise ValueError(f"--loads {run_dir}: its metrics.jsonl has no expert_load records")
+    if any(len(layer) != num_experts for layer in records[-1]):
+        raise ValueError(f"--loads {run_dir}: its layers do not have the model's {num_experts} experts")
+    return [[sum(r[i][e] for r in records) / len(records) for e in range(num_experts)] for i in range(len(records[-1]))]
+
+
 def _load_model(path: Path):
     """(model, tokenizer, run config) of a moekit run directory or of a Hugging Face directory."""
     from moekit import runconfig
@@ -432,6 +483,7 @@ COMMANDS = {
     "generate": cmd_generate,
     "serve": cmd_serve,
     "plot": cmd_plot,
+    "plan": cmd_plan,
     "convert": cmd_convert,
     "export": cmd_export,
     "upcycle": cmd_upcycle,

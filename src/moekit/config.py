@@ -119,6 +119,10 @@ class ParallelConfig:
     pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b | looped_bfs
     pp_microbatches: int = 0  # micro-batches per pipeline step; 0 = 2 * pp (must divide train.batch_size)
     timeout_s: float = 300.0  # a collective waiting longer than this (a dead rank) ends the run with an error
+    placement_every: int = 0  # >0: every this many steps, re-place experts by the loads seen since (SmartMoE)
+    placement_min_gain: float = 0.05  # re-place only when the busiest rank's predicted load drops by this fraction
+    placement_max_moves: int = 0  # most experts one re-placement may move per layer (bounds the bytes); 0 = any
+    shadow_experts: int = 0  # >0: replicate up to this many popular experts on every ep rank (FasterMoE)
 
     def __post_init__(self) -> None:
         for name in ("ep", "tp", "pp", "overlap_chunks"):
@@ -131,6 +135,22 @@ class ParallelConfig:
         _one_of("parallel.expert_sharding", self.expert_sharding, EXPERT_SHARDING)
         _one_of("parallel.pp_schedule", self.pp_schedule, PP_SCHEDULES)
         _require(self.timeout_s > 0, "parallel.timeout_s", self.timeout_s, "must be > 0")
+        for name in ("placement_every", "placement_max_moves", "shadow_experts"):
+            value = getattr(self, name)
+            _require(isinstance(value, int) and value >= 0, f"parallel.{name}", value, "must be an integer >= 0")
+        _require(
+            0 <= self.placement_min_gain < 1,
+            "parallel.placement_min_gain",
+            self.placement_min_gain,
+            "must be in [0, 1)",
+        )
+        if self.shadow_experts:
+            _require(
+                self.placement_every > 0,
+                "parallel.shadow_experts",
+                self.shadow_experts,
+                "needs parallel.placement_every > 0 (shadows are chosen at each placement check)",
+            )
 
     @property
     def stages_per_rank(self) -> int:

@@ -200,3 +200,22 @@ def test_compare_runs_draws_one_png(tmp_path: Path) -> None:
     assert_png(out)
     with pytest.raises(ValueError, match="at least one run"):
         compare_runs({}, tmp_path / "x.png", "nothing")
+
+
+def test_plot_run_of_an_expert_parallel_run_adds_placement(tmp_path: Path) -> None:
+    with MetricsLogger(tmp_path, tensorboard=False) as logger:
+        for step in range(1, 31):
+            placed = step > 10  # re-placed at step 10: the ranks even out
+            logger.log(
+                synthetic_record(step)
+                | {
+                    "rank_load": [100.0, 100.0] if placed else [150.0, 50.0],
+                    "rank_imbalance": 1.0 if placed else 1.5,
+                    "placement_moves": int(step == 10) * 2,
+                    "placement_bytes": 4e6 if step == 10 else 0.0,
+                    "placement_s": 0.02 if step == 10 else 0.001,
+                }
+            )
+    paths = plot_run(tmp_path)
+    assert [p.name for p in paths] == ["loss.png", "expert_load.png", "placement.png"]
+    assert_png(paths[-1])

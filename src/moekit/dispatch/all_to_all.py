@@ -5,8 +5,10 @@ C overlap chunks, R rows.
 
 The data path of one layer (Tutel's, in five steps):
     local sort by expert -> exchange counts -> all-to-all rows -> grouped GEMM -> all-to-all back
-Expert e lives on ep rank ``e // El``, so rows sorted by global expert id are already ordered by
-destination rank. An exchange is differentiable: its backward is the reverse exchange.
+Each rank has El slots; expert e runs in slot ``placement.expert_to_slot[e]`` on rank ``slot // El``
+(the identity for plain expert parallelism), so rows sorted by slot are already ordered by destination
+rank. Shadowed experts (replicated on every rank) sort after all slots and are computed where they
+are, never sent. An exchange is differentiable: its backward is the reverse exchange.
 
 Two exchange forms share one contract (input rows ordered by destination rank, output rows ordered
 by source rank): a flat ``all_to_all_single``, and a two-level one (within a node, then across
@@ -16,6 +18,7 @@ between nodes.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -129,6 +132,26 @@ def exchange(x: Tensor, plan: Exchange, result: Tensor | None = None) -> Tensor:
 
 
 @dataclass(frozen=True)
+class ExpertPlacement:
+    """Where each expert of a layer runs, swapped whole between steps (``parallel/rebalance.py``)."""
+
+    expert_to_slot: Tensor  # [E] slot of each expert (a permutation); its rank is slot // El
+    shadows: tuple[int, ...] = ()  # experts replicated on every rank: their rows stay here
+    shadow_experts: ExpertsFn | None = None  # computes the shadows' rows, grouped in ``shadows`` order
+
+    @staticmethod
+    def identity(num_experts: int) -> ExpertPlacement:
+        return ExpertPlacement(torch.arange(num_experts))
+
+    def sort_keys(self) -> Tensor:
+        """[E] the dispatch order: slots first, then the shadows after all E slots."""
+        keys = self.expert_to_slot.clone()
+        for i, e in enumerate(self.shadows):
+            keys[e] = len(keys) + i
+        return keys
+
+
+@dataclass(frozen=True)
 class EPGroups:
     """The process groups an expert-parallel dispatcher talks over."""
 
@@ -157,13 +180,22 @@ class AllToAllDispatcher:
         self.groups = groups
         self.chunks = chunks
         self.local = LocalDispatcher(num_experts, capacity_factor)
+        self.placement = ExpertPlacement.identity(num_experts)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="moekit-a2a") if chunks > 1 else None
 
     def apply(self, x_TD: Tensor, routing: RouterOutput, experts: ExpertsFn) -> tuple[Tensor, DispatchMeta]:
         """Route rows to their experts' ranks, compute them there, bring them back and combine."""
-        x_sorted, meta = self.local.dispatch(x_TD, routing)
+        placement = self.placement
+        keys = placement.sort_keys().to(routing.expert_idx.device)
+        x_sorted, meta = self.local.dispatch(x_TD, routing, keys)
         W, El, C = self.world, self.local_experts, self.chunks
-        counts_EC = _split_counts(meta.tokens_per_expert.cpu(), C)  # [E, C]
+        E = W * El
+        per_key = meta.tokens_per_expert.cpu()
+        meta = dataclasses.replace(
+            meta, tokens_per_expert=meta.tokens_per_expert[keys], routed_per_expert=meta.routed_per_expert[keys]
+        )
+        x_sorted, x_shadow = torch.split(x_sorted, [int(per_key[:E].sum()), int(per_key[E:].sum())])
+        counts_EC = _split_counts(per_key[:E], C)  # [slots, C]
         chunk_order = None
         if C > 1:
             chunk_order = block_permutation(counts_EC).to(x_sorted.device)
@@ -187,6 +219,9 @@ class AllToAllDispatcher:
         )
         if chunk_order is not None:
             y = permute_rows(y, _inverse(chunk_order))
+        if placement.shadows:
+            assert placement.shadow_experts is not None
+            y = torch.cat([y, placement.shadow_experts(x_shadow, per_key[E:].to(x_shadow.device))])
         return LocalDispatcher.combine(y, meta), meta
 
     def _plan(self, rows_WW: Tensor) -> Exchange:

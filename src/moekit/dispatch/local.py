@@ -37,18 +37,24 @@ class LocalDispatcher:
         assert self.capacity_factor is not None
         return math.ceil(self.capacity_factor * num_assignments / self.num_experts)
 
-    def dispatch(self, x_TD: Tensor, routing: RouterOutput) -> tuple[Tensor, DispatchMeta]:
-        """Rows of ``x`` grouped by expert: returns x_sorted [R, D] and the meta for combine."""
+    def dispatch(self, x_TD: Tensor, routing: RouterOutput, keys: Tensor | None = None) -> tuple[Tensor, DispatchMeta]:
+        """Rows of ``x`` grouped by expert: returns x_sorted [R, D] and the meta for combine.
+
+        ``keys`` (one distinct integer per expert) orders the groups by key instead of by expert id;
+        the meta's counts are then per key (``max(keys) + 1`` of them).
+        """
+        expert_idx = routing.expert_idx if keys is None else keys[routing.expert_idx]
+        groups = self.num_experts if keys is None else int(keys.max()) + 1
         # NOTE: the sort is stable so rows keep the router's k-major order inside each expert;
         # that order is GShard's priority for capacity drops and makes results reproducible.
-        expert_sorted, order = torch.sort(routing.expert_idx, stable=True)
-        routed = torch.bincount(routing.expert_idx, minlength=self.num_experts)
+        expert_sorted, order = torch.sort(expert_idx, stable=True)
+        routed = torch.bincount(expert_idx, minlength=groups)
         if self.capacity_factor is not None:
             starts = torch.cumsum(routed, dim=0) - routed
             position = torch.arange(order.numel(), device=order.device) - starts[expert_sorted]
             keep = position < self.capacity(routing.num_picks)
             order, expert_sorted = order[keep], expert_sorted[keep]
-            kept = torch.bincount(expert_sorted, minlength=self.num_experts)
+            kept = torch.bincount(expert_sorted, minlength=groups)
         else:
             kept = routed
         token_idx = routing.token_idx[order]

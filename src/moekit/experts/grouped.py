@@ -87,11 +87,17 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x_RD: Tensor, tokens_per_expert: Tensor) -> Tensor:
         """Rows grouped by expert in order -> outputs; ``tokens_per_expert`` counts this module's experts."""
-        dtype = compute_dtype(x_RD)
-        x_RD = x_RD.to(dtype)
-        h = grouped_matmul(x_RD, local_tensor(self.w_in).to(dtype), tokens_per_expert, self.gemm)
-        h = apply_activation(h, self.activation)
-        return grouped_matmul(h, local_tensor(self.w_out).to(dtype), tokens_per_expert, self.gemm)
+        w_in, w_out = local_tensor(self.w_in), local_tensor(self.w_out)
+        return expert_ffn(x_RD, w_in, w_out, tokens_per_expert, self.activation, self.gemm)
+
+
+def expert_ffn(
+    x_RD: Tensor, w_in: Tensor, w_out: Tensor, tokens_per_expert: Tensor, activation: str, gemm: str
+) -> Tensor:
+    """The FFN of stacked experts over rows grouped by expert (also run on replicated shadow experts)."""
+    dtype = compute_dtype(x_RD)
+    h = grouped_matmul(x_RD.to(dtype), w_in.to(dtype), tokens_per_expert, gemm)
+    return grouped_matmul(apply_activation(h, activation), w_out.to(dtype), tokens_per_expert, gemm)
 
 
 class DenseFFN(nn.Module):

@@ -74,6 +74,14 @@ def resolve_layout(cfg: RunConfig, world_size: int, local_world_size: int | None
         raise LayoutError(
             f"parallel.pp_microbatches={microbatches(cfg)} must divide train.batch_size={cfg.train.batch_size}"
         )
+    if p.placement_every and p.ep > 1:
+        if p.pp > 1:
+            raise LayoutError("parallel.placement_every needs parallel.pp = 1 (placement across stages is not built)")
+        if dp > 1 and p.expert_sharding == "shard":
+            raise LayoutError(
+                "parallel.placement_every with parallel.dp > 1 needs parallel.expert_sharding = replicate "
+                "(moving FSDP-sharded experts is not built)"
+            )
     node_size = p.ep
     if p.all_to_all == "two_level":
         local = local_world_size or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))

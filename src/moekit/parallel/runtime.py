@@ -26,6 +26,7 @@ from moekit.parallel.fsdp import apply_fsdp, finish_expert_grads
 from moekit.parallel.grads import clip_grad_norm
 from moekit.parallel.mesh import Layout, LayoutError, RunMesh, build_mesh, microbatches, resolve_layout
 from moekit.parallel.pp import Pipeline, build_pipeline, build_stages
+from moekit.parallel.rebalance import Rebalancer
 from moekit.parallel.tp import apply_tp
 from moekit.runconfig import RunConfig
 
@@ -97,6 +98,7 @@ class ParallelModel:
         self.layout, self.mesh = layout, mesh
         self.full_model = model  # single-device structure; its modules are shared with the shards
         self.pipeline: Pipeline | None = None
+        self.rebalancer: Rebalancer | None = None  # expert placement and shadows (ep > 1)
         if self.mesh is None:
             self.ranks = Ranks()
             self.modules: list[nn.Module] = [model]
@@ -112,6 +114,10 @@ class ParallelModel:
             apply_ep(module, mesh, layout, cfg.parallel)
             blocks = list(module.blocks.values()) if isinstance(module.blocks, nn.ModuleDict) else list(module.blocks)
             apply_fsdp(module, blocks, mesh, layout, cfg.parallel)
+        if layout.ep > 1:
+            index = {id(m): i for i, m in enumerate(model.moe_layers())}
+            layers = self.moe_layers()
+            self.rebalancer = Rebalancer(layers, [index[id(m)] for m in layers], mesh["ep"].get_group(), cfg.parallel)
         if layout.pp > 1:
             self.pipeline = build_pipeline(
                 self.modules, mesh["pp"], cfg.parallel.pp_schedule, microbatches(cfg), device
@@ -182,6 +188,8 @@ class ParallelModel:
         return value / self.layout.batch_ranks
 
     def finish_gradients(self) -> None:
+        if self.rebalancer is not None:
+            self.rebalancer.finish_shadow_grads()
         if self.mesh is not None:
             for module in self.modules:
                 finish_expert_grads(module, self.mesh, self.layout, self.cfg.parallel)
@@ -189,6 +197,12 @@ class ParallelModel:
     def clip_gradients(self, max_norm: float) -> Tensor:
         stage_ranks = self.ranks.world // self.layout.pp
         return clip_grad_norm(self.parameters(), max_norm, stage_ranks, distributed=self.mesh is not None)
+
+    def rebalance(self, step: int, loads: list[Tensor], optimizer: torch.optim.Optimizer) -> dict[str, float]:
+        """After the optimizer step: expert placement's metrics, and any re-placement it decides."""
+        if self.rebalancer is None:
+            return {}
+        return self.rebalancer.after_step(step, loads, optimizer)
 
     def reduce_layers(self, layers: list[Tensor]) -> list[Tensor]:
         """Per-layer statistic vectors of this rank's MoE layers -> the whole model's, in layer order,
@@ -222,7 +236,12 @@ class ParallelModel:
             for part in every:
                 merged.update(part)
             pieces = merged
-        return pieces if self.ranks.is_main else None
+        if not self.ranks.is_main:
+            return None
+        if self.rebalancer is not None:
+            names = {id(m): name for name, m in self.full_model.named_modules() if isinstance(m, MoE)}
+            pieces = self.rebalancer.canonical(pieces, names)
+        return pieces
 
 
 def _merge_micro(per_micro: list[list[MoEStats]]) -> list[MoEStats]:

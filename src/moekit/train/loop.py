@@ -294,12 +294,13 @@ def _train_step(pm: ParallelModel, forward, optimizer, corpus, cfg: RunConfig, d
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     stats.layers = pm.reduce_layers(stats.layers)
+    placement = pm.rebalance(step, stats.loads, optimizer)
     whole_model_index = {id(m): i for i, m in enumerate(pm.full_model.moe_layers())}
     for moe in pm.moe_layers():
         moe.update_bias(stats.loads[whole_model_index[id(moe)]].to(dev))
     lm_loss = pm.mean_over_batch(pm.broadcast_from_last_stage(lm_loss))
     record = {"step": step + 1, "loss": lm_loss.item(), "lr": lr, "grad_norm": grad_norm.item()}
-    return {**record, **stats.record()}
+    return {**record, **stats.record(), **placement}
 
 
 def _save(run_dir: Path, step: int, pm: ParallelModel, optimizer, cfg: RunConfig, record: dict[str, Any]):

@@ -25,7 +25,8 @@ def plot_run(run_dir: Path, out_dir: Path | None = None) -> list[Path]:
     """Write PNGs for a run from its metrics.jsonl; returns the paths written. out_dir defaults to run_dir/plots.
 
     Always ``loss.png`` (train/val loss, router losses, learning rate); ``expert_load.png``
-    (per-layer expert-share heatmaps and load max/mean) only when the run has MoE layers.
+    (per-layer expert-share heatmaps and load max/mean) only when the run has MoE layers;
+    ``placement.png`` (rows per ep rank, rank imbalance, re-placements) only under expert parallelism.
     """
     run_dir = Path(run_dir)
     records = _load(run_dir)
@@ -34,6 +35,8 @@ def plot_run(run_dir: Path, out_dir: Path | None = None) -> list[Path]:
     written = [_plot_loss(records, out_dir / "loss.png", run_dir.name)]
     if any(r.get("expert_load") or r.get("load_max_over_mean") for r in records):
         written.append(_plot_expert_load(records, out_dir / "expert_load.png", run_dir.name))
+    if any(r.get("rank_load") for r in records):
+        written.append(_plot_placement(records, out_dir / "placement.png", run_dir.name))
     return written
 
 
@@ -172,6 +175,41 @@ def _plot_expert_load(records: list[dict[str, Any]], path: Path, run_name: str) 
     for ax in rows[:-1]:
         ax.tick_params(labelbottom=False)
     rows[-1].set_xlabel("optimizer step")
+    return _save(fig, path)
+
+
+def _plot_placement(records: list[dict[str, Any]], path: Path, run_name: str) -> Path:
+    """Expert parallelism's balance: each ep rank's share of the rows, max/mean over ranks, and the
+    bytes and seconds spent re-placing experts (refreshing shadows included)."""
+    pairs = [(r["step"], r["rank_load"]) for r in records if r.get("rank_load")]
+    steps = np.asarray([p[0] for p in pairs], dtype=float)
+    load_SR = np.asarray([p[1] for p in pairs], dtype=float)
+    share_SR = load_SR / np.maximum(load_SR.sum(1, keepdims=True), 1e-12)
+    fig = _figure(figsize=(10, 8))
+    fig.suptitle(f"{run_name}: expert placement over the ep ranks", fontweight="bold")
+    top, mid, low = fig.subplots(3, 1, sharex=True)
+    for rank in range(share_SR.shape[1]):
+        _plot_noisy(top, steps, share_SR[:, rank], color=f"C{rank % 10}", label=f"rank {rank}")
+    top.axhline(1 / share_SR.shape[1], color="0.3", ls="--", lw=1, label="even share")
+    top.set_ylabel("share of rows")
+    top.legend(ncols=min(share_SR.shape[1] + 1, 6), fontsize="small", loc="upper right")
+    imb_steps, imb = _series(records, "rank_imbalance")
+    _plot_noisy(mid, imb_steps, imb, color="C0", label="busiest rank / mean")
+    mid.axhline(1.0, color="0.3", ls="--", lw=1)
+    mid.set_ylabel("max / mean")
+    mid.legend(fontsize="small", loc="upper right")
+    byte_steps, moved = _series(records, "placement_bytes")
+    low.bar(byte_steps, moved / 1e6, width=1.0, color="C1", label="MB moved (experts + optimizer state, shadows)")
+    low.set_ylabel("MB moved")
+    time_steps, seconds = _series(records, "placement_s")
+    twin = low.twinx()
+    twin.plot(time_steps, seconds * 1e3, color="C2", lw=1, label="ms spent")
+    twin.set_ylabel("ms re-placing")
+    low.legend(fontsize="small", loc="upper left")
+    twin.legend(fontsize="small", loc="upper right")
+    for ax in (top, mid, low):
+        ax.grid(alpha=0.3)
+    low.set_xlabel("optimizer step")
     return _save(fig, path)
 
 

@@ -1,0 +1,119 @@
+"""The planner's cost model against hand-computed values, its enumeration, memory check and CLI."""
+
+from __future__ import annotations
+
+import pytest
+
+from moekit import runconfig
+from moekit.cli import main
+from moekit.model import Transformer
+from moekit.parallel.planner import (
+    Candidate,
+    Cluster,
+    ModelSpec,
+    Workload,
+    all_to_all_time,
+    candidates,
+    estimate,
+    layer_flops,
+    load_cluster,
+    load_model,
+    members_per_node,
+    p2p_time,
+    param_counts,
+    plan,
+    rescore,
+    ring_time,
+)
+
+# Round numbers: 10 GB/s and 10 us inside a node of 4, 1 GB/s and 100 us across.
+CLUSTER = Cluster("toy", 4, 4, 1.0, 1.0, 1.0, 10.0, 10.0, 1.0, 100.0)
+
+
+def _tiny(**overrides: str) -> ModelSpec:
+    cfg = runconfig.resolve("tiny", overrides)
+    return ModelSpec("tiny", cfg.model, cfg.moe, Workload(global_batch=16, dtype_bytes=4))
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [{}, {"model.n_kv_heads": "1", "moe.num_shared_experts": "1", "model.first_dense_layers": "1", "moe.d_ff": "48"}],
+)
+def test_param_counts_equal_the_built_model(overrides: dict[str, str]) -> None:
+    spec = _tiny(**overrides)
+    model = Transformer(spec.model, spec.moe)
+    dense, experts = param_counts(spec)
+    assert dense + experts == model.num_params()
+    assert experts == sum(p.numel() for m in model.moe_layers() for p in m.experts.parameters())
+
+
+def test_layer_flops_hand_computed() -> None:
+    spec = _tiny()  # D=32, 2 heads of 16, ctx 32, 4 experts of F=64 (SwiGLU), top-2
+    f = layer_flops(spec, moe_layer=True)
+    assert f["attention"] == 2 * 32 * 16 * 6 + 2 * 32 * 32 + 2 * 32 * 32
+    assert f["experts"] == 2 * (2 * 3 * 32 * 64)
+    assert f["dense"] == 2 * 32 * 4  # the router
+
+
+def test_collective_times_hand_computed() -> None:
+    c = CLUSTER
+    assert members_per_node(8, 1, 4) == 4 and members_per_node(4, 4, 4) == 1 and members_per_node(2, 2, 4) == 2
+    # Within a node: 3 messages of 10 us, 3/4 of 1 MB at 10 GB/s.
+    assert all_to_all_time(1e6, 4, 1, c) == pytest.approx(3 * 10e-6 + 0.75e6 / 10e9)
+    # 8 ranks over 2 nodes, flat: 3 intra + 4 inter messages; half the bytes cross nodes at 1 GB/s.
+    flat = 3 * 10e-6 + 4 * 100e-6 + 0.5e6 / 1e9
+    assert all_to_all_time(1e6, 8, 1, c) == pytest.approx(flat)
+    two = 3 * 10e-6 + 0.75e6 / 10e9 + 1 * 100e-6 + 0.5e6 / 1e9
+    assert all_to_all_time(1e6, 8, 1, c, two_level=True) == pytest.approx(two)
+    assert ring_time(1e6, 4, 1, c) == pytest.approx(2 * (3 * 10e-6 + 0.75e6 / 10e9))
+    assert ring_time(1e6, 2, 4, c, passes=1) == pytest.approx(100e-6 + 0.5e6 / 1e9)
+    assert p2p_time(1e6, 4, c) == pytest.approx(100e-6 + 1e6 / 1e9)
+
+
+def test_imbalance_slows_the_step_and_overlap_hides_exchanges() -> None:
+    spec, c = _tiny(), CLUSTER
+    ep4 = Candidate(1, 4, 1, 1, 1, "flat", False)
+    assert estimate(spec, ep4, c, 2.0).step_s > estimate(spec, ep4, c).step_s
+    overlapped = Candidate(1, 4, 1, 1, 1, "flat", True)
+    # Latency-bound exchanges: chunks only add messages.
+    assert estimate(spec, overlapped, c).a2a_s > estimate(spec, ep4, c).a2a_s
+    # Bandwidth-bound exchanges beside slow GEMMs: half of the shorter one is hidden.
+    slow = Cluster("slow", 1, 4, 1e-3, 1.0, 1.0, 0.1, 0.01, 0.1, 0.01)
+    plain, hidden = estimate(spec, ep4, slow), estimate(spec, overlapped, slow)
+    assert hidden.step_s < plain.step_s
+
+
+def test_enumeration_and_memory_rejection() -> None:
+    spec = load_model("mixtral-8x7b")
+    h100 = load_cluster("h100x8")
+    every = candidates(spec, h100)
+    assert every and all(c.dp * c.ep * c.tp * c.pp == 8 and 8 % c.ep == 0 for c in every)
+    assert not any(estimate(spec, c, h100).fits for c in every), "46.7B parameters x 16 bytes > 8 x 80 GB"
+    assert plan(spec, h100) == []
+    rows = plan(spec, load_cluster("h100-ib-32"), top=5)
+    assert rows and all(r.fits and r.memory_gb <= 80 * 0.9 for r in rows)
+    assert [r.step_s for r in rows] == sorted(r.step_s for r in rows)
+
+
+def test_rescore_with_skewed_loads_prefers_placement() -> None:
+    spec, c = _tiny(), CLUSTER
+    rows = [estimate(spec, Candidate(1, 4, 1, 1, 1, "flat", False), c)]
+    skewed = [[70.0, 20.0, 8.0, 2.0]] * 2
+    (r,) = rescore(spec, c, rows, skewed, remaining_steps=100)
+    assert r.placed.step_s <= r.estimate.step_s
+    # ep=4 over 4 experts: every rank has one expert whatever the placement, so nothing to gain.
+    assert r.placed.step_s == pytest.approx(r.estimate.step_s) and not r.switch
+    ep2 = rescore(spec, c, [estimate(spec, Candidate(2, 2, 1, 1, 1, "flat", False), c)], skewed, 100)[0]
+    assert ep2.placed.step_s < ep2.estimate.step_s
+
+
+def test_plan_cli(capsys, tmp_path) -> None:
+    assert main(["plan", "--model", "deepseek-moe-16b", "--cluster", "h100-ib-32", "--top", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "step s" in out and len(out.strip().splitlines()) == 5
+    assert main(["plan", "--model", "nope", "--cluster", "h100x8"]) == 2
+    assert "--model: unknown preset 'nope'" in capsys.readouterr().err
+    bad = tmp_path / "c.toml"
+    bad.write_text("nodes = 1\ngpus_per_node = 8\n")
+    assert main(["plan", "--model", "mixtral-8x7b", "--cluster", str(bad)]) == 2
+    assert "missing field(s) peak_tflops" in capsys.readouterr().err
