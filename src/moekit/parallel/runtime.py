@@ -4,7 +4,7 @@
 (checked before any collective), applies the parallelisms to the single-device model in one order
 (pipeline split -> tensor parallel -> expert parallel -> FSDP), and offers the few operations the
 loop needs: forward+backward of a micro-batch, evaluation, gradient finishing and clipping, reduced
-statistics, and the full weights for checkpoints.
+and statistics.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh
 
 from moekit.layer import MoE, MoEStats
@@ -146,13 +145,15 @@ class ParallelModel:
             out = (forward or self.modules[0])(x, y)
             (out.loss * scale).backward()
             return out.loss.detach(), out.lm_loss.detach(), out.moe_stats
+        per_micro = scale / self.pipeline.microbatches
         for stage in self.pipeline.stages:
-            stage.aux_scale = scale
+            stage.aux_scale = per_micro
+        self.pipeline.loss.scale = per_micro
         losses: list[Tensor] = []
         kwargs = {"target": y, "losses": losses} if self.pipeline.has_last else {}
         args = (x,) if self.pipeline.has_first else ()
         self.pipeline.schedule.step(*args, **kwargs)
-        lm = torch.stack(losses).mean().detach() if losses else torch.full((), float("nan"))
+        lm = torch.stack(losses).mean().detach() / per_micro if losses else torch.full((), float("nan"))
         return lm, lm, _merge_micro(self.pipeline.collect_stats())
 
     @torch.no_grad()
@@ -162,6 +163,7 @@ class ParallelModel:
             return (forward or self.modules[0])(x, y).lm_loss
         losses: list[Tensor] = []
         kwargs = {"target": y, "losses": losses} if self.pipeline.has_last else {}
+        self.pipeline.loss.scale = 1.0
         self.pipeline.schedule.eval(*((x,) if self.pipeline.has_first else ()), **kwargs)
         self.pipeline.collect_stats()
         return self.broadcast_from_last_stage(torch.stack(losses).mean() if losses else torch.zeros(()))
@@ -207,23 +209,6 @@ class ParallelModel:
             dist.all_gather_object(every, mine, group=self.mesh["pp"].get_group())
             return [t for _, t in sorted(item for stage in every for item in stage)]
         return layers
-
-    def full_state_dict(self) -> dict[str, Tensor] | None:
-        """The unsharded weights, on the main rank (None elsewhere); a collective on every rank."""
-        if self.mesh is None:
-            return self.full_model.state_dict()
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        pieces = {}
-        for module in self.modules:
-            pieces.update(get_model_state_dict(module, options=options))
-        if self.layout.pp > 1:
-            every: list[dict | None] = [None] * self.ranks.world
-            dist.all_gather_object(every, pieces)
-            merged: dict[str, Tensor] = {}
-            for part in every:
-                merged.update(part)
-            pieces = merged
-        return pieces if self.ranks.is_main else None
 
 
 def _merge_micro(per_micro: list[list[MoEStats]]) -> list[MoEStats]:

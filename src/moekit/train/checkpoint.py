@@ -203,4 +203,3 @@ def load_model_weights(path: Path, model: nn.Module) -> None:
             f"{Path(path) / MODEL_FILE}: does not fit this model (missing {sorted(missing)[:3]}, "
             f"unexpected {sorted(unexpected)[:3]})"
         )
-
