@@ -83,8 +83,26 @@ def init_distributed(cfg: RunConfig, device: torch.device) -> tuple[Layout, Devi
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     backend = "nccl" if device.type == "cuda" else "gloo"
     if not dist.is_initialized():
-        dist.init_process_group(backend, timeout=timedelta(seconds=cfg.parallel.timeout_s))
+        timeout = timedelta(seconds=cfg.parallel.timeout_s)
+        dist.init_process_group(backend, timeout=timeout, **_restart_store(timeout))
     return layout, build_mesh(layout, device.type)
+
+
+def _restart_store(timeout: timedelta) -> dict:
+    """After an elastic restart, a store namespace of this attempt's own.
+
+    NOTE: the elastic agent keeps its store across restarts, so the restarted ranks would find the
+    dead ranks' gloo addresses under the same keys and fail to connect; a prefix per attempt avoids it.
+    """
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if attempt == 0:
+        return {}
+    rank, world = int(os.environ["RANK"]), world_size()
+    hosted = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, not hosted and rank == 0, timeout
+    )
+    return {"store": dist.PrefixStore(f"moekit/attempt{attempt}", store), "rank": rank, "world_size": world}
 
 
 class ParallelModel:
