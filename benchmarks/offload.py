@@ -59,7 +59,7 @@ def build_run(run_dir: Path) -> Path:
     model = Transformer(cfg.model, cfg.moe)
     run_dir.mkdir(parents=True, exist_ok=True)
     ByteTokenizer().save(run_dir)
-    save_checkpoint(run_dir, 1, model, {}, {}, keep=1)
+    save_checkpoint(run_dir, 1, model, {}, keep=1)
     (run_dir / "config.json").write_text(cfg.to_json())  # last: marks the directory complete
     return run_dir
 

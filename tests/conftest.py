@@ -50,7 +50,7 @@ def _write_run(run_dir: Path, **overrides: str) -> Path:
     run_dir.mkdir(parents=True)
     (run_dir / "config.json").write_text(cfg.to_json())
     ByteTokenizer().save(run_dir)
-    save_checkpoint(run_dir, 1, model, {}, {}, keep=1)
+    save_checkpoint(run_dir, 1, model, {}, keep=1)
     return run_dir
 
 

@@ -65,7 +65,16 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--preset", default="default", help="config preset (default: %(default)s)")
     train.add_argument("--data", help="text file, directory or glob (default: Python's stdlib source)")
     train.add_argument("--run-dir", type=Path, help="where the run is written (default: runs/PRESET-TIME)")
-    train.add_argument("--resume", action="store_true", help="continue the run in --run-dir from its latest checkpoint")
+    train.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the run in --run-dir from its latest checkpoint, at any layout (implied on an elastic restart)",
+    )
+    train.add_argument(
+        "--fallback",
+        action="store_true",
+        help="when resuming, if the latest checkpoint is missing or corrupt, use the newest intact one before it",
+    )
     train.add_argument(
         "--init",
         type=Path,
@@ -135,7 +144,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     export.add_argument("run_dir", type=Path, help="a run directory")
     export.add_argument(
-        "--format", choices=sorted(EXPORTERS), required=True, help="hf: a Hugging Face directory (Mixtral or Qwen2-MoE)"
+        "--format",
+        choices=sorted(EXPORTERS),
+        default="safetensors",
+        help="safetensors: a run directory whose checkpoint is one model.safetensors, consolidated from any "
+        "layout's shards one block at a time (default); hf: a Hugging Face directory (Mixtral or Qwen2-MoE)",
     )
     export.add_argument("--out", type=Path, required=True, help="the directory to write")
 
@@ -222,7 +235,13 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.nproc and "WORLD_SIZE" not in os.environ:
         return _launch(args, cfg, run_dir)
     result = train(
-        cfg, run_dir, resume=args.resume, device=_device(args.device), progress=not args.quiet, init=args.init
+        cfg,
+        run_dir,
+        resume=args.resume,
+        device=_device(args.device),
+        progress=not args.quiet,
+        init=args.init,
+        fallback=args.fallback,
     )
     if result.interrupted:
         return EXIT_INTERRUPTED
@@ -454,7 +473,14 @@ def export_hf(args: argparse.Namespace) -> None:
         print(f"tokenizer: moekit's {run.tokenizer.name} tokenizer has no Hugging Face form; not written")
 
 
-EXPORTERS = {"hf": export_hf}
+def export_safetensors(args: argparse.Namespace) -> None:
+    from moekit.train.export import export_run
+
+    path = export_run(args.run_dir, args.out)
+    print(f"{args.out}: {path / 'model.safetensors'} (moekit generate {args.out}; train --init {args.out})")
+
+
+EXPORTERS = {"hf": export_hf, "safetensors": export_safetensors}
 
 
 def cmd_export(args: argparse.Namespace) -> int:

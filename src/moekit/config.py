@@ -269,6 +269,7 @@ class TrainConfig:
     eval_iters: int = 10  # validation batches per pass
     ckpt_every: int = 100  # steps between checkpoints (and one at the end); 0 = only at the end
     keep_checkpoints: int = 2  # newest checkpoints kept on disk
+    async_checkpoint: bool = False  # write checkpoints on a background thread while training goes on
     peak_tflops: float = 0.5  # device peak for MFU (2-core CPU ~0.5 fp32; H100 bf16 dense ~989)
     sample_tokens: int = 200  # tokens generated into sample.txt at the end; 0 = none
 

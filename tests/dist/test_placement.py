@@ -53,7 +53,12 @@ def _run(cfg, corpus, model: Transformer) -> tuple[list[dict], dict[str, torch.T
     pm = ParallelModel(model, cfg, torch.device("cpu"), layout, mesh)
     opt = build_optimizer(pm.parameters(), cfg.train)
     records = [loop._train_step(pm, None, opt, corpus, cfg, torch.device("cpu"), s, None) for s in range(STEPS)]
-    return records, pm.full_state_dict()
+    pm.canonical_placement(opt)  # what a checkpoint does first: experts back in their own rows
+    return records, _full({n: p.detach() for n, p in pm.full_model.named_parameters()})
+
+
+def _full(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {n: t.full_tensor() if hasattr(t, "full_tensor") else t for n, t in tensors.items()}
 
 
 def _same_runs(rank: int, world: int, text: Path, cache: Path) -> None:
@@ -107,10 +112,13 @@ def _same_gradients(rank: int, world: int) -> None:
             assert pm.rebalancer.refresh_shadows() > 0
         pm.forward_backward(x[:, :-1], x[:, 1:], 1.0)
         pm.finish_gradients()
-        names = {id(m): n for n, m in pm.full_model.named_modules() if m in pm.moe_layers()}
-        full = {n: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad for n, p in
-                pm.full_model.named_parameters()}
-        grads.append(pm.rebalancer.canonical(full, names))
+        full = _full({n: p.grad for n, p in pm.full_model.named_parameters()})
+        for name, moe in pm.full_model.named_modules():
+            if moe in pm.moe_layers():  # rows are slots: back to expert order
+                slots = torch.tensor(pm.rebalancer._layer(moe).slots)
+                for key in (f"{name}.experts.w_in", f"{name}.experts.w_out"):
+                    full[key] = full[key][slots]
+        grads.append(full)
     for name, want in grads[0].items():
         torch.testing.assert_close(grads[1][name], want, atol=1e-6, rtol=1e-5, msg=lambda m: f"{name}: {m}")
 

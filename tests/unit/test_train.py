@@ -132,8 +132,8 @@ def test_failed_save_keeps_previous_checkpoint(corpus_file: Path, tmp_path: Path
     base += ["--data.cache_dir", str(tmp_path / "cache"), "--train.ckpt_every", "10"]
     assert moekit_cli("train", *base, "--train.steps", "10").returncode == 0
     good = latest_checkpoint(run)
-    size = (good / "trainer.pt").stat().st_size
-    # Resume with files capped below the optimizer state's size: the step-20 save cannot complete.
+    size = max(p.stat().st_size for p in good.rglob("*.distcp"))
+    # Resume with files capped below the training state's size: the step-20 save cannot complete.
     proc = moekit_cli("train", *base, "--resume", "--train.steps", "20", preexec=_limit_file_size(size // 2))
     assert proc.returncode == 2, proc.stderr
     error = proc.stderr.strip().splitlines()[-1]

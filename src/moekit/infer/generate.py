@@ -14,7 +14,7 @@ from torch import Tensor
 
 from moekit.model import KVCache, Transformer
 from moekit.runconfig import RunConfig, from_json
-from moekit.train.checkpoint import CheckpointError, latest_checkpoint, load_model_weights, read_manifest
+from moekit.train.checkpoint import CheckpointError, is_sharded, latest_checkpoint, load_model_weights, read_manifest
 from moekit.train.data import Tokenizer, load_tokenizer
 
 if TYPE_CHECKING:
@@ -33,6 +33,8 @@ class LoadedRun:
 def load_run(run_dir: Path, device: str = "cpu", offload: OffloadOptions | None = None) -> LoadedRun:
     """The trained model (newest checkpoint, weights verified), its tokenizer and config.
 
+    A sharded checkpoint (from a multi-rank run) is consolidated in memory.
+
     With ``offload`` the experts stay on disk and are served through a budgeted cache
     (``moekit.infer.offload``); only the non-expert weights are loaded.
     """
@@ -48,6 +50,11 @@ def load_run(run_dir: Path, device: str = "cpu", offload: OffloadOptions | None 
 
         if not cfg.is_moe:
             raise ValueError(f"--memory-budget: {run_dir} is a dense model; it has no experts to offload")
+        if is_sharded(path):
+            raise CheckpointError(
+                f"--memory-budget: {path} is sharded (written by several ranks); offloaded experts are read from one "
+                f"file: consolidate it first with: moekit export {run_dir} --out DIR"
+            )
         model, offloader = build_offloaded(cfg.model, cfg.moe, path, offload, device)
         return LoadedRun(model, load_tokenizer(run_dir), cfg, path, offloader)
     read_manifest(path)

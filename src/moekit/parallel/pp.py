@@ -61,7 +61,7 @@ class StageModel(nn.Module):
         self.norm = model.norm if is_last else None
         self.lm_head = model.lm_head if is_last else None
         self.register_buffer("rope_freqs", model.rope_freqs, persistent=False)
-        self.aux_scale = 1.0  # gradient of each aux loss (1 / gradient-accumulation steps)
+        self.aux_scale = 1.0  # gradient of each aux loss (1 / micro-batches of the optimizer step)
         self.stats: list[list[MoEStats]] = []  # per micro-batch, this stage's MoE blocks in order
 
     def forward(self, h: Tensor) -> Tensor:
@@ -90,8 +90,19 @@ def stage_layers(n_layers: int, n_stages: int) -> list[range]:
     return [range(bounds[s], bounds[s + 1]) for s in range(n_stages)]
 
 
-def lm_loss_fn(logits: Tensor, targets: Tensor) -> Tensor:
-    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+class ScaledLoss:
+    """The schedule's loss: cross-entropy times ``scale`` (1 / all micro-batches of the optimizer step).
+
+    NOTE: the schedules' own ``scale_grads`` divides every gradient at the end of each ``step()``,
+    including what earlier gradient-accumulation steps left there; scaling the loss instead keeps
+    the step's gradient the mean over all its micro-batches.
+    """
+
+    def __init__(self) -> None:
+        self.scale = 1.0
+
+    def __call__(self, logits: Tensor, targets: Tensor) -> Tensor:
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten()) * self.scale
 
 
 @dataclass
@@ -100,12 +111,18 @@ class Pipeline:
 
     stages: list[StageModel]
     schedule: object
+    loss: ScaledLoss
+    microbatches: int
     has_first: bool
     has_last: bool
 
     def collect_stats(self) -> list[list[MoEStats]]:
-        """Per micro-batch, this rank's MoE stats in layer order; clears them for the next step."""
-        by_stage = [s.stats for s in self.stages]
+        """Per micro-batch, this rank's MoE stats in layer order; clears them for the next step.
+
+        Only the schedule's last ``microbatches`` forwards count: the first step also runs a
+        shape-inference forward, whose routing must not enter the load statistics.
+        """
+        by_stage = [s.stats[-self.microbatches :] for s in self.stages]
         for s in self.stages:
             s.stats = []
         micro = max((len(x) for x in by_stage), default=0)
@@ -131,5 +148,6 @@ def build_pipeline(
     pipe_stages = [PipelineStage(m, s, n_stages, device, group=group) for m, s in zip(stages, ids, strict=True)]
     cls = SCHEDULES[schedule]
     driver = pipe_stages if len(pipe_stages) > 1 else pipe_stages[0]
-    sched = cls(driver, n_microbatches=microbatches, loss_fn=lm_loss_fn, scale_grads=True)
-    return Pipeline(stages, sched, has_first=0 in ids, has_last=n_stages - 1 in ids)
+    loss = ScaledLoss()
+    sched = cls(driver, n_microbatches=microbatches, loss_fn=loss, scale_grads=False)
+    return Pipeline(stages, sched, loss, microbatches, has_first=0 in ids, has_last=n_stages - 1 in ids)

@@ -2,9 +2,10 @@
 
 The expert weights keep their DTensor layout (``Shard(0)`` over ``ep``), but row ``s`` of the stacked
 tensors now means *slot* ``s``, and each layer's dispatcher holds the ``ExpertPlacement`` saying
-which expert runs in which slot. Checkpoints stay canonical (row e = expert e): ``canonical`` un-permutes
-the gathered tensors. Every rank sees the same per-expert loads (summed over the batch ranks), so every
-rank reaches the same decision from ``parallel/placement.py`` without a message of its own.
+which expert runs in which slot. Checkpoints stay canonical (row e = expert e): ``restore_canonical``
+moves the experts back to their own rows before a checkpoint is written. Every rank sees the same
+per-expert loads (summed over the batch ranks), so every rank reaches the same decision from
+``parallel/placement.py`` without a message of its own.
 
 Re-placing moves each moved expert's weights and AdamW moments (``exp_avg``, ``exp_avg_sq``) to its new
 slot in one all-to-all per layer, between steps; what each expert computes is unchanged. Shadow
@@ -186,16 +187,16 @@ class Rebalancer:
             for w in layer.shadow_weights:
                 w.grad = None
 
-    def canonical(self, state: dict[str, Tensor], names: dict[int, str]) -> dict[str, Tensor]:
-        """Full (gathered) weights with expert rows back in expert order; ``names`` maps id(MoE) to its
-        module name."""
+    def restore_canonical(self, optimizer: torch.optim.Optimizer) -> int:
+        """Move every layer's experts back to slot e = expert e (weights and AdamW moments), so a
+        sharded checkpoint holds canonical rows that load at any layout; returns bytes sent. A
+        collective on the ep group; the next re-placement check places them again."""
+        moved = 0
         for layer in self.layers:
-            order = torch.tensor(layer.slots)
-            prefix = names[id(layer.moe)]
-            for pname, _ in layer.moe.experts.named_parameters():
-                key = f"{prefix}.experts.{pname}"
-                state[key] = state[key][order]
-        return state
+            identity = tuple(range(len(layer.slots)))
+            if layer.slots != identity:
+                moved += self.move(layer.moe, identity, optimizer)
+        return moved
 
     # --- helpers ------------------------------------------------------------------------------------
 

@@ -4,7 +4,7 @@
 (checked before any collective), applies the parallelisms to the single-device model in one order
 (pipeline split -> tensor parallel -> expert parallel -> FSDP), and offers the few operations the
 loop needs: forward+backward of a micro-batch, evaluation, gradient finishing and clipping, reduced
-statistics, and the full weights for checkpoints.
+and statistics.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from moekit.layer import MoE, MoEStats
 from moekit.model import Transformer
@@ -84,8 +83,26 @@ def init_distributed(cfg: RunConfig, device: torch.device) -> tuple[Layout, RunM
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     backend = "nccl" if device.type == "cuda" else "gloo"
     if not dist.is_initialized():
-        dist.init_process_group(backend, timeout=timedelta(seconds=cfg.parallel.timeout_s))
+        timeout = timedelta(seconds=cfg.parallel.timeout_s)
+        dist.init_process_group(backend, timeout=timeout, **_restart_store(timeout))
     return layout, build_mesh(layout, device.type)
+
+
+def _restart_store(timeout: timedelta) -> dict:
+    """After an elastic restart, a store namespace of this attempt's own.
+
+    NOTE: the elastic agent keeps its store across restarts, so the restarted ranks would find the
+    dead ranks' gloo addresses under the same keys and fail to connect; a prefix per attempt avoids it.
+    """
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if attempt == 0:
+        return {}
+    rank, world = int(os.environ["RANK"]), world_size()
+    hosted = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, not hosted and rank == 0, timeout
+    )
+    return {"store": dist.PrefixStore(f"moekit/attempt{attempt}", store), "rank": rank, "world_size": world}
 
 
 class ParallelModel:
@@ -151,13 +168,15 @@ class ParallelModel:
             out = (forward or self.modules[0])(x, y)
             (out.loss * scale).backward()
             return out.loss.detach(), out.lm_loss.detach(), out.moe_stats
+        per_micro = scale / self.pipeline.microbatches
         for stage in self.pipeline.stages:
-            stage.aux_scale = scale
+            stage.aux_scale = per_micro
+        self.pipeline.loss.scale = per_micro
         losses: list[Tensor] = []
         kwargs = {"target": y, "losses": losses} if self.pipeline.has_last else {}
         args = (x,) if self.pipeline.has_first else ()
         self.pipeline.schedule.step(*args, **kwargs)
-        lm = torch.stack(losses).mean().detach() if losses else torch.full((), float("nan"))
+        lm = torch.stack(losses).mean().detach() / per_micro if losses else torch.full((), float("nan"))
         return lm, lm, _merge_micro(self.pipeline.collect_stats())
 
     @torch.no_grad()
@@ -167,6 +186,7 @@ class ParallelModel:
             return (forward or self.modules[0])(x, y).lm_loss
         losses: list[Tensor] = []
         kwargs = {"target": y, "losses": losses} if self.pipeline.has_last else {}
+        self.pipeline.loss.scale = 1.0
         self.pipeline.schedule.eval(*((x,) if self.pipeline.has_first else ()), **kwargs)
         self.pipeline.collect_stats()
         return self.broadcast_from_last_stage(torch.stack(losses).mean() if losses else torch.zeros(()))
@@ -204,6 +224,11 @@ class ParallelModel:
             return {}
         return self.rebalancer.after_step(step, loads, optimizer)
 
+    def canonical_placement(self, optimizer: torch.optim.Optimizer) -> None:
+        """Experts back in their own rows (undoing re-placement) before a checkpoint is written."""
+        if self.rebalancer is not None:
+            self.rebalancer.restore_canonical(optimizer)
+
     def reduce_layers(self, layers: list[Tensor]) -> list[Tensor]:
         """Per-layer statistic vectors of this rank's MoE layers -> the whole model's, in layer order,
         summed over all data-reading ranks."""
@@ -220,28 +245,6 @@ class ParallelModel:
             dist.all_gather_object(every, mine, group=self.mesh["pp"].get_group())
             return [t for _, t in sorted(item for stage in every for item in stage)]
         return layers
-
-    def full_state_dict(self) -> dict[str, Tensor] | None:
-        """The unsharded weights, on the main rank (None elsewhere); a collective on every rank."""
-        if self.mesh is None:
-            return self.full_model.state_dict()
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        pieces = {}
-        for module in self.modules:
-            pieces.update(get_model_state_dict(module, options=options))
-        if self.layout.pp > 1:
-            every: list[dict | None] = [None] * self.ranks.world
-            dist.all_gather_object(every, pieces)
-            merged: dict[str, Tensor] = {}
-            for part in every:
-                merged.update(part)
-            pieces = merged
-        if not self.ranks.is_main:
-            return None
-        if self.rebalancer is not None:
-            names = {id(m): name for name, m in self.full_model.named_modules() if isinstance(m, MoE)}
-            pieces = self.rebalancer.canonical(pieces, names)
-        return pieces
 
 
 def _merge_micro(per_micro: list[list[MoEStats]]) -> list[MoEStats]:

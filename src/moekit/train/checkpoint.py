@@ -1,9 +1,10 @@
 """Checkpoints that are complete or absent.
 
-Layout: ``<run_dir>/checkpoints/step_000100/{model.safetensors, trainer.pt, manifest.json}`` and a
-``latest`` file naming the newest complete one. A checkpoint is written under a temporary name,
-fsynced, then published by an atomic rename; ``latest`` is updated last. The manifest holds each
-file's SHA-256, checked on load, so a truncated or corrupted file is reported by name.
+Layout: ``<run_dir>/checkpoints/step_000100/{manifest.json, sharded/ (training state, see
+sharded.py), model.safetensors (one file of weights, when written by one process)}`` and a ``latest``
+file naming the newest complete one. A checkpoint is written under a temporary name, fsynced, then
+published by an atomic rename; ``latest`` is updated last. The manifest holds each file's SHA-256,
+checked on load, so a truncated, corrupted or missing file is reported by name.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-import torch
 from safetensors.torch import load_model, save_model
 from torch import nn
 
@@ -24,8 +24,8 @@ from moekit.train.fileio import fsync_file, write_bytes_atomic
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
 MODEL_FILE = "model.safetensors"
-TRAINER_FILE = "trainer.pt"
 MANIFEST = "manifest.json"
+SHARDED = "sharded"  # the DCP directory of a checkpoint
 
 
 class CheckpointError(RuntimeError):
@@ -56,41 +56,72 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return target
 
 
-def save_checkpoint(
-    run_dir: Path, step: int, model: nn.Module, trainer_state: dict[str, Any], info: dict[str, Any], keep: int
-) -> Path:
-    """Write step ``step`` atomically, point ``latest`` at it and keep the newest ``keep``.
+def staging_dir(run_dir: Path, step: int) -> Path:
+    """Where step ``step`` is written before it is published (every rank writes there under DCP)."""
+    return checkpoint_dir(run_dir) / f".tmp-step_{step:06d}"
 
-    ``trainer_state`` (optimizer, RNG states, ...) goes through ``torch.save``; ``info`` (JSON-able)
-    into the manifest. On any I/O error the partial files are removed and the previous checkpoint
-    stays the latest.
-    """
+
+def begin_checkpoint(run_dir: Path, step: int) -> Path:
+    """An empty staging directory for step ``step`` (a stale one from a crashed writer is removed)."""
+    tmp = staging_dir(run_dir, step)
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def checkpoint_files(tmp: Path) -> list[str]:
+    """Every file of a staged checkpoint, as sorted relative paths (the manifest's keys)."""
+    return sorted(p.relative_to(tmp).as_posix() for p in tmp.rglob("*") if p.is_file() and p.name != MANIFEST)
+
+
+def digests(tmp: Path, names: list[str]) -> dict[str, str]:
+    """SHA-256 of ``names`` (after flushing them to disk): one rank's share of a checkpoint's files."""
+    out = {}
+    for name in names:
+        fsync_file(tmp / name)
+        out[name] = _sha256(tmp / name)
+    return out
+
+
+def publish_checkpoint(
+    run_dir: Path, tmp: Path, step: int, files: dict[str, str], info: dict[str, Any], keep: int
+) -> Path:
+    """Write the manifest (every file's SHA-256), rename ``tmp`` to its final name, then point
+    ``latest`` at it and keep the newest ``keep``: readers see the checkpoint complete or not at all."""
     root = checkpoint_dir(run_dir)
-    root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step:06d}"
-    tmp = root / f".tmp-{final.name}-{os.getpid()}"
-    try:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-        save_model(model, str(tmp / MODEL_FILE))
-        torch.save(trainer_state, tmp / TRAINER_FILE)
-        files = {name: _sha256(tmp / name) for name in (MODEL_FILE, TRAINER_FILE)}
-        for name in files:
-            fsync_file(tmp / name)
-        manifest = {"step": step, "files": files, **info}
-        write_bytes_atomic(tmp / MANIFEST, json.dumps(manifest, indent=2).encode())
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        write_bytes_atomic(root / LATEST, final.name.encode())
-    except Exception as err:  # OSError from our writes; torch and safetensors wrap theirs in RuntimeError
-        shutil.rmtree(tmp, ignore_errors=True)
-        previous = latest_checkpoint(run_dir)
-        kept = f"; {previous} is intact" if previous else ""
-        reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err).splitlines()[0]
-        raise CheckpointError(f"could not save checkpoint {final}: {reason}{kept}") from None
+    manifest = {"step": step, "files": dict(sorted(files.items())), **info}
+    write_bytes_atomic(tmp / MANIFEST, json.dumps(manifest, indent=2).encode())
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    write_bytes_atomic(root / LATEST, final.name.encode())
     _prune(root, keep, final)
     return final
+
+
+def save_failed(run_dir: Path, step: int, err: BaseException) -> CheckpointError:
+    """The error of a save that did not complete, saying which checkpoint is still the latest."""
+    shutil.rmtree(staging_dir(run_dir, step), ignore_errors=True)
+    previous = latest_checkpoint(run_dir)
+    kept = f"; {previous} is intact" if previous else ""
+    reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err).strip().splitlines()[0]
+    final = checkpoint_dir(run_dir) / f"step_{step:06d}"
+    return CheckpointError(f"could not save checkpoint {final}: {reason[:300]}{kept}")
+
+
+def save_checkpoint(run_dir: Path, step: int, model: nn.Module, info: dict[str, Any], keep: int) -> Path:
+    """Write a weights-only checkpoint of step ``step`` atomically (what ``convert`` and ``upcycle``
+    write): one ``model.safetensors``.
+
+    On any I/O error the partial files are removed and the previous checkpoint stays the latest.
+    """
+    try:
+        tmp = begin_checkpoint(run_dir, step)
+        save_model(model, str(tmp / MODEL_FILE))
+        return publish_checkpoint(run_dir, tmp, step, digests(tmp, checkpoint_files(tmp)), info, keep)
+    except Exception as err:  # OSError from our writes; torch and safetensors wrap theirs in RuntimeError
+        raise save_failed(run_dir, step, err) from None
 
 
 def save_weights_run(run_dir: Path, config_json: str, model: nn.Module, tokenizer: Any, source: str) -> Path:
@@ -105,7 +136,7 @@ def save_weights_run(run_dir: Path, config_json: str, model: nn.Module, tokenize
     run_dir.mkdir(parents=True, exist_ok=True)
     write_bytes_atomic(run_dir / "config.json", config_json.encode())
     tokenizer.save(run_dir)
-    return save_checkpoint(run_dir, 0, model, {}, {"source": source}, keep=1)
+    return save_checkpoint(run_dir, 0, model, {"source": source}, keep=1)
 
 
 def _prune(root: Path, keep: int, newest: Path) -> None:
@@ -115,14 +146,29 @@ def _prune(root: Path, keep: int, newest: Path) -> None:
             shutil.rmtree(old, ignore_errors=True)
 
 
-def read_manifest(path: Path) -> dict[str, Any]:
-    """The manifest of checkpoint ``path`` after checking every file against its SHA-256."""
+def complete_checkpoints(run_dir: Path) -> list[Path]:
+    """Published checkpoints, newest first (whatever their files' state: ``read_manifest`` checks that)."""
+    steps = [p for p in checkpoint_dir(run_dir).glob("step_*") if (p / MANIFEST).is_file()]
+    return sorted(steps, key=lambda p: int(p.name.removeprefix("step_")), reverse=True)
+
+
+def load_manifest(path: Path) -> dict[str, Any]:
+    """The manifest of checkpoint ``path``, its files not checked."""
     manifest_path = Path(path) / MANIFEST
     try:
-        manifest = json.loads(manifest_path.read_text())
+        return json.loads(manifest_path.read_text())
     except (OSError, json.JSONDecodeError) as err:
         raise CheckpointError(f"{manifest_path}: unreadable checkpoint manifest ({err})") from None
-    for name, expected in manifest["files"].items():
+
+
+def read_manifest(path: Path, share: tuple[int, int] = (0, 1)) -> dict[str, Any]:
+    """The manifest of checkpoint ``path`` after checking its files against their SHA-256.
+
+    ``share=(i, n)`` checks only every n-th file from the i-th: n ranks check a checkpoint together.
+    """
+    manifest = load_manifest(path)
+    index, count = share
+    for name, expected in sorted(manifest["files"].items())[index::count]:
         file = Path(path) / name
         if not file.is_file():
             raise CheckpointError(f"{file}: missing from the checkpoint")
@@ -131,19 +177,29 @@ def read_manifest(path: Path) -> dict[str, Any]:
     return manifest
 
 
+def is_sharded(path: Path) -> bool:
+    """True for a checkpoint written as DCP shards with no consolidated ``model.safetensors``."""
+    return not (Path(path) / MODEL_FILE).is_file() and (Path(path) / SHARDED).is_dir()
+
+
 def load_model_weights(path: Path, model: nn.Module) -> None:
-    """Load a checkpoint's weights into ``model``; a shape or key mismatch names the keys."""
+    """Load a checkpoint's weights into ``model``; a shape or key mismatch names the keys.
+
+    A sharded checkpoint is consolidated in memory (every shard read in this process).
+    """
+    if is_sharded(path):
+        from moekit.train.sharded import load_weights  # sharded.py builds on this module
+
+        load_weights(Path(path) / SHARDED, model)
+        return
     try:
         missing, unexpected = load_model(model, str(Path(path) / MODEL_FILE), strict=False)
     except RuntimeError as err:  # safetensors reports size mismatches this way
         first = str(err).strip().splitlines()
         raise CheckpointError(f"{Path(path) / MODEL_FILE}: does not fit this model: {' '.join(first[-2:])}") from None
+    unexpected = [k for k in unexpected if k not in model.state_dict()]  # a tied weight's second name
     if missing or unexpected:
         raise CheckpointError(
             f"{Path(path) / MODEL_FILE}: does not fit this model (missing {sorted(missing)[:3]}, "
             f"unexpected {sorted(unexpected)[:3]})"
         )
-
-
-def load_trainer_state(path: Path) -> dict[str, Any]:
-    return torch.load(Path(path) / TRAINER_FILE, weights_only=True)

@@ -20,19 +20,24 @@ import torch.distributed as dist
 from tqdm.auto import tqdm
 
 from moekit.model import Transformer
-from moekit.parallel.runtime import ParallelModel, collective_errors, init_distributed, world_size
+from moekit.parallel.mesh import Layout, LayoutError
+from moekit.parallel.runtime import ParallelModel, collective_errors, init_distributed
 from moekit.runconfig import RunConfig
 from moekit.train.checkpoint import (
+    LATEST,
     CheckpointError,
+    checkpoint_dir,
+    complete_checkpoints,
     latest_checkpoint,
+    load_manifest,
     load_model_weights,
-    load_trainer_state,
     read_manifest,
-    save_checkpoint,
 )
 from moekit.train.data import Corpus, prepare_corpus
 from moekit.train.metrics import MetricsLogger
 from moekit.train.optim import build_optimizer, lr_at
+from moekit.train.saver import Checkpointer
+from moekit.train.sharded import local_model
 
 
 class TrainingError(RuntimeError):
@@ -109,14 +114,37 @@ class StepStats:
         }
 
 
+def _has_checkpoint(run_dir: Path) -> bool:
+    return (checkpoint_dir(run_dir) / LATEST).exists() or bool(complete_checkpoints(run_dir))
+
+
 def _prepare_run_dir(run_dir: Path, resume: bool, create: bool = True) -> None:
     """Check (on every rank, before any collective) that the run directory fits the request."""
-    if not resume and latest_checkpoint(run_dir) is not None:
+    if not resume and _has_checkpoint(run_dir):
         raise TrainingError(f"{run_dir} already holds a trained run: pass --resume, or choose another --run-dir")
-    if resume and latest_checkpoint(run_dir) is None:
+    if resume and not _has_checkpoint(run_dir):
         raise TrainingError(f"--resume: {run_dir} has no checkpoint to resume from")
     if create:
         run_dir.mkdir(parents=True, exist_ok=True)
+
+
+def _elastic_restart(run_dir: Path) -> bool:
+    """True when torch's elastic agent restarted this worker (a rank died) and the run has a checkpoint."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 and _has_checkpoint(run_dir)
+
+
+def _rebatch(cfg: RunConfig, manifest: dict[str, Any], layout: Layout, path: Path) -> RunConfig:
+    """Keep the checkpoint's global batch at this layout: each rank's grad_accum becomes the global
+    micro-batches per step divided by the data ranks, so step s reads the same samples at any layout."""
+    total = manifest.get("global_microbatches")
+    if total is None:
+        return cfg
+    if total % layout.batch_ranks:
+        raise LayoutError(
+            f"{path}: its global batch of {total} micro-batches per step cannot be split over "
+            f"{layout.batch_ranks} data ranks (dp x ep = {layout.dp} x {layout.ep})"
+        )
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, grad_accum=total // layout.batch_ranks))
 
 
 def train(
@@ -127,22 +155,29 @@ def train(
     device: str = "cpu",
     progress: bool = True,
     init: Path | None = None,
+    fallback: bool = False,
 ) -> TrainResult:
     """Train ``cfg`` into ``run_dir``: metrics, TensorBoard logs, checkpoints, config and tokenizer.
 
     Under torchrun every rank calls this; rank 0 owns the console and the run directory.
     ``init``: a run directory whose latest weights and tokenizer the model starts from (a converted or
     upcycled model), with a fresh optimizer at step 0; ``cfg.model`` must describe those weights.
+    ``resume`` continues from the latest checkpoint at any layout (and is implied after an elastic
+    restart); ``fallback`` resumes from the newest intact checkpoint when the latest is corrupt.
     """
     run_dir = Path(run_dir)
     dev = torch.device(device)
     if init is not None and resume:
         raise TrainingError("--init starts a new run from another run's weights; it cannot be combined with --resume")
     main = int(os.environ.get("RANK", "0")) == 0
-    if resume and world_size() > 1:
-        raise TrainingError("--resume: resuming a multi-rank run needs sharded checkpoints, not yet supported")
+    resume = resume or (init is None and _elastic_restart(run_dir))
     _prepare_run_dir(run_dir, resume, create=main)
     layout, mesh = init_distributed(cfg, dev)
+    say = tqdm.write if progress and main else (lambda msg: print(msg, file=sys.stderr))
+    saver = Checkpointer(run_dir, cfg.train.keep_checkpoints, cfg.train.async_checkpoint)
+    resume_from = saver.choose(fallback, say if main else lambda msg: None) if resume else None
+    if resume_from is not None:
+        cfg = _rebatch(cfg, load_manifest(resume_from), layout, resume_from)
     torch.manual_seed(cfg.train.seed)
     corpus = _prepare_corpus_once(cfg, main, mesh is not None, init)
     if init is None:
@@ -163,10 +198,11 @@ def train(
     flops_per_token = model.flops_per_token()
     n_moe = len(model.moe_layers())
     pm = ParallelModel(model, cfg, dev, layout, mesh)
+    local = local_model(pm.modules)
     optimizer = build_optimizer(pm.parameters(), cfg.train)
     start_step = 0
-    if resume:
-        start_step = _restore(run_dir, model, optimizer)
+    if resume_from is not None:
+        start_step = int(saver.restore(resume_from, local, optimizer, model)["step"])
     forward = torch.compile(model) if cfg.train.compile and mesh is None else None
     progress = progress and main
     say = tqdm.write if progress else (lambda msg: print(msg, file=sys.stderr))
@@ -182,19 +218,19 @@ def train(
             f"moekit: {total:.2f}M parameters ({active:.2f}M active per token, "
             f"{flops_per_token / 1e6:.1f} MFLOPs per token trained), {n_moe} MoE blocks; "
             f"corpus {corpus.source}, {len(corpus.train):,} train tokens{where}"
-            + (f"; resuming at step {start_step}" if resume else "")
+            + (f"; resuming at step {start_step} from {resume_from}" if resume_from else "")
             + (f"; weights from {init}" if init is not None else "")
         )
 
     tokens_per_step = cfg.train.batch_size * cfg.model.context_length * cfg.train.grad_accum * layout.batch_ranks
     losses: list[float] = []
     val_loss: float | None = None
-    checkpoint = latest_checkpoint(run_dir) if main else None
+    checkpoint = resume_from if main else None
     step = start_step
     bar = tqdm(total=cfg.train.steps, initial=start_step, disable=not progress, unit="step", dynamic_ncols=True)
     pm.train(True)
     logger = MetricsLogger(run_dir) if main else contextlib.nullcontext()
-    with logger, _StopOnInterrupt() as interrupt, collective_errors(cfg.parallel.timeout_s):
+    with logger, _StopOnInterrupt() as interrupt, collective_errors(cfg.parallel.timeout_s), saver:
         while step < cfg.train.steps and not _agree(interrupt.requested, mesh):
             started = time.perf_counter()
             record = _train_step(pm, forward, optimizer, corpus, cfg, dev, step, checkpoint)
@@ -207,11 +243,15 @@ def train(
                 val_loss = record["val_loss"] = evaluate(pm, forward, corpus, cfg, dev)
             if main:
                 logger.log(record)
+            checkpoint = saver.poll() or checkpoint
             periodic = cfg.train.ckpt_every and step % cfg.train.ckpt_every == 0
             if periodic or step == cfg.train.steps or _agree(interrupt.requested, mesh):
-                checkpoint = _save(run_dir, step, pm, optimizer, cfg, record)
+                info = _checkpoint_info(step, cfg, layout, record)
+                pm.canonical_placement(optimizer)
+                checkpoint = saver.save(step, local, optimizer, info) or checkpoint
             bar.update(1)
             bar.set_postfix(loss=f"{record['loss']:.3f}", val=f"{val_loss:.3f}" if val_loss else "-", refresh=False)
+        checkpoint = saver.wait() or checkpoint
     bar.close()
     if interrupt.requested and main:
         say(f"moekit: interrupted at step {step}; checkpoint {checkpoint} (continue with --resume)")
@@ -303,43 +343,17 @@ def _train_step(pm: ParallelModel, forward, optimizer, corpus, cfg: RunConfig, d
     return {**record, **stats.record(), **placement}
 
 
-def _save(run_dir: Path, step: int, pm: ParallelModel, optimizer, cfg: RunConfig, record: dict[str, Any]):
-    """A checkpoint of the full weights (gathered on rank 0 under torchrun)."""
-    weights = pm.full_state_dict()
-    if not pm.ranks.is_main:
-        return None
-    info = {
-        "data_position": {"train_batches": step * cfg.train.grad_accum * pm.ranks.batch_ranks},
+def _checkpoint_info(step: int, cfg: RunConfig, layout: Layout, record: dict[str, Any]) -> dict[str, Any]:
+    """What the manifest records beside the files: where the data stands and how the run was laid out."""
+    total = cfg.train.grad_accum * layout.batch_ranks
+    return {
+        "global_microbatches": total,  # per optimizer step; kept when resumed at another layout
+        "data_position": {"train_batches": step * total},
+        "world": layout.world,
+        "layout": _describe(layout),
         "loss": record.get("loss"),
         "val_loss": record.get("val_loss"),
     }
-    if pm.mesh is None:
-        state = {"optimizer": optimizer.state_dict(), "torch_rng": torch.get_rng_state()}
-        if torch.cuda.is_available():
-            state["cuda_rng"] = torch.cuda.get_rng_state_all()
-        return save_checkpoint(run_dir, step, pm.full_model, state, info, cfg.train.keep_checkpoints)
-    whole = Transformer(cfg.model, cfg.moe if cfg.is_moe else None)
-    whole.load_state_dict(weights)
-    return save_checkpoint(run_dir, step, whole, {"torch_rng": torch.get_rng_state()}, info, cfg.train.keep_checkpoints)
-
-
-def _restore(run_dir: Path, model, optimizer) -> int:
-    """Load the latest checkpoint's weights, optimizer and RNG; return its step."""
-    path = latest_checkpoint(run_dir)
-    assert path is not None
-    manifest = read_manifest(path)
-    load_model_weights(path, model)
-    state = load_trainer_state(path)
-    if "optimizer" not in state:
-        raise CheckpointError(f"{path}: holds weights only (a converted or upcycled model): start from it with --init")
-    try:
-        optimizer.load_state_dict(state["optimizer"])
-    except (ValueError, KeyError) as err:
-        raise CheckpointError(f"{path}: optimizer state does not fit this model ({err})") from None
-    torch.set_rng_state(state["torch_rng"])
-    if "cuda_rng" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda_rng"])
-    return int(manifest["step"])
 
 
 def _load_init(init: Path, model: torch.nn.Module) -> None:
