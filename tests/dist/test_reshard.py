@@ -1,5 +1,5 @@
 """Sharded checkpoints across layouts: saved at dp=2 x ep=2 (in the background), resumed at ep=4, in one
-process and at pp=2 with the losses of the uninterrupted run (fp32, 1e-5; the global batch is kept, so
+process, at pp=2 and at tp=2 with the losses of the uninterrupted run (fp32, 1e-5; the global batch is kept, so
 every layout reads the same samples at each step); damaged checkpoints give
 one clear error and ``fallback`` resumes from the previous one; export consolidates the shards.
 
@@ -79,10 +79,13 @@ def _reference_then_ep4(rank: int, world: int, corpus: Path, tmp: Path) -> None:
     torch.testing.assert_close(torch.tensor(resumed.losses), torch.tensor(ref.losses[HALF:]), atol=TOL, rtol=0)
 
 
-def _resume_pp2(rank: int, world: int, corpus: Path, tmp: Path) -> None:
-    resumed = train(_cfg(corpus, tmp / "cache", pp="2"), tmp / "pp2", resume=True, progress=False)
+def _resume_pp2_and_tp2(rank: int, world: int, corpus: Path, tmp: Path) -> None:
     want = json.loads((tmp / "ref-losses.json").read_text())[HALF:]
-    torch.testing.assert_close(torch.tensor(resumed.losses), torch.tensor(want), atol=TOL, rtol=0)
+    for layout in ("pp", "tp"):
+        resumed = train(_cfg(corpus, tmp / "cache", **{layout: "2"}), tmp / f"{layout}2", resume=True, progress=False)
+        torch.testing.assert_close(
+            torch.tensor(resumed.losses), torch.tensor(want), atol=TOL, rtol=0, msg=lambda m: f"{layout}=2: {m}"
+        )
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +111,8 @@ def test_resume_at_other_layouts_gives_the_same_losses(sharded_run: Path) -> Non
     torch.testing.assert_close(torch.tensor(one.losses), torch.tensor(want), atol=TOL, rtol=0)
     assert json.loads((tmp / "ep1" / "config.json").read_text())["train"]["grad_accum"] == 4
     _rewind(ref, tmp / "pp2")
-    run_ranks(_resume_pp2, 2, tmp / "corpus.txt", tmp, tmp_path=tmp)
+    _rewind(ref, tmp / "tp2")
+    run_ranks(_resume_pp2_and_tp2, 2, tmp / "corpus.txt", tmp, tmp_path=tmp)
 
 
 def _damaged(tmp: Path, name: str, damage) -> Path:
