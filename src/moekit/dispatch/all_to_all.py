@@ -115,20 +115,24 @@ def _all_to_all(x: Tensor, out_splits: list[int], in_splits: list[int], group) -
 
 
 class _Exchanged(torch.autograd.Function):
-    """Differentiable exchange. ``result`` may be precomputed (overlap); the backward is the reverse."""
+    """Differentiable exchange, forward (dispatch) or ``reverse`` (combine); the backward runs the
+    other direction. ``result`` may be precomputed (overlap)."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, plan: Exchange, result: Tensor | None) -> Tensor:
-        ctx.plan = plan
-        return plan.run(x) if result is None else result
+    def forward(ctx, x: Tensor, plan: Exchange, result: Tensor | None, reverse: bool) -> Tensor:
+        ctx.plan, ctx.reverse = plan, reverse
+        if result is not None:
+            return result
+        return plan.reverse(x) if reverse else plan.run(x)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        return ctx.plan.reverse(grad.contiguous()), None, None
+        grad = grad.contiguous()
+        return (ctx.plan.run(grad) if ctx.reverse else ctx.plan.reverse(grad)), None, None, None
 
 
-def exchange(x: Tensor, plan: Exchange, result: Tensor | None = None) -> Tensor:
-    return _Exchanged.apply(x, plan, result)
+def exchange(x: Tensor, plan: Exchange, result: Tensor | None = None, reverse: bool = False) -> Tensor:
+    return _Exchanged.apply(x, plan, result, reverse)
 
 
 @dataclass(frozen=True)
@@ -215,7 +219,7 @@ class AllToAllDispatcher:
             outs.append(y_c)
             returned += self._start([(plan.reverse, y_c)])
         y = torch.cat(
-            [_ReverseExchanged.apply(y_c, plan, _result(f)) for y_c, plan, f in zip(outs, plans, returned, strict=True)]
+            [exchange(y_c, plan, _result(f), reverse=True) for y_c, plan, f in zip(outs, plans, returned, strict=True)]
         )
         if chunk_order is not None:
             y = permute_rows(y, _inverse(chunk_order))
@@ -233,19 +237,6 @@ class AllToAllDispatcher:
         if self._pool is None:
             return [None] * len(work)
         return [self._pool.submit(fn, x.detach()) for fn, x in work]
-
-
-class _ReverseExchanged(torch.autograd.Function):
-    """The combine direction: forward is the reverse exchange, backward the forward one."""
-
-    @staticmethod
-    def forward(ctx, y: Tensor, plan: Exchange, result: Tensor | None) -> Tensor:
-        ctx.plan = plan
-        return plan.reverse(y) if result is None else result
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        return ctx.plan.run(grad.contiguous()), None, None
 
 
 def _result(future: Future | None) -> Tensor | None:
