@@ -231,7 +231,8 @@ def train(
     pm.train(True)
     logger = MetricsLogger(run_dir) if main else contextlib.nullcontext()
     with logger, _StopOnInterrupt() as interrupt, collective_errors(cfg.parallel.timeout_s), saver:
-        while step < cfg.train.steps and not _agree(interrupt.requested, mesh):
+        stopping = _agree(interrupt.requested, mesh)
+        while step < cfg.train.steps and not stopping:
             started = time.perf_counter()
             record = _train_step(pm, forward, optimizer, corpus, cfg, dev, step, checkpoint)
             step += 1
@@ -245,7 +246,8 @@ def train(
                 logger.log(record)
             checkpoint = saver.poll() or checkpoint
             periodic = cfg.train.ckpt_every and step % cfg.train.ckpt_every == 0
-            if periodic or step == cfg.train.steps or _agree(interrupt.requested, mesh):
+            stopping = _agree(interrupt.requested, mesh)  # one collective per step decides for every rank
+            if periodic or step == cfg.train.steps or stopping:
                 info = _checkpoint_info(step, cfg, layout, record)
                 pm.canonical_placement(optimizer)
                 checkpoint = saver.save(step, local, optimizer, info) or checkpoint
