@@ -37,3 +37,19 @@ def run_ranks(fn, world: int, *args):
         out = Path(tmp) / "result.pt"
         mp.start_processes(_entry, args=(world, port, fn, args, out), nprocs=world, start_method="spawn")
         return torch.load(out, weights_only=False)
+
+
+def training_rank(cfg, rank: int):
+    """This rank's ``(ParallelModel, optimizer, corpus)`` for ``cfg`` on CPU, built as ``moekit train``
+    builds them (same seed), for benchmarks that drive ``loop._train_step`` themselves."""
+    from moekit.model import Transformer
+    from moekit.parallel.runtime import ParallelModel, init_distributed
+    from moekit.train import loop
+    from moekit.train.optim import build_optimizer
+
+    cpu = torch.device("cpu")
+    layout, mesh = init_distributed(cfg, cpu)
+    corpus = loop._prepare_corpus_once(cfg, rank == 0, True, None)
+    torch.manual_seed(0)
+    pm = ParallelModel(Transformer(cfg.model, cfg.moe), cfg, cpu, layout, mesh)
+    return pm, build_optimizer(pm.parameters(), cfg.train), corpus

@@ -13,28 +13,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import socket
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
-import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _ranks import run_ranks  # noqa: E402
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _rank(rank: int, world: int, port: int, steps: int, root: str, results: str) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
-    )
-    torch.set_num_threads(1)
+def _rank(rank: int, world: int, steps: int, root: str) -> dict[str, float] | None:
     import torch.distributed as dist
 
     from moekit import runconfig
@@ -100,21 +90,12 @@ def _rank(rank: int, world: int, port: int, steps: int, root: str, results: str)
     sync.restore(sync.choose(fallback=False, say=lambda m: None), local, optimizer, model)
     barrier()
     out["load_s"] = time.perf_counter() - started
-    if rank == 0:
-        Path(results).write_text(json.dumps(out))
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    return out if rank == 0 else None
 
 
 def measure(world: int, steps: int) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as root:
-        results = str(Path(root) / "results.json")
-        args = (world, _free_port(), steps, root, results)
-        if world == 1:
-            _rank(0, *args)
-        else:
-            mp.start_processes(_rank, args=args, nprocs=world, start_method="spawn")
-        return {"ranks": world, **json.loads(Path(results).read_text())}
+        return {"ranks": world, **run_ranks(_rank, world, steps, root)}
 
 
 def main() -> None:
@@ -123,7 +104,6 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6, help="baseline training steps per measurement")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
     rows = [measure(world, args.steps) for world in args.ranks]
     head = f"{'ranks':>5} {'MB':>6} {'save s':>7} {'load s':>7} {'async blocks s':>14} {'async done s':>12}"
     print(head + f" {'step s':>7} {'steps during':>12} {'lost s':>7}")

@@ -14,25 +14,24 @@ planner's cost model uses. gloo on CPU; NCCL on a GPU machine (``--device cuda``
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import os
-import socket
 import statistics
 import sys
-import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from moekit import runconfig
-from moekit.model import Transformer
-from moekit.parallel.runtime import ParallelModel, init_distributed
-from moekit.train.optim import build_optimizer
+sys.path.insert(0, str(Path(__file__).parent))
+from _ranks import run_ranks  # noqa: E402
+
+from moekit import runconfig  # noqa: E402
+from moekit.model import Transformer  # noqa: E402
+from moekit.parallel.runtime import ParallelModel, init_distributed  # noqa: E402
+from moekit.train.optim import build_optimizer  # noqa: E402
 
 MODEL = {
     "model.n_layers": "4",
@@ -65,11 +64,7 @@ def _count_bytes(sent: dict[str, int]) -> None:
         setattr(dist, name, wrap(name, getattr(dist, name)))
 
 
-def _worker(rank: int, world: int, port: int, overrides: dict, steps: int, device: str, out: str) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-    )  # fmt: skip
+def _worker(rank: int, world: int, overrides: dict, steps: int, device: str) -> dict | None:
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
     sent: dict[str, int] = defaultdict(int)
     _count_bytes(sent)
@@ -78,7 +73,7 @@ def _worker(rank: int, world: int, port: int, overrides: dict, steps: int, devic
     torch.manual_seed(0)
     model = Transformer(cfg.model, cfg.moe).to(dev)
     layout, mesh = init_distributed(cfg, dev)
-    pm = ParallelModel(copy.deepcopy(model) if mesh is None else model, cfg, dev, layout, mesh)
+    pm = ParallelModel(model, cfg, dev, layout, mesh)
     opt = build_optimizer(pm.parameters(), cfg.train)
     g = torch.Generator().manual_seed(rank)
     times, counted = [], []
@@ -103,35 +98,20 @@ def _worker(rank: int, world: int, port: int, overrides: dict, steps: int, devic
     if mesh is not None:
         totals = [None] * world
         dist.all_gather_object(totals, per_step)
-        dist.destroy_process_group()
-    if rank == 0:
-        summed = {k: sum(t[k] for t in totals) for k in COUNTED}
-        tokens_per_step = cfg.train.batch_size * cfg.model.context_length * world
-        a2a_per_token_layer = summed["all_to_all_single"] / tokens_per_step / cfg.model.n_layers
-        Path(out).write_text(
-            json.dumps(
-                {
-                    "step_ms": statistics.median(times) * 1e3,
-                    "bytes": summed,
-                    "a2a_bytes_per_token_layer": a2a_per_token_layer,
-                }
-            )
-        )
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    if rank != 0:
+        return None
+    summed = {k: sum(t[k] for t in totals) for k in COUNTED}
+    tokens_per_step = cfg.train.batch_size * cfg.model.context_length * world
+    a2a_per_token_layer = summed["all_to_all_single"] / tokens_per_step / cfg.model.n_layers
+    return {
+        "step_ms": statistics.median(times) * 1e3,
+        "bytes": summed,
+        "a2a_bytes_per_token_layer": a2a_per_token_layer,
+    }
 
 
 def run(world: int, overrides: dict, steps: int, device: str) -> dict:
-    with tempfile.TemporaryDirectory() as tmp:
-        out = str(Path(tmp) / "result.json")
-        mp.start_processes(
-            _worker, args=(world, _free_port(), overrides, steps, device, out), nprocs=world, start_method="spawn"
-        )
-        return json.loads(Path(out).read_text())
+    return run_ranks(_worker, world, overrides, steps, device)
 
 
 def configurations(ranks: list[int]) -> list[tuple[str, int, dict]]:

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _ranks import run_ranks  # noqa: E402
+from _ranks import run_ranks, training_rank  # noqa: E402
 
 from moekit import runconfig  # noqa: E402
 from moekit.parallel import planner  # noqa: E402
@@ -66,21 +66,14 @@ def zipf_bias(shift: int, scale: float = 0.3, s: float = 1.0) -> torch.Tensor:
 
 
 def _bench(rank: int, world: int, text: str, steps: int, shift_every: int, every: int) -> dict:
-    from moekit.model import Transformer
-    from moekit.parallel.runtime import ParallelModel, init_distributed
     from moekit.train import loop
-    from moekit.train.optim import build_optimizer
 
     results = {}
     for name, extra in VARIANTS.items():
         overrides = {**OVERRIDES, "data.path": text, "train.steps": str(steps)}
         overrides |= {k: v.replace("EVERY", str(every)) for k, v in extra.items()}
         cfg = runconfig.resolve("tiny", overrides)
-        layout, mesh = init_distributed(cfg, torch.device("cpu"))
-        corpus = loop._prepare_corpus_once(cfg, rank == 0, True, None)
-        torch.manual_seed(0)
-        pm = ParallelModel(Transformer(cfg.model, cfg.moe), cfg, torch.device("cpu"), layout, mesh)
-        opt = build_optimizer(pm.parameters(), cfg.train)
+        pm, opt, corpus = training_rank(cfg, rank)
         if name == "static":
             first = zipf_bias(0).tolist()
             for moe in pm.moe_layers():

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _ranks import run_ranks  # noqa: E402
+from _ranks import run_ranks, training_rank  # noqa: E402
 
 from moekit import runconfig  # noqa: E402
 from moekit.parallel import planner  # noqa: E402
@@ -107,10 +107,7 @@ def _candidate(cfg, layout) -> planner.Candidate:
 
 
 def _bench(rank: int, world: int, text: str, steps: int) -> dict:
-    from moekit.model import Transformer
-    from moekit.parallel.runtime import ParallelModel, init_distributed
     from moekit.train import loop
-    from moekit.train.optim import build_optimizer
 
     dist.init_process_group("gloo")
     cluster = measure_cluster(world)
@@ -120,11 +117,7 @@ def _bench(rank: int, world: int, text: str, steps: int) -> dict:
         batch_ranks = world // (probe.parallel.tp * probe.parallel.pp)
         overrides = {**MODEL, **extra, "data.path": text, "train.batch_size": str(GLOBAL_BATCH // batch_ranks)}
         cfg = runconfig.resolve("tiny", overrides)
-        layout, mesh = init_distributed(cfg, torch.device("cpu"))
-        corpus = loop._prepare_corpus_once(cfg, rank == 0, True, None)
-        torch.manual_seed(0)
-        pm = ParallelModel(Transformer(cfg.model, cfg.moe), cfg, torch.device("cpu"), layout, mesh)
-        opt = build_optimizer(pm.parameters(), cfg.train)
+        pm, opt, corpus = training_rank(cfg, rank)
         times = []
         for step in range(steps + 2):
             dist.barrier()
@@ -132,7 +125,7 @@ def _bench(rank: int, world: int, text: str, steps: int) -> dict:
             loop._train_step(pm, None, opt, corpus, cfg, torch.device("cpu"), step, None)
             times.append(time.perf_counter() - started)
         spec = planner.ModelSpec(name, cfg.model, cfg.moe, planner.Workload(GLOBAL_BATCH, dtype_bytes=4))
-        predicted = planner.estimate(spec, _candidate(cfg, layout), cluster).step_s
+        predicted = planner.estimate(spec, _candidate(cfg, pm.layout), cluster).step_s
         rows.append({"layout": name, "measured_s": statistics.median(times[2:]), "predicted_s": predicted})
     return {"cluster": cluster.__dict__, "rows": rows}
 
