@@ -243,6 +243,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         init=args.init,
         fallback=args.fallback,
     )
+    _leave_process_group()
     if result.interrupted:
         return EXIT_INTERRUPTED
     if int(os.environ.get("RANK", "0")) != 0:
@@ -262,6 +263,15 @@ def cmd_train(args: argparse.Namespace) -> int:
     lines.append(f"generate more: moekit generate {run_dir} --prompt '...'")
     print("\n".join(lines))
     return 0
+
+
+def _leave_process_group() -> None:
+    """Tear down the ranks' process group before exit: left to interpreter shutdown, gloo's threads
+    can abort a rank (``terminate called without an active exception``) after a finished run."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _launch(args: argparse.Namespace, cfg, run_dir: Path) -> int:
