@@ -8,6 +8,9 @@ nanoGPT enables on CUDA only), at the configuration of its documented CPU run: 4
 d_model 128, context 64, batch 12, character vocabulary of 65. moekit runs ``shakespeare-dense`` and
 ``shakespeare-moe`` (MoE every other block). One optimizer step each (forward, backward, clipping,
 AdamW), interleaved round by round on the same batch; medians after 10 warm-up rounds.
+
+The process keeps freed host memory as ``moekit train`` does on CPU (``moekit.hostmem``); being
+process-wide, that serves nanoGPT's step too. ``--glibc-defaults`` runs with glibc's own settings.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moekit import runconfig
+from moekit.hostmem import keep_freed_memory
 from moekit.model import Transformer
 from moekit.train.optim import build_optimizer
 
@@ -109,7 +113,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=120, help="interleaved rounds (default: %(default)s)")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON on the last line")
+    parser.add_argument(
+        "--glibc-defaults", action="store_true", help="do not keep freed memory (glibc's trim and mmap thresholds)"
+    )
     args = parser.parse_args(argv)
+    kept = not args.glibc_defaults and keep_freed_memory()
     torch.manual_seed(0)
     tokens = torch.randint(0, VOCAB, (BATCH, CONTEXT + 1))
     x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
@@ -128,7 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'model':<28}{'ms/step':>10}{'vs nanoGPT':>12}")
     for name, value in ms.items():
         print(f"{name:<28}{value:>10.2f}{value / ms['nanoGPT']:>11.2f}x")
-    print(f"(torch threads: {torch.get_num_threads()}; medians of {args.rounds} interleaved rounds)")
+    allocator = "freed memory kept" if kept else "glibc defaults"
+    print(f"(torch threads: {torch.get_num_threads()}; {allocator}; medians of {args.rounds} interleaved rounds)")
     if args.json:
         print(json.dumps({name: round(value, 3) for name, value in ms.items()}))
     return 0

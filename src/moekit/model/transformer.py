@@ -150,10 +150,12 @@ class Attention(nn.Module):
         h = self.qkv(x_BLD).view(B, L, -1, Q + 2, self.head_dim)  # [B, L, G, Q + 2, d]
         if self.qk_norm is not None:
             h = self.qk_norm(h)
-        qk = apply_rope(h[..., : Q + 1, :], freqs)  # queries and keys rotated at once
-        q = qk[..., :Q, :].reshape(B, L, -1, self.head_dim).transpose(1, 2)
-        k = qk[..., Q, :].transpose(1, 2)
-        v = h[..., Q + 1, :].transpose(1, 2)
+        # NOTE: split, not indexing: a slice's backward fills a zero tensor of the whole input per
+        # slice, a split's backward is one cat.
+        qk, v = h.split([Q + 1, 1], dim=-2)
+        q, k = apply_rope(qk, freqs).split([Q, 1], dim=-2)  # queries and keys rotated at once
+        q = q.reshape(B, L, -1, self.head_dim).transpose(1, 2)
+        k, v = k.squeeze(-2).transpose(1, 2), v.squeeze(-2).transpose(1, 2)
         mask = None
         if cache is not None:
             k, v = cache.append(layer, k, v)
@@ -247,7 +249,7 @@ class Transformer(nn.Module):
         if targets_BL is None:
             return ModelOutput(logits, None, None, stats)
         lm_loss = F.cross_entropy(logits.float().flatten(0, 1), targets_BL.flatten())
-        loss = lm_loss + sum((s.loss for s in stats), start=torch.zeros((), device=lm_loss.device))
+        loss = lm_loss + sum(s.loss for s in stats) if stats else lm_loss
         return ModelOutput(logits, loss, lm_loss, stats)
 
     # --- sizes -----------------------------------------------------------------------------------

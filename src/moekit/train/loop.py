@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
+from moekit.hostmem import keep_freed_memory
 from moekit.model import Transformer
 from moekit.parallel.mesh import Layout, LayoutError
 from moekit.parallel.runtime import ParallelModel, collective_errors, init_distributed
@@ -167,6 +168,8 @@ def train(
     """
     run_dir = Path(run_dir)
     dev = torch.device(device)
+    if dev.type == "cpu":
+        keep_freed_memory()
     if init is not None and resume:
         raise TrainingError("--init starts a new run from another run's weights; it cannot be combined with --resume")
     main = int(os.environ.get("RANK", "0")) == 0

@@ -1,0 +1,31 @@
+"""Keep freed host memory in the process, so CPU steps stop paying page faults.
+
+glibc hands the top of its heap back to the OS once more than the trim threshold is free and serves
+big blocks from fresh mmaps; a training step frees and re-allocates the same few megabytes every step,
+so every step then faults those pages in again (zero-filled, inside its kernels). Measured on
+``shakespeare-moe``: 6,000 faults and 10% of a CPU step (1,800 and 2.5% for the dense twin). jemalloc
+and tcmalloc, which PyTorch's CPU performance guide recommends, keep the memory; this does the same
+with glibc's own knobs, and leaves alone a process whose allocator the user already chose.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import platform
+
+_M_TRIM_THRESHOLD = -1  # mallopt parameters, from glibc's malloc.h
+_M_MMAP_THRESHOLD = -3
+_TRIM_THRESHOLD = 1 << 30  # keep up to 1 GiB of freed heap
+_MMAP_THRESHOLD = 32 << 20  # glibc's largest; only blocks above it come from mmap
+_USER_CHOICES = ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TOP_PAD_")
+
+
+def keep_freed_memory() -> bool:
+    """Tune glibc malloc to reuse freed memory; True when it did (glibc, no allocator chosen by the user)."""
+    if platform.libc_ver()[0] != "glibc" or "malloc" in os.environ.get("LD_PRELOAD", ""):
+        return False
+    if any(name in os.environ for name in _USER_CHOICES):
+        return False
+    libc = ctypes.CDLL(None)
+    return bool(libc.mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD) and libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD))
