@@ -60,7 +60,8 @@ def test_greedy_tokens_equal_resident_and_budget_holds(run_dir: Path, experts: i
 def test_prefetch_modes_give_the_same_tokens(run_dir: Path, prefetch: str) -> None:
     reference = greedy(load_run(run_dir).model)
     budget = budget_for(run_dir, 9)
-    run = load_run(run_dir, offload=OffloadOptions(memory_budget=budget, prefetch=prefetch, policy="fifo"))
+    options = OffloadOptions(memory_budget=budget, prefetch=prefetch, policy="fifo", prefetch_min_precision=0.0)
+    run = load_run(run_dir, offload=options)
     stats = run.offloader.stats
     try:
         assert torch.equal(greedy(run.model), reference)
@@ -75,6 +76,20 @@ def test_prefetch_modes_give_the_same_tokens(run_dir: Path, prefetch: str) -> No
             assert stats.prefetch_reads > 0
         if prefetch == "router":
             assert stats.predicted > 0 and 0 < stats.prediction_recall <= 1
+    finally:
+        run.offloader.close()
+
+
+def test_router_prefetch_pauses_while_its_precision_is_low(run_dir: Path) -> None:
+    reference = greedy(load_run(run_dir).model)
+    run = load_run(run_dir, offload=OffloadOptions(memory_budget=budget_for(run_dir, 9)))
+    stats = run.offloader.stats
+    stats.predicted, stats.predicted_needed = 10_000, 1_000  # a record of 10% precision, below the 50% gate
+    try:
+        assert torch.equal(greedy(run.model), reference)
+        assert stats.prefetch_reads == 0  # no read on a prediction this unreliable
+        assert stats.predicted > 10_000 and stats.needed_with_prediction > 0  # but predictions are still scored
+        assert stats.predicted_needed > 1_000
     finally:
         run.offloader.close()
 

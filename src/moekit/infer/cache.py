@@ -95,7 +95,7 @@ class Entry:
     slot: int
     pins: int = 0
     loading: Future | None = None  # set while a background read fills the slot
-    prefetched: bool = False  # loaded ahead of need and not used yet
+    ready: torch.cuda.Event | None = None  # GPU: recorded by the copy into the slot
 
 
 @dataclass

@@ -10,12 +10,19 @@ picked. Non-expert weights stay resident. Per layer and step:
 3. the next MoE layer's experts are predicted by applying its router to this layer's input
    (``prefetch="router"``; Eliseev & Mazur 2023) or taken whole (``prefetch="all"``: throughput
    mode, layers streamed round-robin through the slots with FIFO eviction, MoESys/MoE-Lightning)
-   and read on a background thread while this layer computes;
+   and read on a background thread while this layer computes; a router prediction is only
+   fetched while the prefetcher's measured precision holds up (a mispredicted read costs a whole
+   expert's bytes, a right one saves only the overlap), and keeps being scored while it is not;
 4. each expert's rows are computed with plain matmuls, the same arithmetic as the resident
    per-expert path, so greedy tokens match resident inference exactly in full precision.
 
 When the budget holds fewer experts than a layer needs, the layer runs in chunks: resident
 experts first, then each missing one loaded into an evicted slot and computed at once.
+
+On a GPU the slow tier is page-locked host memory (``PinnedExperts``, filled from the file once) and
+loads are DMA copies on a separate CUDA stream: each copy records an event the compute stream waits
+for before using the slot, and each computation records an event the next copy into that slot waits
+for, so transfers overlap compute without synchronising the device.
 
 Legend: R rows sorted by expert, D model dim, E experts.
 """
@@ -40,6 +47,7 @@ from moekit.layer import MoE
 from moekit.model import Transformer
 
 PREFETCH_MODES = ("router", "all", "off")
+_GATE_AFTER = 32  # predicted experts scored before the precision gate may close
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
 
@@ -93,11 +101,18 @@ class Offloader:
     """Serves expert weights of every MoE block of one model from a store through a budgeted cache."""
 
     def __init__(
-        self, store: ExpertStore, cache: ExpertCache, fmt: str, layers: dict[int, MoE], prefetch: str = "router"
+        self,
+        store: ExpertStore,
+        cache: ExpertCache,
+        fmt: str,
+        layers: dict[int, MoE],
+        prefetch: str = "router",
+        min_precision: float = 0.5,
     ) -> None:
         if prefetch not in PREFETCH_MODES:
             raise ValueError(f"prefetch={prefetch!r}: choose from {', '.join(PREFETCH_MODES)}")
         self.store, self.cache, self.fmt, self.prefetch = store, cache, fmt, prefetch
+        self.min_precision = min_precision
         self.blocks = sorted(layers)
         self.routers = {b: layers[b].router for b in self.blocks}
         self.num_experts = {b: layers[b].cfg.num_experts for b in self.blocks}
@@ -105,7 +120,10 @@ class Offloader:
         self._pending: dict[int, list[Key]] = {}  # block -> keys prefetched for it, not yet settled
         self._predicted: tuple[int, set[int]] | None = None  # (block, experts) the router prefetch predicted
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="moekit-prefetch") if prefetch != "off" else None
-        self._staging = self.cache.arena.device.type != "cpu"
+        device = self.cache.arena.device
+        self._host = PinnedExperts(store) if device.type == "cuda" else None
+        self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._slot_released: list[torch.cuda.Event | None] = [None] * cache.num_slots  # GPU: last compute
 
     def close(self) -> None:
         if self._executor is not None:
@@ -116,10 +134,14 @@ class Offloader:
 
     def _read(self, key: Key, entry: Entry, step: int, prefetch: bool) -> None:
         slot = self.cache.slot(entry)
-        if self._staging:  # GPU: read into host memory, then copy into the device slot
-            host = torch.empty(self.cache.slot_bytes, dtype=torch.uint8).pin_memory()
-            self.store.read_into(key, host)
-            slot.copy_(host)
+        if self._copy_stream is not None:  # GPU: DMA from pinned host memory on the copy stream
+            with torch.cuda.stream(self._copy_stream):
+                released = self._slot_released[entry.slot]
+                if released is not None:  # the slot's previous expert may still be computing
+                    self._copy_stream.wait_event(released)
+                slot.copy_(self._host.slot(key), non_blocking=True)
+                entry.ready = torch.cuda.Event()
+                entry.ready.record(self._copy_stream)
         else:
             self.store.read_into(key, slot)
         with self.cache.lock:
@@ -171,6 +193,9 @@ class Offloader:
                 return  # a hash router needs token ids, not hidden states
             predicted = torch.unique(router(x_RD).expert_idx).tolist()
             self.stats.predicted += len(predicted)
+            self._predicted = (target, set(predicted))
+            if self.stats.predicted > _GATE_AFTER and self.stats.prediction_precision < self.min_precision:
+                return
         step = self.stats.steps + (target <= block)  # wrapping around: the next step's first layer
         keys = []
         for expert in predicted:
@@ -183,7 +208,6 @@ class Offloader:
             entry.loading = self._executor.submit(self._read, key, entry, step, True)
             keys.append(key)
         self._pending[target] = keys
-        self._predicted = (target, set(predicted)) if self.prefetch == "router" else None
 
     # --- one layer -----------------------------------------------------------------------------
 
@@ -230,9 +254,14 @@ class Offloader:
 
     def _compute(self, e: int, entry: Entry, x_RD: Tensor, y_RD: Tensor, starts: list[int], act: str) -> None:
         rows = slice(starts[e], starts[e + 1])
+        if entry.ready is not None:  # GPU: the copy into the slot must have landed
+            torch.cuda.current_stream().wait_event(entry.ready)
         views = self.store.views(self.cache.slot(entry))
         h = apply_activation(matmul(self.fmt, views, "w_in", x_RD[rows]), act)
         y_RD[rows] = matmul(self.fmt, views, "w_out", h)
+        if self._copy_stream is not None:
+            released = self._slot_released[entry.slot] = torch.cuda.Event()
+            released.record()
         self.cache.unpin(entry)
 
     def _record_prediction(self, block: int, needed: list[int]) -> None:
@@ -241,6 +270,23 @@ class Offloader:
         self.stats.needed_with_prediction += len(needed)
         self.stats.predicted_needed += len(self._predicted[1].intersection(needed))
         self._predicted = None
+
+
+class PinnedExperts:
+    """The slow tier on a GPU: every expert of the store in page-locked host memory, read once.
+
+    Page-locked memory is what lets the device copy asynchronously (DMA); pageable memory would
+    make each copy synchronous and staged by the driver.
+    """
+
+    def __init__(self, store: ExpertStore) -> None:
+        self.index = {key: i for i, key in enumerate(store.pieces)}
+        self.host = torch.empty(len(self.index), store.slot_bytes, dtype=torch.uint8, pin_memory=True)
+        for key, i in self.index.items():
+            store.read_into(key, self.host[i])
+
+    def slot(self, key: Key) -> Tensor:
+        return self.host[self.index[key]]
 
 
 class OffloadedExperts(nn.Module):
@@ -267,6 +313,7 @@ class OffloadOptions:
     prefetch: str = "router"  # router (predict the next layer) | all (throughput ring) | off
     expert_format: str = "fp"  # fp (the checkpoint itself) | int8 | int4 (a quantized store, made once)
     drop_pages: bool = False  # evict each read from the OS page cache (measure the disk, not RAM)
+    prefetch_min_precision: float = 0.5  # router prefetch pauses while fewer of its picks are used
 
     def __post_init__(self) -> None:
         choices = {
@@ -279,6 +326,8 @@ class OffloadOptions:
                 raise ValueError(f"{flag}={value!r}: choose from {', '.join(allowed)}")
         if self.memory_budget <= 0:
             raise ValueError(f"--memory-budget={self.memory_budget}: must be > 0")
+        if not 0 <= self.prefetch_min_precision <= 1:
+            raise ValueError(f"prefetch_min_precision={self.prefetch_min_precision}: must be in [0, 1]")
 
 
 def open_store(checkpoint: Path, blocks: dict[int, int], options: OffloadOptions) -> ExpertStore:
@@ -356,7 +405,7 @@ def build_offloaded(
             f"less than one expert ({format_bytes(store.slot_bytes)})"
         )
     cache = ExpertCache(slots, store.slot_bytes, torch.device(device), make_policy(options.policy))
-    offloader = Offloader(store, cache, options.expert_format, layers, options.prefetch)
+    offloader = Offloader(store, cache, options.expert_format, layers, options.prefetch, options.prefetch_min_precision)
     for block, moe in layers.items():
         moe.experts = OffloadedExperts(offloader, block, moe.cfg.activation)
     return model.eval(), offloader
