@@ -8,7 +8,7 @@ greedy generation from real-text prompts (tinyshakespeare) at batch 1 and 16 for
 Reads go through ``posix_fadvise(DONTNEED)`` after each range and the file's pages are dropped
 before each cold run, so the page cache is no hidden fast tier; one warm run per batch size keeps
 the page cache, labelled as such. Also: hit rate, bytes read per token, the read-bandwidth bound
-(bandwidth / bytes per token), prefetch recall, an offline replay of the recorded routing trace
+(bandwidth / bytes per token), prefetch recall and precision, an offline replay of the recorded routing trace
 through each policy and Belady's optimum, and validation perplexity of fp / int8 / int4 experts.
 
     python benchmarks/offload.py [--json] [--cache-dir /tmp/moekit-offload-bench] [--budget 512MB]
@@ -144,6 +144,8 @@ def main() -> None:
                 hit_rate=stats.hit_rate,
                 bytes_per_token=stats.bytes_read / tokens,
                 recall=stats.prediction_recall if opts.prefetch == "router" else None,
+                precision=stats.prediction_precision if opts.prefetch == "router" else None,
+                prefetch_reads=stats.prefetch_reads,
                 same_tokens=bool(torch.equal(out, reference[batch])) if opts.expert_format == "fp" else None,
                 slots=off.cache.num_slots,
                 max_reads_per_step=max(stats.reads_per_step.values()),
@@ -238,13 +240,14 @@ def table(r: dict) -> str:
         f"(non-expert weights {format_bytes(r['non_expert_bytes'])}), cold read bandwidth "
         f"{format_bytes(r['read_bandwidth'])}/s",
         f"{'config':36} {'batch':>5} {'tok/s':>8} {'hit':>6} {'MB/tok':>8} {'bound':>8} {'of bound':>8} "
-        f"{'recall':>6} {'same':>5}",
+        f"{'recall':>6} {'prec.':>6} {'same':>5}",
     ]
     for row in r["rows"]:
         lines.append(
             f"{row['config']:36} {row['batch']:>5} {cell(row, 'tokens_per_s', '8.2f')} {cell(row, 'hit_rate', '6.1%')} "
             f"{cell(row, 'bytes_per_token', '8.1f', 1e-6)} {cell(row, 'bound_tokens_per_s', '8.2f')} "
-            f"{cell(row, 'of_bound', '8.2f')} {cell(row, 'recall', '6.1%')} {str(row.get('same_tokens', '-')):>5}"
+            f"{cell(row, 'of_bound', '8.2f')} {cell(row, 'recall', '6.1%')} {cell(row, 'precision', '6.1%')} "
+            f"{str(row.get('same_tokens', '-')):>5}"
         )
     for batch, rates in r["replay_hit_rates"].items():
         lines.append(f"replay batch {batch}: " + ", ".join(f"{p} {h:.1%}" for p, h in rates.items()))

@@ -365,7 +365,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
         stats = run.offloader.stats
         report += f", expert cache hit rate {stats.hit_rate:.1%}, read {format_bytes(stats.bytes_read)}"
         if args.prefetch == "router":
-            report += f", prefetch recall {stats.prediction_recall:.1%}"
+            report += (
+                f", prefetch recall {stats.prediction_recall:.1%} precision {stats.prediction_precision:.1%}"
+                f" ({stats.prefetch_reads} reads)"
+            )
     print(report, file=sys.stderr)
     return 0
 

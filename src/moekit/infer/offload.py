@@ -11,7 +11,7 @@ picked. Non-expert weights stay resident. Per layer and step:
    (``prefetch="router"``; Eliseev & Mazur 2023) or taken whole (``prefetch="all"``: throughput
    mode, layers streamed round-robin through the slots with FIFO eviction, MoESys/MoE-Lightning)
    and read on a background thread while this layer computes; a router prediction is only
-   fetched while the prefetcher's measured precision holds up (a mispredicted read costs a whole
+   fetched while the prefetcher's recent precision holds up (a mispredicted read costs a whole
    expert's bytes, a right one saves only the overlap), and keeps being scored while it is not;
 4. each expert's rows are computed with plain matmuls, the same arithmetic as the resident
    per-expert path, so greedy tokens match resident inference exactly in full precision.
@@ -47,7 +47,7 @@ from moekit.layer import MoE
 from moekit.model import Transformer
 
 PREFETCH_MODES = ("router", "all", "off")
-_GATE_AFTER = 32  # predicted experts scored before the precision gate may close
+_PRECISION_DECAY = 0.75  # of the moving precision per scored prediction: a prefill does not mask decode
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
 
@@ -80,6 +80,7 @@ class OffloadStats:
     predicted: int = 0  # experts the prefetcher predicted (in layers that had a prediction)
     predicted_needed: int = 0  # of those needed experts, how many were predicted
     needed_with_prediction: int = 0  # needed experts in layers that had a prediction
+    recent_precision: float = 1.0  # moving average of each prediction's precision (gates prefetch)
     reads_per_step: Counter = field(default_factory=Counter)  # (step, key) -> reads
     trace: list[list[Key]] = field(default_factory=list)  # needed experts per (step, layer)
 
@@ -194,7 +195,7 @@ class Offloader:
             predicted = torch.unique(router(x_RD).expert_idx).tolist()
             self.stats.predicted += len(predicted)
             self._predicted = (target, set(predicted))
-            if self.stats.predicted > _GATE_AFTER and self.stats.prediction_precision < self.min_precision:
+            if self.stats.recent_precision < self.min_precision:
                 return
         step = self.stats.steps + (target <= block)  # wrapping around: the next step's first layer
         keys = []
@@ -267,8 +268,14 @@ class Offloader:
     def _record_prediction(self, block: int, needed: list[int]) -> None:
         if self._predicted is None or self._predicted[0] != block:
             return
+        predicted = self._predicted[1]
+        right = len(predicted.intersection(needed))
         self.stats.needed_with_prediction += len(needed)
-        self.stats.predicted_needed += len(self._predicted[1].intersection(needed))
+        self.stats.predicted_needed += right
+        precision = right / max(1, len(predicted))
+        self.stats.recent_precision = (
+            _PRECISION_DECAY * self.stats.recent_precision + (1 - _PRECISION_DECAY) * precision
+        )
         self._predicted = None
 
 
