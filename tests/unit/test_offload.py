@@ -12,7 +12,7 @@ import torch
 from moekit.infer import offload
 from moekit.infer.expert_store import ExpertStoreError, read_safetensors_header
 from moekit.infer.generate import generate, generate_texts, left_pad, load_run
-from moekit.infer.offload import OffloadOptions, model_bytes, parse_bytes
+from moekit.infer.offload import OffloadOptions, PinnedExperts, model_bytes, parse_bytes
 from moekit.model import Transformer
 
 PROMPTS = [[5, 17, 99, 3, 42, 8, 1], [200, 13], [7, 7, 7, 7]]
@@ -163,3 +163,18 @@ def test_cli_generate_offloaded_batch(run_dir: Path, tmp_path: Path, capsys: pyt
     assert err.count("\n") == 1 and "smaller than the non-expert weights" in err
     assert main([*argv, "--memory-budget", budget, "--policy", "mru"]) == 2
     assert "--policy='mru'" in capsys.readouterr().err
+
+
+def test_host_tier_holds_every_expert_as_the_store_reads_it(run_dir: Path) -> None:
+    run = load_run(run_dir, offload=OffloadOptions(memory_budget=1 << 30))
+    store = run.offloader.store
+    try:
+        host = PinnedExperts(store, pin=torch.cuda.is_available())  # the GPU's slow tier
+        slot = torch.empty(store.slot_bytes, dtype=torch.uint8)
+        assert len(host.index) == len(store.pieces) == 18
+        for key in store.pieces:
+            store.read_into(key, slot)
+            for role, view in store.views(slot).items():
+                assert torch.equal(store.views(host.slot(key))[role], view), (key, role)
+    finally:
+        run.offloader.close()

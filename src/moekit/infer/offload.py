@@ -141,8 +141,9 @@ class Offloader:
                 if released is not None:  # the slot's previous expert may still be computing
                     self._copy_stream.wait_event(released)
                 slot.copy_(self._host.slot(key), non_blocking=True)
-                entry.ready = torch.cuda.Event()
-                entry.ready.record(self._copy_stream)
+                ready = torch.cuda.Event()
+                ready.record(self._copy_stream)
+                entry.ready = ready
         else:
             self.store.read_into(key, slot)
         with self.cache.lock:
@@ -256,13 +257,14 @@ class Offloader:
     def _compute(self, e: int, entry: Entry, x_RD: Tensor, y_RD: Tensor, starts: list[int], act: str) -> None:
         rows = slice(starts[e], starts[e + 1])
         if entry.ready is not None:  # GPU: the copy into the slot must have landed
-            torch.cuda.current_stream().wait_event(entry.ready)
+            torch.cuda.current_stream(x_RD.device).wait_event(entry.ready)
         views = self.store.views(self.cache.slot(entry))
         h = apply_activation(matmul(self.fmt, views, "w_in", x_RD[rows]), act)
         y_RD[rows] = matmul(self.fmt, views, "w_out", h)
-        if self._copy_stream is not None:
-            released = self._slot_released[entry.slot] = torch.cuda.Event()
-            released.record()
+        if self._copy_stream is not None:  # recorded before the unpin that lets the slot be reused
+            released = torch.cuda.Event()
+            released.record(torch.cuda.current_stream(x_RD.device))
+            self._slot_released[entry.slot] = released
         self.cache.unpin(entry)
 
     def _record_prediction(self, block: int, needed: list[int]) -> None:
@@ -286,9 +288,9 @@ class PinnedExperts:
     make each copy synchronous and staged by the driver.
     """
 
-    def __init__(self, store: ExpertStore) -> None:
+    def __init__(self, store: ExpertStore, pin: bool = True) -> None:
         self.index = {key: i for i, key in enumerate(store.pieces)}
-        self.host = torch.empty(len(self.index), store.slot_bytes, dtype=torch.uint8, pin_memory=True)
+        self.host = torch.empty(len(self.index), store.slot_bytes, dtype=torch.uint8, pin_memory=pin)
         for key, i in self.index.items():
             store.read_into(key, self.host[i])
 
