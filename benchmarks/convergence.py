@@ -1,5 +1,5 @@
 """Quality per compute: a dense model and an MoE model with the same active parameters per token,
-trained one after the other in this process on the same data, against nanoGPT's documented CPU run.
+trained side by side in this process on the same data, against nanoGPT's documented CPU run.
 
     python benchmarks/convergence.py --data ../shared/data/tinyshakespeare.txt [--json] [--steps N]
 
@@ -10,6 +10,10 @@ dropout, LayerNorm and a 4x GELU MLP; nanoGPT reports val loss 1.88). The MoE ru
 parameters). Prints a table, writes
 ``convergence.png`` with both loss curves into the output directory, and with ``--json`` one JSON
 object on the last line.
+
+The two runs take turns, one optimizer step each (the training loop's ``on_step`` hands over), and
+each run's seconds are the sum of its own turns: this machine's speed drifts by tens of percent
+within minutes, so runs timed one after the other do not compare.
 """
 
 from __future__ import annotations
@@ -17,10 +21,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
+
+from tqdm.auto import tqdm
 
 from moekit import runconfig
 from moekit.model import Transformer
@@ -31,16 +37,44 @@ from moekit.train.plots import compare_runs
 RUNS = {"dense": "shakespeare-dense", "moe": "shakespeare-moe"}
 
 
-def run_one(name: str, preset: str, args: argparse.Namespace, out_dir: Path) -> dict:
+class TakeTurns:
+    """Lets runs in threads take turns, one optimizer step at a time, and times each run's own turns."""
+
+    def __init__(self, names: list[str], bar: tqdm) -> None:
+        self._cond = threading.Condition()
+        self._going = list(names)  # runs not finished, in turn order
+        self._turn = names[0]
+        self._since = 0.0
+        self.seconds = dict.fromkeys(names, 0.0)
+        self.bar = bar
+
+    def begin(self, name: str) -> None:
+        with self._cond:
+            self._cond.wait_for(lambda: self._turn == name)
+            self._since = time.perf_counter()
+
+    def hand_over(self, name: str, finished: bool = False) -> None:
+        with self._cond:
+            self.seconds[name] += time.perf_counter() - self._since
+            i = self._going.index(name)
+            if finished:
+                self._going.remove(name)
+            else:
+                self.bar.update(1)
+            if self._going:
+                self._turn = self._going[i % len(self._going)] if finished else self._going[(i + 1) % len(self._going)]
+            self._cond.notify_all()
+        if not finished:
+            self.begin(name)
+
+
+def run_one(name: str, preset: str, args: argparse.Namespace, out_dir: Path, turns: TakeTurns) -> dict:
     overrides = {"data.path": args.data, "train.sample_tokens": "0"}
     if args.steps:
         overrides["train.steps"] = str(args.steps)
     cfg = runconfig.resolve(preset, overrides)
     run_dir = out_dir / name
-    print(f"# training {name} ({preset})", file=sys.stderr, flush=True)
-    started = time.perf_counter()
-    result = train(cfg, run_dir, progress=not args.quiet)
-    seconds = time.perf_counter() - started
+    result = train(cfg, run_dir, progress=False, on_step=lambda record: turns.hand_over(name))
     records = read_metrics(run_dir)
     tokens_per_step = cfg.train.batch_size * cfg.model.context_length * cfg.train.grad_accum
     step_ms = statistics.median(tokens_per_step / r["tokens_per_s"] * 1e3 for r in records)
@@ -48,13 +82,42 @@ def run_one(name: str, preset: str, args: argparse.Namespace, out_dir: Path) -> 
     return {
         "val_loss": round(result.val_loss, 4),
         "train_loss": round(statistics.mean(result.losses[-50:]), 4),
-        "seconds": round(seconds, 1),
         "ms_per_iter": round(step_ms, 2),
         "tokens_per_s": round(tokens_per_step / step_ms * 1e3, 1),
         "params": built.num_params(),
         "active_params": built.num_active_params(),
         "run_dir": str(run_dir),
     }
+
+
+def train_side_by_side(args: argparse.Namespace, out_dir: Path) -> dict[str, dict]:
+    """Both runs in threads taking turns step by step; each result gets the seconds of its own turns."""
+    steps = args.steps or runconfig.resolve(RUNS["dense"], {}).train.steps
+    bar = tqdm(total=steps * len(RUNS), unit="step", disable=args.quiet, desc="dense + MoE, turn by turn")
+    turns = TakeTurns(list(RUNS), bar)
+    results: dict[str, dict] = {}
+    errors: list[BaseException] = []
+
+    def work(name: str, preset: str) -> None:
+        turns.begin(name)
+        try:
+            results[name] = run_one(name, preset, args, out_dir, turns)
+        except BaseException as err:  # reported by the main thread
+            errors.append(err)
+        finally:
+            turns.hand_over(name, finished=True)
+
+    threads = [threading.Thread(target=work, args=item, name=f"train-{item[0]}") for item in RUNS.items()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    bar.close()
+    if errors:
+        raise errors[0]
+    for name, r in results.items():
+        r["seconds"] = round(turns.seconds[name], 1)
+    return {name: results[name] for name in RUNS}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -68,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     if not Path(args.data).is_file():
         parser.error(f"--data: no such file: {args.data}")
     out_dir = args.out or Path(tempfile.mkdtemp(prefix="moekit-convergence-"))
-    results = {name: run_one(name, preset, args, out_dir) for name, preset in RUNS.items()}
+    results = train_side_by_side(args, out_dir)
     plot = compare_runs(
         {n: Path(r["run_dir"]) for n, r in results.items()}, out_dir / "convergence.png", "dense vs MoE"
     )

@@ -130,11 +130,13 @@ def test_tensorboard_events_hold_scalars_per_layer_and_histograms(tmp_path: Path
     log_run(tmp_path, range(20, 26), offset=1.0)  # resumed: the old 20..30 must disappear
     tb_dir = tmp_path / "tensorboard"
     assert list(tb_dir.glob("events.out.tfevents.*"))
-    acc = EventAccumulator(str(tb_dir))
+    acc = EventAccumulator(str(tb_dir), size_guidance={"histograms": 0})  # 0: keep every event
     acc.Reload()
     tags = acc.Tags()
     assert {"loss", "lr", "val_loss", "load_cv/layer0", "load_max_over_mean/layer1"} <= set(tags["scalars"])
     assert {"expert_load/layer0", "expert_load/layer1"} <= set(tags["histograms"])
+    # per-expert histograms every HISTOGRAM_EVERY (10) steps and at evaluations (also every 10th here)
+    assert [e.step for e in acc.Histograms("expert_load/layer0")] == [10, 20]
     loss = acc.Scalars("loss")
     assert [e.step for e in loss] == list(range(1, 26))
     assert [e.value for e in loss] == pytest.approx(

@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -157,6 +158,7 @@ def train(
     progress: bool = True,
     init: Path | None = None,
     fallback: bool = False,
+    on_step: Callable[[dict[str, Any]], None] | None = None,
 ) -> TrainResult:
     """Train ``cfg`` into ``run_dir``: metrics, TensorBoard logs, checkpoints, config and tokenizer.
 
@@ -165,6 +167,8 @@ def train(
     upcycled model), with a fresh optimizer at step 0; ``cfg.model`` must describe those weights.
     ``resume`` continues from the latest checkpoint at any layout (and is implied after an elastic
     restart); ``fallback`` resumes from the newest intact checkpoint when the latest is corrupt.
+    ``on_step`` is called on every rank after each optimizer step (and its logging and checkpoint)
+    with the step's metrics record, for callers that watch or pace a run.
     """
     run_dir = Path(run_dir)
     dev = torch.device(device)
@@ -256,6 +260,8 @@ def train(
                 checkpoint = saver.save(step, local, optimizer, info) or checkpoint
             bar.update(1)
             bar.set_postfix(loss=f"{record['loss']:.3f}", val=f"{val_loss:.3f}" if val_loss else "-", refresh=False)
+            if on_step is not None:
+                on_step(record)
         checkpoint = saver.wait() or checkpoint
     bar.close()
     if interrupt.requested and main:

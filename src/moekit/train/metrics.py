@@ -24,6 +24,9 @@ import numpy as np
 
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
+# NOTE: a TensorBoard histogram costs about 1 ms per MoE layer (a few percent of a small CPU step),
+# so per-expert histograms go out on every 10th step and on evaluation steps; scalars every step.
+HISTOGRAM_EVERY = 10
 
 _warned_no_tensorboard = False
 
@@ -62,6 +65,7 @@ class MetricsLogger:
 
     def _log_tensorboard(self, record: dict[str, Any]) -> None:
         step = record["step"]
+        histograms = step % HISTOGRAM_EVERY == 0 or "val_loss" in record
         if self._writer is None:
             # NOTE: purge_step hides earlier events at or after this step, so a resumed run that
             # re-logs from its checkpoint replaces the abandoned tail instead of zigzagging over it.
@@ -74,7 +78,11 @@ class MetricsLogger:
             elif isinstance(value, list) and all(_is_number(v) for v in value):
                 for layer, v in enumerate(value):
                     self._writer.add_scalar(f"{name}/layer{layer}", v, step)
-            elif isinstance(value, list) and all(isinstance(v, list) and all(map(_is_number, v)) for v in value):
+            elif (
+                histograms
+                and isinstance(value, list)
+                and all(isinstance(v, list) and all(map(_is_number, v)) for v in value)
+            ):
                 # Per-expert values: one histogram per layer keeps the dashboard to one card per layer
                 # (64 experts as scalars would be 64 cards); expert identity lives in plots.py's heatmap.
                 for layer, values in enumerate(value):
