@@ -1,17 +1,21 @@
 """Calibrate the planner on this machine and check its ranking against measured step times.
 
-For 2 and 4 gloo ranks on this CPU: measure the primitives the cost model uses (matmul rate per rank
-with all ranks busy, all-to-all latency and bandwidth), write them as a cluster, then train a small
-MoE model for a few steps in each of >= 6 layouts (same global batch) and compare the measured step
-times with the planner's predictions: Spearman rank correlation per world size and over all layouts.
-Timing on a shared CPU is noisy.
+For 2 and 4 gloo ranks on this CPU: measure the primitives the cost model uses, with every rank busy
+at once (the model's forward + backward at two micro-batch sizes gives the FLOP rate and the fixed
+per-block overhead; all-to-all at two sizes gives latency and bandwidth; the same pass sharded by
+FSDP gives the fixed cost of its collectives), write them as a cluster,
+rank every layout the planner enumerates for a small MoE model, then train the top, the bottom and
+evenly spaced layouts between for a few steps each (same global batch) and compare the measured step
+times with the predictions: Spearman rank correlation per world size and over all layouts run.
+Timing on a shared CPU is noisy, and 4 ranks on 2 cores share them.
 
-    python benchmarks/planner_calibration.py [--json] [--steps 6]
+    python benchmarks/planner_calibration.py [--json] [--steps 6] [--layouts 7]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -26,7 +30,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _ranks import run_ranks, training_rank  # noqa: E402
 
 from moekit import runconfig  # noqa: E402
+from moekit.model import Transformer  # noqa: E402
 from moekit.parallel import planner  # noqa: E402
+from moekit.parallel.runtime import ParallelModel, init_distributed  # noqa: E402
 
 GLOBAL_BATCH = 16  # sequences per step, over all data ranks
 MODEL = {
@@ -36,29 +42,11 @@ MODEL = {
     "model.d_ff": "128",
     "model.context_length": "64",
     "model.tie_embeddings": "false",
+    "model.vocab_size": "256",
     "moe.num_experts": "8",
     "moe.top_k": "2",
     "train.lr": "1e-3",
     "data.tokenizer": "byte",
-}
-LAYOUTS = {
-    2: {
-        "dp2": {"parallel.dp": "2"},
-        "ep2": {"parallel.ep": "2"},
-        "ep2-overlap": {"parallel.ep": "2", "parallel.overlap_chunks": "2"},
-        "tp2": {"parallel.tp": "2"},
-        "pp2-mb2": {"parallel.pp": "2", "parallel.pp_microbatches": "2"},
-        "pp2-mb8": {"parallel.pp": "2", "parallel.pp_microbatches": "8"},
-    },
-    4: {
-        "dp4": {"parallel.dp": "4"},
-        "ep4": {"parallel.ep": "4"},
-        "ep2xdp2": {"parallel.ep": "2", "parallel.dp": "2"},
-        "tp2xdp2": {"parallel.tp": "2", "parallel.dp": "2"},
-        "tp4": {"parallel.tp": "4"},
-        "pp2xdp2": {"parallel.pp": "2", "parallel.dp": "2", "parallel.pp_microbatches": "2"},
-        "pp4-mb8": {"parallel.pp": "4", "parallel.pp_microbatches": "8"},
-    },
 }
 
 
@@ -73,10 +61,17 @@ def _timed(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def measure_cluster(world: int) -> planner.Cluster:
+def measure_cluster(world: int, spec: planner.ModelSpec) -> planner.Cluster:
     """The primitives on this machine with ``world`` ranks busy at once."""
-    a = torch.randn(256, 256)
-    flops = 2 * 256**3 * 20 / _timed(lambda: [a @ a for _ in range(20)], 5)
+    torch.manual_seed(0)
+    model = Transformer(spec.model, spec.moe)
+    dense_f, expert_f = planner.training_flops_per_token(spec)
+    one = torch.randint(0, spec.model.vocab_size, (1, spec.model.context_length))
+    eight = torch.randint(0, spec.model.vocab_size, (8, spec.model.context_length))
+    t1, t8 = (_timed(lambda x=x: model(x, x).loss.backward(), 7) for x in (one, eight))
+    f1, f8 = (x.numel() * (dense_f + expert_f) for x in (one, eight))
+    rate = (f8 - f1) / max(t8 - t1, 1e-9)  # FLOP/s of the GEMMs once the fixed cost is paid
+    overhead = max(t1 - f1 / rate, 0.0) / spec.model.n_layers  # per block pass
 
     def a2a(n: int) -> float:
         x, out = torch.randn(n * world), torch.empty(n * world)
@@ -84,39 +79,84 @@ def measure_cluster(world: int) -> planner.Cluster:
 
     small, big = a2a(16), a2a(1 << 18)
     latency = small / (world - 1)
-    nbytes = 4 * world * (1 << 18) * (world - 1) / world
-    bandwidth = nbytes / max(big - small, 1e-9)
-    return planner.Cluster(
+    bandwidth = 4 * world * (1 << 18) * (world - 1) / world / max(big - small, 1e-9)
+    cluster = planner.Cluster(
         f"cpu-{world}",
-        1,
-        world,
-        flops / 1e12,
-        1.0,
-        64.0,
-        bandwidth / 1e9,
-        latency * 1e6,
-        bandwidth / 1e9,
-        latency * 1e6,
+        nodes=1,
+        gpus_per_node=world,
+        peak_tflops=rate / 1e12,
+        efficiency=1.0,
+        memory_gb=64.0,
+        intra_gbps=bandwidth / 1e9,
+        intra_latency_us=latency * 1e6,
+        inter_gbps=bandwidth / 1e9,
+        inter_latency_us=latency * 1e6,
+        pass_overhead_us=overhead * 1e6,
     )
+    return dataclasses.replace(cluster, fsdp_overhead_us=fsdp_overhead(world, spec, cluster, t1) * 1e6)
 
 
-def _candidate(cfg, layout) -> planner.Candidate:
-    micro = cfg.parallel.pp_microbatches if layout.pp > 1 else 1
-    overlap = cfg.parallel.overlap_chunks > 1
-    return planner.Candidate(layout.dp, layout.ep, layout.tp, layout.pp, micro, cfg.parallel.all_to_all, overlap)
+def fsdp_overhead(world: int, spec: planner.ModelSpec, cluster: planner.Cluster, plain_s: float) -> float:
+    """Seconds per FSDP collective beyond alpha-beta: the same one-sequence forward + backward sharded
+    over every rank, less the unsharded one and the bytes' predicted time, per collective."""
+    cpu = torch.device("cpu")
+    cfg = runconfig.resolve("tiny", {**MODEL, "parallel.dp": str(world)})
+    layout, mesh = init_distributed(cfg, cpu)
+    torch.manual_seed(0)
+    pm = ParallelModel(Transformer(cfg.model, cfg.moe), cfg, cpu, layout, mesh)
+    x = torch.randint(0, spec.model.vocab_size, (1, spec.model.context_length))
+    sharded_s = _timed(lambda: pm.forward_backward(x, x, 1.0), 7)
+    dense_p, expert_p = planner.param_counts(spec)
+    units, n_moe = spec.model.n_layers + 1, len(spec.model.moe_layers())
+    dtype = spec.workload.dtype_bytes
+    wire = 3 * units * planner.ring_time(dense_p * dtype / units, world, 1, cluster, passes=1)
+    wire += 3 * n_moe * planner.ring_time(expert_p * dtype / n_moe, world, 1, cluster, passes=1)
+    return max(sharded_s - plain_s - wire, 0.0) / (3 * (units + n_moe))
 
 
-def _bench(rank: int, world: int, text: str, steps: int) -> dict:
+def picks(ranked: list[planner.Estimate], count: int) -> list[planner.Estimate]:
+    """The top, the bottom and evenly spaced layouts between, from the planner's ranking."""
+    if len(ranked) <= count:
+        return ranked
+    return [ranked[round(i * (len(ranked) - 1) / (count - 1))] for i in range(count)]
+
+
+def overrides_for(cand: planner.Candidate) -> dict[str, str]:
+    """The run flags of one planned layout (micro-batches: pipeline ones, or gradient accumulation)."""
+    per_rank = GLOBAL_BATCH // (cand.dp * cand.ep)
+    flags = {
+        "parallel.dp": str(cand.dp),
+        "parallel.ep": str(cand.ep),
+        "parallel.tp": str(cand.tp),
+        "parallel.pp": str(cand.pp),
+        "parallel.all_to_all": cand.all_to_all,
+        "parallel.overlap_chunks": "2" if cand.overlap else "1",
+    }
+    if cand.pp > 1:
+        return flags | {"parallel.pp_microbatches": str(cand.micro), "train.batch_size": str(per_rank)}
+    return flags | {"train.grad_accum": str(cand.micro), "train.batch_size": str(per_rank // cand.micro)}
+
+
+def label(cand: planner.Candidate) -> str:
+    parts = [f"{name}{getattr(cand, name)}" for name in ("dp", "ep", "tp", "pp") if getattr(cand, name) > 1]
+    return "x".join(parts or ["1"]) + f"-mb{cand.micro}" + ("-overlap" if cand.overlap else "")
+
+
+def _bench(rank: int, world: int, text: str, steps: int, count: int) -> dict:
     from moekit.train import loop
 
     dist.init_process_group("gloo")
-    cluster = measure_cluster(world)
+    base = runconfig.resolve("tiny", MODEL)
+    spec = planner.ModelSpec("calibration", base.model, base.moe, planner.Workload(GLOBAL_BATCH, dtype_bytes=4))
+    shared = [measure_cluster(world, spec)]
+    dist.broadcast_object_list(shared, src=0)  # rank 0's figures, so every rank picks the same layouts
+    cluster = shared[0]
+    ranked = sorted(
+        (planner.estimate(spec, cand, cluster) for cand in planner.candidates(spec, cluster)), key=lambda e: e.step_s
+    )
     rows = []
-    for name, extra in LAYOUTS[world].items():
-        probe = runconfig.resolve("tiny", {**MODEL, **extra})
-        batch_ranks = world // (probe.parallel.tp * probe.parallel.pp)
-        overrides = {**MODEL, **extra, "data.path": text, "train.batch_size": str(GLOBAL_BATCH // batch_ranks)}
-        cfg = runconfig.resolve("tiny", overrides)
+    for est in picks(ranked, count):
+        cfg = runconfig.resolve("tiny", {**MODEL, **overrides_for(est.candidate), "data.path": text})
         pm, opt, corpus = training_rank(cfg, rank)
         times = []
         for step in range(steps + 2):
@@ -124,10 +164,10 @@ def _bench(rank: int, world: int, text: str, steps: int) -> dict:
             started = time.perf_counter()
             loop._train_step(pm, None, opt, corpus, cfg, torch.device("cpu"), step, None)
             times.append(time.perf_counter() - started)
-        spec = planner.ModelSpec(name, cfg.model, cfg.moe, planner.Workload(GLOBAL_BATCH, dtype_bytes=4))
-        predicted = planner.estimate(spec, _candidate(cfg, pm.layout), cluster).step_s
-        rows.append({"layout": name, "measured_s": statistics.median(times[2:]), "predicted_s": predicted})
-    return {"cluster": cluster.__dict__, "rows": rows}
+        rows.append(
+            {"layout": label(est.candidate), "measured_s": statistics.median(times[2:]), "predicted_s": est.step_s}
+        )
+    return {"cluster": cluster.__dict__, "candidates": len(ranked), "rows": rows}
 
 
 def spearman(xs: list[float], ys: list[float]) -> float:
@@ -146,7 +186,8 @@ def spearman(xs: list[float], ys: list[float]) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--steps", type=int, default=6, help="timed steps per layout (after 2 warm-up steps)")
+    parser.add_argument("--layouts", type=int, default=7, help="layouts run per world size (top, bottom, between)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     results = {}
@@ -154,7 +195,7 @@ def main() -> None:
         text = Path(tmp) / "corpus.txt"
         text.write_text("".join(f"{i}: the quick brown fox jumps over the lazy dog.\n" for i in range(3000)))
         for world in (2, 4):
-            results[world] = run_ranks(_bench, world, str(text), args.steps)
+            results[world] = run_ranks(_bench, world, str(text), args.steps, args.layouts)
     every = [r for w in results.values() for r in w["rows"]]
     summary = {
         f"spearman_{w}": spearman([r["measured_s"] for r in res["rows"]], [r["predicted_s"] for r in res["rows"]])
@@ -167,12 +208,14 @@ def main() -> None:
     for world, res in results.items():
         c = res["cluster"]
         print(
-            f"{world} ranks: {c['peak_tflops'] * 1e3:.1f} GFLOP/s per rank, all-to-all {c['intra_latency_us']:.0f} us "
-            f"per message, {c['intra_gbps']:.2f} GB/s"
+            f"{world} ranks: {c['peak_tflops'] * 1e3:.1f} GFLOP/s per rank, {c['pass_overhead_us'] / 1e3:.2f} ms per "
+            f"block pass, {c['fsdp_overhead_us'] / 1e3:.2f} ms per FSDP collective, all-to-all "
+            f"{c['intra_latency_us']:.0f} us per message, {c['intra_gbps']:.2f} GB/s; "
+            f"{len(res['rows'])} of {res['candidates']} planned layouts run"
         )
         for r in res["rows"]:
             ms, pred = r["measured_s"] * 1e3, r["predicted_s"] * 1e3
-            print(f"  {r['layout']:>12} measured {ms:8.1f} ms  predicted {pred:8.1f} ms")
+            print(f"  {r['layout']:>22} measured {ms:8.1f} ms  predicted {pred:8.1f} ms")
     print(" ".join(f"{k} {v:.2f}" for k, v in summary.items()))
 
 

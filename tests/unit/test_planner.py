@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+from importlib import resources
+
 import pytest
 
 from moekit import runconfig
@@ -83,6 +86,21 @@ def test_imbalance_slows_the_step_and_overlap_hides_exchanges() -> None:
     assert hidden.step_s < plain.step_s
 
 
+def test_pass_overhead_and_fsdp_are_paid_per_micro_batch() -> None:
+    spec, c = _tiny(), CLUSTER  # 2 blocks, both MoE
+    with_overhead = dataclasses.replace(c, pass_overhead_us=100.0)
+    for micro in (1, 4):
+        dp4 = Candidate(4, 1, 1, 1, micro, "flat", False)
+        added = estimate(spec, dp4, with_overhead).step_s - estimate(spec, dp4, c).step_s
+        assert added == pytest.approx(micro * 2 * 100e-6)
+    # FSDP over 4 ranks of one node: 3 collectives per unit (2 blocks + the root) and per MoE
+    # layer's experts, every micro-batch.
+    dense_p, expert_p = param_counts(spec)
+    one = 3 * 3 * ring_time(dense_p * 4 / 3, 4, 1, c, passes=1) + 3 * 2 * ring_time(expert_p * 4 / 2, 4, 1, c, passes=1)
+    for micro in (1, 4):
+        assert estimate(spec, Candidate(4, 1, 1, 1, micro, "flat", False), c).sync_s == pytest.approx(micro * one)
+
+
 def test_enumeration_and_memory_rejection() -> None:
     spec = load_model("mixtral-8x7b")
     h100 = load_cluster("h100x8")
@@ -117,3 +135,7 @@ def test_plan_cli(capsys, tmp_path) -> None:
     bad.write_text("nodes = 1\ngpus_per_node = 8\n")
     assert main(["plan", "--model", "mixtral-8x7b", "--cluster", str(bad)]) == 2
     assert "missing field(s) peak_tflops" in capsys.readouterr().err
+    preset = (resources.files("moekit.configs") / "clusters" / "h100x8.toml").read_text()
+    bad.write_text(preset + "pass_overhead_us = -1\n")
+    assert main(["plan", "--model", "mixtral-8x7b", "--cluster", str(bad)]) == 2
+    assert "pass_overhead_us=-1 must be a number >= 0" in capsys.readouterr().err

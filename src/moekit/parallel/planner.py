@@ -8,7 +8,10 @@ Stage two re-scores candidates with measured expert loads, with and without load
 Units: seconds, bytes, FLOPs. The model follows moekit's mesh (``pp, dp, ep_node, ep_local, tp``,
 tp innermost), so a group of ``n`` ranks with stride ``s`` has ``min(n, G // s)`` members per node of
 ``G`` devices. Collective times are alpha-beta: a latency per message plus bytes over the link's
-bandwidth, with the slower (inter-node) link for traffic that leaves the node.
+bandwidth, with the slower (inter-node) link for traffic that leaves the node. Compute is FLOPs over
+the device's effective rate plus a fixed cost per block pass, and FSDP pays a fixed cost per
+collective (both measured, not guessed: ``benchmarks/planner_calibration.py``), so layouts of many
+small micro-batches rank as slow as they run.
 """
 
 from __future__ import annotations
@@ -47,6 +50,12 @@ class Cluster:
     intra_latency_us: float  # per message within a node
     inter_gbps: float  # GB/s per device across nodes (InfiniBand)
     inter_latency_us: float  # per message across nodes
+    # Fixed costs beside FLOPs and alpha-beta bytes, which make many small micro-batches slow; measured
+    # on CPU by benchmarks/planner_calibration.py, 0 leaves them out. One block's forward + backward on
+    # one micro-batch (framework dispatch, kernel launches):
+    pass_overhead_us: float = 0.0
+    # One FSDP collective of one unit (copies into and out of its flat buffer, hooks):
+    fsdp_overhead_us: float = 0.0
 
     @property
     def world(self) -> int:
@@ -137,8 +146,11 @@ def load_cluster(name: str) -> Cluster:
     cluster = _build("cluster", label, Cluster, tree, {"name": label})
     for f in dataclasses.fields(Cluster):
         value = getattr(cluster, f.name)
-        if f.name != "name" and not (isinstance(value, int | float) and value > 0):
-            raise ValueError(f"cluster {label}: {f.name}={value!r} must be a number > 0")
+        if f.name == "name":
+            continue
+        optional = f.default is not dataclasses.MISSING  # an optional field may be 0
+        if not (isinstance(value, int | float) and (value >= 0 if optional else value > 0)):
+            raise ValueError(f"cluster {label}: {f.name}={value!r} must be a number {'>= 0' if optional else '> 0'}")
     return cluster
 
 
@@ -253,41 +265,56 @@ def micro_tokens(spec: ModelSpec, cand: Candidate) -> float:
     return spec.workload.global_batch * spec.model.context_length / (cand.dp * cand.ep * cand.micro)
 
 
+def training_flops_per_token(spec: ModelSpec) -> tuple[float, float]:
+    """(FLOPs outside the routed experts, FLOPs of the routed experts) per token of one training
+    step of the whole model: 3x the forward (the backward is two GEMMs per forward GEMM), the output
+    head included."""
+    m = spec.model
+    moe = set(m.moe_layers())
+    per_layer = [layer_flops(spec, i in moe) for i in range(m.n_layers)]
+    dense = sum(f["attention"] + f["dense"] for f in per_layer) + 2 * m.d_model * m.vocab_size
+    return 3 * dense, 3 * sum(f["experts"] for f in per_layer)
+
+
 def estimate(spec: ModelSpec, cand: Candidate, c: Cluster, load_imbalance: float = 1.0) -> Estimate:
     """Predicted step time and memory of one layout; ``load_imbalance`` is the max/mean rank load of
     the experts (1.0 balanced), which slows the busiest rank's GEMMs and exchanges."""
     m, e, w = spec.model, spec.moe, spec.workload
     tokens = micro_tokens(spec, cand)
-    moe = set(m.moe_layers())
-    dense_f = sum(f["attention"] + f["dense"] for i in range(m.n_layers) for f in [layer_flops(spec, i in moe)])
-    expert_f = len(moe) * layer_flops(spec, True)["experts"] if moe else 0.0
-    # Per micro-batch and pipeline stage; training is 3x the forward (the backward is two GEMMs each).
-    dense_s = 3 * tokens * dense_f / cand.tp / cand.pp / c.flops + 3 * tokens * 2 * m.d_model * m.vocab_size / (
-        cand.tp * cand.pp * c.flops
-    )
-    expert_s = 3 * tokens * expert_f * load_imbalance / cand.pp / c.flops
+    n_moe = len(m.moe_layers())
+    layers = m.n_layers / cand.pp  # blocks per pipeline stage
+    dense_f, expert_f = training_flops_per_token(spec)
+    # Per micro-batch and pipeline stage (experts are split over ep, not tp).
+    dense_s = tokens * dense_f / (cand.tp * cand.pp * c.flops) + layers * c.pass_overhead_us * 1e-6
+    expert_s = tokens * expert_f * load_imbalance / cand.pp / c.flops
     rows_bytes = tokens * e.top_k * m.d_model * w.dtype_bytes * load_imbalance
     chunks = OVERLAP_CHUNKS if cand.overlap else 1
     one = chunks * all_to_all_time(rows_bytes / chunks, cand.ep, cand.tp, c, cand.all_to_all == "two_level")
-    a2a = 4 * one * len(moe) / cand.pp  # dispatch and combine, forward and backward
+    a2a = 4 * one * n_moe / cand.pp  # dispatch and combine, forward and backward
     moe_s = max(a2a, expert_s) + min(a2a, expert_s) / chunks if cand.overlap else a2a + expert_s
     act = tokens * m.d_model * w.dtype_bytes
-    tp_s = 4 * m.n_layers / cand.pp * ring_time(act, cand.tp, 1, c)
+    tp_s = 4 * layers * ring_time(act, cand.tp, 1, c)
     p2p = 2 * p2p_time(act, cand.tp * cand.ep * cand.dp, c) if cand.pp > 1 else 0.0
-    stage_s = dense_s + moe_s + tp_s + p2p
-    slots = cand.micro + cand.pp - 1  # the pipeline bubble: pp - 1 idle slots per step
+    # FSDP, every micro-batch: each unit (a block, and the root) all-gathers its shard before the
+    # forward and again before the backward, then reduce-scatters its gradient.
     dense_p, expert_p = param_counts(spec)
-    batch = cand.dp * cand.ep
-    fsdp = 3 * ring_time(dense_p / (cand.tp * cand.pp) * w.dtype_bytes, batch, cand.tp, c, passes=1)
-    fsdp += 3 * ring_time(expert_p / (cand.ep * cand.pp) * w.dtype_bytes, cand.dp, cand.tp * cand.ep, c, passes=1)
-    step = slots * stage_s + fsdp
+    units = layers + 1
+    unit_bytes = dense_p / (cand.tp * cand.pp) * w.dtype_bytes / units
+    collective = c.fsdp_overhead_us * 1e-6
+    fsdp = 0.0
+    if cand.dp * cand.ep > 1:
+        fsdp += 3 * units * (ring_time(unit_bytes, cand.dp * cand.ep, cand.tp, c, passes=1) + collective)
+    if n_moe and cand.dp > 1:
+        layer_bytes = expert_p / (cand.ep * n_moe) * w.dtype_bytes
+        fsdp += 3 * n_moe / cand.pp * (ring_time(layer_bytes, cand.dp, cand.tp * cand.ep, c, passes=1) + collective)
+    slots = cand.micro + cand.pp - 1  # the pipeline bubble: pp - 1 idle slots per step
     mem = memory_bytes(spec, cand, load_imbalance)
     return Estimate(
         cand,
-        step_s=step,
+        step_s=slots * (dense_s + moe_s + tp_s + p2p + fsdp),
         compute_s=slots * (dense_s + expert_s),
         a2a_s=slots * (moe_s - expert_s),
-        sync_s=slots * (tp_s + p2p) + fsdp,
+        sync_s=slots * (tp_s + p2p + fsdp),
         memory_gb=mem / 1e9,
         fits=mem <= c.memory_gb * 1e9 * MEMORY_USABLE,
     )
