@@ -5,11 +5,12 @@ greedy generation from real-text prompts (tinyshakespeare) at batch 1 and 16 for
   resident        every weight in memory (the upper bound)
   naive           accelerate-style: each MoE layer's experts all read on demand, no cache, no prefetch
   moekit-*        expert-granular reads through the budgeted cache (LRU / LFU, prefetch on / off), int8
-Reads go through ``posix_fadvise(DONTNEED)`` after each range and the file's pages are dropped
-before each cold run, so the page cache is no hidden fast tier; one warm run per batch size keeps
-the page cache, labelled as such. Also: hit rate, bytes read per token, the read-bandwidth bound
-(bandwidth / bytes per token), prefetch recall and precision, an offline replay of the recorded routing trace
-through each policy and Belady's optimum, and validation perplexity of fp / int8 / int4 experts.
+Cold runs read directly (``O_DIRECT``; buffered reads on a filesystem without it are followed by
+``posix_fadvise(DONTNEED)``) after the file's pages are dropped, so the page cache is no hidden fast
+tier; one warm run per batch size reads through the page cache, labelled as such. Also: hit rate,
+bytes read per token, the read-bandwidth bound (bandwidth at the reader pool's queue depth / bytes per
+token), prefetch recall and precision, an offline replay of the recorded routing trace through each
+policy and Belady's optimum, and validation perplexity of fp / int8 / int4 experts.
 
     python benchmarks/offload.py [--json] [--cache-dir /tmp/moekit-offload-bench] [--budget 512MB]
 """
@@ -20,6 +21,7 @@ import argparse
 import json
 import math
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -28,9 +30,9 @@ from torch import Tensor, nn
 from moekit import runconfig
 from moekit.experts.grouped import apply_activation
 from moekit.infer.cache import POLICIES, replay
-from moekit.infer.expert_store import ExpertStore
+from moekit.infer.expert_store import ExpertStore, aligned_empty
 from moekit.infer.generate import generate, left_pad, load_run
-from moekit.infer.offload import OffloadOptions, format_bytes, model_bytes, parse_bytes
+from moekit.infer.offload import READERS, OffloadOptions, format_bytes, model_bytes, parse_bytes
 from moekit.infer.quant import matmul, roles
 from moekit.model import Transformer
 from moekit.train.checkpoint import save_checkpoint
@@ -70,7 +72,7 @@ class NaiveLayerExperts(nn.Module):
     def __init__(self, store: ExpertStore, block: int, num_experts: int, activation: str) -> None:
         super().__init__()
         self.store, self.block, self.activation = store, block, activation
-        self.buffer = torch.empty(num_experts, store.slot_bytes, dtype=torch.uint8)
+        self.buffer = aligned_empty(num_experts * store.slot_bytes).view(num_experts, store.slot_bytes)
         self.bytes_read = 0
 
     def forward(self, x_RD: Tensor, tokens_per_expert: Tensor) -> Tensor:
@@ -79,7 +81,7 @@ class NaiveLayerExperts(nn.Module):
         y_RD, start = torch.empty_like(x_RD), 0
         for e, n in enumerate(tokens_per_expert.tolist()):
             if n:
-                views = self.store.views(self.buffer[e])
+                views = self.store.views((self.block, e), self.buffer[e])
                 h = apply_activation(matmul("fp", views, "w_in", x_RD[start : start + n]), self.activation)
                 y_RD[start : start + n] = matmul("fp", views, "w_out", h)
             start += n
@@ -92,14 +94,15 @@ def prompts(text: Path, batch: int, length: int = 32) -> tuple[Tensor, Tensor]:
     return left_pad([list(data[i * step : i * step + length]) for i in range(batch)])
 
 
-def read_bandwidth(store: ExpertStore, count: int = 24) -> float:
-    """Cold bytes/s of the store's own read path over ``count`` experts."""
+def read_bandwidth(store: ExpertStore, count: int = 48) -> float:
+    """Cold bytes/s of the store's own read path over ``count`` experts, read by as many threads at
+    once as the offloader's reader pool (the disk's rate at the queue depth moekit keeps)."""
     store.drop_page_cache()
-    slot = torch.empty(store.slot_bytes, dtype=torch.uint8)
+    slots = [aligned_empty(store.slot_bytes) for _ in range(READERS)]
     keys = sorted(store.pieces)[:: max(1, len(store.pieces) // count)][:count]
-    start, total = time.perf_counter(), 0
-    for key in keys:
-        total += store.read_into(key, slot)
+    start = time.perf_counter()
+    with ThreadPoolExecutor(READERS) as pool:
+        total = sum(pool.map(lambda i: store.read_into(keys[i], slots[i % READERS]), range(len(keys))))
     return total / (time.perf_counter() - start)
 
 
@@ -127,7 +130,7 @@ def main() -> None:
     reference: dict[int, Tensor] = {}
 
     def offloaded(name: str, batch: int, warm: bool = False, **options) -> None:
-        opts = OffloadOptions(memory_budget=budget, drop_pages=not warm, **options)
+        opts = OffloadOptions(memory_budget=budget, direct_io=not warm, drop_pages=not warm, **options)
         run = load_run(run_dir, offload=opts)
         off = run.offloader
         if not warm:
@@ -195,6 +198,7 @@ def main() -> None:
     weights = next(run_dir.glob("checkpoints/step_*")) / "model.safetensors"
     with ExpertStore(weights, blocks, roles("fp"), drop_pages=True) as store:
         bandwidth = read_bandwidth(store)
+        direct = store.direct
     expert_bytes = len(store.pieces) * store.bytes_per_expert
     for row in rows:
         if row.get("bytes_per_token"):
@@ -209,6 +213,7 @@ def main() -> None:
         budget=budget,
         non_expert_bytes=resident_bytes - expert_bytes,
         read_bandwidth=bandwidth,
+        direct_reads=direct,
         rows=rows,
         replay_hit_rates=replays,
         perplexity=perplexity,
@@ -238,7 +243,7 @@ def table(r: dict) -> str:
     lines = [
         f"experts on disk {format_bytes(r['expert_bytes_on_disk'])}, budget {format_bytes(r['budget'])} "
         f"(non-expert weights {format_bytes(r['non_expert_bytes'])}), cold read bandwidth "
-        f"{format_bytes(r['read_bandwidth'])}/s",
+        f"{format_bytes(r['read_bandwidth'])}/s ({'direct' if r['direct_reads'] else 'buffered'}, {READERS} readers)",
         f"{'config':36} {'batch':>5} {'tok/s':>8} {'hit':>6} {'MB/tok':>8} {'bound':>8} {'of bound':>8} "
         f"{'recall':>6} {'prec.':>6} {'same':>5}",
     ]

@@ -21,6 +21,8 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
+from moekit.infer.expert_store import aligned_empty
+
 
 class Policy(Protocol):
     """Chooses which unpinned resident key to evict."""
@@ -110,7 +112,13 @@ class ExpertCache:
     def __init__(self, num_slots: int, slot_bytes: int, device: torch.device, policy: Policy) -> None:
         assert num_slots >= 1
         self.num_slots, self.slot_bytes = num_slots, slot_bytes
-        self.arena = torch.empty(num_slots * slot_bytes, dtype=torch.uint8, device=device)
+        # NOTE: on the CPU the arena starts on a 4 KiB boundary so direct reads can land in its slots
+        # (slot sizes are multiples of 4 KiB for a store reading directly).
+        size = num_slots * slot_bytes
+        if device.type == "cpu":
+            self.arena = aligned_empty(size)
+        else:
+            self.arena = torch.empty(size, dtype=torch.uint8, device=device)
         self.policy = policy
         self.entries: dict[Hashable, Entry] = {}
         self._free = list(range(num_slots - 1, -1, -1))

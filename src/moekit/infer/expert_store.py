@@ -5,6 +5,12 @@ expert e of a stacked tensor is one contiguous byte range: ``offset + e * bytes_
 store reads exactly the ranges of the experts asked for (``os.preadv`` into the destination's own
 memory, no intermediate copy), never a whole layer. Quantized stores (``moekit.infer.quant``) use the
 same stacked layout with other tensor names, so one reader serves both.
+
+Reads are direct (``O_DIRECT``) where the filesystem allows: the disk writes into the slot by DMA,
+with no copy through the OS page cache (which costs CPU that the experts' matmuls need) and no cached
+pages beside the memory budget. Direct reads start and end on 4 KiB boundaries, so each piece of an
+expert gets a 4 KiB-aligned region in its slot and sits in it at its file offset's skew; ``views``
+knows where.
 """
 
 from __future__ import annotations
@@ -28,6 +34,14 @@ SAFETENSORS_DTYPES = {
     "U8": torch.uint8,
 }
 _ALIGN = 64  # slot offsets of each piece: aligned for any dtype view and for SIMD loads
+_DIRECT_ALIGN = 4096  # O_DIRECT: file offset, length and memory address, in units of the logical block
+
+
+def aligned_empty(nbytes: int, pin: bool = False) -> Tensor:
+    """A CPU uint8 buffer starting on a 4 KiB boundary (where direct reads may land)."""
+    raw = torch.empty(nbytes + _DIRECT_ALIGN, dtype=torch.uint8, pin_memory=pin)
+    skip = -raw.data_ptr() % _DIRECT_ALIGN
+    return raw[skip : skip + nbytes]
 
 
 class ExpertStoreError(RuntimeError):
@@ -40,8 +54,9 @@ class Piece:
 
     name: str  # role inside the expert: "w_in", "w_out", "w_in.q", "w_in.scale", ...
     file_offset: int  # absolute byte offset in the file
-    slot_offset: int  # byte offset inside the expert's cache slot
+    slot_offset: int  # byte offset of the tensor inside the expert's cache slot
     nbytes: int
+    skew: int  # direct reads: bytes read before the tensor (file_offset % 4096), else 0
     dtype: torch.dtype
     shape: tuple[int, ...]
 
@@ -66,21 +81,43 @@ class ExpertStore:
 
     ``roles`` names the stacked tensors of a block (``w_in``, ``w_out`` for full precision; the
     quantized forms add ``.q`` / ``.scale``). Every expert occupies ``slot_bytes`` in the fast tier.
-    ``drop_pages`` evicts each range from the OS page cache right after reading it, so the page
-    cache cannot act as a hidden fast tier (benchmarks measure the disk, not RAM).
+    ``direct`` reads with ``O_DIRECT`` where the filesystem supports it (``self.direct`` says whether it
+    does). Buffered reads go through the page cache; ``drop_pages`` then evicts each range right after
+    reading it, so the page cache cannot act as a hidden fast tier (benchmarks measure the disk, not RAM).
     """
 
-    def __init__(self, path: Path, blocks: dict[int, int], roles: tuple[str, ...], drop_pages: bool = False) -> None:
+    def __init__(
+        self,
+        path: Path,
+        blocks: dict[int, int],
+        roles: tuple[str, ...],
+        drop_pages: bool = False,
+        direct: bool = True,
+    ) -> None:
         self.path = Path(path)
         self.roles = roles
         self.drop_pages = drop_pages
         header, data_start = read_safetensors_header(self.path)
+        self._fd = os.open(self.path, os.O_RDONLY)
+        self._direct_fd = _open_direct(self.path) if direct else -1
+        self.direct = self._direct_fd >= 0
+        try:
+            layout = self._index(header, data_start, blocks)
+        except BaseException:
+            self.close()
+            raise
+        last = layout[-1]
+        self.slot_bytes = _round_up(last[0] + _region_bytes(last[1], self.direct), _ALIGN)
+        self.bytes_per_expert = sum(nbytes for _, nbytes, _, _ in layout)  # bytes of the tensors per load
+
+    def _index(self, header: dict, data_start: int, blocks: dict[int, int]) -> list[tuple]:
+        """Fill ``self.pieces`` (every expert's tensors: file range and slot place); the slot layout."""
         size = self.path.stat().st_size
         self.pieces: dict[Key, list[Piece]] = {}
         slot_layout: list[tuple[int, int, torch.dtype, tuple[int, ...]]] | None = None
         for block, num_experts in blocks.items():
             stacked = []
-            for role in roles:
+            for role in self.roles:
                 name = expert_tensor_prefix(block) + role
                 if name not in header:
                     raise ExpertStoreError(f"{self.path}: has no tensor {name!r}")
@@ -91,15 +128,17 @@ class ExpertStore:
                         f"{self.path}: {name} is {info['dtype']}{list(shape)}, not [{num_experts}, ...]"
                     )
                 stacked.append((role, data_start + info["data_offsets"][0], SAFETENSORS_DTYPES[info["dtype"]], shape))
-            layout = _slot_layout([(dtype, shape[1:]) for _, _, dtype, shape in stacked])
+            layout = _slot_layout([(dtype, shape[1:]) for _, _, dtype, shape in stacked], self.direct)
             if slot_layout is None:
                 slot_layout = layout
             elif layout != slot_layout:
                 raise ExpertStoreError(f"{self.path}: experts of block {block} differ in size from earlier blocks")
             for e in range(num_experts):
                 pieces = []
-                for (role, start, dtype, shape), (slot_offset, nbytes, _, _) in zip(stacked, layout, strict=True):
-                    pieces.append(Piece(role, start + e * nbytes, slot_offset, nbytes, dtype, shape[1:]))
+                for (role, start, dtype, shape), (region, nbytes, _, _) in zip(stacked, layout, strict=True):
+                    offset = start + e * nbytes
+                    skew = offset % _DIRECT_ALIGN if self.direct else 0
+                    pieces.append(Piece(role, offset, region + skew, nbytes, skew, dtype, shape[1:]))
                 if max(p.file_offset + p.nbytes for p in pieces) > size:
                     raise ExpertStoreError(
                         f"{self.path}: truncated: expert {e} of block {block} ends past the file's {size} bytes"
@@ -107,16 +146,13 @@ class ExpertStore:
                 self.pieces[(block, e)] = pieces
         if slot_layout is None:
             raise ExpertStoreError(f"{self.path}: the model has no MoE blocks to offload")
-        last = slot_layout[-1]
-        self.slot_bytes = _round_up(last[0] + last[1], _ALIGN)
-        self.bytes_per_expert = sum(nbytes for _, nbytes, _, _ in slot_layout)  # bytes read per load
-        self._slot_pieces = next(iter(self.pieces.values()))  # the slot layout, shared by every expert
-        self._fd = os.open(self.path, os.O_RDONLY)
+        return slot_layout
 
     def close(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
+        for fd in (self._fd, self._direct_fd):
+            if fd >= 0:
+                os.close(fd)
+        self._fd = self._direct_fd = -1
 
     def __enter__(self) -> ExpertStore:
         return self
@@ -125,19 +161,29 @@ class ExpertStore:
         self.close()
 
     def read_into(self, key: Key, slot_U8: Tensor) -> int:
-        """Read expert ``key`` into ``slot_U8`` (a CPU uint8 tensor of ``slot_bytes``); bytes read."""
+        """Read expert ``key`` into ``slot_U8`` (a CPU uint8 tensor of ``slot_bytes``); bytes of its tensors.
+
+        Direct when the store is and the slot starts on a 4 KiB boundary (``aligned_empty``), else buffered.
+        """
+        direct = self.direct and slot_U8.data_ptr() % _DIRECT_ALIGN == 0
         total = 0
         for p in self.pieces[key]:
-            view = memoryview(slot_U8[p.slot_offset : p.slot_offset + p.nbytes].numpy())
-            got = os.preadv(self._fd, [view], p.file_offset)
+            if direct:  # whole 4 KiB blocks around the tensor, which lands at its skew
+                start = p.slot_offset - p.skew
+                length = _round_up(p.skew + p.nbytes, _DIRECT_ALIGN)
+                view = memoryview(slot_U8[start : start + length].numpy())
+                got = min(os.preadv(self._direct_fd, [view], p.file_offset - p.skew) - p.skew, p.nbytes)
+            else:
+                view = memoryview(slot_U8[p.slot_offset : p.slot_offset + p.nbytes].numpy())
+                got = os.preadv(self._fd, [view], p.file_offset)
+                if self.drop_pages:
+                    os.posix_fadvise(self._fd, p.file_offset, p.nbytes, os.POSIX_FADV_DONTNEED)
             if got != p.nbytes:
                 block, expert = key
                 raise ExpertStoreError(
                     f"{self.path}: truncated: expert {expert} of block {block} ({p.name}): "
-                    f"read {got} of {p.nbytes} bytes"
+                    f"read {max(got, 0)} of {p.nbytes} bytes"
                 )
-            if self.drop_pages:
-                os.posix_fadvise(self._fd, p.file_offset, p.nbytes, os.POSIX_FADV_DONTNEED)
             total += got
         return total
 
@@ -145,25 +191,48 @@ class ExpertStore:
         """Evict the whole file from the OS page cache (a cold start for the next reads)."""
         os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_DONTNEED)
 
-    def views(self, slot_U8: Tensor) -> dict[str, Tensor]:
-        """The tensors of one expert inside its slot, by role (views, no copy)."""
+    def views(self, key: Key, slot_U8: Tensor) -> dict[str, Tensor]:
+        """The tensors of expert ``key`` inside its slot, by role (views, no copy)."""
         return {
             p.name: slot_U8[p.slot_offset : p.slot_offset + p.nbytes].view(p.dtype).view(p.shape)
-            for p in self._slot_pieces
+            for p in self.pieces[key]
         }
+
+
+def _open_direct(path: Path) -> int:
+    """A descriptor for direct reads of ``path``, or -1 where the OS or filesystem has none."""
+    flag = getattr(os, "O_DIRECT", 0)
+    if not flag:
+        return -1
+    try:
+        fd = os.open(path, os.O_RDONLY | flag)
+    except OSError:
+        return -1
+    try:  # some filesystems accept the flag at open and refuse the reads
+        os.preadv(fd, [memoryview(aligned_empty(_DIRECT_ALIGN).numpy())], 0)
+    except OSError:
+        os.close(fd)
+        return -1
+    return fd
 
 
 def _round_up(n: int, align: int) -> int:
     return (n + align - 1) // align * align
 
 
+def _region_bytes(nbytes: int, direct: bool) -> int:
+    """Room for one tensor in a slot; direct reads need its skew and whole 4 KiB blocks around it."""
+    return _round_up(nbytes, _DIRECT_ALIGN) + _DIRECT_ALIGN if direct else nbytes
+
+
 def _slot_layout(
-    parts: list[tuple[torch.dtype, tuple[int, ...]]],
+    parts: list[tuple[torch.dtype, tuple[int, ...]]], direct: bool
 ) -> list[tuple[int, int, torch.dtype, tuple[int, ...]]]:
-    """(slot offset, bytes, dtype, shape) of each piece of one expert, each aligned to ``_ALIGN``."""
+    """(region offset, bytes, dtype, shape) of each tensor of one expert in its slot."""
     layout, offset = [], 0
+    align = _DIRECT_ALIGN if direct else _ALIGN
     for dtype, shape in parts:
         nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
         layout.append((offset, nbytes, dtype, shape))
-        offset = _round_up(offset + nbytes, _ALIGN)
+        offset = _round_up(offset + _region_bytes(nbytes, direct), align)
     return layout

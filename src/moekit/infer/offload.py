@@ -6,11 +6,12 @@ picked. Non-expert weights stay resident. Per layer and step:
 
 1. experts prefetched for this layer are waited for (needed) or let go (mispredicted);
 2. every needed expert already resident is pinned (a hit); misses are read on demand, each at most
-   once per step for the whole batch;
+   once per step for the whole batch, by a pool of reader threads (a deeper disk queue than one)
+   while the resident experts compute;
 3. the next MoE layer's experts are predicted by applying its router to this layer's input
    (``prefetch="router"``; Eliseev & Mazur 2023) or taken whole (``prefetch="all"``: throughput
    mode, layers streamed round-robin through the slots with FIFO eviction, MoESys/MoE-Lightning)
-   and read on a background thread while this layer computes; a router prediction is only
+   and read by the same pool while this layer computes; a router prediction is only
    fetched while the prefetcher's recent precision holds up (a mispredicted read costs a whole
    expert's bytes, a right one saves only the overlap), and keeps being scored while it is not;
 4. each expert's rows are computed with plain matmuls, the same arithmetic as the resident
@@ -29,6 +30,7 @@ Legend: R rows sorted by expert, D model dim, E experts.
 
 from __future__ import annotations
 
+import contextlib
 import re
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -41,12 +43,13 @@ from torch import Tensor, nn
 from moekit.config import ModelConfig, MoEConfig
 from moekit.experts.grouped import apply_activation, compute_dtype
 from moekit.infer.cache import POLICIES, Entry, ExpertCache, make_policy
-from moekit.infer.expert_store import ExpertStore, ExpertStoreError, Key
+from moekit.infer.expert_store import ExpertStore, ExpertStoreError, Key, aligned_empty
 from moekit.infer.quant import QUANT_FORMATS, matmul, roles, write_quantized_store
 from moekit.layer import MoE
 from moekit.model import Transformer
 
 PREFETCH_MODES = ("router", "all", "off")
+READERS = 4  # concurrent expert reads: the disk's queue depth
 _PRECISION_DECAY = 0.75  # of the moving precision per scored prediction: a prefill does not mask decode
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
@@ -120,15 +123,14 @@ class Offloader:
         self.stats = OffloadStats()
         self._pending: dict[int, list[Key]] = {}  # block -> keys prefetched for it, not yet settled
         self._predicted: tuple[int, set[int]] | None = None  # (block, experts) the router prefetch predicted
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="moekit-prefetch") if prefetch != "off" else None
+        self._readers = ThreadPoolExecutor(READERS, thread_name_prefix="moekit-read")
         device = self.cache.arena.device
         self._host = PinnedExperts(store) if device.type == "cuda" else None
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._slot_released: list[torch.cuda.Event | None] = [None] * cache.num_slots  # GPU: last compute
 
     def close(self) -> None:
-        if self._executor is not None:
-            self._executor.shutdown(wait=True, cancel_futures=True)
+        self._readers.shutdown(wait=True, cancel_futures=True)
         self.store.close()
 
     # --- loading -------------------------------------------------------------------------------
@@ -164,27 +166,35 @@ class Offloader:
             raise
         return entry
 
+    def _read_later(self, key: Key, entry: Entry, step: int, prefetch: bool) -> None:
+        entry.loading = self._readers.submit(self._read, key, entry, step, prefetch)
+
+    def _wait(self, key: Key, entry: Entry) -> None:
+        """Wait for a background read into ``entry``; a failed read frees its slot and raises."""
+        assert entry.loading is not None
+        try:
+            entry.loading.result()
+        except BaseException:
+            self.cache.drop(key)
+            raise
+        finally:
+            entry.loading = None
+
     def _settle(self, block: int, needed: set[int]) -> None:
         """Wait for prefetched experts this layer needs; cancel or release the others."""
         for key in self._pending.pop(block, []):
             entry = self.cache.entries[key]
-            future = entry.loading
-            assert future is not None
-            if key[1] not in needed and future.cancel():
+            assert entry.loading is not None
+            if key[1] not in needed and entry.loading.cancel():
                 self.cache.drop(key)
                 continue
-            try:
-                future.result()
-            except BaseException:
-                self.cache.drop(key)
-                raise
-            entry.loading = None
+            self._wait(key, entry)
             self.cache.unpin(entry)
 
     def _prefetch_for(self, block: int, x_RD: Tensor) -> None:
         """Start background reads of the experts the next MoE layer is predicted to need."""
         i = self.blocks.index(block)
-        if self._executor is None or (i + 1 == len(self.blocks) and self.prefetch == "router"):
+        if self.prefetch == "off" or (i + 1 == len(self.blocks) and self.prefetch == "router"):
             return
         target = self.blocks[(i + 1) % len(self.blocks)]
         if self.prefetch == "all":
@@ -207,7 +217,7 @@ class Offloader:
             entry = self.cache.reserve(key)
             if entry is None:
                 break  # every slot is pinned: no room to look further ahead
-            entry.loading = self._executor.submit(self._read, key, entry, step, True)
+            self._read_later(key, entry, step, prefetch=True)
             keys.append(key)
         self._pending[target] = keys
 
@@ -239,26 +249,39 @@ class Offloader:
                 missing.append(e)
         self.stats.hits += len(ready)
         self.stats.misses += len(missing)
-        while missing:  # demand reads while there are slots
-            entry = self._load_now((block, missing[0]))
+        reading: list[tuple[int, Entry]] = []
+        while missing:  # demand reads in the background while there are slots
+            entry = self.cache.reserve((block, missing[0]))
             if entry is None:
                 break
-            ready.append((missing.pop(0), entry))
+            self._read_later((block, missing[0]), entry, self.stats.steps, prefetch=False)
+            reading.append((missing.pop(0), entry))
         if not missing:
             self._prefetch_for(block, x_RD)
-        for e, entry in ready:
-            self._compute(e, entry, x_RD, y_RD, starts, activation)
+        for e, entry in ready:  # resident experts compute while the misses are read
+            self._compute((block, e), entry, x_RD, y_RD, starts, activation)
+        for n, (e, entry) in enumerate(reading):
+            try:
+                self._wait((block, e), entry)
+            except BaseException:
+                for later, other in reading[n + 1 :]:  # free the other slots before reporting
+                    with contextlib.suppress(BaseException):
+                        self._wait((block, later), other)
+                        self.cache.drop((block, later))
+                raise
+            self._compute((block, e), entry, x_RD, y_RD, starts, activation)
         for e in missing:  # the budget holds fewer experts than this layer needs: one at a time
             entry = self._load_now((block, e))
             assert entry is not None, "a layer's own experts are unpinned once computed"
-            self._compute(e, entry, x_RD, y_RD, starts, activation)
+            self._compute((block, e), entry, x_RD, y_RD, starts, activation)
         return y_RD
 
-    def _compute(self, e: int, entry: Entry, x_RD: Tensor, y_RD: Tensor, starts: list[int], act: str) -> None:
+    def _compute(self, key: Key, entry: Entry, x_RD: Tensor, y_RD: Tensor, starts: list[int], act: str) -> None:
+        e = key[1]
         rows = slice(starts[e], starts[e + 1])
         if entry.ready is not None:  # GPU: the copy into the slot must have landed
             torch.cuda.current_stream(x_RD.device).wait_event(entry.ready)
-        views = self.store.views(self.cache.slot(entry))
+        views = self.store.views(key, self.cache.slot(entry))
         h = apply_activation(matmul(self.fmt, views, "w_in", x_RD[rows]), act)
         y_RD[rows] = matmul(self.fmt, views, "w_out", h)
         if self._copy_stream is not None:  # recorded before the unpin that lets the slot be reused
@@ -290,7 +313,7 @@ class PinnedExperts:
 
     def __init__(self, store: ExpertStore, pin: bool = True) -> None:
         self.index = {key: i for i, key in enumerate(store.pieces)}
-        self.host = torch.empty(len(self.index), store.slot_bytes, dtype=torch.uint8, pin_memory=pin)
+        self.host = aligned_empty(len(self.index) * store.slot_bytes, pin=pin).view(len(self.index), store.slot_bytes)
         for key, i in self.index.items():
             store.read_into(key, self.host[i])
 
@@ -321,7 +344,8 @@ class OffloadOptions:
     policy: str = "lru"  # cache eviction: lru | lfu | fifo
     prefetch: str = "router"  # router (predict the next layer) | all (throughput ring) | off
     expert_format: str = "fp"  # fp (the checkpoint itself) | int8 | int4 (a quantized store, made once)
-    drop_pages: bool = False  # evict each read from the OS page cache (measure the disk, not RAM)
+    direct_io: bool = True  # O_DIRECT reads where the filesystem allows: no page cache beside the budget
+    drop_pages: bool = False  # buffered reads: evict each from the OS page cache (measure the disk, not RAM)
     prefetch_min_precision: float = 0.5  # router prefetch pauses while fewer of its picks are used
 
     def __post_init__(self) -> None:
@@ -343,12 +367,12 @@ def open_store(checkpoint: Path, blocks: dict[int, int], options: OffloadOptions
     """The checkpoint's own safetensors file (fp), or its quantized copy, written on first use."""
     weights = checkpoint / "model.safetensors"
     if options.expert_format == "fp":
-        return ExpertStore(weights, blocks, roles("fp"), options.drop_pages)
+        return ExpertStore(weights, blocks, roles("fp"), options.drop_pages, options.direct_io)
     path = checkpoint / f"experts-{options.expert_format}.safetensors"
     if not path.is_file():
         with ExpertStore(weights, blocks, roles("fp")) as source:
             write_quantized_store(source, path, options.expert_format)
-    return ExpertStore(path, blocks, roles(options.expert_format), options.drop_pages)
+    return ExpertStore(path, blocks, roles(options.expert_format), options.drop_pages, options.direct_io)
 
 
 def model_bytes(model: nn.Module) -> int:

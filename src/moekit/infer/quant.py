@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import save
 from torch import Tensor
 
-from moekit.infer.expert_store import ExpertStore, Key, expert_tensor_prefix
+from moekit.infer.expert_store import ExpertStore, Key, aligned_empty, expert_tensor_prefix
 from moekit.train.fileio import write_atomic
 
 QUANT_FORMATS = ("int8", "int4")
@@ -96,7 +96,7 @@ def write_quantized_store(source: ExpertStore, path: Path, fmt: str) -> Path:
     """
     if fmt not in QUANT_FORMATS:
         raise ValueError(f"expert format {fmt!r}: choose from fp, {', '.join(QUANT_FORMATS)}")
-    slot = torch.empty(source.slot_bytes, dtype=torch.uint8)
+    slot = aligned_empty(source.slot_bytes)
     blocks: dict[int, list[Key]] = {}
     for block, expert in source.pieces:
         blocks.setdefault(block, []).append((block, expert))
@@ -105,7 +105,7 @@ def write_quantized_store(source: ExpertStore, path: Path, fmt: str) -> Path:
         parts: dict[str, list[Tensor]] = {}
         for key in sorted(keys):
             source.read_into(key, slot)
-            views = source.views(slot)
+            views = source.views(key, slot)
             for w in FULL_ROLES:
                 q, scale = QUANTIZERS[fmt](views[w])
                 parts.setdefault(f"{w}.q", []).append(q)
