@@ -106,12 +106,8 @@ def fsdp_overhead(world: int, spec: planner.ModelSpec, cluster: planner.Cluster,
     pm = ParallelModel(Transformer(cfg.model, cfg.moe), cfg, cpu, layout, mesh)
     x = torch.randint(0, spec.model.vocab_size, (1, spec.model.context_length))
     sharded_s = _timed(lambda: pm.forward_backward(x, x, 1.0), 7)
-    dense_p, expert_p = planner.param_counts(spec)
-    units, n_moe = spec.model.n_layers + 1, len(spec.model.moe_layers())
-    dtype = spec.workload.dtype_bytes
-    wire = 3 * units * planner.ring_time(dense_p * dtype / units, world, 1, cluster, passes=1)
-    wire += 3 * n_moe * planner.ring_time(expert_p * dtype / n_moe, world, 1, cluster, passes=1)
-    return max(sharded_s - plain_s - wire, 0.0) / (3 * (units + n_moe))
+    wire, collectives = planner.fsdp_collectives(spec, planner.Candidate(world, 1, 1, 1, 1, "flat", False), cluster)
+    return max(sharded_s - plain_s - wire, 0.0) / collectives
 
 
 def picks(ranked: list[planner.Estimate], count: int) -> list[planner.Estimate]:

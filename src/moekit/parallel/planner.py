@@ -276,6 +276,28 @@ def training_flops_per_token(spec: ModelSpec) -> tuple[float, float]:
     return 3 * dense, 3 * sum(f["experts"] for f in per_layer)
 
 
+def fsdp_collectives(spec: ModelSpec, cand: Candidate, c: Cluster) -> tuple[float, float]:
+    """FSDP on one micro-batch of a pipeline stage: (alpha-beta seconds, number of collectives).
+
+    Every micro-batch, each unit (a block, and the root) all-gathers its shard before the forward
+    and again before the backward, then reduce-scatters its gradient; sharded experts do the same
+    over dp, per MoE layer."""
+    m, w = spec.model, spec.workload
+    dense_p, expert_p = param_counts(spec)
+    n_moe = len(m.moe_layers())
+    units = m.n_layers / cand.pp + 1
+    seconds = count = 0.0
+    if cand.dp * cand.ep > 1:
+        unit_bytes = dense_p / (cand.tp * cand.pp) * w.dtype_bytes / units
+        seconds += 3 * units * ring_time(unit_bytes, cand.dp * cand.ep, cand.tp, c, passes=1)
+        count += 3 * units
+    if n_moe and cand.dp > 1:
+        layer_bytes = expert_p / (cand.ep * n_moe) * w.dtype_bytes
+        seconds += 3 * n_moe / cand.pp * ring_time(layer_bytes, cand.dp, cand.tp * cand.ep, c, passes=1)
+        count += 3 * n_moe / cand.pp
+    return seconds, count
+
+
 def estimate(spec: ModelSpec, cand: Candidate, c: Cluster, load_imbalance: float = 1.0) -> Estimate:
     """Predicted step time and memory of one layout; ``load_imbalance`` is the max/mean rank load of
     the experts (1.0 balanced), which slows the busiest rank's GEMMs and exchanges."""
@@ -295,18 +317,8 @@ def estimate(spec: ModelSpec, cand: Candidate, c: Cluster, load_imbalance: float
     act = tokens * m.d_model * w.dtype_bytes
     tp_s = 4 * layers * ring_time(act, cand.tp, 1, c)
     p2p = 2 * p2p_time(act, cand.tp * cand.ep * cand.dp, c) if cand.pp > 1 else 0.0
-    # FSDP, every micro-batch: each unit (a block, and the root) all-gathers its shard before the
-    # forward and again before the backward, then reduce-scatters its gradient.
-    dense_p, expert_p = param_counts(spec)
-    units = layers + 1
-    unit_bytes = dense_p / (cand.tp * cand.pp) * w.dtype_bytes / units
-    collective = c.fsdp_overhead_us * 1e-6
-    fsdp = 0.0
-    if cand.dp * cand.ep > 1:
-        fsdp += 3 * units * (ring_time(unit_bytes, cand.dp * cand.ep, cand.tp, c, passes=1) + collective)
-    if n_moe and cand.dp > 1:
-        layer_bytes = expert_p / (cand.ep * n_moe) * w.dtype_bytes
-        fsdp += 3 * n_moe / cand.pp * (ring_time(layer_bytes, cand.dp, cand.tp * cand.ep, c, passes=1) + collective)
+    wire, collectives = fsdp_collectives(spec, cand, c)
+    fsdp = wire + collectives * c.fsdp_overhead_us * 1e-6
     slots = cand.micro + cand.pp - 1  # the pipeline bubble: pp - 1 idle slots per step
     mem = memory_bytes(spec, cand, load_imbalance)
     return Estimate(
