@@ -12,6 +12,7 @@ from pathlib import Path
 
 from moekit import __version__
 
+EXIT_FAILURE = 1  # the run failed (a dead or hung rank)
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
 
@@ -280,7 +281,6 @@ def _launch(args: argparse.Namespace, cfg, run_dir: Path) -> int:
     from torch.distributed.run import main as torchrun
 
     from moekit.parallel.mesh import resolve_layout
-    from moekit.train.loop import TrainingError
 
     if args.nproc < 1:
         raise ValueError(f"--nproc={args.nproc}: must be >= 1")
@@ -306,9 +306,13 @@ def _launch(args: argparse.Namespace, cfg, run_dir: Path) -> int:
         torchrun([*launcher, *rendezvous, "-m", "moekit", "train", *forwarded])
     except ChildFailedError as err:
         rank, failure = err.get_first_failure()
-        raise TrainingError(
-            f"rank {rank} failed with exit code {failure.exitcode}; its error is printed above"
-        ) from None
+        logs = run_dir / "logs"
+        print(
+            f"moekit train: error: rank {rank} failed with exit code {failure.exitcode}; its error is printed "
+            f"above and every rank's output is under {logs}",
+            file=sys.stderr,
+        )
+        return EXIT_FAILURE
     return 0
 
 
@@ -537,14 +541,17 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0
     from moekit.infer.expert_store import ExpertStoreError
-    from moekit.parallel.runtime import RankFailure
+    from moekit.parallel.runtime import RankFailure, exit_after_rank_failure
     from moekit.train.checkpoint import CheckpointError
     from moekit.train.loop import TrainingError
 
+    rank = f" (rank {os.environ['RANK']})" if "RANK" in os.environ and "WORLD_SIZE" in os.environ else ""
     try:
         return COMMANDS[args.command](args)
-    except (ValueError, CheckpointError, ExpertStoreError, TrainingError, RankFailure, FileNotFoundError) as err:
-        rank = f" (rank {os.environ['RANK']})" if "RANK" in os.environ and "WORLD_SIZE" in os.environ else ""
+    except RankFailure as err:
+        print(f"moekit {args.command}{rank}: error: {err}", file=sys.stderr)
+        exit_after_rank_failure(EXIT_FAILURE)
+    except (ValueError, CheckpointError, ExpertStoreError, TrainingError, FileNotFoundError) as err:
         print(f"moekit {args.command}{rank}: error: {err}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
 import time
+import uuid
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,7 +19,7 @@ import torch.distributed as dist
 
 from moekit import runconfig
 from moekit.parallel.mesh import LayoutError
-from moekit.parallel.runtime import RankFailure, collective_errors, init_distributed
+from moekit.parallel.runtime import RankFailure, collective_errors, exit_after_rank_failure, init_distributed
 from moekit.train.loop import train
 
 from .spawn import run_ranks
@@ -31,7 +36,9 @@ def _moekit(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
 def test_nproc_launches_an_expert_parallel_run(corpus_file, tmp_path) -> None:
     run_dir = tmp_path / "run"
     flags = ["--preset", "tiny", "--data", str(corpus_file), "--run-dir", str(run_dir), "--quiet"]
-    done = _moekit("train", "--nproc", "2", *flags, "--parallel.ep", "2", "--train.steps", "4", "--train.eval_every", "2")
+    done = _moekit(
+        "train", "--nproc", "2", *flags, "--parallel.ep", "2", "--train.steps", "4", "--train.eval_every", "2"
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3, 4]
@@ -58,25 +65,100 @@ def test_every_rank_rejects_a_bad_layout_before_any_collective(corpus_file, tmp_
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", "9")
-    cfg = runconfig.resolve("tiny", {"data.path": str(corpus_file), "parallel.ep": "2", "moe.num_experts": "3"})
+    overrides = {"data.path": str(corpus_file), "parallel.ep": "2", "moe.num_experts": "3", "parallel.timeout_s": "900"}
+    cfg = runconfig.resolve("tiny", overrides)
     started = time.monotonic()
     with pytest.raises(LayoutError, match=r"parallel.ep=2 must divide the experts of every MoE block \(got 3\)"):
         train(cfg, tmp_path / "run", progress=False)
-    assert time.monotonic() - started < 10
+    # Joining would wait parallel.timeout_s (900 s) for rank 0; the bound only separates the two.
+    assert time.monotonic() - started < 300
 
 
-def _hung_peer(rank: int, world: int) -> None:
-    cfg = runconfig.resolve("tiny", {"parallel.timeout_s": "3"})
-    init_distributed(cfg, torch.device("cpu"))
-    if rank == 1:
-        time.sleep(9)  # alive but never joins the collective
+def _peer_hung_in_an_expert_exchange(rank: int, world: int, done: Path) -> None:
+    cfg = runconfig.resolve("tiny", {"parallel.timeout_s": "3", "parallel.ep": "2"})
+    _, mesh = init_distributed(cfg, torch.device("cpu"))
+    if rank == 1:  # alive, but never joins the collective, until rank 0 is done
+        deadline = time.monotonic() + 120
+        while not done.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
         return
     started = time.monotonic()
-    with pytest.raises(RankFailure, match=r"rank 0: a collective failed.*parallel.timeout_s=3s"):
+    with pytest.raises(RankFailure, match=r"^rank 0: a collective failed.*parallel.timeout_s=3s"):
         with collective_errors(cfg.parallel.timeout_s):
-            dist.all_reduce(torch.ones(1))
-    assert time.monotonic() - started < 8
+            dist.all_reduce(torch.ones(1), group=mesh["ep"].get_group())
+    # The mesh's sub-groups fail after parallel.timeout_s, not torch's default 30 minutes; the bound
+    # only separates the two, so a busy machine cannot break it.
+    assert time.monotonic() - started < 120
+    done.touch()
+    exit_after_rank_failure(0)
 
 
-def test_a_hung_rank_ends_the_others_with_an_error(tmp_path) -> None:
-    run_ranks(_hung_peer, 2, tmp_path=tmp_path)
+def test_a_rank_hung_in_an_expert_exchange_fails_after_the_timeout(tmp_path) -> None:
+    done = tmp_path / "rank0-done"
+    run_ranks(_peer_hung_in_an_expert_exchange, 2, done, tmp_path=tmp_path)
+    assert done.exists()
+
+
+def _rank_pid(token: str, rank: int) -> int | None:
+    """The pid of the worker of rank ``rank`` among the processes started with ``token`` in their environment."""
+    for proc in Path("/proc").iterdir():
+        try:
+            environ = (proc / "environ").read_bytes().split(b"\0")
+            cmdline = (proc / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if f"HUNG_RANK_TEST={token}".encode() in environ and f"RANK={rank}".encode() in environ:
+            if b"moekit" in cmdline and b"--nproc" not in cmdline:
+                return int(proc.name)
+    return None
+
+
+def _wait_for(condition, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+
+
+def test_a_hung_rank_ends_the_run_with_one_clear_error(corpus_file, tmp_path) -> None:
+    # A real hang: rank 1 is stopped (SIGSTOP) mid-run. Rank 0 must end with the one-line error and
+    # exit code 1, not a traceback or an abort from gloo's threads, and the launcher must exit 1.
+    run_dir, token = tmp_path / "run", uuid.uuid4().hex
+    flags = ["--preset", "tiny", "--data", str(corpus_file), "--run-dir", str(run_dir), "--quiet"]
+    flags += ["--train.steps", "100000", "--parallel.timeout_s", "10", "--train.ckpt_every", "0"]
+    env = {**ENV, "HUNG_RANK_TEST": token}
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "moekit", "train", "--nproc", "2", *flags],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    rank1 = None
+    try:
+        metrics = run_dir / "metrics.jsonl"
+        _wait_for(lambda: metrics.exists() and metrics.read_text().count("\n") >= 2, 180, "two training steps")
+        rank1 = _wait_for(lambda: _rank_pid(token, 1), 30, "rank 1's process")
+        os.kill(rank1, signal.SIGSTOP)
+        rank0_log = _wait_for(lambda: next(iter((run_dir / "logs").rglob("0/stderr.log")), None), 30, "rank 0's log")
+        _wait_for(lambda: "error:" in rank0_log.read_text(), 180, "rank 0's error")
+        os.kill(rank1, signal.SIGCONT)  # let it receive the launcher's SIGTERM
+        _, stderr = launcher.communicate(timeout=180)
+    finally:
+        if rank1 is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(rank1, signal.SIGCONT)
+        launcher.kill()
+    rank0 = rank0_log.read_text()
+    assert "terminate called" not in rank0 and "Traceback" not in rank0, rank0[-3000:]
+    errors = [line for line in rank0.splitlines() if "error:" in line]
+    assert len(errors) == 1 and re.fullmatch(
+        r".*moekit train \(rank 0\): error: rank 0: a collective failed, so another rank died or hung longer "
+        r"than parallel.timeout_s=10s \(.+\)",
+        errors[0],
+    ), rank0[-3000:]
+    assert launcher.returncode == 1, stderr[-3000:]
+    assert "moekit train: error: rank 0 failed with exit code 1" in stderr, stderr[-3000:]

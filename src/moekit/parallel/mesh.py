@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from moekit.runconfig import RunConfig
@@ -98,11 +100,11 @@ def microbatches(cfg: RunConfig) -> int:
 class RunMesh:
     """The run's DeviceMesh by dimension name, including the flattened ``ep`` and ``batch`` (dp x ep)."""
 
-    def __init__(self, root: DeviceMesh) -> None:
+    def __init__(self, root: DeviceMesh, group_options: tuple[str, dist.Backend.Options] | None = None) -> None:
         self.root = root
         self._flat = {
-            "ep": root["ep_node", "ep_local"]._flatten("ep"),
-            "batch": root["dp", "ep_node", "ep_local"]._flatten("batch"),
+            "ep": root["ep_node", "ep_local"]._flatten("ep", backend_override=group_options),
+            "batch": root["dp", "ep_node", "ep_local"]._flatten("batch", backend_override=group_options),
         }
 
     def __getitem__(self, name: str) -> DeviceMesh:
@@ -112,7 +114,25 @@ class RunMesh:
         return repr(self.root)
 
 
-def build_mesh(layout: Layout, device_type: str) -> RunMesh:
+def build_mesh(layout: Layout, device_type: str, timeout: timedelta) -> RunMesh:
+    """The mesh over the joined world, every process group of it failing a collective after ``timeout``.
+
+    NOTE: DeviceMesh creates its sub-groups with torch's default timeout (30 minutes on gloo), not the
+    default group's, so a rank hung in an expert-parallel exchange would go unnoticed for half an hour;
+    passing the options to every dimension keeps ``parallel.timeout_s`` true for all collectives.
+    """
     names = ("pp", "dp", "ep_node", "ep_local", "tp")
     shape = (layout.pp, layout.dp, layout.ep // layout.node_size, layout.node_size, layout.tp)
-    return RunMesh(init_device_mesh(device_type, shape, mesh_dim_names=names))
+    options = group_options(device_type, timeout)
+    root = init_device_mesh(device_type, shape, mesh_dim_names=names, backend_override=dict.fromkeys(names, options))
+    return RunMesh(root, options)
+
+
+def group_options(device_type: str, timeout: timedelta) -> tuple[str, dist.Backend.Options]:
+    """The backend and its options (the collective timeout) for every process group a run creates."""
+    if device_type == "cuda":
+        backend, options = "nccl", dist.ProcessGroupNCCL.Options()
+    else:
+        backend, options = "gloo", dist.ProcessGroupGloo._Options()
+    options._timeout = timeout
+    return backend, options
