@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 import sys
 import time
 import typing
@@ -44,10 +45,33 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
             )
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a usage mistake reported on one line that says where to look."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _device_name(text: str) -> str:
+    if re.fullmatch(r"auto|cpu|cuda(:\d+)?", text):
+        return text
+    raise argparse.ArgumentTypeError(f"{text!r} is not a device (cpu, cuda, cuda:N or auto)")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= 1")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     from moekit.runconfig import preset_names
 
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="moekit",
         description="Train and serve Mixture-of-Experts language models with PyTorch.",
         epilog="Run 'moekit COMMAND --help' for a command's options. Start with: moekit train",
@@ -83,14 +107,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="start from this run's weights, config and tokenizer (a converted or upcycled model) with a fresh "
         "optimizer; --preset is then not used, flags override the run's config",
     )
-    train.add_argument("--device", default="auto", help="cpu, cuda, or auto (cuda when available)")
+    train.add_argument(
+        "--device", type=_device_name, default="auto", help="cpu, cuda, cuda:N or auto (cuda when available)"
+    )
     train.add_argument("--quiet", action="store_true", help="no progress bar")
     launch = train.add_argument_group(
         "launching ranks",
         "Run under 'torchrun --nproc-per-node N -m moekit train ...', or let --nproc start torch's elastic "
         "launcher for you; size the layout with --parallel.dp/ep/tp/pp.",
     )
-    launch.add_argument("--nproc", type=int, help="ranks to start on this machine (through torch.distributed.run)")
+    launch.add_argument(
+        "--nproc", type=_positive_int, help="ranks to start on this machine (through torch.distributed.run)"
+    )
     launch.add_argument("--nnodes", default="1", help="machines, or MIN:MAX for an elastic job (default: 1)")
     launch.add_argument("--rdzv-endpoint", help="HOST:PORT every machine can reach (needed with --nnodes > 1)")
     launch.add_argument("--rdzv-id", default="moekit", help="job id shared by the machines (default: %(default)s)")
@@ -109,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: %(default)s)")
     gen.add_argument("--seed", type=int, default=0, help="sampling seed (default: %(default)s)")
-    gen.add_argument("--device", default="auto", help="cpu, cuda, or auto")
+    gen.add_argument("--device", type=_device_name, default="auto", help="cpu, cuda, cuda:N or auto")
     gen.add_argument("--prompts-file", type=Path, help="one prompt per line, generated in batches (replaces --prompt)")
     gen.add_argument("--batch-size", type=int, default=1, help="prompts generated together (default: %(default)s)")
     _add_offload_flags(gen)
@@ -122,7 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("run_dir", type=Path, help="a run directory written by moekit train")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
     serve.add_argument("--port", type=int, default=8000, help="port (default: %(default)s; 0 = any free)")
-    serve.add_argument("--device", default="auto", help="cpu, cuda, or auto")
+    serve.add_argument("--device", type=_device_name, default="auto", help="cpu, cuda, cuda:N or auto")
     _add_offload_flags(serve)
 
     plot = commands.add_parser(
@@ -233,7 +261,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     else:
         cfg = runconfig.resolve(args.preset, overrides)
     run_dir = args.run_dir or Path("runs") / f"{Path(args.preset).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
-    if args.nproc and "WORLD_SIZE" not in os.environ:
+    if args.nproc is not None and "WORLD_SIZE" not in os.environ:
         return _launch(args, cfg, run_dir)
     result = train(
         cfg,
@@ -282,8 +310,6 @@ def _launch(args: argparse.Namespace, cfg, run_dir: Path) -> int:
 
     from moekit.parallel.mesh import resolve_layout
 
-    if args.nproc < 1:
-        raise ValueError(f"--nproc={args.nproc}: must be >= 1")
     multi_node = args.nnodes != "1"
     if multi_node and not args.rdzv_endpoint:
         raise ValueError(f"--nnodes={args.nnodes}: needs --rdzv-endpoint HOST:PORT")

@@ -74,9 +74,10 @@ def load_preset(name: str) -> dict[str, dict[str, Any]]:
             )
         text = resources.files("moekit.configs").joinpath(f"{name}.toml").read_text()
     try:
-        return tomllib.loads(text)
+        tree = tomllib.loads(text)
     except tomllib.TOMLDecodeError as err:
         raise ValueError(f"preset {name}: invalid TOML: {err}") from None
+    return _checked(tree, f"preset {name}")
 
 
 def field_help(cls: type) -> dict[str, str]:
@@ -111,6 +112,25 @@ def parse_value(text: str, annotation: Any, name: str) -> Any:
         raise ValueError(f"--{name}: cannot read {text!r} as {getattr(annotation, '__name__', annotation)}") from None
 
 
+def check_value(value: Any, annotation: Any, name: str) -> Any:
+    """``value`` from a TOML or JSON config as the field's type (an int where a float is wanted widens)."""
+    if type(annotation) is types.UnionType or typing.get_origin(annotation) is typing.Union:
+        if value is None:
+            return None
+        annotation = next(a for a in typing.get_args(annotation) if a is not type(None))
+    if typing.get_origin(annotation) is list:
+        if isinstance(value, list):
+            item = typing.get_args(annotation)[0]
+            return [check_value(v, item, name) for v in value]
+    elif annotation is float:
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+    elif isinstance(value, annotation) and not (annotation is int and isinstance(value, bool)):
+        return value
+    wanted = getattr(annotation, "__name__", str(annotation))
+    raise ValueError(f"{name} = {value!r}: expected {wanted}")
+
+
 def apply_overrides(tree: dict[str, dict[str, Any]], overrides: dict[str, str]) -> dict[str, dict[str, Any]]:
     """A copy of ``tree`` with ``{"section.field": "text"}`` overrides applied, typed by the dataclasses."""
     merged = {section: dict(tree.get(section, {})) for section in SECTIONS}
@@ -126,16 +146,27 @@ def apply_overrides(tree: dict[str, dict[str, Any]], overrides: dict[str, str]) 
     return merged
 
 
-def build(tree: dict[str, dict[str, Any]]) -> RunConfig:
-    """Validate a section tree into a RunConfig; every error names section.field."""
+def _typed(tree: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Known sections and fields only, each value of its field's type."""
     unknown_sections = set(tree) - set(SECTIONS)
     if unknown_sections:
         raise ValueError(f"unknown config section [{sorted(unknown_sections)[0]}] (sections: {', '.join(SECTIONS)})")
+    typed = {}
     for section, cls in SECTIONS.items():
-        names = {f.name for f in dataclasses.fields(cls)}
-        for key in tree.get(section, {}):
-            if key not in names:
+        values = tree.get(section, {})
+        if not isinstance(values, dict):
+            raise ValueError(f"config section [{section}] must be a table of fields, not {values!r}")
+        types_ = _field_types(cls)
+        for key in values:
+            if key not in types_:
                 raise ValueError(f"unknown config field {section}.{key}")
+        typed[section] = {key: check_value(v, types_[key], f"{section}.{key}") for key, v in values.items()}
+    return typed
+
+
+def build(tree: dict[str, dict[str, Any]]) -> RunConfig:
+    """Validate a section tree into a RunConfig; every error names section.field."""
+    tree = _typed(tree)
     model = ModelConfig(**tree.get("model", {}))
     moe_values = dict(tree.get("moe", {}))
     for key in _MOE_FROM_MODEL:
@@ -178,9 +209,21 @@ def read_tree(path: Path) -> dict[str, dict[str, Any]]:
         tree = json.loads(Path(path).read_text())
     except (OSError, json.JSONDecodeError) as err:
         raise ValueError(f"{path}: cannot read the run's config: {err}") from None
+    if not isinstance(tree, dict):
+        raise ValueError(f"{path}: not a run config (a JSON object of sections)")
     for key in _MOE_FROM_MODEL:
-        tree.get("moe", {}).pop(key, None)
-    return tree
+        section = tree.get("moe")
+        if isinstance(section, dict):
+            section.pop(key, None)
+    return _checked(tree, str(path))
+
+
+def _checked(tree: dict[str, Any], source: str) -> dict[str, Any]:
+    """``tree`` with its fields type-checked; a mistake names ``source`` and the field."""
+    try:
+        return _typed(tree)
+    except ValueError as err:
+        raise ValueError(f"{source}: {err}") from None
 
 
 def from_json(path: Path) -> RunConfig:

@@ -5,6 +5,7 @@ Legend: B batch, L length, V vocabulary.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -69,8 +70,8 @@ def check_sampling(max_new_tokens: int, temperature: float, top_k: int, top_p: f
     name = {k: prefix + k.replace("_", dash) for k in ("max_new_tokens", "temperature", "top_k", "top_p")}
     if max_new_tokens < 0:
         raise ValueError(f"{name['max_new_tokens']}={max_new_tokens}: must be >= 0")
-    if temperature < 0:
-        raise ValueError(f"{name['temperature']}={temperature}: must be >= 0 (0 = greedy)")
+    if not (math.isfinite(temperature) and temperature >= 0):
+        raise ValueError(f"{name['temperature']}={temperature}: must be a finite number >= 0 (0 = greedy)")
     if top_k < 0:
         raise ValueError(f"{name['top_k']}={top_k}: must be >= 0 (0 = all tokens)")
     if not 0 < top_p <= 1:
