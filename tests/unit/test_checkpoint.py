@@ -103,15 +103,16 @@ def test_replacing_a_checkpoint_never_leaves_it_missing(tmp_path: Path) -> None:
 
 def test_publish_fsyncs_the_directory_after_each_rename(tmp_path: Path, monkeypatch) -> None:
     run = _run_with_step_2(tmp_path)
+    tmp = checkpoint.begin_checkpoint(run, 2)  # the same step again: swapped with the published one
+    (tmp / "weights").write_bytes(b"new")
+    files = checkpoint.digests(tmp, ["weights"])
     events: list[str] = []
     monkeypatch.setattr(fileio, "fsync_dir", lambda path: events.append(f"fsync {Path(path).name}"))
     real_replace = fileio.os.replace
     monkeypatch.setattr(
         fileio.os, "replace", lambda a, b: (events.append(f"rename {Path(b).name}"), real_replace(a, b))
     )
-    tmp = checkpoint.begin_checkpoint(run, 2)  # the same step again: swapped with the published one
-    (tmp / "weights").write_bytes(b"new")
-    publish_checkpoint(run, tmp, 2, checkpoint.digests(tmp, ["weights"]), {}, keep=5)
+    publish_checkpoint(run, tmp, 2, files, {}, keep=5)
     assert events == [
         "rename manifest.json",
         "fsync .tmp-step_000002",

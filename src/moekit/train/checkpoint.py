@@ -22,7 +22,7 @@ from typing import Any
 from safetensors.torch import load_model, save_model
 from torch import nn
 
-from moekit.train.fileio import fsync_file, replace_dir, write_bytes_atomic
+from moekit.train.fileio import fsync_dir, fsync_file, replace_dir, write_bytes_atomic
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
@@ -94,11 +94,14 @@ def checkpoint_files(tmp: Path) -> list[str]:
 
 
 def digests(tmp: Path, names: list[str]) -> dict[str, tuple[int, str]]:
-    """(size, SHA-256) of ``names`` (after flushing them to disk): the files one rank wrote."""
+    """(size, SHA-256) of ``names`` (after flushing them, and the directories naming them, to disk):
+    the files one rank wrote."""
     out = {}
     for name in names:
         fsync_file(tmp / name)
         out[name] = ((tmp / name).stat().st_size, _sha256(tmp / name))
+    for directory in sorted({(tmp / name).parent for name in names}):
+        fsync_dir(directory)
     return out
 
 
