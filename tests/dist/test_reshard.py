@@ -239,7 +239,7 @@ def _save_with_placement(rank: int, world: int, corpus_path: Path, tmp: Path) ->
             moe.router.expert_bias.copy_(SKEW)
         pm = ParallelModel(model, cfg, cpu, layout, mesh)
         optimizer = build_optimizer(pm.parameters(), cfg.train)
-        saver = Checkpointer(tmp / "placed", keep=2, background=False)
+        saver = Checkpointer(tmp / "placed", keep=2, background=True)  # rows staged, then written meanwhile
         losses = []
         for step in range(cfg.train.steps):
             record = loop._train_step(pm, None, optimizer, corpus, cfg, cpu, step, None)
@@ -252,6 +252,7 @@ def _save_with_placement(rank: int, world: int, corpus_path: Path, tmp: Path) ->
                 after_slots, after_rows = _live(pm, optimizer)
                 assert after_slots == slots, "the save moved the experts"
                 assert all(torch.equal(a, b) for a, b in zip(rows, after_rows, strict=True))
+        saver.wait()
         runs[save_at] = losses
     # NOTE: the saving run computes exactly what the other does; 1e-5 is the parity tolerance.
     torch.testing.assert_close(torch.tensor(runs[PLACED_SAVE]), torch.tensor(runs[0]), atol=TOL, rtol=0)
@@ -260,7 +261,7 @@ def _save_with_placement(rank: int, world: int, corpus_path: Path, tmp: Path) ->
 
 
 def test_a_checkpoint_leaves_live_placement_and_resumes_at_another_layout(tmp_path: Path) -> None:
-    """ep=4 with experts re-placed every 2 steps, saved at step 4: the live placement, expert rows and
+    """ep=4 with experts re-placed every 2 steps, saved at step 4 in the background: the live placement, expert rows and
     losses are those of a run that never saved; the checkpoint holds canonical rows, so one process
     (ep=1, the same global batch) resumes it with the losses of the run that never saved (1e-5)."""
     from conftest import write_corpus
