@@ -138,7 +138,7 @@ def _flip(ckpt: Path) -> None:
 @pytest.mark.parametrize(
     "name, damage, message",
     [
-        ("truncated", _truncate, r"sharded/__1_0.distcp: corrupt \(checksum mismatch"),
+        ("truncated", _truncate, r"sharded/__1_0.distcp: corrupt \(size mismatch: \d+ bytes, the manifest says"),
         ("flipped", _flip, r"sharded/.metadata: corrupt \(checksum mismatch"),
         ("missing-shard", lambda c: (c / "sharded" / "__2_0.distcp").unlink(), r"__2_0.distcp: missing from"),
         ("no-latest-target", shutil.rmtree, r"latest names step_000004, which is missing or incomplete"),
@@ -195,3 +195,80 @@ def test_export_consolidates_shards_for_inference(sharded_run: Path) -> None:
     assert generate_text(offloaded, "the ", 24, temperature=0) == want
     with pytest.raises(CheckpointError, match="is sharded .* moekit export"):
         load_run(tmp / "ref", offload=OffloadOptions(memory_budget=1 << 30))
+
+
+# --- a checkpoint of re-placed experts ------------------------------------------------------------------
+
+PLACED_SAVE = 4  # of test_placement's 8 steps, re-placing every 2
+
+
+def _placed_cfg(corpus: Path, cache: Path, ep: str) -> runconfig.RunConfig:
+    from .test_placement import BASE
+
+    extra = {"parallel.placement_every": "2", "parallel.placement_min_gain": "0", "parallel.ep": ep}
+    return runconfig.resolve("tiny", {**BASE, "data.path": str(corpus), "data.cache_dir": str(cache), **extra})
+
+
+def _live(pm, optimizer) -> tuple[dict, list[torch.Tensor]]:
+    """The live placement and a copy of every expert row this rank holds (weights and AdamW moments)."""
+    rows = []
+    for moe in pm.moe_layers():
+        for p in moe.experts.parameters():
+            rows.append(p.to_local().clone())
+            rows += [optimizer.state[p][k].to_local().clone() for k in ("exp_avg", "exp_avg_sq")]
+    return pm.expert_slots(), rows
+
+
+def _save_with_placement(rank: int, world: int, corpus_path: Path, tmp: Path) -> None:
+    from moekit.parallel.runtime import ParallelModel, init_distributed
+    from moekit.train import loop
+    from moekit.train.optim import build_optimizer
+    from moekit.train.saver import Checkpointer
+
+    from .test_placement import SKEW
+
+    cfg = _placed_cfg(corpus_path, tmp / "cache", ep="4")
+    cpu = torch.device("cpu")
+    layout, mesh = init_distributed(cfg, cpu)
+    corpus = loop._prepare_corpus_once(cfg, rank == 0, True, None)
+    runs = {}
+    for save_at in (0, PLACED_SAVE):
+        torch.manual_seed(0)
+        model = Transformer(cfg.model, cfg.moe)
+        for moe in model.moe_layers():
+            moe.router.expert_bias.copy_(SKEW)
+        pm = ParallelModel(model, cfg, cpu, layout, mesh)
+        optimizer = build_optimizer(pm.parameters(), cfg.train)
+        saver = Checkpointer(tmp / "placed", keep=2, background=True)  # rows staged, then written meanwhile
+        losses = []
+        for step in range(cfg.train.steps):
+            record = loop._train_step(pm, None, optimizer, corpus, cfg, cpu, step, None)
+            losses.append(record["loss"])
+            if step + 1 == save_at:
+                slots, rows = _live(pm, optimizer)
+                assert slots, "nothing was re-placed before the save"
+                info = loop._checkpoint_info(step + 1, cfg, layout, record)
+                saver.save(step + 1, pm.modules[0], optimizer, info, pm.expert_slots())
+                after_slots, after_rows = _live(pm, optimizer)
+                assert after_slots == slots, "the save moved the experts"
+                assert all(torch.equal(a, b) for a, b in zip(rows, after_rows, strict=True))
+        saver.wait()
+        runs[save_at] = losses
+    # NOTE: the saving run computes exactly what the other does; 1e-5 is the parity tolerance.
+    torch.testing.assert_close(torch.tensor(runs[PLACED_SAVE]), torch.tensor(runs[0]), atol=TOL, rtol=0)
+    if rank == 0:
+        (tmp / "placed-losses.json").write_text(json.dumps(runs[0]))
+
+
+def test_a_checkpoint_leaves_live_placement_and_resumes_at_another_layout(tmp_path: Path) -> None:
+    """ep=4 with experts re-placed every 2 steps, saved at step 4 in the background: the live placement, expert rows and
+    losses are those of a run that never saved; the checkpoint holds canonical rows, so one process
+    (ep=1, the same global batch) resumes it with the losses of the run that never saved (1e-5)."""
+    from conftest import write_corpus
+
+    corpus = write_corpus(tmp_path / "corpus.txt")
+    run_ranks(_save_with_placement, 4, corpus, tmp_path, tmp_path=tmp_path)
+    want = json.loads((tmp_path / "placed-losses.json").read_text())[PLACED_SAVE:]
+    cfg = _placed_cfg(corpus, tmp_path / "cache", ep="1")
+    resumed = train(cfg, tmp_path / "placed", resume=True, progress=False)
+    torch.testing.assert_close(torch.tensor(resumed.losses), torch.tensor(want), atol=TOL, rtol=0)

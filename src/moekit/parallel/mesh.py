@@ -86,11 +86,39 @@ def resolve_layout(cfg: RunConfig, world_size: int, local_world_size: int | None
             )
     node_size = p.ep
     if p.all_to_all == "two_level":
-        local = local_world_size or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-        node_size = p.node_size or max(1, min(p.ep, local // p.tp))
+        node_size = p.node_size or infer_node_size(cfg, world_size, local_world_size)
         if p.ep % node_size:
             raise LayoutError(f"parallel.node_size={node_size} must divide parallel.ep={p.ep}")
     return Layout(dp, p.ep, p.tp, p.pp, node_size)
+
+
+def infer_node_size(cfg: RunConfig, world_size: int, local_world_size: int | None = None) -> int:
+    """The ep ranks per node for the two-level all-to-all, from the ranks per node (``LOCAL_WORLD_SIZE``).
+
+    The mesh puts ``node_size x tp`` consecutive ranks in one ``ep_local`` group, which is only within a
+    node if each node holds a consecutive block of ranks of the same size. torchrun numbers ranks so;
+    other launchers may not (round-robin placement), so under a launcher the environment is checked:
+    rank = node index (``GROUP_RANK``) x ranks per node + local rank, on every rank.
+    """
+    p = cfg.parallel
+    local = local_world_size or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    node_size = max(1, min(p.ep, local // p.tp))
+    how = "set parallel.node_size, or start every node with the same number of ranks, numbered node by node"
+    if local_world_size is None and "RANK" in os.environ and "LOCAL_RANK" in os.environ:
+        rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+        node = int(os.environ.get("GROUP_RANK", rank // local))
+        if world_size % local or rank != node * local + local_rank:
+            raise LayoutError(
+                f"parallel.all_to_all=two_level cannot infer parallel.ep's node size: rank {rank} is local rank "
+                f"{local_rank} of {local} on node {node}, so the nodes do not hold consecutive blocks of "
+                f"{local} ranks (world size {world_size}); {how}"
+            )
+    if local % (node_size * p.tp):
+        raise LayoutError(
+            f"parallel.all_to_all=two_level: groups of node_size x tp = {node_size} x {p.tp} ranks would span "
+            f"two nodes of {local} ranks; {how}"
+        )
+    return node_size
 
 
 def microbatches(cfg: RunConfig) -> int:

@@ -2,8 +2,9 @@
 
 The expert weights keep their DTensor layout (``Shard(0)`` over ``ep``), but row ``s`` of the stacked
 tensors now means *slot* ``s``, and each layer's dispatcher holds the ``ExpertPlacement`` saying
-which expert runs in which slot. Checkpoints stay canonical (row e = expert e): ``restore_canonical``
-moves the experts back to their own rows before a checkpoint is written. Every rank sees the same
+which expert runs in which slot. Checkpoints stay canonical (row e = expert e) without moving
+anything: ``moved_layers`` tells the checkpoint writer which rows hold which experts, and it writes
+(and reads) each expert at its canonical offset (``train/sharded.py``). Every rank sees the same
 per-expert loads (summed over the batch ranks), so every rank reaches the same decision from
 ``parallel/placement.py`` without a message of its own.
 
@@ -187,10 +188,14 @@ class Rebalancer:
             for w in layer.shadow_weights:
                 w.grad = None
 
+    def moved_layers(self) -> dict[MoE, tuple[int, ...]]:
+        """The layers whose experts are not in their own rows, with their ``expert_to_slot``."""
+        return {layer.moe: layer.slots for layer in self.layers if layer.slots != tuple(range(len(layer.slots)))}
+
     def restore_canonical(self, optimizer: torch.optim.Optimizer) -> int:
-        """Move every layer's experts back to slot e = expert e (weights and AdamW moments), so a
-        sharded checkpoint holds canonical rows that load at any layout; returns bytes sent. A
-        collective on the ep group; the next re-placement check places them again."""
+        """Move every layer's experts back to slot e = expert e (weights and AdamW moments); returns
+        bytes sent. A collective on the ep group; the next re-placement check places them again.
+        Checkpoints do not call it (see ``moved_layers``)."""
         moved = 0
         for layer in self.layers:
             identity = tuple(range(len(layer.slots)))

@@ -244,10 +244,27 @@ class ParallelModel:
             return {}
         return self.rebalancer.after_step(step, loads, optimizer)
 
-    def canonical_placement(self, optimizer: torch.optim.Optimizer) -> None:
-        """Experts back in their own rows (undoing re-placement) before a checkpoint is written."""
-        if self.rebalancer is not None:
-            self.rebalancer.restore_canonical(optimizer)
+    def canonical_placement(self, optimizer: torch.optim.Optimizer) -> int:
+        """Move the experts back to their own rows (undoing re-placement); returns the bytes sent.
+
+        Checkpoints do not need it (they write canonical rows from the live placement, see
+        ``expert_slots``); what needs every expert in its own row in memory does.
+        """
+        return self.rebalancer.restore_canonical(optimizer) if self.rebalancer is not None else 0
+
+    def expert_slots(self) -> dict[str, tuple[int, ...]]:
+        """Where re-placed experts run now, for a checkpoint to write (and read) them in canonical order
+        without moving them: each expert parameter's name in the local model -> its layer's
+        ``expert_to_slot``. Layers in canonical order are left out (empty without re-placement)."""
+        if self.rebalancer is None:
+            return {}
+        assert len(self.modules) == 1, "re-placement needs pp = 1 (resolve_layout checks it)"
+        names = {id(m): name for name, m in self.modules[0].named_modules()}
+        out = {}
+        for moe, slots in self.rebalancer.moved_layers().items():
+            for param, _ in moe.experts.named_parameters(recurse=False):
+                out[f"{names[id(moe)]}.experts.{param}"] = slots
+        return out
 
     def reduce_layers(self, layers: list[Tensor]) -> list[Tensor]:
         """Per-layer statistic vectors of this rank's MoE layers -> the whole model's, in layer order,

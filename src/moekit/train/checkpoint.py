@@ -2,16 +2,19 @@
 
 Layout: ``<run_dir>/checkpoints/step_000100/{manifest.json, sharded/ (training state, see
 sharded.py), model.safetensors (one file of weights, when written by one process)}`` and a ``latest``
-file naming the newest complete one. A checkpoint is written under a temporary name, fsynced, then
-published by an atomic rename; ``latest`` is updated last. The manifest holds each file's SHA-256,
-checked on load, so a truncated, corrupted or missing file is reported by name.
+file naming the newest complete one. A checkpoint is written under a temporary name (``.tmp-step_*``),
+fsynced, then published by an atomic rename (an existing checkpoint of the same step is swapped out in
+one step, never deleted first); ``latest`` is updated last, each rename followed by an fsync of the
+directory. Temporary directories left by a crashed save are never read, and are removed when the next
+run starts. The manifest holds each file's size and SHA-256, checked on load, so a truncated,
+corrupted or missing file is reported by name.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -19,13 +22,15 @@ from typing import Any
 from safetensors.torch import load_model, save_model
 from torch import nn
 
-from moekit.train.fileio import fsync_file, write_bytes_atomic
+from moekit.train.fileio import fsync_dir, fsync_file, replace_dir, write_bytes_atomic
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
 MODEL_FILE = "model.safetensors"
 MANIFEST = "manifest.json"
 SHARDED = "sharded"  # the DCP directory of a checkpoint
+STEP_NAME = re.compile(r"step_\d+")  # a published checkpoint; anything else (``.tmp-*``) is never read
+STALE = (".tmp-step_*", ".old-step_*", f".{LATEST}.*.tmp")  # what crashed saves leave behind
 
 
 class CheckpointError(RuntimeError):
@@ -51,7 +56,7 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     if not pointer.exists():
         return None
     target = root / pointer.read_text().strip()
-    if not (target / MANIFEST).is_file():
+    if not STEP_NAME.fullmatch(target.name) or not (target / MANIFEST).is_file():
         raise CheckpointError(f"{pointer} names {target.name}, which is missing or incomplete")
     return target
 
@@ -69,32 +74,53 @@ def begin_checkpoint(run_dir: Path, step: int) -> Path:
     return tmp
 
 
+def remove_stale(run_dir: Path) -> list[Path]:
+    """Remove what crashed saves left in the checkpoint directory (staging directories, a half-swapped
+    checkpoint, ``latest``'s temp files); returns what was removed. Call before the run's first save,
+    on one process: it would delete another writer's staging directory."""
+    root = checkpoint_dir(run_dir)
+    stale = sorted(p for pattern in STALE for p in root.glob(pattern))
+    for path in stale:
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+    return stale
+
+
 def checkpoint_files(tmp: Path) -> list[str]:
     """Every file of a staged checkpoint, as sorted relative paths (the manifest's keys)."""
     return sorted(p.relative_to(tmp).as_posix() for p in tmp.rglob("*") if p.is_file() and p.name != MANIFEST)
 
 
-def digests(tmp: Path, names: list[str]) -> dict[str, str]:
-    """SHA-256 of ``names`` (after flushing them to disk): one rank's share of a checkpoint's files."""
+def digests(tmp: Path, names: list[str]) -> dict[str, tuple[int, str]]:
+    """(size, SHA-256) of ``names`` (after flushing them, and the directories naming them, to disk):
+    the files one rank wrote."""
     out = {}
     for name in names:
         fsync_file(tmp / name)
-        out[name] = _sha256(tmp / name)
+        out[name] = ((tmp / name).stat().st_size, _sha256(tmp / name))
+    for directory in sorted({(tmp / name).parent for name in names}):
+        fsync_dir(directory)
     return out
 
 
 def publish_checkpoint(
-    run_dir: Path, tmp: Path, step: int, files: dict[str, str], info: dict[str, Any], keep: int
+    run_dir: Path, tmp: Path, step: int, files: dict[str, tuple[int, str]], info: dict[str, Any], keep: int
 ) -> Path:
-    """Write the manifest (every file's SHA-256), rename ``tmp`` to its final name, then point
+    """Write the manifest (every file's size and SHA-256), rename ``tmp`` to its final name, then point
     ``latest`` at it and keep the newest ``keep``: readers see the checkpoint complete or not at all."""
     root = checkpoint_dir(run_dir)
     final = root / f"step_{step:06d}"
-    manifest = {"step": step, "files": dict(sorted(files.items())), **info}
+    files = dict(sorted(files.items()))
+    manifest = {
+        "step": step,
+        "files": {name: sha for name, (_, sha) in files.items()},
+        "sizes": {name: size for name, (size, _) in files.items()},
+        **info,
+    }
     write_bytes_atomic(tmp / MANIFEST, json.dumps(manifest, indent=2).encode())
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
+    replace_dir(tmp, final)
     write_bytes_atomic(root / LATEST, final.name.encode())
     _prune(root, keep, final)
     return final
@@ -139,8 +165,14 @@ def save_weights_run(run_dir: Path, config_json: str, model: nn.Module, tokenize
     return save_checkpoint(run_dir, 0, model, {"source": source}, keep=1)
 
 
+def _steps(root: Path) -> list[Path]:
+    """Published checkpoint directories (named ``step_N``), oldest first."""
+    steps = [p for p in root.glob("step_*") if STEP_NAME.fullmatch(p.name) and p.is_dir()]
+    return sorted(steps, key=lambda p: int(p.name.removeprefix("step_")))
+
+
 def _prune(root: Path, keep: int, newest: Path) -> None:
-    steps = sorted((p for p in root.glob("step_*") if p.is_dir()), key=lambda p: int(p.name.removeprefix("step_")))
+    steps = _steps(root)
     for old in steps[:-keep]:
         if old != newest:
             shutil.rmtree(old, ignore_errors=True)
@@ -148,8 +180,7 @@ def _prune(root: Path, keep: int, newest: Path) -> None:
 
 def complete_checkpoints(run_dir: Path) -> list[Path]:
     """Published checkpoints, newest first (whatever their files' state: ``read_manifest`` checks that)."""
-    steps = [p for p in checkpoint_dir(run_dir).glob("step_*") if (p / MANIFEST).is_file()]
-    return sorted(steps, key=lambda p: int(p.name.removeprefix("step_")), reverse=True)
+    return [p for p in reversed(_steps(checkpoint_dir(run_dir))) if (p / MANIFEST).is_file()]
 
 
 def load_manifest(path: Path) -> dict[str, Any]:
@@ -167,11 +198,15 @@ def read_manifest(path: Path, share: tuple[int, int] = (0, 1)) -> dict[str, Any]
     ``share=(i, n)`` checks only every n-th file from the i-th: n ranks check a checkpoint together.
     """
     manifest = load_manifest(path)
+    sizes = manifest.get("sizes", {})  # absent from checkpoints written before sizes were recorded
     index, count = share
     for name, expected in sorted(manifest["files"].items())[index::count]:
         file = Path(path) / name
         if not file.is_file():
             raise CheckpointError(f"{file}: missing from the checkpoint")
+        size = file.stat().st_size
+        if name in sizes and size != sizes[name]:
+            raise CheckpointError(f"{file}: corrupt (size mismatch: {size} bytes, the manifest says {sizes[name]})")
         if _sha256(file) != expected:
             raise CheckpointError(f"{file}: corrupt (checksum mismatch; truncated or modified)")
     return manifest

@@ -1,17 +1,33 @@
-"""Files that readers see complete or not at all: write to a temporary name, fsync, rename."""
+"""Files and directories that readers see complete or not at all: write to a temporary name, fsync,
+rename, fsync the directory (a rename is only durable once its directory is on disk)."""
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import os
+import shutil
 import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 
+RENAME_EXCHANGE = 2  # renameat2(2) flag: swap two names in one step (Linux >= 3.15)
+AT_FDCWD = -100
+
 
 def fsync_file(path: Path) -> None:
     """Flush a file written by someone else (torch.save, safetensors) to disk."""
     fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(path: Path) -> None:
+    """Flush a directory's entries (the names created, renamed or removed in it) to disk."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
     finally:
@@ -31,7 +47,43 @@ def write_atomic(path: Path, write: Callable[[IO[bytes]], None]) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+    fsync_dir(path.parent)
 
 
 def write_bytes_atomic(path: Path, data: bytes) -> None:
     write_atomic(path, lambda f: f.write(data))
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap the names ``a`` and ``b`` atomically; False where the system or filesystem cannot."""
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    done = renameat2(AT_FDCWD, os.fsencode(a), AT_FDCWD, os.fsencode(b), RENAME_EXCHANGE)
+    if done == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP):  # old kernel, or a filesystem without it (NFS)
+        return False
+    raise OSError(code, os.strerror(code), str(a))
+
+
+def replace_dir(src: Path, dst: Path) -> None:
+    """Rename directory ``src`` to ``dst``, replacing a ``dst`` that exists, then fsync the parent.
+
+    ``dst`` names a complete directory at every moment: an existing one is swapped with ``src`` in one
+    ``renameat2(RENAME_EXCHANGE)`` and then removed under its new (temporary) name. Where the
+    filesystem cannot swap, the old ``dst`` is renamed aside first, leaving a moment without it.
+    """
+    src, dst = Path(src), Path(dst)
+    if not dst.exists():
+        os.replace(src, dst)  # an empty or missing dst: one rename
+    elif _exchange(src, dst):
+        shutil.rmtree(src)  # the old dst, now under src's name
+    else:
+        aside = dst.with_name(f".old-{dst.name}-{uuid.uuid4().hex[:8]}")
+        os.replace(dst, aside)
+        os.replace(src, dst)
+        shutil.rmtree(aside, ignore_errors=True)
+    fsync_dir(dst.parent)

@@ -256,8 +256,7 @@ def train(
             stopping = _agree(interrupt.requested, mesh)  # one collective per step decides for every rank
             if periodic or step == cfg.train.steps or stopping:
                 info = _checkpoint_info(step, cfg, layout, record)
-                pm.canonical_placement(optimizer)
-                checkpoint = saver.save(step, local, optimizer, info) or checkpoint
+                checkpoint = saver.save(step, local, optimizer, info, pm.expert_slots()) or checkpoint
             bar.update(1)
             bar.set_postfix(loss=f"{record['loss']:.3f}", val=f"{val_loss:.3f}" if val_loss else "-", refresh=False)
             if on_step is not None:

@@ -1,10 +1,14 @@
 """Checkpoints written and read by every rank of a run together.
 
-Saving: rank 0 empties a staging directory; every rank writes its shards into it through DCP (on a
-background thread with ``train.async_checkpoint``, so training goes on while the files are written);
-each rank then hashes its share of the files, rank 0 gathers the digests into the manifest and
-publishes the checkpoint (rename, then ``latest``). A save that has not finished on every rank is
-never published. Reading: every rank checks its share of the newest checkpoint's checksums, all
+Saving: rank 0 removes what crashed saves left (once, before the first save) and empties a staging
+directory; every rank writes its shards into it through DCP (on a background thread with
+``train.async_checkpoint``, so training goes on while the files are written); each rank then hashes
+the files it wrote itself, rank 0 gathers every rank's (name, size, SHA-256) into the manifest, checks
+it sees every file, and publishes the checkpoint (rename, then ``latest``). A save that has not
+finished on every rank is never published. Every rank must see the checkpoint directory at the same
+path (one shared filesystem across nodes): a file rank 0 cannot see fails the save, naming its writer.
+
+Reading: every rank checks its share of the newest checkpoint's checksums, all
 agree on one verified checkpoint (the newest, or with ``fallback`` the newest intact one), then
 each loads the pieces its layout needs.
 
@@ -32,12 +36,12 @@ from moekit.train.checkpoint import (
     CheckpointError,
     begin_checkpoint,
     checkpoint_dir,
-    checkpoint_files,
     complete_checkpoints,
     digests,
     load_manifest,
     publish_checkpoint,
     read_manifest,
+    remove_stale,
     save_failed,
 )
 from moekit.train.consolidate import consolidate
@@ -48,6 +52,9 @@ class _Pending:
 
     def __init__(self, step: int, tmp: Path, info: dict[str, Any], hashed: Future) -> None:
         self.step, self.tmp, self.info, self.hashed = step, tmp, info, hashed
+
+
+Digests = dict[str, tuple[int, str]]  # file (relative to the checkpoint) -> (size, SHA-256)
 
 
 class Checkpointer:
@@ -62,25 +69,39 @@ class Checkpointer:
         self.control = dist.new_group(backend="gloo") if distributed and background else self.group
         self.pending: _Pending | None = None
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="moekit-checkpoint") if background else None
+        if self.rank == 0:
+            remove_stale(self.run_dir)  # no save of this run has begun: only crashed ones' leftovers
 
     # --- saving ------------------------------------------------------------------------------------
 
-    def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, info: dict[str, Any]) -> Path | None:
+    def save(
+        self,
+        step: int,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        info: dict[str, Any],
+        slots: sharded.Slots | None = None,
+    ) -> Path | None:
         """Checkpoint the state as it is now. Returns the published checkpoint on rank 0 (None while a
-        background save is still being written, and on the other ranks)."""
+        background save is still being written, and on the other ranks).
+
+        ``slots``: the live placement of re-placed experts (``ParallelModel.expert_slots``); their rows
+        are written in canonical order and the model is left as it is.
+        """
         published = self.wait()
         try:
             tmp = self._begin(step)
             state = sharded.training_state(model, optimizer, self.group)
+            writer = sharded.RecordingWriter(tmp / SHARDED)
             if self._thread is None:
-                sharded.save(state, tmp / SHARDED, self.group)
-                return self._publish(step, tmp, info, self._finish_files(tmp)) or published
-            upload = sharded.save_async(state, tmp / SHARDED, self.group)
+                sharded.save(state, writer, self.group, slots)
+                return self._publish(step, tmp, info, self._finish_files(tmp, writer)) or published
+            upload = sharded.save_async(state, writer, self.group, slots)
         except CheckpointError:
             raise
         except sharded.FAILURES as err:  # DCP reports a failed write on every rank as one exception
             raise save_failed(self.run_dir, step, RuntimeError(sharded.describe(err))) from None
-        self.pending = _Pending(step, tmp, info, self._thread.submit(self._after, upload, tmp))
+        self.pending = _Pending(step, tmp, info, self._thread.submit(self._after, upload, tmp, writer))
         return published
 
     def poll(self) -> Path | None:
@@ -117,19 +138,20 @@ class Checkpointer:
             dist.barrier(group=self.group)
         return tmp or checkpoint_dir(self.run_dir) / f".tmp-step_{step:06d}"
 
-    def _after(self, upload: Future, tmp: Path) -> dict[str, str]:
+    def _after(self, upload: Future, tmp: Path, writer: sharded.RecordingWriter) -> Digests:
         upload.result()
-        return self._finish_files(tmp)
+        return self._finish_files(tmp, writer)
 
-    def _finish_files(self, tmp: Path) -> dict[str, str]:
-        """This rank's digests (one process also consolidates the weights for inference first)."""
+    def _finish_files(self, tmp: Path, writer: sharded.RecordingWriter) -> Digests:
+        """Size and SHA-256 of the files this rank wrote (one process also consolidates the weights for
+        inference first)."""
+        names = [f"{SHARDED}/{name}" for name in sorted(writer.written)]
         if self.world == 1:
             consolidate(tmp / SHARDED, tmp / MODEL_FILE)
-        return digests(tmp, checkpoint_files(tmp)[self.rank :: self.world])
+            names.append(MODEL_FILE)
+        return digests(tmp, names)
 
-    def _publish(
-        self, step: int, tmp: Path, info: dict[str, Any], files: dict[str, str] | BaseException
-    ) -> Path | None:
+    def _publish(self, step: int, tmp: Path, info: dict[str, Any], files: Digests | BaseException) -> Path | None:
         """Gather every rank's digests (or failure) on rank 0, which publishes or reports."""
         every: list[Any] = [_portable(files)]
         if self.control is not None:
@@ -140,10 +162,13 @@ class Checkpointer:
             raise save_failed(self.run_dir, step, RuntimeError(failures[0]))
         if self.rank != 0:
             return None
-        merged = {name: digest for part in every for name, digest in part.items()}
         try:
+            unseen = _unseen(tmp, every)
+            if unseen:
+                raise CheckpointError(unseen)
+            merged = {name: digest for part in every for name, digest in part.items()}
             return publish_checkpoint(self.run_dir, tmp, step, merged, info, self.keep)
-        except OSError as err:
+        except (OSError, CheckpointError) as err:
             raise save_failed(self.run_dir, step, err) from None
 
     # --- reading -----------------------------------------------------------------------------------
@@ -184,17 +209,48 @@ class Checkpointer:
             dist.all_gather_object(problems, problem, group=self.control)
         return next((p for p in problems if p), None)
 
-    def restore(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, whole: nn.Module) -> dict:
-        """Load a verified checkpoint into this rank's model and optimizer; return its manifest."""
+    def restore(
+        self,
+        path: Path,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        whole: nn.Module,
+        slots: sharded.Slots | None = None,
+    ) -> dict:
+        """Load a verified checkpoint into this rank's model and optimizer; return its manifest.
+
+        ``slots``: the live placement of re-placed experts (each expert is read into its slot)."""
         manifest = load_manifest(path)
         if not (path / SHARDED).is_dir():
             raise CheckpointError(
                 f"{path}: holds weights only (a converted, upcycled or exported model): start from it with --init"
             )
-        sharded.restore(path / SHARDED, model, optimizer, self.group, whole)
+        sharded.restore(path / SHARDED, model, optimizer, self.group, whole, slots)
         return manifest
 
 
-def _portable(files: dict[str, str] | BaseException) -> dict[str, str] | str:
+def _portable(files: Digests | BaseException) -> Digests | str:
     """What a rank sends rank 0: its digests, or its error as text (exceptions may not pickle)."""
     return files if isinstance(files, dict) else sharded.describe(files)
+
+
+def _unseen(tmp: Path, every: list[Digests]) -> str | None:
+    """A message naming the files other ranks wrote that this process (rank 0) cannot see whole, or None.
+
+    A checkpoint directory local to each node, or a shared one that has not caught up, would otherwise
+    publish a checkpoint that no single node can read."""
+    problems = []
+    for rank, part in enumerate(every):
+        for name, (size, _) in sorted(part.items()):
+            path = tmp / name
+            seen = path.stat().st_size if path.is_file() else None
+            if seen != size:
+                got = "missing" if seen is None else f"{seen} bytes"
+                problems.append(f"{name} (written by rank {rank}: {size} bytes; here: {got})")
+    if not problems:
+        return None
+    more = f" and {len(problems) - 3} more" if len(problems) > 3 else ""
+    return (
+        "the checkpoint directory must be one filesystem shared by every node, at the same path: rank 0 does "
+        f"not see the files other ranks wrote: {', '.join(problems[:3])}{more}"
+    )
