@@ -1,10 +1,12 @@
 """Every parallel layout the README claims against the single-process model (fp32, same seed and weights).
 
-Reference: the unsharded model, built on every rank too and run over the whole global batch (all data
-ranks' micro-batches, each pipeline micro-batch separately), so the comparison needs no files.
-Tolerances: after one step every gradient and the clipped-over global gradient norm within 1e-5 and
-the loss within 1e-5; the losses of the next steps within 1e-4 (AdamW's first updates are close to
-sign(grad) * lr, so fp32 summation-order differences grow over the steps).
+Reference: the unsharded model run on every rank over the whole global batch (all data ranks'
+micro-batches, each pipeline micro-batch separately), so the comparison needs no files; once per
+batch split, shared by the layouts that split it alike.
+Tolerances: after one step every gradient, the global gradient norm and the loss within 1e-5; the
+losses of the next steps within 1e-4 (AdamW's first updates are close to sign(grad) * lr, so fp32
+summation-order differences grow over the steps). Replicated experts end bitwise equal on every dp
+rank.
 
 The matrix: expert_sharding (shard | replicate) x ep x dp for every ep * dp <= 4, tp alone, with ep
 and with replicated experts over dp, overlapped dispatch (with dp > 1 both ways), two-level
@@ -24,6 +26,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from moekit import runconfig
+from moekit.experts.grouped import local_tensor
 from moekit.model import Transformer
 from moekit.parallel.grads import clip_grad_norm
 from moekit.parallel.mesh import LayoutError, microbatches
@@ -234,6 +237,14 @@ def _check(rank: int, world: int, name: str) -> dict[str, float]:
             stats.add(moe_stats)
             stats.layers = pm.reduce_layers(stats.layers)
             pm.rebalance(step, stats.loads, opt)
+    if layout.dp > 1 and cfg.parallel.expert_sharding == "replicate":  # the copies have not drifted apart
+        assert mesh is not None
+        for moe in pm.moe_layers():
+            for p in moe.experts.parameters():
+                mine = local_tensor(p).detach()
+                every = [torch.empty_like(mine) for _ in range(layout.dp)]
+                dist.all_gather(every, mine, group=mesh["dp"].get_group())
+                assert all(torch.equal(t, mine) for t in every), f"{where}: expert replicas differ over dp"
     return seen
 
 
