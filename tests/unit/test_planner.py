@@ -86,6 +86,35 @@ def test_imbalance_slows_the_step_and_overlap_hides_exchanges() -> None:
     assert hidden.step_s < plain.step_s
 
 
+def test_overlap_hides_only_the_forward_exchanges_hand_computed() -> None:
+    """The dispatcher overlaps the forward's dispatch and combine with the forward's expert GEMMs; the
+    backward's exchanges run in the autograd thread, fully exposed."""
+    spec = _tiny()  # 2 MoE blocks of 4 experts, D=32, F=64 (SwiGLU), top-2, ctx 32, global batch 16, fp32
+    # ep=4, one micro-batch: 16 * 32 / 4 = 128 tokens per rank, 128 * 2 picks * 32 * 4 bytes = 32768 bytes
+    # per exchange; each overlap chunk sends half. One rank's expert FLOPs, forward and backward:
+    # 128 tokens * 3 * 2 blocks * 2 picks * (2 * 3 * 32 * 64).
+    expert_flops = 128 * 3 * 2 * 2 * (2 * 3 * 32 * 64)
+    flat, ovl = Candidate(1, 4, 1, 1, 1, "flat", False), Candidate(1, 4, 1, 1, 1, "flat", True)
+    # Within one node of 4: 3 messages of 10 us and 3/4 of the bytes at 10 GB/s; 2 blocks x 2 chunks.
+    chunked = 2 * 2 * (3 * 10e-6 + 0.75 * 16384 / 10e9)  # the 2 blocks' dispatches (or combines), in chunks
+    whole = 2 * (3 * 10e-6 + 0.75 * 32768 / 10e9)
+    # GEMMs much slower than exchanges (1 MFLOP/s): the forward's two exchanges are hidden but for one
+    # chunk (half of them), the backward's two are paid in full.
+    slow = dataclasses.replace(CLUSTER, peak_tflops=1e-6)
+    expert_s = expert_flops / 1e6
+    got = estimate(spec, ovl, slow)
+    assert got.compute_s == pytest.approx(estimate(spec, flat, slow).compute_s)  # overlap adds no FLOPs
+    assert got.a2a_s < 1e-3 * expert_s  # the regime asked for
+    assert got.a2a_s == pytest.approx(2 * chunked / 2 + 2 * chunked)
+    assert estimate(spec, flat, slow).a2a_s == pytest.approx(4 * whole)
+    # GEMMs much faster (1 PFLOP/s): the forward's GEMMs hide in its exchanges but for one chunk,
+    # everything else is paid: a2a_s = (2 exchanges + forward GEMMs / 2) + 2 exchanges + backward GEMMs
+    # - all expert GEMMs.
+    fast = dataclasses.replace(CLUSTER, peak_tflops=1e3)
+    forward_s = expert_flops / 1e15 / 3
+    assert estimate(spec, ovl, fast).a2a_s == pytest.approx(4 * chunked - forward_s / 2)
+
+
 def test_pass_overhead_and_fsdp_are_paid_per_micro_batch() -> None:
     spec, c = _tiny(), CLUSTER  # 2 blocks, both MoE
     with_overhead = dataclasses.replace(c, pass_overhead_us=100.0)

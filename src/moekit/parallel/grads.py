@@ -8,14 +8,16 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.placement_types import Shard
 
 
 def _distinct_shards(p: Tensor) -> int:
     """How many different pieces of ``p`` exist across the ranks that hold it."""
     if not isinstance(p, DTensor):
         return 1
-    return math.prod(p.device_mesh.size(i) for i, pl in enumerate(p.placements) if isinstance(pl, Shard))
+    assert not any(pl.is_partial() for pl in p.placements), "gradients are reduced before their norm"
+    # NOTE: FSDP over a tensor dimension tp or ep already shards gives a ``_StridedShard``, which is
+    # neither a ``Shard`` nor ``is_shard()``: every placement but a replica splits the tensor.
+    return math.prod(p.device_mesh.size(i) for i, pl in enumerate(p.placements) if not pl.is_replicate())
 
 
 @torch.no_grad()

@@ -312,8 +312,14 @@ def estimate(spec: ModelSpec, cand: Candidate, c: Cluster, load_imbalance: float
     rows_bytes = tokens * e.top_k * m.d_model * w.dtype_bytes * load_imbalance
     chunks = OVERLAP_CHUNKS if cand.overlap else 1
     one = chunks * all_to_all_time(rows_bytes / chunks, cand.ep, cand.tp, c, cand.all_to_all == "two_level")
-    a2a = 4 * one * n_moe / cand.pp  # dispatch and combine, forward and backward
-    moe_s = max(a2a, expert_s) + min(a2a, expert_s) / chunks if cand.overlap else a2a + expert_s
+    exchanges = 2 * one * n_moe / cand.pp  # dispatch and combine of every MoE layer: the forward's, or the backward's
+    if cand.overlap:
+        # NOTE: the dispatcher overlaps only the forward's exchanges with the forward's expert GEMMs (a
+        # third of their FLOPs); the backward's exchanges run in the autograd thread, fully exposed.
+        forward_s = expert_s / 3
+        moe_s = max(exchanges, forward_s) + min(exchanges, forward_s) / chunks + exchanges + expert_s - forward_s
+    else:
+        moe_s = 2 * exchanges + expert_s
     act = tokens * m.d_model * w.dtype_bytes
     tp_s = 4 * layers * ring_time(act, cand.tp, 1, c)
     p2p = 2 * p2p_time(act, cand.tp * cand.ep * cand.dp, c) if cand.pp > 1 else 0.0
