@@ -187,9 +187,25 @@ def load_manifest(path: Path) -> dict[str, Any]:
     """The manifest of checkpoint ``path``, its files not checked."""
     manifest_path = Path(path) / MANIFEST
     try:
-        return json.loads(manifest_path.read_text())
+        manifest = json.loads(manifest_path.read_text())
     except (OSError, json.JSONDecodeError) as err:
         raise CheckpointError(f"{manifest_path}: unreadable checkpoint manifest ({err})") from None
+    _check_manifest(manifest, manifest_path)
+    return manifest
+
+
+def _check_manifest(manifest: Any, where: Path) -> None:
+    """CheckpointError naming the first field a moekit manifest lacks or holds in the wrong form."""
+    if not isinstance(manifest, dict):
+        raise CheckpointError(f"{where}: not a checkpoint manifest (a JSON object)")
+    step = manifest.get("step")
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise CheckpointError(f"{where}: field 'step' must be a step number, got {step!r}")
+    files = manifest.get("files")
+    if not isinstance(files, dict) or not all(isinstance(v, str) for v in files.values()):
+        raise CheckpointError(f"{where}: field 'files' must map each file to its SHA-256, got {files!r:.80}")
+    if not isinstance(manifest.get("sizes", {}), dict):
+        raise CheckpointError(f"{where}: field 'sizes' must map each file to its byte count")
 
 
 def read_manifest(path: Path, share: tuple[int, int] = (0, 1)) -> dict[str, Any]:

@@ -1,0 +1,112 @@
+"""Bad input through the real command line: one line naming the field or file, exit 2, nothing lost.
+
+Each case runs ``python -m moekit`` as a user would and checks the whole contract: the exit code, a
+single line on stderr that names what is wrong, no traceback, and the run directory byte for byte as
+it was (or still absent, for a run that never started).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def _manifest(run: Path) -> Path:
+    return next((run / "checkpoints").glob("step_*/manifest.json"))
+
+
+def _edit_json(path: Path, edit) -> None:
+    data = json.loads(path.read_text())
+    edit(data)
+    path.write_text(json.dumps(data))
+
+
+def _write(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+# (id, argv with {run} {new} {tmp} placeholders, a file edit before the call, the text the error must name)
+CASES = [
+    ("device", ["train", "--device", "foo", "--run-dir", "{new}"], None, "--device"),
+    ("nproc-zero", ["train", "--nproc", "0", "--run-dir", "{new}"], None, "--nproc"),
+    ("flag-type", ["train", "--train.steps", "x", "--run-dir", "{new}"], None, "--train.steps"),
+    ("unknown-flag", ["train", "--bogus", "--run-dir", "{new}"], None, "--bogus"),
+    ("unknown-field", ["train", "--moe.nope", "1", "--run-dir", "{new}"], None, "--moe.nope"),
+    ("unknown-preset", ["train", "--preset", "nosuch", "--run-dir", "{new}"], None, "--preset"),
+    ("nan-lr", ["train", "--train.lr", "nan", "--run-dir", "{new}"], None, "train.lr"),
+    ("missing-data", ["train", "--data", "{tmp}/missing.txt", "--run-dir", "{new}"], None, "missing.txt"),
+    ("toml-string-lr", ["train", "--preset", "{tmp}/lr.toml", "--run-dir", "{new}"], "lr", "train.lr"),
+    ("toml-string-float", ["train", "--preset", "{tmp}/cf.toml", "--run-dir", "{new}"], "cf", "moe.capacity_factor"),
+    ("toml-syntax", ["train", "--preset", "{tmp}/broken.toml", "--run-dir", "{new}"], "broken", "broken.toml"),
+    ("run-exists", ["train", "--run-dir", "{run}"], None, "--resume"),
+    (
+        "resume-batch",
+        ["train", "--resume", "--run-dir", "{run}", "--train.grad_accum", "2"],
+        None,
+        "--train.grad_accum",
+    ),
+    ("resume-no-dir", ["train", "--resume"], None, "--run-dir"),
+    ("config-type", ["generate", "{run}", "--max-new-tokens", "2"], "config", "config.json"),
+    ("manifest-no-files", ["generate", "{run}", "--max-new-tokens", "2"], "no-files", "'files'"),
+    ("manifest-not-json", ["generate", "{run}", "--max-new-tokens", "2"], "not-json", "manifest.json"),
+    ("export-no-files", ["export", "{run}", "--out", "{new}"], "no-files", "'files'"),
+    ("weights-cut", ["generate", "{run}", "--max-new-tokens", "2"], "cut", "model.safetensors"),
+    ("nan-temperature", ["generate", "{run}", "--temperature", "nan"], None, "--temperature"),
+    ("not-a-run", ["generate", "{tmp}"], None, "config.json"),
+    ("export-format", ["export", "{run}", "--out", "{new}", "--format", "onnx"], None, "--format"),
+]
+
+EDITS = {
+    "lr": lambda run, tmp: _write(tmp / "lr.toml", '[train]\nlr = "x"\n'),
+    "cf": lambda run, tmp: _write(tmp / "cf.toml", '[moe]\ncapacity_factor = "1.25"\n'),
+    "broken": lambda run, tmp: _write(tmp / "broken.toml", "[train\nlr = 1\n"),
+    "config": lambda run, tmp: _edit_json(run / "config.json", lambda c: c["train"].update(lr="x")),
+    "no-files": lambda run, tmp: _edit_json(_manifest(run), lambda m: m.pop("files")),
+    "not-json": lambda run, tmp: _manifest(run).write_text("{"),
+    "cut": lambda run, tmp: (lambda f: f.write_bytes(f.read_bytes()[: f.stat().st_size // 2]))(
+        _manifest(run).parent / "model.safetensors"
+    ),
+}
+
+
+def _snapshot(root: Path) -> dict[str, str] | None:
+    if not root.exists():
+        return None
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in root.rglob("*") if p.is_file()
+    }
+
+
+@pytest.fixture(scope="module")
+def pristine_run(tmp_path_factory, write_run) -> Path:
+    return write_run(tmp_path_factory.mktemp("bad-input") / "run")
+
+
+@pytest.mark.parametrize(("argv", "edit", "named"), [case[1:] for case in CASES], ids=[case[0] for case in CASES])
+def test_bad_input_is_one_clear_line_and_loses_nothing(pristine_run, tmp_path, argv, edit, named) -> None:
+    run, new = tmp_path / "run", tmp_path / "new"
+    shutil.copytree(pristine_run, run)
+    if edit:
+        EDITS[edit](run, tmp_path)
+    args = [a.format(run=run, new=new, tmp=tmp_path) for a in argv]
+    before = _snapshot(run)
+    done = subprocess.run(
+        [sys.executable, "-m", "moekit", *args], capture_output=True, text=True, env=ENV, cwd=tmp_path, timeout=600
+    )
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert len(lines) == 1 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert lines[0].startswith(f"moekit {args[0]}: error: ") or lines[0].startswith("moekit: error: "), lines[0]
+    assert named in lines[0], lines[0]
+    assert _snapshot(run) == before, "the run directory changed"
+    assert not new.exists(), "a run directory was created"
