@@ -43,7 +43,7 @@ from moekit.train.sharded import local_model
 
 
 class TrainingError(RuntimeError):
-    """Training stopped for a reason the user must see (a NaN loss, a run dir in the way)."""
+    """Training stopped for a reason the user must see (a NaN loss or weights, a run dir in the way)."""
 
 
 @dataclass(frozen=True)
@@ -274,6 +274,12 @@ def train(
             periodic = cfg.train.ckpt_every and step % cfg.train.ckpt_every == 0
             stopping = _agree(interrupt.requested, mesh)  # one collective per step decides for every rank
             if periodic or step == cfg.train.steps or stopping:
+                if not _weights_finite(local, mesh):
+                    checkpoint = saver.wait() or checkpoint
+                    raise TrainingError(
+                        f"weights are not finite after step {step}: checkpoint not saved, training stopped; "
+                        + _last_good(checkpoint)
+                    )
                 info = _checkpoint_info(step, cfg, layout, record, streak)
                 pm.canonical_placement(optimizer)
                 checkpoint = saver.save(step, local, optimizer, info) or checkpoint
@@ -301,6 +307,18 @@ def _agree(flag: bool, mesh) -> bool:
     value = torch.tensor(float(flag))
     dist.all_reduce(value, op=dist.ReduceOp.MAX)
     return bool(value.item())
+
+
+def _weights_finite(model: torch.nn.Module, mesh) -> bool:
+    """True on every rank if no rank holds a NaN or inf in a parameter or floating-point buffer: what a
+    checkpoint would save (a DTensor's local shard is enough, the ranks' verdicts are combined)."""
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for t in (*model.parameters(), *model.buffers()):
+        piece = t.to_local() if hasattr(t, "to_local") else t
+        if piece.is_floating_point():
+            by_device.setdefault(piece.device, []).append(piece.detach().isfinite().all())
+    local = all(bool(torch.stack(flags).all()) for flags in by_device.values())  # one sync per device
+    return not _agree(not local, mesh)
 
 
 def _last_good(checkpoint: Path | None) -> str:
