@@ -262,6 +262,7 @@ class TrainConfig:
     beta1: float = 0.9  # AdamW first-moment decay
     beta2: float = 0.95  # AdamW second-moment decay
     grad_clip: float = 1.0  # clip the global gradient norm to this; 0 = off
+    max_nonfinite_steps: int = 3  # stop after this many consecutive steps skipped for a NaN/inf gradient norm
     dtype: str = "fp32"  # fp32, or bf16 autocast (fp32 master weights, router kept in fp32)
     compile: bool = False  # torch.compile the model
     seed: int = 1337  # seeds init, data order and dropout: equal seeds give equal runs on CPU
@@ -274,7 +275,16 @@ class TrainConfig:
     sample_tokens: int = 200  # tokens generated into sample.txt at the end; 0 = none
 
     def __post_init__(self) -> None:
-        for name in ("steps", "batch_size", "grad_accum", "eval_every", "eval_iters", "keep_checkpoints"):
+        positive = (
+            "steps",
+            "batch_size",
+            "grad_accum",
+            "eval_every",
+            "eval_iters",
+            "keep_checkpoints",
+            "max_nonfinite_steps",
+        )
+        for name in positive:
             value = getattr(self, name)
             _require(isinstance(value, int) and value > 0, f"train.{name}", value, "must be a positive integer")
         for name in ("warmup_steps", "ckpt_every", "sample_tokens"):

@@ -43,17 +43,18 @@ from moekit.train.sharded import local_model
 
 
 class TrainingError(RuntimeError):
-    """Training stopped for a reason the user must see (a NaN loss, a run dir in the way)."""
+    """Training stopped for a reason the user must see (a NaN loss or weights, a run dir in the way)."""
 
 
 @dataclass(frozen=True)
 class TrainResult:
     run_dir: Path
-    steps: int  # optimizer steps completed
+    steps: int  # steps completed, skipped ones included (the data position)
     losses: list[float]  # training loss of each step run in this call
     val_loss: float | None  # last validation loss
     checkpoint: Path | None  # newest checkpoint
     interrupted: bool = False
+    skipped_steps: int = 0  # steps whose update was skipped for a non-finite gradient norm, over the whole run
 
 
 def autocast(cfg: RunConfig, device: torch.device):
@@ -183,8 +184,9 @@ def train(
     say = tqdm.write if progress and main else (lambda msg: print(msg, file=sys.stderr))
     saver = Checkpointer(run_dir, cfg.train.keep_checkpoints, cfg.train.async_checkpoint)
     resume_from = saver.choose(fallback, say if main else lambda msg: None) if resume else None
+    manifest = load_manifest(resume_from) if resume_from is not None else {}
     if resume_from is not None:
-        cfg = _rebatch(cfg, load_manifest(resume_from), layout, resume_from)
+        cfg = _rebatch(cfg, manifest, layout, resume_from)
     torch.manual_seed(cfg.train.seed)
     corpus = _prepare_corpus_once(cfg, main, mesh is not None, init)
     if init is None:
@@ -234,6 +236,8 @@ def train(
     val_loss: float | None = None
     checkpoint = resume_from if main else None
     step = start_step
+    # Carried in the manifest so that a resumed run counts (and stops) as the uninterrupted one would.
+    skipped_steps, streak = int(manifest.get("skipped_steps", 0)), int(manifest.get("nonfinite_streak", 0))
     bar = tqdm(total=cfg.train.steps, initial=start_step, disable=not progress, unit="step", dynamic_ncols=True)
     pm.train(True)
     logger = MetricsLogger(run_dir) if main else contextlib.nullcontext()
@@ -247,15 +251,36 @@ def train(
             record["tokens_per_s"] = tokens_per_step / elapsed
             record["mfu"] = flops_per_token * record["tokens_per_s"] / (cfg.train.peak_tflops * 1e12 * layout.world)
             losses.append(record["loss"])
+            streak = streak + 1 if record["skipped"] else 0
+            skipped_steps += record["skipped"]
+            record["skipped_steps"] = skipped_steps
+            if record["skipped"] and main:
+                say(
+                    f"moekit: warning: gradient norm is {record['grad_norm']} at step {step}: update skipped "
+                    f"({streak} in a row; train.max_nonfinite_steps={cfg.train.max_nonfinite_steps})"
+                )
             if step % cfg.train.eval_every == 0 or step == cfg.train.steps:
                 val_loss = record["val_loss"] = evaluate(pm, forward, corpus, cfg, dev)
             if main:
                 logger.log(record)
             checkpoint = saver.poll() or checkpoint
+            if streak >= cfg.train.max_nonfinite_steps:
+                checkpoint = saver.wait() or checkpoint
+                raise TrainingError(
+                    f"gradient norm is not finite for {streak} steps in a row at step {step} "
+                    f"(train.max_nonfinite_steps={cfg.train.max_nonfinite_steps}): training stopped; "
+                    + _last_good(checkpoint)
+                )
             periodic = cfg.train.ckpt_every and step % cfg.train.ckpt_every == 0
             stopping = _agree(interrupt.requested, mesh)  # one collective per step decides for every rank
             if periodic or step == cfg.train.steps or stopping:
-                info = _checkpoint_info(step, cfg, layout, record)
+                if not _weights_finite(local, mesh):
+                    checkpoint = saver.wait() or checkpoint
+                    raise TrainingError(
+                        f"weights are not finite after step {step}: checkpoint not saved, training stopped; "
+                        + _last_good(checkpoint)
+                    )
+                info = _checkpoint_info(step, cfg, layout, record, streak)
                 checkpoint = saver.save(step, local, optimizer, info, pm.expert_slots()) or checkpoint
             bar.update(1)
             bar.set_postfix(loss=f"{record['loss']:.3f}", val=f"{val_loss:.3f}" if val_loss else "-", refresh=False)
@@ -265,7 +290,9 @@ def train(
     bar.close()
     if interrupt.requested and main:
         say(f"moekit: interrupted at step {step}; checkpoint {checkpoint} (continue with --resume)")
-    return TrainResult(run_dir, step, losses, val_loss, checkpoint, interrupted=interrupt.requested)
+    return TrainResult(
+        run_dir, step, losses, val_loss, checkpoint, interrupted=interrupt.requested, skipped_steps=skipped_steps
+    )
 
 
 def _describe(layout) -> str:
@@ -279,6 +306,22 @@ def _agree(flag: bool, mesh) -> bool:
     value = torch.tensor(float(flag))
     dist.all_reduce(value, op=dist.ReduceOp.MAX)
     return bool(value.item())
+
+
+def _weights_finite(model: torch.nn.Module, mesh) -> bool:
+    """True on every rank if no rank holds a NaN or inf in a parameter or floating-point buffer: what a
+    checkpoint would save (a DTensor's local shard is enough, the ranks' verdicts are combined)."""
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for t in (*model.parameters(), *model.buffers()):
+        piece = t.to_local() if hasattr(t, "to_local") else t
+        if piece.is_floating_point():
+            by_device.setdefault(piece.device, []).append(piece.detach().isfinite().all())
+    local = all(bool(torch.stack(flags).all()) for flags in by_device.values())  # one sync per device
+    return not _agree(not local, mesh)
+
+
+def _last_good(checkpoint: Path | None) -> str:
+    return f"the last good checkpoint is {checkpoint}" if checkpoint else "no checkpoint was written yet"
 
 
 def _prepare_corpus_once(cfg: RunConfig, main: bool, distributed: bool, init: Path | None) -> Corpus:
@@ -317,7 +360,8 @@ def _train_step(pm: ParallelModel, forward, optimizer, corpus, cfg: RunConfig, d
     """One optimizer step over ``grad_accum`` micro-batches per rank; returns the step's metrics.
 
     Rank b of the N data-reading ranks takes micro-batches b, b + N, ...: the same samples, in the
-    same order, as one process with N times the gradient accumulation.
+    same order, as one process with N times the gradient accumulation. A step whose gradient norm is
+    NaN or inf is skipped (``record["skipped"]``): its data is consumed but nothing is updated.
     """
     tc = cfg.train
     lr = lr_at(step, tc)
@@ -336,24 +380,29 @@ def _train_step(pm: ParallelModel, forward, optimizer, corpus, cfg: RunConfig, d
         lm_loss = lm_loss + lm.float().cpu() / tc.grad_accum
         loss_value = pm.mean_over_batch(pm.broadcast_from_last_stage(loss)).item()
         if not math.isfinite(loss_value):
-            where = f"the last good checkpoint is {checkpoint}" if checkpoint else "no checkpoint was written yet"
-            raise TrainingError(f"loss is {loss_value} at step {step + 1}: training stopped; {where}")
+            raise TrainingError(f"loss is {loss_value} at step {step + 1}: training stopped; {_last_good(checkpoint)}")
         stats.add(moe_stats)
     pm.finish_gradients()
     grad_norm = pm.clip_gradients(tc.grad_clip)
-    optimizer.step()
+    # NOTE: the norm is all-reduced over every rank, so all ranks skip the same steps. A skipped step
+    # leaves the weights, the optimizer state (its step count too) and the router biases as they were;
+    # the learning rate is a function of the step index (the data position), so no schedule is held back.
+    skipped = not math.isfinite(grad_norm.item())
+    if not skipped:
+        optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     stats.layers = pm.reduce_layers(stats.layers)
     placement = pm.rebalance(step, stats.loads, optimizer)
     whole_model_index = {id(m): i for i, m in enumerate(pm.full_model.moe_layers())}
-    for moe in pm.moe_layers():
-        moe.update_bias(stats.loads[whole_model_index[id(moe)]].to(dev))
+    if not skipped:
+        for moe in pm.moe_layers():
+            moe.update_bias(stats.loads[whole_model_index[id(moe)]].to(dev))
     lm_loss = pm.mean_over_batch(pm.broadcast_from_last_stage(lm_loss))
-    record = {"step": step + 1, "loss": lm_loss.item(), "lr": lr, "grad_norm": grad_norm.item()}
+    record = {"step": step + 1, "loss": lm_loss.item(), "lr": lr, "grad_norm": grad_norm.item(), "skipped": skipped}
     return {**record, **stats.record(), **placement}
 
 
-def _checkpoint_info(step: int, cfg: RunConfig, layout: Layout, record: dict[str, Any]) -> dict[str, Any]:
+def _checkpoint_info(step: int, cfg: RunConfig, layout: Layout, record: dict[str, Any], streak: int) -> dict[str, Any]:
     """What the manifest records beside the files: where the data stands and how the run was laid out."""
     total = cfg.train.grad_accum * layout.batch_ranks
     return {
@@ -363,6 +412,8 @@ def _checkpoint_info(step: int, cfg: RunConfig, layout: Layout, record: dict[str
         "layout": _describe(layout),
         "loss": record.get("loss"),
         "val_loss": record.get("val_loss"),
+        "skipped_steps": record.get("skipped_steps", 0),  # steps whose update a non-finite gradient norm skipped
+        "nonfinite_streak": streak,  # of them, how many in a row end at this step
     }
 
 

@@ -1,0 +1,216 @@
+"""Non-finite numbers in training: a NaN gradient skips its update, repeated ones stop the run, and a
+checkpoint is never written from non-finite weights. Every run is a real CPU run of the tiny preset;
+the NaN comes from a tensor hook on one parameter of the model being trained."""
+
+from __future__ import annotations
+
+import math
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor, nn
+from torch.nn.modules.module import register_module_forward_pre_hook
+from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.utils.hooks import RemovableHandle
+
+from moekit import runconfig
+from moekit.infer.generate import load_run
+from moekit.model import Transformer
+from moekit.runconfig import RunConfig
+from moekit.train.checkpoint import latest_checkpoint, read_manifest
+from moekit.train.loop import TrainingError, train
+from moekit.train.metrics import read_metrics
+
+
+def tiny(corpus: Path, cache: Path, **overrides: str) -> RunConfig:
+    values = {"data.path": str(corpus), "data.cache_dir": str(cache), "moe.bias_update_rate": "0.01"} | overrides
+    return runconfig.resolve("tiny", values)
+
+
+class Watch:
+    """Watches one ``train`` call through PyTorch's global hooks: the model it trains (first forward),
+    every ``optimizer.step()`` it makes, and the state after each step (``on_step``). At the steps in
+    ``nan_steps`` (numbered from 1, the resumed run's first step being ``first_step``) a hook on the
+    embedding's output replaces its gradient with NaN, as an overflow in backward would; that reaches
+    ``embed.weight.grad`` however the model is sharded."""
+
+    def __init__(self, nan_steps: set[int], first_step: int = 1) -> None:
+        self.nan_steps, self.next_step = nan_steps, first_step
+        self.model: Transformer | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.optimizer_steps = 0
+        self.states: dict[int, dict[str, Tensor]] = {}  # step -> model state_dict after it
+        self.adam: dict[int, list[Tensor]] = {}  # step -> every optimizer state tensor after it
+        self.adam_steps: dict[int, float] = {}  # step -> AdamW's own step count after it
+        self._poison: RemovableHandle | None = None
+        self._hooks: list[RemovableHandle] = []
+
+    def __enter__(self) -> Watch:
+        self._hooks = [register_module_forward_pre_hook(self._forward), register_optimizer_step_post_hook(self._step)]
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None):
+        for handle in [*self._hooks, *([self._poison] if self._poison else [])]:
+            handle.remove()
+
+    def _forward(self, module: nn.Module, args: Any) -> None:
+        if not isinstance(module, Transformer) or not module.training:
+            return  # one training forward of the whole model per step (grad_accum = 1)
+        self.model = module
+        if self._poison is not None:
+            self._poison.remove()
+            self._poison = None
+        if self.next_step in self.nan_steps:
+            self._poison = module.embed.register_forward_hook(_nan_gradient)
+        self.next_step += 1
+
+    def _step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self.optimizer = optimizer
+        self.optimizer_steps += 1
+
+    def on_step(self, record: dict[str, Any]) -> None:
+        assert self.model is not None and self.optimizer is not None
+        self.states[record["step"]] = {k: _local(v).clone() for k, v in self.model.state_dict().items()}
+        self.adam[record["step"]] = [t.clone() for s in self.optimizer.state.values() for t in s.values()]
+        self.adam_steps[record["step"]] = next(iter(self.optimizer.state.values()))["step"].item()
+
+
+def _nan_gradient(module: nn.Module, args: Any, out: Tensor) -> None:
+    out.register_hook(lambda grad: torch.full_like(grad, float("nan")))
+
+
+def _local(t: Tensor) -> Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t  # this rank's piece of a DTensor
+
+
+def same(a: dict[str, Tensor], b: dict[str, Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_nan_gradient_skips_the_update_and_training_goes_on(
+    corpus_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = tmp_path / "run"
+    with Watch({4}) as watch:
+        result = train(
+            tiny(corpus_file, tmp_path / "cache", **{"train.steps": "8"}), run, progress=False, on_step=watch.on_step
+        )
+    assert result.steps == 8 and result.skipped_steps == 1
+    # The skipped step changed nothing: weights, router biases and every optimizer moment are bitwise those of step 3,
+    assert same(watch.states[4], watch.states[3])
+    assert all(torch.equal(a, b) for a, b in zip(watch.adam[4], watch.adam[3], strict=True))
+    # while an ordinary step changes all of them (so the comparison above can fail).
+    assert not any(torch.equal(watch.states[3][k], watch.states[2][k]) for k in watch.states[3] if "expert_bias" in k)
+    assert not torch.equal(watch.states[5]["embed.weight"], watch.states[4]["embed.weight"])
+    assert watch.optimizer_steps == 7  # optimizer.step() ran on every step but the fourth
+    assert [watch.adam_steps[s] for s in range(1, 9)] == [1, 2, 3, 3, 4, 5, 6, 7]
+    records = read_metrics(run)
+    assert [r["skipped"] for r in records] == [False, False, False, True, False, False, False, False]
+    assert [r["skipped_steps"] for r in records] == [0, 0, 0, 1, 1, 1, 1, 1]
+    assert math.isnan(records[3]["grad_norm"])
+    assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in records[4:])
+    assert "gradient norm is nan at step 4: update skipped" in capsys.readouterr().err
+    assert read_manifest(latest_checkpoint(run))["skipped_steps"] == 1
+
+
+def test_consecutive_nan_gradients_stop_naming_the_field(corpus_file: Path, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    cfg = tiny(corpus_file, tmp_path / "cache", **{"train.steps": "10", "train.ckpt_every": "2"})
+    with Watch({4, 5, 6, 7}) as watch, pytest.raises(TrainingError) as err:
+        train(cfg, run, progress=False, on_step=watch.on_step)
+    message = str(err.value)
+    assert "\n" not in message
+    assert "at step 6" in message and "train.max_nonfinite_steps=3" in message, message
+    assert message.endswith("step_000004"), message  # the save after the skipped step 4 holds step 3's weights
+    assert latest_checkpoint(run).name == "step_000004"
+    assert read_manifest(latest_checkpoint(run))["nonfinite_streak"] == 1
+    assert same(load_run(run).model.state_dict(), watch.states[3])
+    assert [r["skipped_steps"] for r in read_metrics(run)] == [0, 0, 0, 1, 2, 3]
+
+
+def test_resume_after_a_skip_equals_uninterrupted(corpus_file: Path, tmp_path: Path) -> None:
+    steps = {"train.steps": "10", "train.ckpt_every": "2", "train.keep_checkpoints": "5"}
+    cfg = tiny(corpus_file, tmp_path / "cache", **steps)
+    with Watch({4, 6}):
+        full = train(cfg, tmp_path / "full", progress=False)
+    assert full.skipped_steps == 2
+    half = tmp_path / "half"
+    shutil.copytree(tmp_path / "full", half)
+    for name in ("step_000008", "step_000010"):
+        shutil.rmtree(half / "checkpoints" / name)
+    (half / "checkpoints" / "latest").write_text("step_000006")
+    resumed = train(cfg, half, resume=True, progress=False)
+    assert resumed.losses == full.losses[6:] and resumed.skipped_steps == 2  # exact float equality
+    assert [r["skipped_steps"] for r in read_metrics(half)] == [0, 0, 0, 1, 1, 2, 2, 2, 2, 2]
+    a, b = load_run(tmp_path / "full").model.state_dict(), load_run(half).model.state_dict()
+    assert same(a, b)
+
+
+def test_resume_keeps_the_nonfinite_streak(corpus_file: Path, tmp_path: Path) -> None:
+    cfg = tiny(corpus_file, tmp_path / "cache", **{"train.steps": "10", "train.ckpt_every": "2"})
+    run = tmp_path / "run"
+    with Watch({5, 6, 7}), pytest.raises(TrainingError, match="3 steps in a row at step 7"):
+        train(cfg, run, progress=False)
+    assert read_manifest(latest_checkpoint(run))["nonfinite_streak"] == 2  # step 6: skips 5 and 6
+    # Resumed after two skips in a row, one more is the third: the run stops at the same step.
+    with Watch({7}, first_step=7), pytest.raises(TrainingError, match="3 steps in a row at step 7"):
+        train(cfg, run, resume=True, progress=False)
+
+
+def test_nonfinite_weights_are_never_saved(corpus_file: Path, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    train(tiny(corpus_file, tmp_path / "cache", **{"train.steps": "2", "train.ckpt_every": "1"}), run, progress=False)
+    # A learning rate past float32's range turns finite gradients into infinite weights at step 3;
+    # the loss of step 3 and its gradient norm are still finite, so only the check before saving sees it.
+    overflow = {"train.steps": "4", "train.ckpt_every": "1", "train.lr": "1e39", "train.warmup_steps": "0"}
+    with pytest.raises(TrainingError) as err:
+        train(tiny(corpus_file, tmp_path / "cache", **overflow), run, resume=True, progress=False)
+    message = str(err.value)
+    assert message.startswith("weights are not finite after step 3: checkpoint not saved"), message
+    assert message.endswith("step_000002") and "\n" not in message, message
+    assert latest_checkpoint(run).name == "step_000002"
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["latest", "step_000001", "step_000002"]
+    weights = load_run(run).model.state_dict()
+    assert all(w.isfinite().all() for w in weights.values())
+
+
+def test_exploded_weights_stop_after_max_nonfinite_steps(corpus_file: Path, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    args = ["train", "--preset", "tiny", "--data", str(corpus_file), "--run-dir", str(run), "--quiet"]
+    args += ["--data.cache_dir", str(tmp_path / "cache"), "--train.lr", "1e30", "--train.warmup_steps", "0"]
+    args += ["--train.ckpt_every", "1", "--train.grad_clip", "0", "--train.max_nonfinite_steps", "2"]
+    # Step 1's update leaves huge finite weights; their gradients overflow from step 2 on.
+    proc = subprocess.run([sys.executable, "-m", "moekit", *args], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert "gradient norm is nan at step 2: update skipped" in proc.stderr
+    assert "2 steps in a row at step 3 (train.max_nonfinite_steps=2)" in lines[-1], lines[-1]
+    assert lines[-1].endswith("step_000002") and latest_checkpoint(run).name == "step_000002"
+    assert all(w.isfinite().all() for w in load_run(run).model.state_dict().values())
+
+
+def _nan_on_rank_one(rank: int, world: int, corpus: Path, tmp: Path) -> None:
+    cfg = tiny(corpus, tmp / "cache", **{"train.steps": "4", "parallel.ep": "2"})
+    with Watch({3} if rank == 1 else set()) as watch:
+        result = train(cfg, tmp / "run", progress=False, on_step=watch.on_step)
+    assert result.steps == 4 and result.skipped_steps == 1, (rank, result)
+    assert same(watch.states[3], watch.states[2]), rank  # rank 0 skipped rank 1's NaN step too
+    assert watch.optimizer_steps == 3, rank
+
+
+def test_every_rank_skips_a_step_that_is_nan_on_one(corpus_file: Path, tmp_path: Path) -> None:
+    from dist.spawn import run_ranks  # the tests directory is on sys.path (rootdir conftest)
+
+    run_ranks(_nan_on_rank_one, 2, corpus_file, tmp_path, tmp_path=tmp_path)
+    assert [r["skipped"] for r in read_metrics(tmp_path / "run")] == [False, False, True, False]
+
+
+def test_max_nonfinite_steps_must_be_positive() -> None:
+    with pytest.raises(ValueError, match=r"train.max_nonfinite_steps=0: must be a positive integer"):
+        runconfig.resolve("tiny", {"train.max_nonfinite_steps": "0"})
