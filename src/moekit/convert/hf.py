@@ -296,6 +296,29 @@ def _qkv_bias(family: Family, hf: dict[str, Any]) -> bool:
     return family.model_type == "qwen2"
 
 
+# transformers' router_aux_loss_coef when config.json leaves it out
+_HF_AUX_COEF = {"mixtral": 0.001, "qwen2_moe": 0.001, "olmoe": 0.01}
+
+
+def aux_coef_to_hf(aux_loss_coef: float, top_k: int, n_moe_layers: int) -> float:
+    """The ``router_aux_loss_coef`` that gives moekit's ``aux_loss_coef`` the same weight in the loss.
+
+    transformers' ``load_balancing_loss_func`` counts each token's k picks as k assignments of 1/T
+    each (its load fractions sum to k) where moekit's ``switch_aux_loss`` divides by all T*k picks
+    (they sum to 1), so one layer's loss is k times moekit's. transformers also adds one loss for the
+    whole model, over the loads and probabilities averaged across the L MoE layers, where moekit
+    adds one loss per layer. With every layer routed alike (and exactly for L = 1):
+    ``hf_coef * hf_loss == aux_loss_coef * sum of moekit's layer losses`` when
+    ``hf_coef = aux_loss_coef * L / k``.
+    """
+    return aux_loss_coef * n_moe_layers / top_k
+
+
+def aux_coef_from_hf(router_aux_loss_coef: float, top_k: int, n_moe_layers: int) -> float:
+    """moekit's ``aux_loss_coef`` for a Hugging Face ``router_aux_loss_coef`` (inverse of ``aux_coef_to_hf``)."""
+    return router_aux_loss_coef * top_k / n_moe_layers
+
+
 def configs_from_hf(hf: dict[str, Any]) -> tuple[ModelConfig, MoEConfig | None]:
     """moekit's model and MoE configs for a Hugging Face config, built as transformers builds its model.
 
@@ -350,7 +373,10 @@ def configs_from_hf(hf: dict[str, Any]) -> tuple[ModelConfig, MoEConfig | None]:
             moe.update(num_shared_experts=1, shared_d_ff=shared, shared_expert_gate=True)
     if not moe_layers:
         raise _unfit(family, "no MoE blocks (mlp_only_layers and decoder_sparse_step leave every block dense)")
-    moe["aux_loss_coef"] = hf.get("router_aux_loss_coef", 0.01)
+    hf_coef = hf.get("router_aux_loss_coef", _HF_AUX_COEF[family.model_type])
+    if not isinstance(hf_coef, (int, float)) or hf_coef < 0:
+        raise _unfit(family, f"router_aux_loss_coef {hf_coef!r} (must be a number >= 0)")
+    moe["aux_loss_coef"] = aux_coef_from_hf(hf_coef, top_k, len(moe_layers))
     model["first_dense_layers"], model["moe_every"] = _moe_pattern(family, n_layers, moe_layers)
     return ModelConfig(**model), MoEConfig(**moe)
 
@@ -454,7 +480,7 @@ def _hf_config(family: Family, model: ModelConfig, moe: MoEConfig) -> dict[str, 
         "rope_parameters": {"rope_type": "default", "rope_theta": model.rope_theta},
         "tie_word_embeddings": model.tie_embeddings,
         "num_experts_per_tok": moe.top_k,
-        "router_aux_loss_coef": moe.aux_loss_coef,
+        "router_aux_loss_coef": aux_coef_to_hf(moe.aux_loss_coef, moe.top_k, len(model.moe_layers())),
         "attention_dropout": 0.0,
         "bos_token_id": None,
         "eos_token_id": None,
