@@ -38,7 +38,8 @@ class MoEConfig:
     route_scale: float = 1.0  # multiplier on the combine weights (DeepSeek-V3's routed scaling)
     capacity_factor: float | None = None  # None: dropless; else each expert keeps cf*T*k/E (batch-wide, not causal)
     activation: str = "swiglu"  # expert FFN: swiglu (gated SiLU) or gelu
-    num_shared_experts: int = 0  # always-on experts of width d_ff each (DeepSeek-MoE)
+    num_shared_experts: int = 0  # always-on experts of width shared_d_ff each (DeepSeek-MoE)
+    shared_d_ff: int | None = None  # hidden width of each shared expert; None = d_ff (Qwen2-MoE sets its own)
     residual: bool = False  # add a dense MLP mixed with the MoE by a learned gate (DeepSpeed PR-MoE)
     aux_loss_coef: float = 0.01  # weight of the Switch load-balancing loss in MoEStats.loss
     z_loss_coef: float = 0.001  # weight of the ST-MoE router z-loss in MoEStats.loss
@@ -78,6 +79,10 @@ class MoEConfig:
         if self.capacity_factor is not None:
             _require(self.capacity_factor > 0, "capacity_factor", self.capacity_factor, "must be > 0")
         _require(self.num_shared_experts >= 0, "num_shared_experts", self.num_shared_experts, "must be >= 0")
+        if self.shared_d_ff is not None:
+            ok = isinstance(self.shared_d_ff, int) and self.shared_d_ff > 0
+            _require(ok, "shared_d_ff", self.shared_d_ff, "must be a positive integer (or None: d_ff)")
+            _require(self.num_shared_experts > 0, "shared_d_ff", self.shared_d_ff, "needs num_shared_experts > 0")
         _require(self.route_scale > 0, "route_scale", self.route_scale, "must be > 0")
         if self.shared_expert_gate:
             _require(self.num_shared_experts > 0, "shared_expert_gate", True, "needs num_shared_experts > 0")
@@ -97,6 +102,11 @@ class MoEConfig:
                 self.bias_update_rate,
                 f"aux-loss-free bias needs a token-choice router, not {self.router!r}",
             )
+
+    @property
+    def shared_hidden(self) -> int:
+        """Hidden width of all shared experts together (always on, so they run as one wide FFN)."""
+        return (self.shared_d_ff or self.d_ff) * self.num_shared_experts
 
 
 ALL_TO_ALL = ("flat", "two_level")

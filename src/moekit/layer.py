@@ -47,9 +47,7 @@ class MoE(nn.Module):
             cfg.num_experts, cfg.capacity_factor if cfg.router != "expert_choice" else None
         )
         self.experts = GroupedExperts(cfg.num_experts, cfg.d_model, cfg.d_ff, cfg.activation, cfg.gemm)
-        self.shared = (
-            DenseFFN(cfg.d_model, cfg.d_ff * cfg.num_shared_experts, cfg.activation) if cfg.num_shared_experts else None
-        )
+        self.shared = DenseFFN(cfg.d_model, cfg.shared_hidden, cfg.activation) if cfg.num_shared_experts else None
         # Qwen2-MoE: the shared experts' output is scaled per token by sigmoid(x @ w_gate).
         self.shared_gate = nn.Linear(cfg.d_model, 1, bias=False) if cfg.shared_expert_gate else None
         self.residual_mlp = DenseFFN(cfg.d_model, cfg.d_ff, cfg.activation) if cfg.residual else None

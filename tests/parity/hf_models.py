@@ -21,39 +21,48 @@ TINY = dict(
 
 
 def hf_config(family: str, **overrides):
-    """A tiny config of ``family``; MoE families get 4 experts, top-2."""
+    """A tiny config of ``family``; MoE families get 4 experts, top-2. ``overrides`` win over every default."""
     import transformers as tf
 
-    tiny = TINY | overrides
     moe = dict(num_experts=4, num_experts_per_tok=2)
-    make = {
-        "mixtral": lambda: tf.MixtralConfig(num_local_experts=4, num_experts_per_tok=2, rope_theta=1e6, **tiny),
-        "qwen2_moe": lambda: tf.Qwen2MoeConfig(
-            moe_intermediate_size=24, shared_expert_intermediate_size=48, norm_topk_prob=False, **moe, **tiny
+    made = {
+        "mixtral": (tf.MixtralConfig, dict(num_local_experts=4, num_experts_per_tok=2, rope_theta=1e6)),
+        "qwen2_moe": (
+            tf.Qwen2MoeConfig,
+            dict(moe_intermediate_size=24, shared_expert_intermediate_size=48, norm_topk_prob=False, **moe),
         ),
-        "olmoe": lambda: tf.OlmoeConfig(**moe, **tiny),
-        "llama": lambda: tf.LlamaConfig(**tiny),
-        "mistral": lambda: tf.MistralConfig(**{"sliding_window": None, **tiny}),
-        "qwen2": lambda: tf.Qwen2Config(**tiny),
+        "olmoe": (tf.OlmoeConfig, moe),
+        "llama": (tf.LlamaConfig, {}),
+        "mistral": (tf.MistralConfig, dict(sliding_window=None)),
+        "qwen2": (tf.Qwen2Config, {}),
     }
-    return make[family]()
+    make, defaults = made[family]
+    return make(**(defaults | TINY | overrides))
 
 
-def randomize(model: torch.nn.Module, seed: int = 0) -> None:
-    """Weights large enough that routing and logits are decisive; norm weights around 1."""
+def randomize(model: torch.nn.Module, seed: int = 0, router_scale: float = 1.0) -> None:
+    """Weights large enough that routing and logits are decisive; norm weights around 1.
+
+    ``router_scale`` multiplies the routers' weights: > 1 makes each token's picks clear-cut (a
+    few experts take most of the weight), so a wrong expert or a wrong weight shows in the logits.
+    """
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
             noise = torch.randn(p.shape, generator=generator)
             p.copy_(1 + 0.2 * noise if "norm" in name else 0.15 * noise)
+            if name.endswith(".gate.weight"):  # a router (the shared expert's gate ends "_gate.weight")
+                p.mul_(router_scale)
 
 
-def save_hf(family: str, directory: Path, shard_size: str | None = None, **overrides) -> torch.nn.Module:
+def save_hf(
+    family: str, directory: Path, shard_size: str | None = None, router_scale: float = 1.0, **overrides
+) -> torch.nn.Module:
     """Build, randomise and ``save_pretrained`` a tiny ``family`` model; return it in eval mode (fp32)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_config(hf_config(family, **overrides))
-    randomize(model)
+    randomize(model, router_scale=router_scale)
     model.save_pretrained(directory, **({"max_shard_size": shard_size} if shard_size else {}))
     return model.eval()
 

@@ -62,6 +62,22 @@ def test_upcycle_a_hugging_face_dense_model(tmp_path: Path) -> None:
     assert max_gap(hf_model, up.model) < TOL
 
 
+def test_upcycled_qwen2_exports_with_its_biases(tmp_path: Path) -> None:
+    """Qwen2's q/k/v biases survive ``upcycle`` then ``export --format hf`` (as Qwen2-MoE, not Mixtral,
+    which has no place for them); noise makes the experts differ, so routing counts too."""
+    hf_model = save_hf("qwen2", tmp_path / "hf")
+    save_tokenizer(tmp_path / "hf")
+    up = tmp_path / "up"
+    argv = ["upcycle", str(tmp_path / "hf"), "--experts", "4", "--top-k", "2", "--noise", "0.3", "--out", str(up)]
+    assert main(argv) == 0
+    ours = load_run(up).model
+    assert ours.cfg.qkv_bias and max_gap(hf_model, ours) > 1e-3  # the noise moved it away from the dense model
+    out = tmp_path / "out"
+    assert main(["export", str(up), "--format", "hf", "--out", str(out)]) == 0
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["Qwen2MoeForCausalLM"]
+    assert max_gap(AutoModelForCausalLM.from_pretrained(out).eval(), ours) < TOL
+
+
 def test_cli_errors_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     save_hf("olmoe", tmp_path / "olmoe")
     save_tokenizer(tmp_path / "olmoe")

@@ -3,6 +3,7 @@ models converted from Hugging Face and for moekit models exported back and reloa
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -23,14 +24,34 @@ def tokens(vocab: int, shape: tuple[int, int], seed: int = 1) -> torch.Tensor:
     return torch.randint(vocab, shape, generator=torch.Generator().manual_seed(seed))
 
 
-def assert_same_model(hf_model: torch.nn.Module, ours: torch.nn.Module) -> None:
-    """Same logits on a batch of random tokens, and the same 32 greedy tokens."""
+def assert_same_model(hf_model: torch.nn.Module, ours: torch.nn.Module) -> float:
+    """Same logits on a batch of random tokens, and the same 32 greedy tokens; returns the largest logit gap."""
     ids = tokens(ours.cfg.vocab_size, (2, 24))
     with torch.no_grad():
         expected, got = hf_model(ids).logits, ours(ids).logits
-    assert (expected - got).abs().max().item() < TOL
+    gap = (expected - got).abs().max().item()
+    assert gap < TOL
     prompt = ids[:1, :8]
     assert torch.equal(hf_greedy(hf_model, prompt, NEW_TOKENS), generate(ours, prompt, NEW_TOKENS, temperature=0))
+    return gap
+
+
+def assert_routing_decides(ours: torch.nn.Module) -> None:
+    """Every expert of every MoE block gets tokens, and a token's first pick clearly outweighs its last."""
+    ids = tokens(ours.cfg.vocab_size, (2, 24))
+    with torch.no_grad():
+        stats = ours(ids).moe_stats
+    for s in stats:
+        assert (s.tokens_per_expert > 0).all(), s.tokens_per_expert
+    probs = []
+    hook = [m.router.register_forward_hook(lambda _m, _i, out: probs.append(out.probs)) for m in ours.moe_layers()]
+    with torch.no_grad():
+        ours(ids)
+    for h in hook:
+        h.remove()
+    k = ours.moe_cfg.top_k
+    top = torch.cat(probs).topk(k, dim=-1).values
+    assert (top[:, 0] / top[:, -1]).median() > 2, "routers too flat to test routing"
 
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "olmoe"])
@@ -98,7 +119,7 @@ def test_unsupported_inputs_name_the_problem(tmp_path: Path) -> None:
     with pytest.raises(ConversionError, match="llama: hidden_act 'gelu'"):
         from_hf(tmp_path / "gelu")
     save_hf("llama", tmp_path / "bias", attention_bias=True)
-    with pytest.raises(ConversionError, match="no place for: .*o_proj.bias"):
+    with pytest.raises(ConversionError, match="llama: attention_bias=True"):
         from_hf(tmp_path / "bias")
     (tmp_path / "gpt2").mkdir()
     (tmp_path / "gpt2" / "config.json").write_text('{"model_type": "gpt2"}')
@@ -107,3 +128,87 @@ def test_unsupported_inputs_name_the_problem(tmp_path: Path) -> None:
         from_hf(tmp_path / "gpt2")
     with pytest.raises(ConversionError, match="no config.json|no model.safetensors"):
         from_hf(tmp_path / "missing")
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        dict(shared_expert_intermediate_size=40),  # not a multiple of moe_intermediate_size=24
+        dict(shared_expert_intermediate_size=0),  # no shared expert: transformers keeps one of width 0
+        dict(qkv_bias=False),
+    ],
+    ids=["shared40", "shared0", "no_qkv_bias"],
+)
+def test_qwen2_moe_variants_convert_and_export(overrides: dict, tmp_path: Path) -> None:
+    """Tiny Qwen2-MoE models with sharp routers: converted, then exported and reloaded by transformers."""
+    hf_model = save_hf("qwen2_moe", tmp_path / "hf", router_scale=4.0, moe_intermediate_size=24, **overrides)
+    ours = from_hf(tmp_path / "hf")
+    shared = overrides.get("shared_expert_intermediate_size", 48)
+    assert ours.moe_cfg.shared_hidden == shared and ours.cfg.qkv_bias == overrides.get("qkv_bias", True)
+    assert_routing_decides(ours)
+    assert_same_model(hf_model, ours)
+    assert to_hf(ours, tmp_path / "out").model_type == "qwen2_moe"
+    exported = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert exported["moe_intermediate_size"] == 24 and exported["shared_expert_intermediate_size"] == shared
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert_same_model(reloaded, ours)
+    assert_same_model(hf_model, from_hf(tmp_path / "out"))
+
+
+def test_qkv_bias_exports_as_qwen2_moe(tmp_path: Path) -> None:
+    """q/k/v biases need Qwen2-MoE (Mixtral has none): routed experts only, its shared expert of width 0."""
+    from moekit.config import ModelConfig, MoEConfig
+    from moekit.model import Transformer
+
+    torch.manual_seed(0)
+    model_cfg = ModelConfig(
+        vocab_size=80, context_length=64, n_layers=2, n_heads=4, n_kv_heads=2, d_model=32, d_ff=48, qkv_bias=True
+    )
+    ours = Transformer(model_cfg, MoEConfig(d_model=32, d_ff=24, num_experts=4, top_k=2)).eval()
+    with torch.no_grad():
+        for block in ours.blocks:
+            block.attn.qkv.bias.normal_(std=0.5)
+            block.ffn.router.gate.weight.mul_(8)
+    assert_routing_decides(ours)
+    assert to_hf(ours, tmp_path / "out").model_type == "qwen2_moe"
+    exported = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert exported["qkv_bias"] and exported["shared_expert_intermediate_size"] == 0
+    assert_same_model(AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval(), ours)
+    again = from_hf(tmp_path / "out")
+    assert again.moe_cfg.num_shared_experts == 0
+    ids = tokens(80, (2, 24))
+    with torch.no_grad():
+        assert torch.equal(again(ids).logits, ours(ids).logits)
+
+
+def test_checkpoint_and_config_must_agree_on_biases(tmp_path: Path) -> None:
+    """A bias transformers would ignore (config says none) or initialise at random (missing) is an error."""
+    save_hf("qwen2_moe", tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(config | {"qkv_bias": False}))
+    with pytest.raises(ConversionError, match="no place for: .*_proj.bias"):
+        from_hf(tmp_path / "hf")
+    save_hf("qwen2_moe", tmp_path / "plain", qkv_bias=False)
+    config = json.loads((tmp_path / "plain" / "config.json").read_text())
+    (tmp_path / "plain" / "config.json").write_text(json.dumps(config | {"qkv_bias": True}))
+    with pytest.raises(ConversionError, match="q_proj.bias is missing"):
+        from_hf(tmp_path / "plain")
+
+
+def test_shared_experts_of_their_own_width_export(tmp_path: Path) -> None:
+    """Two shared experts of width 20 (routed experts: 24) become Qwen2-MoE's one shared expert of width 40."""
+    from moekit.config import ModelConfig, MoEConfig
+    from moekit.model import Transformer
+
+    torch.manual_seed(0)
+    model_cfg = ModelConfig(vocab_size=80, context_length=64, n_layers=2, n_heads=4, d_model=32, d_ff=48)
+    moe = MoEConfig(d_model=32, d_ff=24, num_experts=4, top_k=2, num_shared_experts=2, shared_d_ff=20)
+    ours = Transformer(model_cfg, moe).eval()
+    assert ours.blocks[0].ffn.shared.w_in.weight.shape == (40, 32)
+    to_hf(ours, tmp_path / "out")
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["shared_expert_intermediate_size"] == 40
+    assert_same_model(AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval(), ours)
+    with pytest.raises(ValueError, match="shared_d_ff=0: must be a positive integer"):
+        MoEConfig(d_model=32, d_ff=24, num_shared_experts=1, shared_d_ff=0)
+    with pytest.raises(ValueError, match="shared_d_ff=8: needs num_shared_experts > 0"):
+        MoEConfig(d_model=32, d_ff=24, shared_d_ff=8)

@@ -2,7 +2,7 @@
 
 Families read: Mixtral, Qwen2-MoE (shared expert with its own sigmoid gate) and OLMoE (q/k norm),
 and the dense Llama, Mistral and Qwen2 (for upcycling). Written: Mixtral, or Qwen2-MoE when the
-model has shared experts or dense blocks. Hugging Face names live in this file only.
+model has shared experts, dense blocks or q/k/v biases. Hugging Face names live in this file only.
 
 One table of ``Rule`` s serves both directions: each native tensor is the concatenation (rows) of
 one or more Hugging Face tensors, per expert and transposed to ``[in, out]`` for routed experts.
@@ -130,7 +130,7 @@ def rules(family: Family, model: ModelConfig, moe: MoEConfig | None) -> list[Rul
         table.append(Rule(n + "ffn.experts.w_in", (Part(gate, f), Part(up, f)), experts=e))
         table.append(Rule(n + "ffn.experts.w_out", (Part(down, model.d_model),), experts=e))
         if layer_moe.num_shared_experts:
-            shared_ff = layer_moe.d_ff * layer_moe.num_shared_experts
+            shared_ff = layer_moe.shared_hidden
             table += _ffn_rules(n + "ffn.shared.", mlp + "shared_expert.", _PROJ, shared_ff, model.d_model)
         if layer_moe.shared_expert_gate:
             table.append(Rule(n + "ffn.shared_gate.weight", (Part(mlp + "shared_expert_gate.weight", 1),)))
@@ -148,6 +148,26 @@ def _ffn_rules(native: str, hf: str, names: tuple[str, str, str], d_ff: int, d_m
         Rule(native + "w_in.weight", (Part(up, d_ff),)),
         Rule(native + "w_out.weight", (Part(down, d_model),)),
     ]
+
+
+def inert(family: Family, model: ModelConfig, moe: MoEConfig | None) -> dict[str, tuple[int, ...]]:
+    """Hugging Face tensors with no moekit counterpart that change nothing, and their shapes.
+
+    Qwen2-MoE always builds a shared expert and its gate; a model without shared experts is one
+    whose shared expert has width 0, which outputs zeros whatever its gate holds.
+    """
+    if family.model_type != "qwen2_moe":
+        return {}
+    out: dict[str, tuple[int, ...]] = {}
+    for i in model.moe_layers():
+        layer_moe = _moe_at(model, moe, i)
+        if layer_moe is None or layer_moe.num_shared_experts:
+            continue
+        shared = f"model.layers.{i}.{family.mlp}.shared_expert"
+        d = model.d_model
+        out |= {f"{shared}.gate_proj.weight": (0, d), f"{shared}.up_proj.weight": (0, d)}
+        out |= {f"{shared}.down_proj.weight": (d, 0), f"{shared}_gate.weight": (1, d)}
+    return out
 
 
 def join(rule: Rule, read: Callable[[str], Tensor]) -> Tensor:
@@ -267,8 +287,44 @@ def _moe_pattern(family: Family, n_layers: int, moe_layers: list[int]) -> tuple[
     raise _unfit(family, f"MoE blocks at layers {moe_layers} (moekit places them every n-th block)")
 
 
-def configs_from_hf(hf: dict[str, Any], has: Callable[[str], bool]) -> tuple[ModelConfig, MoEConfig | None]:
-    """moekit's model and MoE configs for a Hugging Face config (``has`` tells which tensors exist)."""
+def _qkv_bias(family: Family, hf: dict[str, Any]) -> bool:
+    """Whether transformers builds this config's query/key/value projections with biases."""
+    if family.model_type in ("llama", "olmoe") and hf.get("attention_bias"):
+        raise _unfit(family, "attention_bias=True (it also biases o_proj, which moekit's attention lacks)")
+    if family.model_type == "qwen2_moe":
+        return bool(hf.get("qkv_bias", True))  # transformers 5 reads the field; earlier versions always biased
+    return family.model_type == "qwen2"
+
+
+# transformers' router_aux_loss_coef when config.json leaves it out
+_HF_AUX_COEF = {"mixtral": 0.001, "qwen2_moe": 0.001, "olmoe": 0.01}
+
+
+def aux_coef_to_hf(aux_loss_coef: float, top_k: int, n_moe_layers: int) -> float:
+    """The ``router_aux_loss_coef`` that gives moekit's ``aux_loss_coef`` the same weight in the loss.
+
+    transformers' ``load_balancing_loss_func`` counts each token's k picks as k assignments of 1/T
+    each (its load fractions sum to k) where moekit's ``switch_aux_loss`` divides by all T*k picks
+    (they sum to 1), so one layer's loss is k times moekit's. transformers also adds one loss for the
+    whole model, over the loads and probabilities averaged across the L MoE layers, where moekit
+    adds one loss per layer. With every layer routed alike (and exactly for L = 1):
+    ``hf_coef * hf_loss == aux_loss_coef * sum of moekit's layer losses`` when
+    ``hf_coef = aux_loss_coef * L / k``.
+    """
+    return aux_loss_coef * n_moe_layers / top_k
+
+
+def aux_coef_from_hf(router_aux_loss_coef: float, top_k: int, n_moe_layers: int) -> float:
+    """moekit's ``aux_loss_coef`` for a Hugging Face ``router_aux_loss_coef`` (inverse of ``aux_coef_to_hf``)."""
+    return router_aux_loss_coef * top_k / n_moe_layers
+
+
+def configs_from_hf(hf: dict[str, Any]) -> tuple[ModelConfig, MoEConfig | None]:
+    """moekit's model and MoE configs for a Hugging Face config, built as transformers builds its model.
+
+    The checkpoint's tensors must then fit: one transformers would ignore, or initialise at random
+    because it is missing, is an error in ``from_hf``.
+    """
     family = family_of(hf)
     d_model, n_heads, n_layers = hf["hidden_size"], hf["num_attention_heads"], hf["num_hidden_layers"]
     if hf.get("hidden_act", "silu") != "silu":
@@ -293,7 +349,7 @@ def configs_from_hf(hf: dict[str, Any], has: Callable[[str], bool]) -> tuple[Mod
         norm_eps=hf.get("rms_norm_eps", 1e-6),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         rope_theta=_rope_theta(family, hf),
-        qkv_bias=has("model.layers.0.self_attn.q_proj.bias"),
+        qkv_bias=_qkv_bias(family, hf),
         qk_norm=family.model_type == "olmoe",
         moe_every=0,
     )
@@ -304,22 +360,23 @@ def configs_from_hf(hf: dict[str, Any], has: Callable[[str], bool]) -> tuple[Mod
     normalize = bool(hf.get("norm_topk_prob", family.model_type == "mixtral"))
     if top_k == 1 and normalize:
         raise _unfit(family, "top-1 routing with a renormalised weight of 1 (moekit keeps the router's probability)")
-    moe = dict(
-        d_model=d_model,
-        d_ff=hf.get("moe_intermediate_size") or hf["intermediate_size"],
-        num_experts=num_experts,
-        top_k=top_k,
-        normalize_topk=normalize,
-        aux_loss_coef=hf.get("router_aux_loss_coef", 0.01),
-    )
+    d_ff = hf["moe_intermediate_size"] if family.model_type == "qwen2_moe" else hf["intermediate_size"]
+    moe = dict(d_model=d_model, d_ff=d_ff, num_experts=num_experts, top_k=top_k, normalize_topk=normalize)
     moe_layers = list(range(n_layers))
     if family.model_type == "qwen2_moe":
         step, dense = hf.get("decoder_sparse_step", 1), set(hf.get("mlp_only_layers") or [])
         moe_layers = [i for i in moe_layers if i not in dense and (i + 1) % step == 0]
-        shared = hf.get("shared_expert_intermediate_size", 0)
-        if shared % moe["d_ff"]:
-            raise _unfit(family, f"shared_expert_intermediate_size {shared} (not a multiple of {moe['d_ff']})")
-        moe.update(num_shared_experts=shared // moe["d_ff"], shared_expert_gate=shared > 0)
+        shared = hf["shared_expert_intermediate_size"]
+        if not isinstance(shared, int) or shared < 0:
+            raise _unfit(family, f"shared_expert_intermediate_size {shared!r} (must be an integer >= 0)")
+        if shared:  # one gated shared expert of its own width; 0: none (it would output zeros)
+            moe.update(num_shared_experts=1, shared_d_ff=shared, shared_expert_gate=True)
+    if not moe_layers:
+        raise _unfit(family, "no MoE blocks (mlp_only_layers and decoder_sparse_step leave every block dense)")
+    hf_coef = hf.get("router_aux_loss_coef", _HF_AUX_COEF[family.model_type])
+    if not isinstance(hf_coef, (int, float)) or hf_coef < 0:
+        raise _unfit(family, f"router_aux_loss_coef {hf_coef!r} (must be a number >= 0)")
+    moe["aux_loss_coef"] = aux_coef_from_hf(hf_coef, top_k, len(moe_layers))
     model["first_dense_layers"], model["moe_every"] = _moe_pattern(family, n_layers, moe_layers)
     return ModelConfig(**model), MoEConfig(**moe)
 
@@ -335,7 +392,7 @@ def from_hf(path: Path) -> Transformer:
     family = family_of(hf)
     checkpoint = SafetensorsDir(path)
     try:
-        model_cfg, moe_cfg = configs_from_hf(hf, checkpoint.__contains__)
+        model_cfg, moe_cfg = configs_from_hf(hf)
     except KeyError as err:
         raise ConversionError(f"{path / 'config.json'}: missing field {err}") from None
     model = Transformer(model_cfg, moe_cfg)
@@ -354,6 +411,11 @@ def from_hf(path: Path) -> Transformer:
                 f"the config implies {tuple(state[rule.native].shape)}"
             )
         state[rule.native] = tensor
+    for key, shape in inert(family, model_cfg, moe_cfg).items():
+        if key in checkpoint:
+            t = read(key)
+            if 0 in shape and tuple(t.shape) != shape:
+                raise ConversionError(f"{path}: {key} has shape {tuple(t.shape)}, the config implies {shape}")
     if model_cfg.tie_embeddings:
         state["lm_head.weight"] = state["embed.weight"]
     unused = sorted(k for k in checkpoint.files if k not in used and not k.endswith("rotary_emb.inv_freq"))
@@ -373,7 +435,8 @@ def export_family(model: ModelConfig, moe: MoEConfig | None) -> Family:
         raise ConversionError(
             "model.moe_every=0: a dense model fits no MoE family (export writes Mixtral or Qwen2-MoE)"
         )
-    needs_qwen = moe.num_shared_experts or model.first_dense_layers or model.moe_every != 1
+    # Mixtral has no q/k/v biases (transformers would drop them), no shared experts and no dense blocks.
+    needs_qwen = model.qkv_bias or moe.num_shared_experts or model.first_dense_layers or model.moe_every != 1
     family = FAMILIES["qwen2_moe" if needs_qwen else "mixtral"]
     misfits = {
         "model.norm": (model.norm, "rmsnorm"),
@@ -417,7 +480,7 @@ def _hf_config(family: Family, model: ModelConfig, moe: MoEConfig) -> dict[str, 
         "rope_parameters": {"rope_type": "default", "rope_theta": model.rope_theta},
         "tie_word_embeddings": model.tie_embeddings,
         "num_experts_per_tok": moe.top_k,
-        "router_aux_loss_coef": moe.aux_loss_coef,
+        "router_aux_loss_coef": aux_coef_to_hf(moe.aux_loss_coef, moe.top_k, len(model.moe_layers())),
         "attention_dropout": 0.0,
         "bos_token_id": None,
         "eos_token_id": None,
@@ -431,7 +494,7 @@ def _hf_config(family: Family, model: ModelConfig, moe: MoEConfig) -> dict[str, 
     return config | {
         "num_experts": moe.num_experts,
         "moe_intermediate_size": moe.d_ff,
-        "shared_expert_intermediate_size": moe.d_ff * moe.num_shared_experts,
+        "shared_expert_intermediate_size": moe.shared_hidden,
         "norm_topk_prob": moe.normalize_topk or not moe.softmax_before_topk,
         "decoder_sparse_step": 1,
         "mlp_only_layers": dense,
@@ -447,7 +510,8 @@ def to_hf(model: Transformer, out: Path) -> Family:
 
     Qwen2-MoE always has query/key/value biases and a sigmoid gate on its shared expert: a model
     without them is written with zero biases, and with a zero gate (sigmoid 0.5) in front of a
-    shared expert whose output projection is doubled, which computes the same function.
+    shared expert whose output projection is doubled, which computes the same function. A model
+    without shared experts gets one of width 0 (it outputs zeros).
     """
     from safetensors.torch import save
 
@@ -460,6 +524,7 @@ def to_hf(model: Transformer, out: Path) -> Family:
     tensors: dict[str, Tensor] = {}
     for rule in rules(family, model_cfg, moe_cfg):
         tensors.update(split(rule, state[rule.native]))
+    tensors |= {key: torch.zeros(shape) for key, shape in inert(family, model_cfg, moe_cfg).items()}
     out = Path(out)
     config = json.dumps(_hf_config(family, model_cfg, moe_cfg), indent=2) + "\n"
     write_bytes_atomic(out / "config.json", config.encode())
