@@ -12,6 +12,7 @@ Legend: E experts, D model dim, F dense hidden dim, f = F / split expert hidden 
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 from typing import Any
 
@@ -70,7 +71,11 @@ def upcycle(
         **settings,
     )
     model = Transformer(replace(cfg, moe_every=1, first_dense_layers=0, experts_per_layer=None), moe_cfg)
-    model.load_state_dict(dense.state_dict(), strict=False)  # embeddings, attention, norms: the same names
+    # Embeddings, attention and norms keep their names; only the FFNs differ (filled below).
+    missing, unexpected = model.load_state_dict(dense.state_dict(), strict=False)
+    stray = [name for name in [*missing, *unexpected] if not re.match(r"blocks\.\d+\.ffn\.", name)]
+    if stray:
+        raise ValueError(f"the dense model's weights differ from the MoE model's outside the FFNs: {stray[:3]}")
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for block, dense_block in zip(model.blocks, dense.blocks, strict=True):

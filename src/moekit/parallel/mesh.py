@@ -64,8 +64,11 @@ def resolve_layout(cfg: RunConfig, world_size: int, local_world_size: int | None
         raise LayoutError(f"parallel.ep={p.ep} must divide the experts of every MoE block (got {bad[0]})")
     if m.kv_heads % p.tp:
         raise LayoutError(f"parallel.tp={p.tp} must divide the key/value heads (model.n_kv_heads={m.kv_heads})")
-    if p.tp > 1 and (m.d_ff % p.tp or (cfg.is_moe and cfg.moe.num_shared_experts and cfg.moe.d_ff % p.tp)):
-        raise LayoutError(f"parallel.tp={p.tp} must divide model.d_ff={m.d_ff} and the shared experts' width")
+    if p.tp > 1 and (m.d_ff % p.tp or (cfg.is_moe and cfg.moe.shared_hidden % p.tp)):
+        raise LayoutError(
+            f"parallel.tp={p.tp} must divide model.d_ff={m.d_ff} and the shared experts' width "
+            f"({cfg.moe.shared_hidden if cfg.is_moe else 0})"
+        )
     stages = p.pp * p.stages_per_rank
     if stages > m.n_layers:
         raise LayoutError(

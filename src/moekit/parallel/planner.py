@@ -186,7 +186,8 @@ def layer_flops(spec: ModelSpec, moe_layer: bool) -> dict[str, float]:
     if not moe_layer:
         return {"attention": attn, "dense": 2 * _mult(m.mlp_activation) * D * m.d_ff, "experts": 0.0}
     ffn = 2 * _mult(e.activation) * D * e.d_ff
-    return {"attention": attn, "dense": 2 * D * e.num_experts + e.num_shared_experts * ffn, "experts": e.top_k * ffn}
+    shared = 2 * _mult(e.activation) * D * e.shared_hidden
+    return {"attention": attn, "dense": 2 * D * e.num_experts + shared, "experts": e.top_k * ffn}
 
 
 def param_counts(spec: ModelSpec) -> tuple[float, float]:
@@ -196,9 +197,9 @@ def param_counts(spec: ModelSpec) -> tuple[float, float]:
     attn = D * hd * (m.n_heads + 2 * m.kv_heads) + D * D + 2 * D
     moe = set(m.moe_layers())
     ffn = _mult(e.activation) * D * e.d_ff
+    shared = _mult(e.activation) * D * e.shared_hidden
     dense = sum(
-        (D * e.num_experts + e.num_shared_experts * ffn) if i in moe else _mult(m.mlp_activation) * D * m.d_ff
-        for i in range(m.n_layers)
+        (D * e.num_experts + shared) if i in moe else _mult(m.mlp_activation) * D * m.d_ff for i in range(m.n_layers)
     )
     embed = m.vocab_size * D * (1 if m.tie_embeddings else 2)
     return m.n_layers * attn + dense + embed + D, len(moe) * e.num_experts * ffn  # + D: the final norm

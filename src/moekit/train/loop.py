@@ -35,7 +35,7 @@ from moekit.train.checkpoint import (
     load_model_weights,
     read_manifest,
 )
-from moekit.train.data import Corpus, prepare_corpus
+from moekit.train.data import Corpus, prepare_corpus, resolve_files
 from moekit.train.metrics import MetricsLogger
 from moekit.train.optim import build_optimizer, lr_at
 from moekit.train.saver import Checkpointer
@@ -179,6 +179,7 @@ def train(
         raise TrainingError("--init starts a new run from another run's weights; it cannot be combined with --resume")
     main = int(os.environ.get("RANK", "0")) == 0
     resume = resume or (init is None and _elastic_restart(run_dir))
+    resolve_files(cfg.data.path)  # a corpus that is not there is reported before the run directory is made
     _prepare_run_dir(run_dir, resume, create=main)
     layout, mesh = init_distributed(cfg, dev)
     say = tqdm.write if progress and main else (lambda msg: print(msg, file=sys.stderr))
