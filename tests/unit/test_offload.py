@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections import Counter, deque
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ from safetensors.torch import load_file
 
 from moekit import runconfig
 from moekit.infer import offload
+from moekit.infer.cache import LFU, LRU, ExpertCache
 from moekit.infer.expert_store import (
     ExpertStore,
     ExpertStoreError,
@@ -59,7 +61,7 @@ def test_greedy_tokens_equal_resident_and_budget_holds(run_dir: Path, experts: i
         cache = off.cache
         assert cache.num_slots == experts
         assert model_bytes(run.model) + cache.counters.peak_slots * cache.slot_bytes <= budget
-        assert max(off.stats.reads_per_step.values()) == 1  # each expert read at most once per step
+        assert off.stats.max_reads_per_step == 1  # each expert read at most once per step
         assert off.stats.bytes_read == off.stats.reads * off.store.bytes_per_expert
         if experts == 18:  # everything fits: each expert is read once in the whole run
             assert off.stats.reads <= 18 and cache.counters.evictions == 0
@@ -71,18 +73,17 @@ def test_greedy_tokens_equal_resident_and_budget_holds(run_dir: Path, experts: i
 def test_prefetch_modes_give_the_same_tokens(run_dir: Path, prefetch: str) -> None:
     reference = greedy(load_run(run_dir).model)
     budget = budget_for(run_dir, 9)
-    options = OffloadOptions(memory_budget=budget, prefetch=prefetch, policy="fifo", prefetch_min_precision=0.0)
+    options = OffloadOptions(
+        memory_budget=budget, prefetch=prefetch, policy="fifo", prefetch_min_precision=0.0, record_trace=1000
+    )
     run = load_run(run_dir, offload=options)
-    stats = run.offloader.stats
+    stats, trace = run.offloader.stats, run.offloader.trace
     try:
         assert torch.equal(greedy(run.model), reference)
-        assert max(stats.reads_per_step.values()) == 1
+        assert stats.max_reads_per_step == 1
         if prefetch == "off":  # on demand only: never an expert the step did not select
-            needed = set()
-            layers = len(run.offloader.blocks)
-            for i, request in enumerate(stats.trace):
-                needed |= {(i // layers + 1, key) for key in request}
-            assert set(stats.reads_per_step) <= needed and stats.prefetch_reads == 0
+            needed = {(r.step, (r.block, e)) for r in trace.requests for e in r.needed}
+            assert {(r.step, r.key) for r in trace.reads} <= needed and stats.prefetch_reads == 0
         else:
             assert stats.prefetch_reads > 0
         if prefetch == "router":
@@ -115,6 +116,73 @@ def test_moving_precision_follows_the_predictions(run_dir: Path) -> None:
         assert 0.5 < stats.recent_precision <= 1.0 and stats.prediction_precision > 0.5
     finally:
         run.offloader.close()
+
+
+_BOOKKEEPING = (offload.OffloadStats, offload.Offloader, offload.OffloadTrace, ExpertCache, LRU, LFU)
+
+
+def _container_lengths(obj: object, name: str = "") -> dict[str, int]:
+    """Length of every list, tuple, dict, set and deque reachable through ``obj``'s attributes and items."""
+    out: dict[str, int] = {}
+    if isinstance(obj, list | tuple | dict | set | frozenset | deque):
+        out[name] = len(obj)
+        items = obj.items() if isinstance(obj, dict) else enumerate(obj)
+        for key, value in items:
+            out.update(_container_lengths(value, f"{name}[{key!r}]"))
+    elif isinstance(obj, _BOOKKEEPING):
+        for attr, value in vars(obj).items():
+            out.update(_container_lengths(value, f"{name}.{attr}"))
+    return out
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_bookkeeping_stays_bounded_over_many_steps(run_dir: Path, policy: str) -> None:
+    options = OffloadOptions(budget_for(run_dir, 5), policy=policy, prefetch_min_precision=0.0, record_trace=10)
+    run = load_run(run_dir, offload=options)
+    off = run.offloader
+    try:
+        for _ in range(2):  # a long run in miniature: 72 layer requests, over 150 reads
+            greedy(run.model, new_tokens=12)
+        assert off.stats.steps == 2 * 12 and off.stats.reads > 150
+        lengths = _container_lengths(off)
+        assert "._step_reads" in lengths and ".trace.requests" in lengths  # the walk sees the bookkeeping
+        # no container outgrows the model's experts (18) however long the run, the trace its own size
+        too_long = {name: n for name, n in lengths.items() if n > len(off.store.pieces)}
+        assert not too_long
+        assert len(off.trace.requests) == len(off.trace.reads) == 10
+        assert not any(hasattr(value, "__len__") for value in vars(off.stats).values())
+    finally:
+        off.close()
+
+
+def test_totals_equal_the_figures_of_an_explicit_trace(run_dir: Path) -> None:
+    options = OffloadOptions(budget_for(run_dir, 9), prefetch_min_precision=0.0, record_trace=10_000)
+    run = load_run(run_dir, offload=options)
+    off = run.offloader
+    read_bytes: list[int] = []  # every read of the store, as the store reports it
+    store_read = off.store.read_into
+
+    def read_into(key, slot):
+        read_bytes.append(store_read(key, slot))
+        return read_bytes[-1]
+
+    off.store.read_into = read_into
+    try:
+        greedy(run.model, new_tokens=8)
+        stats, trace = off.stats, off.trace
+        assert len(trace.requests) == stats.steps * len(off.blocks)  # the whole run is in the trace
+        hits = sum(len(r.hits) for r in trace.requests)
+        needed = sum(len(r.needed) for r in trace.requests)
+        steps = {r.step for r in trace.requests}
+        assert stats.hits == hits and stats.misses == needed - hits > 0
+        assert stats.hit_rate == hits / needed
+        assert stats.bytes_read == sum(read_bytes) > 0 and stats.reads == len(trace.reads) == len(read_bytes)
+        assert stats.prefetch_reads == sum(r.prefetch for r in trace.reads) > 0
+        assert stats.mean_reads_per_step == len(trace.reads) / len(steps)
+        assert stats.max_reads_per_step == max(Counter((r.step, r.key) for r in trace.reads).values()) == 1
+        assert trace.routing()[0] == [(trace.requests[0].block, e) for e in trace.requests[0].needed]
+    finally:
+        off.close()
 
 
 def test_sampled_batched_text_equals_resident(run_dir: Path) -> None:
