@@ -4,6 +4,7 @@ read at most once per step, prefetch on/off equal, clear errors. Real run direct
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from collections import Counter, deque
 from pathlib import Path
@@ -215,6 +216,46 @@ def test_truncated_expert_file_names_the_expert(run_dir: Path, tmp_path: Path) -
         f.truncate(data_start + w_out["data_offsets"][0] + 3 * per_expert + per_expert // 2)
     with pytest.raises(ExpertStoreError, match=r"truncated: expert 3 of block 2 "):
         load_run(broken, offload=OffloadOptions(memory_budget=1 << 30))
+
+
+@pytest.mark.parametrize("prefetch", ["router", "all", "off"])
+@pytest.mark.parametrize("cut", [2, 0])
+def test_a_failed_read_leaves_no_slot_pinned(run_dir: Path, tmp_path: Path, cut: int, prefetch: str) -> None:
+    """The file is cut at block ``cut``'s experts after the store opened. Block 2: with a prefetch, the
+    reads prefetched for it fail (several at once); without, its demand reads do. Block 0: its demand
+    reads fail while block 1's prefetch is in flight. Either way the error names the file and an expert
+    of the cut block, and every slot is free for the next request."""
+    broken = tmp_path / "run"
+    shutil.copytree(run_dir, broken)
+    options = OffloadOptions(1 << 30, prefetch=prefetch, prefetch_min_precision=0.0, record_trace=100)
+    run = load_run(broken, offload=options)
+    off = run.offloader
+    attempted: list[tuple[int, int]] = []
+    store_read = off.store.read_into
+
+    def read_into(key, slot):
+        attempted.append(key)
+        return store_read(key, slot)
+
+    off.store.read_into = read_into
+    header, data_start = read_safetensors_header(off.store.path)
+    os.truncate(off.store.path, data_start + header[expert_tensor_prefix(cut) + "w_in"]["data_offsets"][0])
+    try:
+        error = rf"{re.escape(str(off.store.path))}: truncated: expert \d of block {cut} "
+        for _ in range(2):  # the same clear error again: the first left nothing behind
+            with pytest.raises(ExpertStoreError, match=error):
+                greedy(run.model)
+            entries = off.cache.entries
+            assert all(e.pins == 0 and e.loading is None for e in entries.values()), entries
+            assert not any(block >= cut for block, _ in entries)  # no slot claims an expert it does not hold
+        assert sum(block == cut for block, _ in attempted) >= 2  # several reads of the cut block were in flight
+        # where block 2's reads were prefetched, they failed before it ran: it made no request of its own
+        demand = prefetch == "off" or cut == 0
+        assert {r.block for r in off.trace.requests} == set(range(cut)) | ({cut} if demand else set())
+        free = [off.cache.reserve(("free", i)) for i in range(off.cache.num_slots)]
+        assert all(entry is not None for entry in free)  # every slot can be claimed again
+    finally:
+        off.close()
 
 
 def test_parse_bytes() -> None:

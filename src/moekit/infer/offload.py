@@ -222,15 +222,36 @@ class Offloader:
             entry.loading = None
 
     def _settle(self, block: int, needed: set[int]) -> None:
-        """Wait for prefetched experts this layer needs; cancel or release the others."""
+        """Wait for prefetched experts this layer needs; cancel or release the others.
+
+        A failed read is raised only once every other slot of the prefetch is released (waited for
+        and unpinned, or freed): a slot left pinned, or holding a finished read, could never be evicted.
+        """
+        error: BaseException | None = None
         for key in self._pending.pop(block, []):
-            entry = self.cache.entries[key]
-            assert entry.loading is not None
-            if key[1] not in needed and entry.loading.cancel():
-                self.cache.drop(key)
-                continue
-            self._wait(key, entry)
-            self.cache.unpin(entry)
+            try:
+                self._release_prefetched(key, key[1] in needed)
+            except BaseException as err:  # the slot is freed; the others are still to release
+                error = error or err
+        if error is not None:
+            raise error
+
+    def _release_prefetched(self, key: Key, needed: bool) -> None:
+        """Unpin a prefetched slot once its read is done; free it if the read was cancelled or failed (raised)."""
+        entry = self.cache.entries[key]
+        assert entry.loading is not None
+        if not needed and entry.loading.cancel():
+            self.cache.drop(key)
+            return
+        self._wait(key, entry)
+        self.cache.unpin(entry)
+
+    def _abandon_prefetches(self) -> None:
+        """Release every prefetched slot (a layer failed: no later layer of this pass settles them)."""
+        for block in list(self._pending):
+            for key in self._pending.pop(block):
+                with contextlib.suppress(BaseException):
+                    self._release_prefetched(key, needed=False)
 
     def _prefetch_for(self, block: int, x_RD: Tensor) -> None:
         """Start background reads of the experts the next MoE layer is predicted to need."""
@@ -265,7 +286,17 @@ class Offloader:
     # --- one layer -----------------------------------------------------------------------------
 
     def run_layer(self, block: int, x_RD: Tensor, tokens_per_expert: Tensor, activation: str) -> Tensor:
-        """The experts' outputs [R, D] for rows sorted by expert, loading weights as needed."""
+        """The experts' outputs [R, D] for rows sorted by expert, loading weights as needed.
+
+        A failed read raises (``ExpertStoreError`` naming the file and the expert) with no slot left pinned.
+        """
+        try:
+            return self._run_layer(block, x_RD, tokens_per_expert, activation)
+        except BaseException:
+            self._abandon_prefetches()
+            raise
+
+    def _run_layer(self, block: int, x_RD: Tensor, tokens_per_expert: Tensor, activation: str) -> Tensor:
         if block == self.blocks[0]:
             self._start_step()
         counts = tokens_per_expert.tolist()
