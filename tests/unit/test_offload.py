@@ -93,6 +93,64 @@ def test_prefetch_modes_give_the_same_tokens(run_dir: Path, prefetch: str) -> No
         run.offloader.close()
 
 
+@pytest.mark.parametrize("policy", ["lru", "lfu", "fifo"])
+def test_a_prefetch_never_evicts_what_it_predicted(run_dir: Path, policy: str) -> None:
+    """Every layer uses all 6 of its experts and 13 slots hold a layer's 6, the next layer's 6 (the
+    prefetch: all of them) and one more. The next layer's experts still resident when its prefetch
+    starts are kept, not evicted to make room for their siblings: once warm, each layer reads only the
+    5 of its experts that were gone, each once, all of them prefetched."""
+    resident = load_run(run_dir).model
+    options = OffloadOptions(budget_for(run_dir, 13), policy=policy, prefetch="all", record_trace=1000)
+    run = load_run(run_dir, offload=options)
+    off = run.offloader
+    steps, blocks = 4, off.blocks
+    x_RD = torch.randn(6, run.config.model.d_model, generator=torch.Generator().manual_seed(0))
+    every_expert = torch.ones(6, dtype=torch.long)  # one row each
+    try:
+        with torch.no_grad():
+            for _ in range(steps):
+                for block in blocks:
+                    y_RD = run.model.blocks[block].ffn.experts(x_RD, every_expert)
+                    # reference: the resident model's own experts
+                    assert torch.equal(y_RD, resident.blocks[block].ffn.experts(x_RD, every_expert))
+        stats, trace = off.stats, off.trace
+        assert stats.misses == 6  # the first layer's, read cold; every later expert was prefetched or kept
+        # reads by the step they are for (the last layer's prefetch, for a step not run, may be in flight)
+        reads = Counter(r.step for r in trace.reads if r.step <= steps)
+        assert reads == {1: 18, **dict.fromkeys(range(2, steps + 1), 15)}
+        assert stats.max_reads_per_step == 1 and stats.reads == stats.prefetch_reads + 6
+    finally:
+        off.close()
+
+
+def test_ring_prefetch_keeps_every_expert_it_will_use(run_dir: Path) -> None:
+    """``prefetch="all"`` with room for two layers and one more expert: no prefetch evicts an expert of
+    the layer it reads for (all of them are predicted), after the first layer every expert a step needs
+    was prefetched or kept resident (no demand read), and the tokens are resident's."""
+    reference = greedy(load_run(run_dir).model)
+    options = OffloadOptions(budget_for(run_dir, 13), policy="fifo", prefetch="all", record_trace=1000)
+    run = load_run(run_dir, offload=options)
+    off = run.offloader
+    evictions: list[tuple[tuple[int, int], tuple[int, int]]] = []  # (key reserved, key it evicted)
+    cache_reserve = off.cache.reserve
+
+    def reserve(key):
+        before = set(off.cache.entries)
+        entry = cache_reserve(key)
+        evictions.extend((key, evicted) for evicted in before - set(off.cache.entries))
+        return entry
+
+    off.cache.reserve = reserve
+    try:
+        assert torch.equal(greedy(run.model), reference)
+        assert evictions and not [(key, gone) for key, gone in evictions if gone[0] == key[0]]
+        first = off.trace.requests[0]
+        assert off.stats.misses == len(first.needed) and not first.hits
+        assert off.stats.max_reads_per_step == 1
+    finally:
+        off.close()
+
+
 def test_router_prefetch_pauses_while_its_precision_is_low(run_dir: Path, monkeypatch) -> None:
     reference = greedy(load_run(run_dir).model)
     run = load_run(run_dir, offload=OffloadOptions(memory_budget=budget_for(run_dir, 9)))

@@ -11,7 +11,8 @@ picked. Non-expert weights stay resident. Per layer and step:
 3. the next MoE layer's experts are predicted by applying its router to this layer's input
    (``prefetch="router"``; Eliseev & Mazur 2023) or taken whole (``prefetch="all"``: throughput
    mode, layers streamed round-robin through the slots with FIFO eviction, MoESys/MoE-Lightning)
-   and read by the same pool while this layer computes; a router prediction is only
+   and read by the same pool while this layer computes (the predicted experts already resident are
+   pinned first, so those reads cannot evict them); a router prediction is only
    fetched while the prefetcher's recent precision holds up (a mispredicted read costs a whole
    expert's bytes, a right one saves only the overlap), and keeps being scored while it is not;
 4. each expert's rows are computed with plain matmuls, the same arithmetic as the resident
@@ -239,11 +240,11 @@ class Offloader:
     def _release_prefetched(self, key: Key, needed: bool) -> None:
         """Unpin a prefetched slot once its read is done; free it if the read was cancelled or failed (raised)."""
         entry = self.cache.entries[key]
-        assert entry.loading is not None
-        if not needed and entry.loading.cancel():
-            self.cache.drop(key)
-            return
-        self._wait(key, entry)
+        if entry.loading is not None:  # else resident before the prefetch, only kept from eviction
+            if not needed and entry.loading.cancel():
+                self.cache.drop(key)
+                return
+            self._wait(key, entry)
         self.cache.unpin(entry)
 
     def _abandon_prefetches(self) -> None:
@@ -271,10 +272,13 @@ class Offloader:
             if self.stats.recent_precision < self.min_precision:
                 return
         step = self.stats.steps + (target <= block)  # wrapping around: the next step's first layer
-        keys = []
+        assert target not in self._pending, target
+        # NOTE: the predicted experts already resident are pinned before any slot is claimed, or the
+        # claims could evict them (the oldest, often) and read them again; the target layer unpins them.
+        keys = [(target, e) for e in predicted if self.cache.pin_resident((target, e)) is not None]
         for expert in predicted:
             key = (target, expert)
-            if key in self.cache.entries:  # resident already (a prediction is not a use)
+            if key in self.cache.entries:
                 continue
             entry = self.cache.reserve(key)
             if entry is None:
