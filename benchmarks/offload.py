@@ -50,6 +50,7 @@ OVERRIDES = {
     "moe.num_experts": "128",
     "moe.top_k": "2",
 }
+TRACE_LEN = 100_000  # layer requests recorded for the offline replay: far more than a run here makes
 
 
 def build_run(run_dir: Path) -> Path:
@@ -130,7 +131,11 @@ def main() -> None:
     reference: dict[int, Tensor] = {}
 
     def offloaded(name: str, batch: int, warm: bool = False, **options) -> None:
-        opts = OffloadOptions(memory_budget=budget, direct_io=not warm, drop_pages=not warm, **options)
+        replayed = name == "moekit-lru+prefetch" and not warm  # its routing trace is replayed offline
+        trace_len = TRACE_LEN if replayed else 0
+        opts = OffloadOptions(
+            memory_budget=budget, direct_io=not warm, drop_pages=not warm, record_trace=trace_len, **options
+        )
         run = load_run(run_dir, offload=opts)
         off = run.offloader
         if not warm:
@@ -151,11 +156,13 @@ def main() -> None:
                 prefetch_reads=stats.prefetch_reads,
                 same_tokens=bool(torch.equal(out, reference[batch])) if opts.expert_format == "fp" else None,
                 slots=off.cache.num_slots,
-                max_reads_per_step=max(stats.reads_per_step.values()),
+                reads_per_step=stats.mean_reads_per_step,
+                max_reads_per_step=stats.max_reads_per_step,
             )
         )
-        if name == "moekit-lru+prefetch" and not warm:
-            traces[batch] = (stats.trace, off.cache.num_slots)
+        if replayed:
+            assert len(off.trace.requests) == stats.steps * len(off.blocks), "TRACE_LEN is too short for the run"
+            traces[batch] = (off.trace.routing(), off.cache.num_slots)
 
     traces: dict[int, tuple[list, int]] = {}
     for batch in (1, 16):

@@ -48,3 +48,18 @@ def test_cache_never_exceeds_its_slots_and_respects_pins() -> None:
     cache.reserve("d")
     assert set(cache.entries) == {"b", "d"}  # c was least recently used
     assert cache.counters.peak_slots == 2 and cache.counters.evictions == 2
+
+
+def test_pin_resident_keeps_a_key_without_counting_a_use() -> None:
+    cache = ExpertCache(2, 64, torch.device("cpu"), make_policy("lru"))
+    for key in ("a", "b"):
+        cache.unpin(cache.reserve(key))
+    assert cache.pin_resident("c") is None  # not resident: nothing pinned
+    a = cache.pin_resident("a")  # a is the least recently used, and stays so ...
+    assert a is not None and a.pins == 1
+    cache.reserve("c")  # ... yet it is kept: b goes
+    assert set(cache.entries) == {"a", "c"}
+    cache.unpin(a)
+    cache.unpin(cache.entries["c"])
+    cache.reserve("d")  # the pin did not count as a use: a, least recently used, goes
+    assert set(cache.entries) == {"c", "d"}

@@ -4,7 +4,9 @@ read at most once per step, prefetch on/off equal, clear errors. Real run direct
 from __future__ import annotations
 
 import os
+import re
 import shutil
+from collections import Counter, deque
 from pathlib import Path
 
 import pytest
@@ -13,6 +15,7 @@ from safetensors.torch import load_file
 
 from moekit import runconfig
 from moekit.infer import offload
+from moekit.infer.cache import LFU, LRU, ExpertCache
 from moekit.infer.expert_store import (
     ExpertStore,
     ExpertStoreError,
@@ -59,7 +62,7 @@ def test_greedy_tokens_equal_resident_and_budget_holds(run_dir: Path, experts: i
         cache = off.cache
         assert cache.num_slots == experts
         assert model_bytes(run.model) + cache.counters.peak_slots * cache.slot_bytes <= budget
-        assert max(off.stats.reads_per_step.values()) == 1  # each expert read at most once per step
+        assert off.stats.max_reads_per_step == 1  # each expert read at most once per step
         assert off.stats.bytes_read == off.stats.reads * off.store.bytes_per_expert
         if experts == 18:  # everything fits: each expert is read once in the whole run
             assert off.stats.reads <= 18 and cache.counters.evictions == 0
@@ -71,24 +74,81 @@ def test_greedy_tokens_equal_resident_and_budget_holds(run_dir: Path, experts: i
 def test_prefetch_modes_give_the_same_tokens(run_dir: Path, prefetch: str) -> None:
     reference = greedy(load_run(run_dir).model)
     budget = budget_for(run_dir, 9)
-    options = OffloadOptions(memory_budget=budget, prefetch=prefetch, policy="fifo", prefetch_min_precision=0.0)
+    options = OffloadOptions(
+        memory_budget=budget, prefetch=prefetch, policy="fifo", prefetch_min_precision=0.0, record_trace=1000
+    )
     run = load_run(run_dir, offload=options)
-    stats = run.offloader.stats
+    stats, trace = run.offloader.stats, run.offloader.trace
     try:
         assert torch.equal(greedy(run.model), reference)
-        assert max(stats.reads_per_step.values()) == 1
+        assert stats.max_reads_per_step == 1
         if prefetch == "off":  # on demand only: never an expert the step did not select
-            needed = set()
-            layers = len(run.offloader.blocks)
-            for i, request in enumerate(stats.trace):
-                needed |= {(i // layers + 1, key) for key in request}
-            assert set(stats.reads_per_step) <= needed and stats.prefetch_reads == 0
+            needed = {(r.step, (r.block, e)) for r in trace.requests for e in r.needed}
+            assert {(r.step, r.key) for r in trace.reads} <= needed and stats.prefetch_reads == 0
         else:
             assert stats.prefetch_reads > 0
         if prefetch == "router":
             assert stats.predicted > 0 and 0 < stats.prediction_recall <= 1
     finally:
         run.offloader.close()
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu", "fifo"])
+def test_a_prefetch_never_evicts_what_it_predicted(run_dir: Path, policy: str) -> None:
+    """Every layer uses all 6 of its experts and 13 slots hold a layer's 6, the next layer's 6 (the
+    prefetch: all of them) and one more. The next layer's experts still resident when its prefetch
+    starts are kept, not evicted to make room for their siblings: once warm, each layer reads only the
+    5 of its experts that were gone, each once, all of them prefetched."""
+    resident = load_run(run_dir).model
+    options = OffloadOptions(budget_for(run_dir, 13), policy=policy, prefetch="all", record_trace=1000)
+    run = load_run(run_dir, offload=options)
+    off = run.offloader
+    steps, blocks = 4, off.blocks
+    x_RD = torch.randn(6, run.config.model.d_model, generator=torch.Generator().manual_seed(0))
+    every_expert = torch.ones(6, dtype=torch.long)  # one row each
+    try:
+        with torch.no_grad():
+            for _ in range(steps):
+                for block in blocks:
+                    y_RD = run.model.blocks[block].ffn.experts(x_RD, every_expert)
+                    # reference: the resident model's own experts
+                    assert torch.equal(y_RD, resident.blocks[block].ffn.experts(x_RD, every_expert))
+        stats, trace = off.stats, off.trace
+        assert stats.misses == 6  # the first layer's, read cold; every later expert was prefetched or kept
+        # reads by the step they are for (the last layer's prefetch, for a step not run, may be in flight)
+        reads = Counter(r.step for r in trace.reads if r.step <= steps)
+        assert reads == {1: 18, **dict.fromkeys(range(2, steps + 1), 15)}
+        assert stats.max_reads_per_step == 1 and stats.reads == stats.prefetch_reads + 6
+    finally:
+        off.close()
+
+
+def test_ring_prefetch_keeps_every_expert_it_will_use(run_dir: Path) -> None:
+    """``prefetch="all"`` with room for two layers and one more expert: no prefetch evicts an expert of
+    the layer it reads for (all of them are predicted), after the first layer every expert a step needs
+    was prefetched or kept resident (no demand read), and the tokens are resident's."""
+    reference = greedy(load_run(run_dir).model)
+    options = OffloadOptions(budget_for(run_dir, 13), policy="fifo", prefetch="all", record_trace=1000)
+    run = load_run(run_dir, offload=options)
+    off = run.offloader
+    evictions: list[tuple[tuple[int, int], tuple[int, int]]] = []  # (key reserved, key it evicted)
+    cache_reserve = off.cache.reserve
+
+    def reserve(key):
+        before = set(off.cache.entries)
+        entry = cache_reserve(key)
+        evictions.extend((key, evicted) for evicted in before - set(off.cache.entries))
+        return entry
+
+    off.cache.reserve = reserve
+    try:
+        assert torch.equal(greedy(run.model), reference)
+        assert evictions and not [(key, gone) for key, gone in evictions if gone[0] == key[0]]
+        first = off.trace.requests[0]
+        assert off.stats.misses == len(first.needed) and not first.hits
+        assert off.stats.max_reads_per_step == 1
+    finally:
+        off.close()
 
 
 def test_router_prefetch_pauses_while_its_precision_is_low(run_dir: Path, monkeypatch) -> None:
@@ -115,6 +175,73 @@ def test_moving_precision_follows_the_predictions(run_dir: Path) -> None:
         assert 0.5 < stats.recent_precision <= 1.0 and stats.prediction_precision > 0.5
     finally:
         run.offloader.close()
+
+
+_BOOKKEEPING = (offload.OffloadStats, offload.Offloader, offload.OffloadTrace, ExpertCache, LRU, LFU)
+
+
+def _container_lengths(obj: object, name: str = "") -> dict[str, int]:
+    """Length of every list, tuple, dict, set and deque reachable through ``obj``'s attributes and items."""
+    out: dict[str, int] = {}
+    if isinstance(obj, list | tuple | dict | set | frozenset | deque):
+        out[name] = len(obj)
+        items = obj.items() if isinstance(obj, dict) else enumerate(obj)
+        for key, value in items:
+            out.update(_container_lengths(value, f"{name}[{key!r}]"))
+    elif isinstance(obj, _BOOKKEEPING):
+        for attr, value in vars(obj).items():
+            out.update(_container_lengths(value, f"{name}.{attr}"))
+    return out
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_bookkeeping_stays_bounded_over_many_steps(run_dir: Path, policy: str) -> None:
+    options = OffloadOptions(budget_for(run_dir, 5), policy=policy, prefetch_min_precision=0.0, record_trace=10)
+    run = load_run(run_dir, offload=options)
+    off = run.offloader
+    try:
+        for _ in range(2):  # a long run in miniature: 72 layer requests, over 150 reads
+            greedy(run.model, new_tokens=12)
+        assert off.stats.steps == 2 * 12 and off.stats.reads > 150
+        lengths = _container_lengths(off)
+        assert "._step_reads" in lengths and ".trace.requests" in lengths  # the walk sees the bookkeeping
+        # no container outgrows the model's experts (18) however long the run, the trace its own size
+        too_long = {name: n for name, n in lengths.items() if n > len(off.store.pieces)}
+        assert not too_long
+        assert len(off.trace.requests) == len(off.trace.reads) == 10
+        assert not any(hasattr(value, "__len__") for value in vars(off.stats).values())
+    finally:
+        off.close()
+
+
+def test_totals_equal_the_figures_of_an_explicit_trace(run_dir: Path) -> None:
+    options = OffloadOptions(budget_for(run_dir, 9), prefetch_min_precision=0.0, record_trace=10_000)
+    run = load_run(run_dir, offload=options)
+    off = run.offloader
+    read_bytes: list[int] = []  # every read of the store, as the store reports it
+    store_read = off.store.read_into
+
+    def read_into(key, slot):
+        read_bytes.append(store_read(key, slot))
+        return read_bytes[-1]
+
+    off.store.read_into = read_into
+    try:
+        greedy(run.model, new_tokens=8)
+        stats, trace = off.stats, off.trace
+        assert len(trace.requests) == stats.steps * len(off.blocks)  # the whole run is in the trace
+        hits = sum(len(r.hits) for r in trace.requests)
+        needed = sum(len(r.needed) for r in trace.requests)
+        steps = {r.step for r in trace.requests}
+        assert stats.hits == hits and stats.misses == needed - hits > 0
+        assert stats.hit_rate == hits / needed
+        assert stats.bytes_read == sum(read_bytes) > 0 and stats.reads == len(trace.reads) == len(read_bytes)
+        assert stats.prefetch_reads == sum(r.prefetch for r in trace.reads) > 0
+        assert stats.mean_reads_per_step == len(trace.reads) / len(steps)
+        assert stats.max_reads_per_step == max(Counter((r.step, r.key) for r in trace.reads).values()) == 1
+        assert trace.routing()[0] == [(trace.requests[0].block, e) for e in trace.requests[0].needed]
+    finally:
+        off.close()
 
 
 def test_sampled_batched_text_equals_resident(run_dir: Path) -> None:
@@ -147,6 +274,46 @@ def test_truncated_expert_file_names_the_expert(run_dir: Path, tmp_path: Path) -
         f.truncate(data_start + w_out["data_offsets"][0] + 3 * per_expert + per_expert // 2)
     with pytest.raises(ExpertStoreError, match=r"truncated: expert 3 of block 2 "):
         load_run(broken, offload=OffloadOptions(memory_budget=1 << 30))
+
+
+@pytest.mark.parametrize("prefetch", ["router", "all", "off"])
+@pytest.mark.parametrize("cut", [2, 0])
+def test_a_failed_read_leaves_no_slot_pinned(run_dir: Path, tmp_path: Path, cut: int, prefetch: str) -> None:
+    """The file is cut at block ``cut``'s experts after the store opened. Block 2: with a prefetch, the
+    reads prefetched for it fail (several at once); without, its demand reads do. Block 0: its demand
+    reads fail while block 1's prefetch is in flight. Either way the error names the file and an expert
+    of the cut block, and every slot is free for the next request."""
+    broken = tmp_path / "run"
+    shutil.copytree(run_dir, broken)
+    options = OffloadOptions(1 << 30, prefetch=prefetch, prefetch_min_precision=0.0, record_trace=100)
+    run = load_run(broken, offload=options)
+    off = run.offloader
+    attempted: list[tuple[int, int]] = []
+    store_read = off.store.read_into
+
+    def read_into(key, slot):
+        attempted.append(key)
+        return store_read(key, slot)
+
+    off.store.read_into = read_into
+    header, data_start = read_safetensors_header(off.store.path)
+    os.truncate(off.store.path, data_start + header[expert_tensor_prefix(cut) + "w_in"]["data_offsets"][0])
+    try:
+        error = rf"{re.escape(str(off.store.path))}: truncated: expert \d of block {cut} "
+        for _ in range(2):  # the same clear error again: the first left nothing behind
+            with pytest.raises(ExpertStoreError, match=error):
+                greedy(run.model)
+            entries = off.cache.entries
+            assert all(e.pins == 0 and e.loading is None for e in entries.values()), entries
+            assert not any(block >= cut for block, _ in entries)  # no slot claims an expert it does not hold
+        assert sum(block == cut for block, _ in attempted) >= 2  # several reads of the cut block were in flight
+        # where block 2's reads were prefetched, they failed before it ran: it made no request of its own
+        demand = prefetch == "off" or cut == 0
+        assert {r.block for r in off.trace.requests} == set(range(cut)) | ({cut} if demand else set())
+        free = [off.cache.reserve(("free", i)) for i in range(off.cache.num_slots)]
+        assert all(entry is not None for entry in free)  # every slot can be claimed again
+    finally:
+        off.close()
 
 
 def test_parse_bytes() -> None:

@@ -2,7 +2,7 @@
 
 The arena is allocated once (``num_slots * slot_bytes`` <= budget), so the resident expert bytes can
 never exceed the budget: a load needs a free slot or evicts an unpinned one. Pins protect the
-experts a layer is computing with and those prefetched for the next layer.
+experts a layer is computing with and those predicted for the next layer (being read, or resident already).
 
 Policies are pluggable (``POLICIES``): ``lru``, ``lfu`` (counts kept across evictions, ties broken
 by recency) and ``fifo`` (the ring order throughput mode streams layers through). ``replay`` runs a
@@ -179,6 +179,14 @@ class ExpertCache:
     def pin(self, entry: Entry) -> None:
         with self.lock:
             entry.pins += 1
+
+    def pin_resident(self, key: Hashable) -> Entry | None:
+        """Pin key's entry if it is resident, without counting a use (a prediction is not one); else None."""
+        with self.lock:
+            entry = self.entries.get(key)
+            if entry is not None:
+                entry.pins += 1
+            return entry
 
 
 # ---------------------------------------------------------------------------------------------

@@ -11,7 +11,8 @@ picked. Non-expert weights stay resident. Per layer and step:
 3. the next MoE layer's experts are predicted by applying its router to this layer's input
    (``prefetch="router"``; Eliseev & Mazur 2023) or taken whole (``prefetch="all"``: throughput
    mode, layers streamed round-robin through the slots with FIFO eviction, MoESys/MoE-Lightning)
-   and read by the same pool while this layer computes; a router prediction is only
+   and read by the same pool while this layer computes (the predicted experts already resident are
+   pinned first, so those reads cannot evict them); a router prediction is only
    fetched while the prefetcher's recent precision holds up (a mispredicted read costs a whole
    expert's bytes, a right one saves only the overlap), and keeps being scored while it is not;
 4. each expert's rows are computed with plain matmuls, the same arithmetic as the resident
@@ -32,9 +33,9 @@ from __future__ import annotations
 
 import contextlib
 import re
-from collections import Counter
+from collections import Counter, deque
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -72,7 +73,7 @@ def format_bytes(n: float) -> str:
 
 @dataclass
 class OffloadStats:
-    """Counters of an offloaded run; ``reads_per_step`` proves no expert is read twice in a step."""
+    """Running totals of an offloaded run: fixed size however long it serves (no per-step records)."""
 
     steps: int = 0
     hits: int = 0  # needed experts found resident (loaded earlier or prefetched)
@@ -80,16 +81,20 @@ class OffloadStats:
     bytes_read: int = 0
     reads: int = 0
     prefetch_reads: int = 0
+    max_reads_per_step: int = 0  # most reads of one expert for one step: 1 proves none is read twice
     predicted: int = 0  # experts the prefetcher predicted (in layers that had a prediction)
     predicted_needed: int = 0  # of those needed experts, how many were predicted
     needed_with_prediction: int = 0  # needed experts in layers that had a prediction
     recent_precision: float = 1.0  # moving average of each prediction's precision (gates prefetch)
-    reads_per_step: Counter = field(default_factory=Counter)  # (step, key) -> reads
-    trace: list[list[Key]] = field(default_factory=list)  # needed experts per (step, layer)
 
     @property
     def hit_rate(self) -> float:
         return self.hits / max(1, self.hits + self.misses)
+
+    @property
+    def mean_reads_per_step(self) -> float:
+        """Mean expert reads per step (prefill and each decode step are one step each)."""
+        return self.reads / max(1, self.steps)
 
     @property
     def prediction_recall(self) -> float:
@@ -99,6 +104,36 @@ class OffloadStats:
     @property
     def prediction_precision(self) -> float:
         return self.predicted_needed / max(1, self.predicted)
+
+
+@dataclass(frozen=True)
+class LayerRequest:
+    """The experts one MoE layer needed in one step, and which of them were resident."""
+
+    step: int
+    block: int
+    needed: tuple[int, ...]
+    hits: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ExpertRead:
+    step: int  # the step the expert was read for (a prefetch may read for the next one)
+    key: Key
+    prefetch: bool
+
+
+class OffloadTrace:
+    """The last ``maxlen`` layer requests and expert reads of a run, kept only when asked for
+    (``OffloadOptions.record_trace``): the input of the offline policy replay, and a check of the totals."""
+
+    def __init__(self, maxlen: int) -> None:
+        self.requests: deque[LayerRequest] = deque(maxlen=maxlen)
+        self.reads: deque[ExpertRead] = deque(maxlen=maxlen)
+
+    def routing(self) -> list[list[Key]]:
+        """Needed experts per (step, layer), oldest first: what ``cache.replay`` takes."""
+        return [[(r.block, e) for e in r.needed] for r in self.requests]
 
 
 class Offloader:
@@ -112,6 +147,7 @@ class Offloader:
         layers: dict[int, MoE],
         prefetch: str = "router",
         min_precision: float = 0.5,
+        record_trace: int = 0,
     ) -> None:
         if prefetch not in PREFETCH_MODES:
             raise ValueError(f"prefetch={prefetch!r}: choose from {', '.join(PREFETCH_MODES)}")
@@ -121,6 +157,8 @@ class Offloader:
         self.routers = {b: layers[b].router for b in self.blocks}
         self.num_experts = {b: layers[b].cfg.num_experts for b in self.blocks}
         self.stats = OffloadStats()
+        self.trace = OffloadTrace(record_trace) if record_trace else None
+        self._step_reads: dict[int, Counter[Key]] = {}  # reads per expert of the steps in flight (this, next)
         self._pending: dict[int, list[Key]] = {}  # block -> keys prefetched for it, not yet settled
         self._predicted: tuple[int, set[int]] | None = None  # (block, experts) the router prefetch predicted
         self._readers = ThreadPoolExecutor(READERS, thread_name_prefix="moekit-read")
@@ -152,7 +190,11 @@ class Offloader:
             self.stats.reads += 1
             self.stats.prefetch_reads += prefetch
             self.stats.bytes_read += self.store.bytes_per_expert
-            self.stats.reads_per_step[(step, key)] += 1
+            reads = self._step_reads.setdefault(step, Counter())
+            reads[key] += 1
+            self.stats.max_reads_per_step = max(self.stats.max_reads_per_step, reads[key])
+            if self.trace is not None:
+                self.trace.reads.append(ExpertRead(step, key, prefetch))
 
     def _load_now(self, key: Key) -> Entry | None:
         """Read a missing expert on the calling thread into a pinned slot (None: every slot is pinned)."""
@@ -181,15 +223,36 @@ class Offloader:
             entry.loading = None
 
     def _settle(self, block: int, needed: set[int]) -> None:
-        """Wait for prefetched experts this layer needs; cancel or release the others."""
+        """Wait for prefetched experts this layer needs; cancel or release the others.
+
+        A failed read is raised only once every other slot of the prefetch is released (waited for
+        and unpinned, or freed): a slot left pinned, or holding a finished read, could never be evicted.
+        """
+        error: BaseException | None = None
         for key in self._pending.pop(block, []):
-            entry = self.cache.entries[key]
-            assert entry.loading is not None
-            if key[1] not in needed and entry.loading.cancel():
+            try:
+                self._release_prefetched(key, key[1] in needed)
+            except BaseException as err:  # the slot is freed; the others are still to release
+                error = error or err
+        if error is not None:
+            raise error
+
+    def _release_prefetched(self, key: Key, needed: bool) -> None:
+        """Unpin a prefetched slot once its read is done; free it if the read was cancelled or failed (raised)."""
+        entry = self.cache.entries[key]
+        if entry.loading is not None:  # else resident before the prefetch, only kept from eviction
+            if not needed and entry.loading.cancel():
                 self.cache.drop(key)
-                continue
+                return
             self._wait(key, entry)
-            self.cache.unpin(entry)
+        self.cache.unpin(entry)
+
+    def _abandon_prefetches(self) -> None:
+        """Release every prefetched slot (a layer failed: no later layer of this pass settles them)."""
+        for block in list(self._pending):
+            for key in self._pending.pop(block):
+                with contextlib.suppress(BaseException):
+                    self._release_prefetched(key, needed=False)
 
     def _prefetch_for(self, block: int, x_RD: Tensor) -> None:
         """Start background reads of the experts the next MoE layer is predicted to need."""
@@ -209,10 +272,13 @@ class Offloader:
             if self.stats.recent_precision < self.min_precision:
                 return
         step = self.stats.steps + (target <= block)  # wrapping around: the next step's first layer
-        keys = []
+        assert target not in self._pending, target
+        # NOTE: the predicted experts already resident are pinned before any slot is claimed, or the
+        # claims could evict them (the oldest, often) and read them again; the target layer unpins them.
+        keys = [(target, e) for e in predicted if self.cache.pin_resident((target, e)) is not None]
         for expert in predicted:
             key = (target, expert)
-            if key in self.cache.entries:  # resident already (a prediction is not a use)
+            if key in self.cache.entries:
                 continue
             entry = self.cache.reserve(key)
             if entry is None:
@@ -224,9 +290,19 @@ class Offloader:
     # --- one layer -----------------------------------------------------------------------------
 
     def run_layer(self, block: int, x_RD: Tensor, tokens_per_expert: Tensor, activation: str) -> Tensor:
-        """The experts' outputs [R, D] for rows sorted by expert, loading weights as needed."""
+        """The experts' outputs [R, D] for rows sorted by expert, loading weights as needed.
+
+        A failed read raises (``ExpertStoreError`` naming the file and the expert) with no slot left pinned.
+        """
+        try:
+            return self._run_layer(block, x_RD, tokens_per_expert, activation)
+        except BaseException:
+            self._abandon_prefetches()
+            raise
+
+    def _run_layer(self, block: int, x_RD: Tensor, tokens_per_expert: Tensor, activation: str) -> Tensor:
         if block == self.blocks[0]:
-            self.stats.steps += 1
+            self._start_step()
         counts = tokens_per_expert.tolist()
         starts = [0]
         for n in counts:
@@ -234,7 +310,6 @@ class Offloader:
         needed = [e for e, n in enumerate(counts) if n]
         self._settle(block, set(needed))
         self._record_prediction(block, needed)
-        self.stats.trace.append([(block, e) for e in needed])
 
         x_RD = x_RD.to(compute_dtype(x_RD))
         y_RD = x_RD.new_empty(x_RD.shape)
@@ -249,6 +324,8 @@ class Offloader:
                 missing.append(e)
         self.stats.hits += len(ready)
         self.stats.misses += len(missing)
+        if self.trace is not None:
+            self.trace.requests.append(LayerRequest(self.stats.steps, block, tuple(needed), tuple(e for e, _ in ready)))
         reading: list[tuple[int, Entry]] = []
         while missing:  # demand reads in the background while there are slots
             entry = self.cache.reserve((block, missing[0]))
@@ -275,6 +352,12 @@ class Offloader:
             assert entry is not None, "a layer's own experts are unpinned once computed"
             self._compute((block, e), entry, x_RD, y_RD, starts, activation)
         return y_RD
+
+    def _start_step(self) -> None:
+        with self.cache.lock:
+            self.stats.steps += 1
+            for step in [s for s in self._step_reads if s < self.stats.steps]:  # their reads were settled
+                del self._step_reads[step]
 
     def _compute(self, key: Key, entry: Entry, x_RD: Tensor, y_RD: Tensor, starts: list[int], act: str) -> None:
         e = key[1]
@@ -347,6 +430,7 @@ class OffloadOptions:
     direct_io: bool = True  # O_DIRECT reads where the filesystem allows: no page cache beside the budget
     drop_pages: bool = False  # buffered reads: evict each from the OS page cache (measure the disk, not RAM)
     prefetch_min_precision: float = 0.5  # router prefetch pauses while fewer of its picks are used
+    record_trace: int = 0  # keep the last N layer requests and reads (``Offloader.trace``); 0: none
 
     def __post_init__(self) -> None:
         choices = {
@@ -361,6 +445,8 @@ class OffloadOptions:
             raise ValueError(f"--memory-budget={self.memory_budget}: must be > 0")
         if not 0 <= self.prefetch_min_precision <= 1:
             raise ValueError(f"prefetch_min_precision={self.prefetch_min_precision}: must be in [0, 1]")
+        if self.record_trace < 0:
+            raise ValueError(f"record_trace={self.record_trace}: must be >= 0 (0 = no trace)")
 
 
 def open_store(checkpoint: Path, blocks: dict[int, int], options: OffloadOptions) -> ExpertStore:
@@ -438,7 +524,15 @@ def build_offloaded(
             f"less than one expert ({format_bytes(store.slot_bytes)})"
         )
     cache = ExpertCache(slots, store.slot_bytes, torch.device(device), make_policy(options.policy))
-    offloader = Offloader(store, cache, options.expert_format, layers, options.prefetch, options.prefetch_min_precision)
+    offloader = Offloader(
+        store,
+        cache,
+        options.expert_format,
+        layers,
+        options.prefetch,
+        options.prefetch_min_precision,
+        options.record_trace,
+    )
     for block, moe in layers.items():
         moe.experts = OffloadedExperts(offloader, block, moe.cfg.activation)
     return model.eval(), offloader
