@@ -247,7 +247,7 @@ def _save_with_placement(rank: int, world: int, corpus_path: Path, tmp: Path) ->
             if step + 1 == save_at:
                 slots, rows = _live(pm, optimizer)
                 assert slots, "nothing was re-placed before the save"
-                info = loop._checkpoint_info(step + 1, cfg, layout, record)
+                info = loop._checkpoint_info(step + 1, cfg, layout, record, 0)
                 saver.save(step + 1, pm.modules[0], optimizer, info, pm.expert_slots())
                 after_slots, after_rows = _live(pm, optimizer)
                 assert after_slots == slots, "the save moved the experts"

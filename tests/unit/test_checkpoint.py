@@ -50,6 +50,19 @@ def test_stale_staging_dirs_are_ignored_then_removed(tmp_path: Path) -> None:
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step_000002"]
 
 
+def test_a_swap_cut_after_renaming_aside_gets_its_checkpoint_back(tmp_path: Path) -> None:
+    # Without an atomic exchange the old checkpoint is renamed aside first; a crash before the new one
+    # takes its name leaves the aside copy as the only one, and it must not be deleted as stale.
+    run = _run_with_step_2(tmp_path)
+    root = checkpoint_dir(run)
+    (root / "step_000002").rename(root / ".old-step_000002-0badc0de")
+    _fake_checkpoint(root / ".tmp-step_000002")
+    with Checkpointer(run, keep=2, background=False):  # rank 0, before its first save
+        pass
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_000002"]
+    assert read_manifest(latest_checkpoint(run))["step"] == 2
+
+
 def test_latest_naming_a_staging_dir_is_refused(tmp_path: Path) -> None:
     run = _run_with_step_2(tmp_path)
     _fake_checkpoint(checkpoint_dir(run) / ".tmp-step_000004")

@@ -46,8 +46,9 @@ def exit_after_rank_failure(code: int) -> NoReturn:
     them a moment after the caller has seen the error; freeing a tensor takes the GIL. If the
     interpreter is finalizing by then, Python ends that thread inside a C++ destructor and the process
     aborts (SIGABRT, "terminate called without an active exception") instead of exiting with the
-    error: measured on a loaded machine about one time in ten. Nothing else is pending at this point
-    (the run's files are closed on the way out of ``train``), so the shutdown is safe to skip.
+    error: measured on a loaded machine about one time in ten. The run's files were closed on the way
+    out of ``train``; a background checkpoint save still in flight is cut off, and its staging
+    directory is never read and is removed when the run next starts.
     """
     sys.stdout.flush()
     sys.stderr.flush()

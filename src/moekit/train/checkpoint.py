@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import shutil
 from pathlib import Path
@@ -79,6 +80,12 @@ def remove_stale(run_dir: Path) -> list[Path]:
     checkpoint, ``latest``'s temp files); returns what was removed. Call before the run's first save,
     on one process: it would delete another writer's staging directory."""
     root = checkpoint_dir(run_dir)
+    for aside in root.glob(".old-step_*"):
+        # A swap that renamed the old checkpoint aside and crashed before the new one took its name:
+        # the aside copy is the only one, so it goes back.
+        name = aside.name.removeprefix(".old-").rsplit("-", 1)[0]
+        if not (root / name).exists():
+            os.replace(aside, root / name)
     stale = sorted(p for pattern in STALE for p in root.glob(pattern))
     for path in stale:
         if path.is_dir() and not path.is_symlink():
@@ -206,6 +213,10 @@ def _check_manifest(manifest: Any, where: Path) -> None:
         raise CheckpointError(f"{where}: field 'files' must map each file to its SHA-256, got {files!r:.80}")
     if not isinstance(manifest.get("sizes", {}), dict):
         raise CheckpointError(f"{where}: field 'sizes' must map each file to its byte count")
+    for name in ("global_microbatches", "skipped_steps", "nonfinite_streak", "world"):
+        value = manifest.get(name, 0)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise CheckpointError(f"{where}: field {name!r} must be a whole number >= 0, got {value!r}")
 
 
 def read_manifest(path: Path, share: tuple[int, int] = (0, 1)) -> dict[str, Any]:

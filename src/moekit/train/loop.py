@@ -171,6 +171,20 @@ def train(
     ``on_step`` is called on every rank after each optimizer step (and its logging and checkpoint)
     with the step's metrics record, for callers that watch or pace a run.
     """
+    with collective_errors(cfg.parallel.timeout_s):  # setup, resume and every step
+        return _train(cfg, run_dir, resume, device, progress, init, fallback, on_step)
+
+
+def _train(
+    cfg: RunConfig,
+    run_dir: Path,
+    resume: bool,
+    device: str,
+    progress: bool,
+    init: Path | None,
+    fallback: bool,
+    on_step: Callable[[dict[str, Any]], None] | None,
+) -> TrainResult:
     run_dir = Path(run_dir)
     dev = torch.device(device)
     if dev.type == "cpu":
@@ -183,7 +197,7 @@ def train(
     _prepare_run_dir(run_dir, resume, create=main)
     layout, mesh = init_distributed(cfg, dev)
     say = tqdm.write if progress and main else (lambda msg: print(msg, file=sys.stderr))
-    saver = Checkpointer(run_dir, cfg.train.keep_checkpoints, cfg.train.async_checkpoint)
+    saver = Checkpointer(run_dir, cfg.train.keep_checkpoints, cfg.train.async_checkpoint, cfg.parallel.timeout_s)
     resume_from = saver.choose(fallback, say if main else lambda msg: None) if resume else None
     manifest = load_manifest(resume_from) if resume_from is not None else {}
     if resume_from is not None:
@@ -242,7 +256,7 @@ def train(
     bar = tqdm(total=cfg.train.steps, initial=start_step, disable=not progress, unit="step", dynamic_ncols=True)
     pm.train(True)
     logger = MetricsLogger(run_dir) if main else contextlib.nullcontext()
-    with logger, _StopOnInterrupt() as interrupt, collective_errors(cfg.parallel.timeout_s), saver:
+    with logger, _StopOnInterrupt() as interrupt, saver:
         stopping = _agree(interrupt.requested, mesh)
         while step < cfg.train.steps and not stopping:
             started = time.perf_counter()

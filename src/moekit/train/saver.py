@@ -21,6 +21,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -60,13 +61,16 @@ Digests = dict[str, tuple[int, str]]  # file (relative to the checkpoint) -> (si
 class Checkpointer:
     """The run's checkpoints, as seen from one rank (every rank makes the same calls)."""
 
-    def __init__(self, run_dir: Path, keep: int, background: bool) -> None:
+    def __init__(self, run_dir: Path, keep: int, background: bool, timeout_s: float = 300.0) -> None:
         self.run_dir, self.keep, self.background = Path(run_dir), keep, background
         distributed = dist.is_initialized()
         self.rank = dist.get_rank() if distributed else 0
         self.world = dist.get_world_size() if distributed else 1
-        self.group = dist.new_group(backend="gloo") if distributed else None
-        self.control = dist.new_group(backend="gloo") if distributed and background else self.group
+        # Own groups (a background save must not interleave with training's collectives), failing after
+        # parallel.timeout_s like the mesh's rather than torch's 30-minute default.
+        timeout = timedelta(seconds=timeout_s)
+        self.group = dist.new_group(backend="gloo", timeout=timeout) if distributed else None
+        self.control = dist.new_group(backend="gloo", timeout=timeout) if distributed and background else self.group
         self.pending: _Pending | None = None
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="moekit-checkpoint") if background else None
         if self.rank == 0:
