@@ -62,7 +62,11 @@ def collective_errors(timeout_s: float):
         yield
     except RuntimeError as err:
         text = str(err).strip()
-        backend = isinstance(err, dist.DistError) or any(w in text for w in ("gloo", "NCCL", "Connection", "Timed out"))
+        # gloo raises a plain RuntimeError; moekit's own errors (a checkpoint's, a training stop) are
+        # subclasses and keep their message even when it quotes an OS error such as "Connection refused".
+        backend = isinstance(err, dist.DistError) or (
+            type(err) is RuntimeError and any(w in text for w in ("gloo", "NCCL", "Connection", "Timed out"))
+        )
         if not (dist.is_initialized() and backend):
             raise
         first = text.splitlines()[0] if text else type(err).__name__
