@@ -18,6 +18,7 @@ collective (the last test).
 from __future__ import annotations
 
 import itertools
+import re
 from dataclasses import dataclass
 
 import pytest
@@ -28,6 +29,7 @@ from torch.distributed.tensor import DTensor
 from moekit import runconfig
 from moekit.experts.grouped import local_tensor
 from moekit.model import Transformer
+from moekit.parallel.fsdp import experts_sharded
 from moekit.parallel.grads import clip_grad_norm
 from moekit.parallel.mesh import LayoutError, microbatches
 from moekit.parallel.placement import identity
@@ -213,7 +215,12 @@ def _check(rank: int, world: int, name: str) -> dict[str, float]:
 
     seen = {"grad": 0.0, "norm": 0.0, "loss": 0.0}
     for step in range(STEPS):
-        _, lm, moe_stats = pm.forward_backward(xs[step, b], ys[step, b], 1.0)
+        if step == 0 and cfg.parallel.overlap_chunks > 1 and experts_sharded(layout, cfg.parallel):
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                _, lm, moe_stats = pm.forward_backward(xs[step, b], ys[step, b], 1.0)
+            _check_expert_gathers(prof, pm, where)
+        else:
+            _, lm, moe_stats = pm.forward_backward(xs[step, b], ys[step, b], 1.0)
         got_loss = pm.mean_over_batch(pm.broadcast_from_last_stage(lm)).item()
         pm.finish_gradients()
         loss_diff = abs(got_loss - ref.losses[step])
@@ -246,6 +253,18 @@ def _check(rank: int, world: int, name: str) -> dict[str, float]:
                 dist.all_gather(every, mine, group=mesh["dp"].get_group())
                 assert all(torch.equal(t, mine) for t in every), f"{where}: expert replicas differ over dp"
     return seen
+
+
+def _check_expert_gathers(prof, pm: ParallelModel, where: str) -> None:
+    """Overlapped dispatch computes the experts chunk by chunk, yet FSDP must gather each layer's
+    sharded experts once for the forward and once for the backward, and reduce their gradients once."""
+    events = [e.name for e in prof.events()]
+    experts = sorted({m[1] for n in events if (m := re.fullmatch(r"FSDP::all_gather \((.*experts)\)", n))})
+    assert len(experts) == len(pm.moe_layers()), f"{where}: expert FSDP units seen: {experts}"
+    for fqn in experts:
+        gathers = sum(n == f"FSDP::all_gather ({fqn})" for n in events)
+        reduces = sum(n == f"FSDP::post_backward_reduce ({fqn})" for n in events)
+        assert (gathers, reduces) == (2, 1), f"{where} {fqn}: {gathers} all-gathers, {reduces} reduce-scatters"
 
 
 def _check_all(rank: int, world: int, names: list[str]) -> None:

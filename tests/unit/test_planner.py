@@ -129,12 +129,11 @@ def test_pass_overhead_and_fsdp_are_paid_per_micro_batch() -> None:
     one = 3 * 3 * ring_time(dense_p * 4 / 3, 4, 1, c, passes=1) + 3 * 2 * ring_time(expert_p * 4 / 2, 4, 1, c, passes=1)
     for micro in (1, 4):
         assert estimate(spec, Candidate(4, 1, 1, 1, micro, "flat", False), c).sync_s == pytest.approx(micro * one)
-    # Overlapped dispatch calls the experts once per chunk, and FSDP gathers them on every call in
-    # both passes: 2 x 2 gathers and one reduce-scatter per MoE layer.
-    plain_s, plain_count = fsdp_collectives(spec, Candidate(4, 1, 1, 1, 1, "flat", False), c)
-    overlapped, overlapped_count = fsdp_collectives(spec, Candidate(4, 1, 1, 1, 1, "flat", True), c)
-    assert overlapped - plain_s == pytest.approx(2 * 2 * ring_time(expert_p * 4 / 2, 4, 1, c, passes=1))
-    assert overlapped_count - plain_count == pytest.approx(2 * 2)
+    # Overlapped dispatch computes the experts chunk by chunk inside one call: FSDP's collectives are
+    # the same as without overlap (tests/dist/test_parity.py counts them on real ranks).
+    assert fsdp_collectives(spec, Candidate(4, 1, 1, 1, 1, "flat", True), c) == fsdp_collectives(
+        spec, Candidate(4, 1, 1, 1, 1, "flat", False), c
+    )
 
 
 def test_enumeration_and_memory_rejection() -> None:

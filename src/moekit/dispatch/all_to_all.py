@@ -19,15 +19,18 @@ between nodes.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from moekit.dispatch.local import DispatchMeta, LocalDispatcher
+from moekit.experts.grouped import ExpertsFn, Schedule
 from moekit.routing import RouterOutput
 
 
@@ -64,7 +67,13 @@ def permute_rows(x: Tensor, index: Tensor) -> Tensor:
     return _Permute.apply(x, index)
 
 
-ExpertsFn = Callable[[Tensor, Tensor], Tensor]  # (rows grouped by local expert, rows per expert) -> outputs
+class ScheduledExperts(Protocol):
+    """Experts a dispatcher calls once per layer: ``experts(x, counts)`` or ``experts(x, schedule=s)``
+    (``s(x, ffn)`` runs the FFN on as many row groups as it likes inside the one call)."""
+
+    def __call__(
+        self, x_RD: Tensor, tokens_per_expert: Tensor | None = None, *, schedule: Schedule | None = None
+    ) -> Tensor: ...
 
 
 @dataclass(frozen=True)
@@ -165,6 +174,15 @@ class EPGroups:
     inter: dist.ProcessGroup | None = None  # this rank's local index on every node
 
 
+@dataclass(frozen=True)
+class _Chunks:
+    """One layer's exchange, planned: per overlap chunk its all-to-all and the rows it brings."""
+
+    plans: list[Exchange]  # [C]
+    received: list[Tensor]  # [C] of [W, El]: rows from each source rank for each local expert
+    order: Tensor | None  # rows sorted by slot -> by (chunk, slot); None without overlap
+
+
 class AllToAllDispatcher:
     """Dropless or capacity dispatch across the ep group; capacity is per rank, as in DeepSpeed-MoE.
 
@@ -187,46 +205,63 @@ class AllToAllDispatcher:
         self.placement = ExpertPlacement.identity(num_experts)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="moekit-a2a") if chunks > 1 else None
 
-    def apply(self, x_TD: Tensor, routing: RouterOutput, experts: ExpertsFn) -> tuple[Tensor, DispatchMeta]:
-        """Route rows to their experts' ranks, compute them there, bring them back and combine."""
+    def apply(self, x_TD: Tensor, routing: RouterOutput, experts: ScheduledExperts) -> tuple[Tensor, DispatchMeta]:
+        """Route rows to their experts' ranks, compute them there, bring them back and combine.
+
+        The experts module is called once per layer with the exchange as its schedule, however many
+        overlap chunks it computes: FSDP then gathers sharded experts once per pass, not per chunk.
+        """
         placement = self.placement
         keys = placement.sort_keys().to(routing.expert_idx.device)
         x_sorted, meta = self.local.dispatch(x_TD, routing, keys)
-        W, El, C = self.world, self.local_experts, self.chunks
-        E = W * El
         per_key = meta.tokens_per_expert.cpu()
         meta = dataclasses.replace(
             meta, tokens_per_expert=meta.tokens_per_expert[keys], routed_per_expert=meta.routed_per_expert[keys]
         )
+        E = self.world * self.local_experts
         x_sorted, x_shadow = torch.split(x_sorted, [int(per_key[:E].sum()), int(per_key[E:].sum())])
-        counts_EC = _split_counts(per_key[:E], C)  # [slots, C]
-        chunk_order = None
-        if C > 1:
-            chunk_order = block_permutation(counts_EC).to(x_sorted.device)
-            x_sorted = permute_rows(x_sorted, chunk_order)
-        every = [torch.empty_like(counts_EC) for _ in range(W)]
-        dist.all_gather(every, counts_EC, group=self.groups.ep)
-        to_rank_WWLC = torch.stack(every).view(W, W, El, C)  # [src, dst rank, dst's local expert, chunk]
-        plans = [self._plan(to_rank_WWLC[..., c].sum(2)) for c in range(C)]
-        chunks_in = torch.split(x_sorted, [int(p.rows[self.rank].sum()) for p in plans])
-        sent = self._start([(p.run, x) for p, x in zip(plans, chunks_in, strict=True)])
-        outs, returned = [], []
-        for c, (plan, x_c) in enumerate(zip(plans, chunks_in, strict=True)):
-            received_WL = to_rank_WWLC[:, self.rank, :, c]  # rows from each source for each local expert
-            regroup = block_permutation(received_WL).to(x_sorted.device)  # [src][expert] -> [expert][src]
-            x_c = permute_rows(exchange(x_c, plan, _result(sent[c])), regroup)
-            y_c = permute_rows(experts(x_c, received_WL.sum(0).to(x_c.device)), _inverse(regroup))
-            outs.append(y_c)
-            returned += self._start([(plan.reverse, y_c)])
-        y = torch.cat(
-            [exchange(y_c, plan, _result(f), reverse=True) for y_c, plan, f in zip(outs, plans, returned, strict=True)]
-        )
-        if chunk_order is not None:
-            y = permute_rows(y, _inverse(chunk_order))
+        chunks = self._plan_chunks(per_key[:E])
+        y = experts(x_sorted, schedule=functools.partial(self._exchange_and_compute, chunks))
         if placement.shadows:
             assert placement.shadow_experts is not None
             y = torch.cat([y, placement.shadow_experts(x_shadow, per_key[E:].to(x_shadow.device))])
         return LocalDispatcher.combine(y, meta), meta
+
+    def _plan_chunks(self, counts_E: Tensor) -> _Chunks:
+        """Cut each slot's rows into C chunks and learn, from every rank's counts, what each exchange moves."""
+        W, El, C = self.world, self.local_experts, self.chunks
+        counts_EC = _split_counts(counts_E, C)  # [slots, C]
+        every = [torch.empty_like(counts_EC) for _ in range(W)]
+        dist.all_gather(every, counts_EC, group=self.groups.ep)
+        to_rank_WWLC = torch.stack(every).view(W, W, El, C)  # [src, dst rank, dst's local expert, chunk]
+        plans = [self._plan(to_rank_WWLC[..., c].sum(2)) for c in range(C)]
+        received = [to_rank_WWLC[:, self.rank, :, c] for c in range(C)]  # [src, local expert] rows to compute
+        order = block_permutation(counts_EC) if C > 1 else None
+        return _Chunks(plans, received, order)
+
+    def _exchange_and_compute(self, chunks: _Chunks, x_sorted: Tensor, experts: ExpertsFn) -> Tensor:
+        """Send each chunk to its experts' ranks, compute it there and send it back; with overlap the
+        background thread exchanges chunk c + 1 and returns chunk c - 1 while chunk c computes."""
+        if chunks.order is not None:
+            x_sorted = permute_rows(x_sorted, chunks.order.to(x_sorted.device))
+        chunks_in = torch.split(x_sorted, [int(p.rows[self.rank].sum()) for p in chunks.plans])
+        sent = self._start([(p.run, x) for p, x in zip(chunks.plans, chunks_in, strict=True)])
+        outs, returned = [], []
+        for c, (plan, received_WL) in enumerate(zip(chunks.plans, chunks.received, strict=True)):
+            regroup = block_permutation(received_WL).to(x_sorted.device)  # [src][expert] -> [expert][src]
+            x_c = permute_rows(exchange(chunks_in[c], plan, _result(sent[c])), regroup)
+            y_c = permute_rows(experts(x_c, received_WL.sum(0).to(x_c.device)), _inverse(regroup))
+            outs.append(y_c)
+            returned += self._start([(plan.reverse, y_c)])
+        y = torch.cat(
+            [
+                exchange(y_c, plan, _result(f), reverse=True)
+                for y_c, plan, f in zip(outs, chunks.plans, returned, strict=True)
+            ]
+        )
+        if chunks.order is not None:
+            y = permute_rows(y, _inverse(chunks.order.to(y.device)))
+        return y
 
     def _plan(self, rows_WW: Tensor) -> Exchange:
         g = self.groups

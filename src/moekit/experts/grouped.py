@@ -5,12 +5,17 @@ Legend: R rows sorted by expert, D model dim, F expert hidden dim, E experts.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from moekit.experts.gemm import grouped_matmul
+
+ExpertsFn = Callable[[Tensor, Tensor], Tensor]  # (rows grouped by expert, rows per expert) -> outputs
+Schedule = Callable[[Tensor, ExpertsFn], Tensor]  # (rows, the experts' FFN) -> outputs, calling it any number of times
 
 
 def local_tensor(w: Tensor) -> Tensor:
@@ -85,10 +90,23 @@ class GroupedExperts(nn.Module):
     def num_experts(self) -> int:
         return self.w_in.shape[0]
 
-    def forward(self, x_RD: Tensor, tokens_per_expert: Tensor) -> Tensor:
-        """Rows grouped by expert in order -> outputs; ``tokens_per_expert`` counts this module's experts."""
+    def forward(
+        self, x_RD: Tensor, tokens_per_expert: Tensor | None = None, *, schedule: Schedule | None = None
+    ) -> Tensor:
+        """Rows grouped by expert in order -> outputs; ``tokens_per_expert`` counts this module's experts.
+
+        With ``schedule``, returns ``schedule(x_RD, ffn)``: overlapped dispatch runs the FFN chunk by
+        chunk inside this one call, so that FSDP gathers sharded experts once per pass, not per chunk.
+        """
         w_in, w_out = local_tensor(self.w_in), local_tensor(self.w_out)
-        return expert_ffn(x_RD, w_in, w_out, tokens_per_expert, self.activation, self.gemm)
+
+        def ffn(rows_RD: Tensor, counts_E: Tensor) -> Tensor:
+            return expert_ffn(rows_RD, w_in, w_out, counts_E, self.activation, self.gemm)
+
+        if schedule is not None:
+            return schedule(x_RD, ffn)
+        assert tokens_per_expert is not None, "tokens_per_expert or a schedule"
+        return ffn(x_RD, tokens_per_expert)
 
 
 def expert_ffn(

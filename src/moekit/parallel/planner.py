@@ -282,8 +282,7 @@ def fsdp_collectives(spec: ModelSpec, cand: Candidate, c: Cluster) -> tuple[floa
 
     Every micro-batch, each unit (a block, and the root) all-gathers its shard before the forward
     and again before the backward, then reduce-scatters its gradient; sharded experts do the same
-    over dp, per MoE layer: the expert module is called once per overlap chunk, and FSDP gathers its
-    shard on each call in both passes (2 x chunks gathers, then one reduce-scatter)."""
+    over dp, once per MoE layer even when overlapped dispatch computes them chunk by chunk."""
     m, w = spec.model, spec.workload
     dense_p, expert_p = param_counts(spec)
     n_moe = len(m.moe_layers())
@@ -295,9 +294,8 @@ def fsdp_collectives(spec: ModelSpec, cand: Candidate, c: Cluster) -> tuple[floa
         count += 3 * units
     if n_moe and cand.dp > 1:
         layer_bytes = expert_p / (cand.ep * n_moe) * w.dtype_bytes
-        per_layer = 2 * (OVERLAP_CHUNKS if cand.overlap else 1) + 1
-        seconds += per_layer * n_moe / cand.pp * ring_time(layer_bytes, cand.dp, cand.tp * cand.ep, c, passes=1)
-        count += per_layer * n_moe / cand.pp
+        seconds += 3 * n_moe / cand.pp * ring_time(layer_bytes, cand.dp, cand.tp * cand.ep, c, passes=1)
+        count += 3 * n_moe / cand.pp
     return seconds, count
 
 
