@@ -53,8 +53,10 @@ def _run(cfg, corpus, model: Transformer) -> tuple[list[dict], dict[str, torch.T
     pm = ParallelModel(model, cfg, torch.device("cpu"), layout, mesh)
     opt = build_optimizer(pm.parameters(), cfg.train)
     records = [loop._train_step(pm, None, opt, corpus, cfg, torch.device("cpu"), s, None) for s in range(STEPS)]
-    pm.canonical_placement(opt)  # experts back in their own rows, to compare with the plain run's weights
-    return records, _full({n: p.detach() for n, p in pm.full_model.named_parameters()})
+    weights = _full({n: p.detach() for n, p in pm.full_model.named_parameters()})
+    for name, slots in pm.expert_slots().items():  # re-placed experts' rows back in expert order
+        weights[name] = weights[name][torch.tensor(slots)]
+    return records, weights
 
 
 def _full(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

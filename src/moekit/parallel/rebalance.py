@@ -192,17 +192,6 @@ class Rebalancer:
         """The layers whose experts are not in their own rows, with their ``expert_to_slot``."""
         return {layer.moe: layer.slots for layer in self.layers if layer.slots != tuple(range(len(layer.slots)))}
 
-    def restore_canonical(self, optimizer: torch.optim.Optimizer) -> int:
-        """Move every layer's experts back to slot e = expert e (weights and AdamW moments); returns
-        bytes sent. A collective on the ep group; the next re-placement check places them again.
-        Checkpoints do not call it (see ``moved_layers``)."""
-        moved = 0
-        for layer in self.layers:
-            identity = tuple(range(len(layer.slots)))
-            if layer.slots != identity:
-                moved += self.move(layer.moe, identity, optimizer)
-        return moved
-
     # --- helpers ------------------------------------------------------------------------------------
 
     def _layer(self, moe: MoE) -> _Layer:

@@ -249,14 +249,6 @@ class ParallelModel:
             return {}
         return self.rebalancer.after_step(step, loads, optimizer)
 
-    def canonical_placement(self, optimizer: torch.optim.Optimizer) -> int:
-        """Move the experts back to their own rows (undoing re-placement); returns the bytes sent.
-
-        Checkpoints do not need it (they write canonical rows from the live placement, see
-        ``expert_slots``); what needs every expert in its own row in memory does.
-        """
-        return self.rebalancer.restore_canonical(optimizer) if self.rebalancer is not None else 0
-
     def expert_slots(self) -> dict[str, tuple[int, ...]]:
         """Where re-placed experts run now, for a checkpoint to write (and read) them in canonical order
         without moving them: each expert parameter's name in the local model -> its layer's
