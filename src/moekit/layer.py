@@ -5,8 +5,6 @@ Legend: T tokens, D model dim, E experts.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import Tensor, nn
 
@@ -14,22 +12,7 @@ from moekit.config import MoEConfig
 from moekit.dispatch import LocalDispatcher
 from moekit.experts import DenseFFN, GroupedExperts
 from moekit.routing import RouterOutput, build_router, router_z_loss, switch_aux_loss
-
-
-@dataclass(frozen=True)
-class MoEStats:
-    """Routing statistics and auxiliary losses of one forward call."""
-
-    aux_loss: Tensor  # Switch load-balancing loss (1.0 = uniform), differentiable
-    z_loss: Tensor  # router z-loss, differentiable
-    loss: Tensor  # aux_loss_coef * aux_loss + z_loss_coef * z_loss: add this to the training loss
-    tokens_per_expert: Tensor  # [E] assignments routed to each expert (before capacity drops)
-    dropped_per_expert: Tensor  # [E] assignments dropped by capacity limits
-    num_tokens: int  # T
-
-    @property
-    def num_dropped(self) -> int:
-        return int(self.dropped_per_expert.sum())
+from moekit.stats import MoEStats
 
 
 class MoE(nn.Module):
@@ -39,9 +22,10 @@ class MoE(nn.Module):
     it. Hash routing needs ``token_ids`` (same leading shape as x).
     """
 
-    def __init__(self, cfg: MoEConfig) -> None:
+    def __init__(self, cfg: MoEConfig, index: int = 0) -> None:
         super().__init__()
         self.cfg = cfg
+        self.index = index  # position among the model's MoE layers: the order of stats and loads
         self.router = build_router(cfg)
         self.dispatcher = LocalDispatcher(
             cfg.num_experts, cfg.capacity_factor if cfg.router != "expert_choice" else None

@@ -10,8 +10,10 @@ an expert overflows its capacity.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +33,49 @@ class RouterOutput:
     probs: Tensor | None  # [T, E] fp32 normalised scores used by the aux loss
     num_tokens: int  # T
     num_picks: int  # T * k requested: what capacity is measured against, before random drops
+
+
+# ---------------------------------------------------------------------------------------------
+# What each router reads: its own few fields of ``MoEConfig`` (documented there), by the same names.
+
+
+@dataclass(frozen=True)
+class TopKRouterConfig:
+    router: str  # topk | switch | gshard (random second dispatch) | noisy_topk (learned noise)
+    d_model: int
+    num_experts: int
+    top_k: int
+    score_func: str = "softmax"
+    softmax_before_topk: bool = True
+    normalize_topk: bool = True
+    route_scale: float = 1.0
+    bias_update_rate: float = 0.0
+    dts_steps: int = 0
+    dts_temperature: float = 2.0
+
+
+@dataclass(frozen=True)
+class ExpertChoiceRouterConfig:
+    d_model: int
+    num_experts: int
+    top_k: int  # with capacity_factor, sets each expert's capacity C
+    capacity_factor: float | None = None
+    route_scale: float = 1.0
+
+
+@dataclass(frozen=True)
+class HashRouterConfig:
+    num_experts: int
+    top_k: int
+    route_scale: float = 1.0
+
+
+_Config = TypeVar("_Config")
+
+
+def router_config(cls: type[_Config], cfg: MoEConfig) -> _Config:
+    """The fields ``cls`` declares, read from the layer's config."""
+    return cls(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cls)})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -101,7 +146,7 @@ class TopKRouter(nn.Module):
     router its step (``step``); left unset, as at inference, the DTS gate is taken as annealed.
     """
 
-    def __init__(self, cfg: MoEConfig) -> None:
+    def __init__(self, cfg: TopKRouterConfig) -> None:
         super().__init__()
         self.cfg = cfg
         self.gate = nn.Linear(cfg.d_model, cfg.num_experts, bias=False)
@@ -176,7 +221,7 @@ class ExpertChoiceRouter(nn.Module):
     processes exactly C tokens and load is balanced by construction; a token may get 0..E experts.
     """
 
-    def __init__(self, cfg: MoEConfig) -> None:
+    def __init__(self, cfg: ExpertChoiceRouterConfig) -> None:
         super().__init__()
         self.cfg = cfg
         self.gate = nn.Linear(cfg.d_model, cfg.num_experts, bias=False)
@@ -207,7 +252,7 @@ class HashRouter(nn.Module):
 
     _KNUTH = 2654435761
 
-    def __init__(self, cfg: MoEConfig) -> None:
+    def __init__(self, cfg: HashRouterConfig) -> None:
         super().__init__()
         self.cfg = cfg
 
@@ -231,9 +276,9 @@ class HashRouter(nn.Module):
 
 
 def build_router(cfg: MoEConfig) -> nn.Module:
-    """The router module named by ``cfg.router``."""
+    """The router module named by ``cfg.router``, given only the fields it reads."""
     if cfg.router == "expert_choice":
-        return ExpertChoiceRouter(cfg)
+        return ExpertChoiceRouter(router_config(ExpertChoiceRouterConfig, cfg))
     if cfg.router == "hash":
-        return HashRouter(cfg)
-    return TopKRouter(cfg)
+        return HashRouter(router_config(HashRouterConfig, cfg))
+    return TopKRouter(router_config(TopKRouterConfig, cfg))

@@ -34,7 +34,7 @@ from moekit.parallel.grads import clip_grad_norm
 from moekit.parallel.mesh import LayoutError, microbatches
 from moekit.parallel.placement import identity
 from moekit.parallel.runtime import ParallelModel, init_distributed
-from moekit.train.loop import StepStats
+from moekit.stats import StepStats
 from moekit.train.optim import build_optimizer
 
 from .spawn import run_ranks

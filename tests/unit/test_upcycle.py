@@ -9,7 +9,7 @@ from moekit.config import ModelConfig, MoEConfig
 from moekit.convert.upcycle import expert_slices, upcycle
 from moekit.experts import DenseFFN
 from moekit.model import Transformer
-from moekit.routing import TopKRouter, dts_schedule
+from moekit.routing import build_router, dts_schedule
 
 TOL = 1e-5  # fp32: the same products summed in another order
 
@@ -103,8 +103,8 @@ def test_dts_schedule_anneals_from_dense_to_top_k() -> None:
 def test_dts_router_starts_dense_and_ends_as_plain_top_k() -> None:
     torch.manual_seed(0)
     cfg = MoEConfig(d_model=16, d_ff=8, num_experts=6, top_k=2, dts_steps=20, dts_temperature=3.0)
-    router = TopKRouter(cfg)
-    plain = TopKRouter(MoEConfig(d_model=16, d_ff=8, num_experts=6, top_k=2))
+    router = build_router(cfg)
+    plain = build_router(MoEConfig(d_model=16, d_ff=8, num_experts=6, top_k=2))
     plain.load_state_dict(router.state_dict())
     x = torch.randn(10, 16)
     router.step = 0

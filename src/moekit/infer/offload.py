@@ -48,6 +48,7 @@ from moekit.infer.expert_store import ExpertStore, ExpertStoreError, Key, aligne
 from moekit.infer.quant import QUANT_FORMATS, matmul, roles, write_quantized_store
 from moekit.layer import MoE
 from moekit.model import Transformer
+from moekit.routing import HashRouter
 
 PREFETCH_MODES = ("router", "all", "off")
 READERS = 4  # concurrent expert reads: the disk's queue depth
@@ -264,7 +265,7 @@ class Offloader:
             predicted = list(range(self.num_experts[target]))
         else:
             router = self.routers[target]
-            if router.cfg.router == "hash" or x_RD.shape[0] == 0:
+            if isinstance(router, HashRouter) or x_RD.shape[0] == 0:
                 return  # a hash router needs token ids, not hidden states
             predicted = torch.unique(router(x_RD).expert_idx).tolist()
             self.stats.predicted += len(predicted)

@@ -16,7 +16,8 @@ from torch import Tensor, nn
 
 from moekit.config import ModelConfig, MoEConfig
 from moekit.experts import DenseFFN
-from moekit.layer import MoE, MoEStats
+from moekit.layer import MoE
+from moekit.stats import MoEStats
 
 
 @dataclass(frozen=True)
@@ -176,12 +177,14 @@ def make_norm(cfg: ModelConfig) -> nn.Module:
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, moe_cfg: MoEConfig | None) -> None:
+    def __init__(self, cfg: ModelConfig, moe_cfg: MoEConfig | None, moe_index: int = 0) -> None:
         super().__init__()
         self.attn_norm = make_norm(cfg)
         self.attn = Attention(cfg)
         self.ffn_norm = make_norm(cfg)
-        self.ffn = MoE(moe_cfg) if moe_cfg is not None else DenseFFN(cfg.d_model, cfg.d_ff, cfg.mlp_activation)
+        self.ffn = (
+            MoE(moe_cfg, moe_index) if moe_cfg is not None else DenseFFN(cfg.d_model, cfg.d_ff, cfg.mlp_activation)
+        )
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x, freqs, cache, layer, token_ids) -> tuple[Tensor, MoEStats | None]:
@@ -204,7 +207,8 @@ class Transformer(nn.Module):
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.drop = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(
-            Block(cfg, self._layer_moe(moe_cfg, experts[i]) if i in experts else None) for i in range(cfg.n_layers)
+            Block(cfg, self._layer_moe(moe_cfg, experts[i]), moe_layers.index(i)) if i in experts else Block(cfg, None)
+            for i in range(cfg.n_layers)
         )
         self.norm = make_norm(cfg)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)

@@ -23,8 +23,9 @@ from torch.distributed.pipelining import (
     ScheduleLoopedBFS,
 )
 
-from moekit.layer import MoEStats
+from moekit.layer import MoE
 from moekit.model import Transformer
+from moekit.stats import MoEStats
 
 SCHEDULES = {
     "gpipe": ScheduleGPipe,
@@ -77,8 +78,8 @@ class StageModel(nn.Module):
         self.stats.append(stats)
         return self.lm_head(self.norm(x)) if self.lm_head is not None else x
 
-    def moe_layers(self):
-        return [b.ffn for b in self.blocks.values() if hasattr(b.ffn, "update_bias")]
+    def moe_layers(self) -> list[MoE]:
+        return [b.ffn for b in self.blocks.values() if isinstance(b.ffn, MoE)]
 
 
 def stage_layers(n_layers: int, n_stages: int) -> list[range]:

@@ -36,7 +36,6 @@ MOMENTS = ("exp_avg", "exp_avg_sq")  # AdamW's per-parameter state that follows 
 @dataclass
 class _Layer:
     moe: MoE
-    index: int  # among the whole model's MoE layers (the loads' order)
     window: Tensor | None = None  # loads summed since the last check
     shadow_weights: list[Tensor] = field(default_factory=list)  # [S, ...] copies of w_in and w_out
 
@@ -57,8 +56,8 @@ class _Layer:
 class Rebalancer:
     """Keeps each MoE layer's experts where the measured load says they should run."""
 
-    def __init__(self, moe_layers: list[MoE], whole_index: list[int], group: dist.ProcessGroup, cfg: ParallelConfig):
-        self.layers = [_Layer(moe, i) for moe, i in zip(moe_layers, whole_index, strict=True)]
+    def __init__(self, moe_layers: list[MoE], group: dist.ProcessGroup, cfg: ParallelConfig):
+        self.layers = [_Layer(moe) for moe in moe_layers]
         self.group, self.cfg = group, cfg
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.steps_in_window = 0
@@ -73,7 +72,7 @@ class Rebalancer:
         per_rank = [0.0] * self.world
         factors = []
         for layer in self.layers:
-            load = loads[layer.index].double()
+            load = loads[layer.moe.index].double()
             layer.window = load if layer.window is None else layer.window + load
             rows = rank_loads(load.tolist(), layer.slots, self.world, layer.shadows)
             per_rank = [a + b for a, b in zip(per_rank, rows, strict=True)]

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from moekit.layer import MoE, MoEStats
+from moekit.layer import MoE
 from moekit.model import Transformer
 from moekit.parallel.ep import apply_ep
 from moekit.parallel.fsdp import apply_fsdp, finish_expert_grads
@@ -30,6 +30,7 @@ from moekit.parallel.pp import Pipeline, build_pipeline, build_stages
 from moekit.parallel.rebalance import Rebalancer
 from moekit.parallel.tp import apply_tp
 from moekit.runconfig import RunConfig
+from moekit.stats import MoEStats, merge_micro_batches
 
 
 class RankFailure(RuntimeError):
@@ -157,9 +158,7 @@ class ParallelModel:
             blocks = list(module.blocks.values()) if isinstance(module.blocks, nn.ModuleDict) else list(module.blocks)
             apply_fsdp(module, blocks, mesh, layout, cfg.parallel)
         if layout.ep > 1:
-            index = {id(m): i for i, m in enumerate(model.moe_layers())}
-            layers = self.moe_layers()
-            self.rebalancer = Rebalancer(layers, [index[id(m)] for m in layers], mesh["ep"].get_group(), cfg.parallel)
+            self.rebalancer = Rebalancer(self.moe_layers(), mesh["ep"].get_group(), cfg.parallel)
         if layout.pp > 1:
             self.pipeline = build_pipeline(
                 self.modules, mesh["pp"], cfg.parallel.pp_schedule, microbatches(cfg), device
@@ -202,7 +201,7 @@ class ParallelModel:
         args = (x,) if self.pipeline.has_first else ()
         self.pipeline.schedule.step(*args, **kwargs)
         lm = torch.stack(losses).mean().detach() / per_micro if losses else torch.full((), float("nan"))
-        return lm, lm, _merge_micro(self.pipeline.collect_stats())
+        return lm, lm, merge_micro_batches(self.pipeline.collect_stats())
 
     @torch.no_grad()
     def lm_loss(self, x: Tensor, y: Tensor, forward=None) -> Tensor:
@@ -274,28 +273,7 @@ class ParallelModel:
             layers = list(flat.split([t.numel() for t in layers]))
         if self.layout.pp > 1:
             every: list[list[tuple[int, Tensor]] | None] = [None] * self.layout.pp
-            index = {id(m): i for i, m in enumerate(self.full_model.moe_layers())}
-            mine = [(index[id(m)], t) for m, t in zip(self.moe_layers(), layers, strict=True)]
+            mine = [(m.index, t) for m, t in zip(self.moe_layers(), layers, strict=True)]
             dist.all_gather_object(every, mine, group=self.mesh["pp"].get_group())
             return [t for _, t in sorted(item for stage in every for item in stage)]
         return layers
-
-
-def _merge_micro(per_micro: list[list[MoEStats]]) -> list[MoEStats]:
-    """Stats of a pipeline step per layer: counts summed, losses averaged over micro-batches."""
-    if not per_micro:
-        return []
-    merged = []
-    for layer in zip(*per_micro, strict=True):
-        n = len(layer)
-        merged.append(
-            MoEStats(
-                aux_loss=sum(s.aux_loss.detach() for s in layer) / n,
-                z_loss=sum(s.z_loss.detach() for s in layer) / n,
-                loss=sum(s.loss.detach() for s in layer) / n,
-                tokens_per_expert=sum(s.tokens_per_expert for s in layer),
-                dropped_per_expert=sum(s.dropped_per_expert for s in layer),
-                num_tokens=sum(s.num_tokens for s in layer),
-            )
-        )
-    return merged

@@ -25,6 +25,7 @@ from moekit.model import Transformer
 from moekit.parallel.mesh import Layout, LayoutError
 from moekit.parallel.runtime import ParallelModel, collective_errors, init_distributed
 from moekit.runconfig import RunConfig
+from moekit.stats import StepStats
 from moekit.train.checkpoint import (
     LATEST,
     CheckpointError,
@@ -74,47 +75,6 @@ def evaluate(pm: ParallelModel, forward, corpus: Corpus, cfg: RunConfig, device:
             losses.append(pm.lm_loss(x.to(device), y.to(device), forward).item())
     pm.train(True)
     return sum(losses) / len(losses)
-
-
-class StepStats:
-    """One optimizer step's MoE statistics, per MoE layer, summed over its micro-batches.
-
-    Each layer is one vector ``[aux sum, z sum, micro-batches, dropped, tokens per expert...]`` so that
-    sums over ranks (and a gather over pipeline stages) reduce them exactly.
-    """
-
-    def __init__(self) -> None:
-        self.layers: list[torch.Tensor] = []
-
-    def add(self, moe_stats) -> None:
-        for i, s in enumerate(moe_stats):
-            head = torch.stack([s.aux_loss.detach().float(), s.z_loss.detach().float()]).cpu()
-            dropped = s.dropped_per_expert.sum().float().cpu().view(1)
-            row = torch.cat([head, torch.ones(1), dropped, s.tokens_per_expert.detach().float().cpu()])
-            if i < len(self.layers):
-                self.layers[i] = self.layers[i] + row
-            else:
-                self.layers.append(row)
-
-    @property
-    def loads(self) -> list[torch.Tensor]:
-        return [layer[4:] for layer in self.layers]
-
-    def record(self) -> dict[str, Any]:
-        if not self.layers:
-            return {}
-        loads = self.loads
-        mean = [load.mean() for load in loads]
-        micro = sum(layer[2] for layer in self.layers)
-        routed = sum(load.sum() for load in loads)
-        return {
-            "aux_loss": (sum(layer[0] for layer in self.layers) / micro).item(),
-            "z_loss": (sum(layer[1] for layer in self.layers) / micro).item(),
-            "load_max_over_mean": [(load.max() / m).item() for load, m in zip(loads, mean, strict=True)],
-            "load_cv": [(load.std(unbiased=False) / m).item() for load, m in zip(loads, mean, strict=True)],
-            "dropped_frac": (sum(layer[3] for layer in self.layers) / routed.clamp(min=1)).item(),
-            "expert_load": [(load / load.sum()).tolist() for load in loads],
-        }
 
 
 def _has_checkpoint(run_dir: Path) -> bool:

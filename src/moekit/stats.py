@@ -1,0 +1,110 @@
+"""MoE statistics in one place: what a layer measures per call, how micro-batches and ranks reduce
+it, and what a training step logs.
+
+To add a per-layer statistic: a field on ``MoEStats`` (filled in ``MoE._stats``), a column in
+``_COLUMNS`` (its value summed over micro-batches and data ranks) and its entry in
+``StepStats.record``. Everything else (pipeline stages, data ranks, the logs) moves whole rows.
+
+Legend: E experts of a layer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class MoEStats:
+    """Routing statistics and auxiliary losses of one forward call of one MoE layer."""
+
+    aux_loss: Tensor  # Switch load-balancing loss (1.0 = uniform), differentiable
+    z_loss: Tensor  # router z-loss, differentiable
+    loss: Tensor  # aux_loss_coef * aux_loss + z_loss_coef * z_loss: add this to the training loss
+    tokens_per_expert: Tensor  # [E] assignments routed to each expert (before capacity drops)
+    dropped_per_expert: Tensor  # [E] assignments dropped by capacity limits
+    num_tokens: int  # T
+
+    @property
+    def num_dropped(self) -> int:
+        return int(self.dropped_per_expert.sum())
+
+
+def merge_micro_batches(per_micro: list[list[MoEStats]]) -> list[MoEStats]:
+    """Per layer, the stats of several micro-batches as one: counts summed, losses averaged."""
+    if not per_micro:
+        return []
+    merged = []
+    for layer in zip(*per_micro, strict=True):
+        n = len(layer)
+        merged.append(
+            MoEStats(
+                aux_loss=sum(s.aux_loss.detach() for s in layer) / n,
+                z_loss=sum(s.z_loss.detach() for s in layer) / n,
+                loss=sum(s.loss.detach() for s in layer) / n,
+                tokens_per_expert=sum(s.tokens_per_expert for s in layer),
+                dropped_per_expert=sum(s.dropped_per_expert for s in layer),
+                num_tokens=sum(s.num_tokens for s in layer),
+            )
+        )
+    return merged
+
+
+# The scalar head of a layer's row, each summed over micro-batches and ranks; the row ends with the
+# [E] routed counts. Sums reduce exactly, so a row crosses ranks and pipeline stages as one tensor.
+_COLUMNS: dict[str, Callable[[MoEStats], Tensor | float]] = {
+    "aux_sum": lambda s: s.aux_loss,
+    "z_sum": lambda s: s.z_loss,
+    "calls": lambda s: 1.0,
+    "dropped": lambda s: s.dropped_per_expert.sum(),
+}
+_AT = {name: i for i, name in enumerate(_COLUMNS)}
+
+
+def _row(s: MoEStats) -> Tensor:
+    head = torch.tensor([float(value(s)) for value in _COLUMNS.values()])
+    return torch.cat([head, s.tokens_per_expert.detach().float().cpu()])
+
+
+class StepStats:
+    """One optimizer step's MoE statistics: per MoE layer one row, summed over its calls."""
+
+    def __init__(self) -> None:
+        self.layers: list[Tensor] = []  # one row per MoE layer, in the model's order
+
+    def add(self, moe_stats: list[MoEStats]) -> None:
+        for i, s in enumerate(moe_stats):
+            row = _row(s)
+            if i < len(self.layers):
+                self.layers[i] = self.layers[i] + row
+            else:
+                self.layers.append(row)
+
+    @property
+    def loads(self) -> list[Tensor]:
+        """Per layer, [E] assignments routed to each expert."""
+        return [layer[len(_COLUMNS) :] for layer in self.layers]
+
+    def _total(self, column: str) -> Tensor:
+        return sum(layer[_AT[column]] for layer in self.layers)
+
+    def record(self) -> dict[str, Any]:
+        """The step's MoE metrics as the logs take them (per-layer lists where the value is per layer)."""
+        if not self.layers:
+            return {}
+        loads = self.loads
+        mean = [load.mean() for load in loads]
+        calls = self._total("calls")
+        routed = sum(load.sum() for load in loads)
+        return {
+            "aux_loss": (self._total("aux_sum") / calls).item(),
+            "z_loss": (self._total("z_sum") / calls).item(),
+            "load_max_over_mean": [(load.max() / m).item() for load, m in zip(loads, mean, strict=True)],
+            "load_cv": [(load.std(unbiased=False) / m).item() for load, m in zip(loads, mean, strict=True)],
+            "dropped_frac": (self._total("dropped") / routed.clamp(min=1)).item(),
+            "expert_load": [(load / load.sum()).tolist() for load in loads],
+        }
