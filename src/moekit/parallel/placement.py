@@ -5,7 +5,7 @@ Legend: E experts of a layer, W ranks of the ep group, El = E / W slots per rank
 Every ep rank has El slots; slot s lives on rank ``s // El``. A placement is a permutation
 ``expert_to_slot`` (expert e runs in slot ``expert_to_slot[e]``); plain expert parallelism is the
 identity. Placement (SmartMoE) changes where experts run, never what they compute: the runtime
-(``parallel/replace.py``) moves weights and optimizer state to follow it. Shadow experts
+(``parallel/rebalance.py``) moves weights and optimizer state to follow it. Shadow experts
 (FasterMoE) replicate the most popular experts on every rank for a while, so their tokens are
 computed where they are instead of sent.
 """

@@ -81,6 +81,11 @@ def world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def global_rank() -> int:
+    """This process's rank as torchrun set it (0 alone), readable before the process group exists."""
+    return int(os.environ.get("RANK", "0"))
+
+
 @dataclass(frozen=True)
 class Ranks:
     """Where this process sits."""
@@ -89,10 +94,6 @@ class Ranks:
     world: int = 1
     batch_rank: int = 0  # index among the ranks that read different data (dp x ep)
     batch_ranks: int = 1
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
 
 
 def init_distributed(cfg: RunConfig, device: torch.device) -> tuple[Layout, RunMesh | None]:

@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 from moekit.hostmem import keep_freed_memory
 from moekit.model import Transformer
 from moekit.parallel.mesh import Layout, LayoutError
-from moekit.parallel.runtime import ParallelModel, collective_errors, init_distributed
+from moekit.parallel.runtime import ParallelModel, collective_errors, global_rank, init_distributed
 from moekit.runconfig import RunConfig
 from moekit.stats import StepStats
 from moekit.train.checkpoint import (
@@ -145,18 +145,49 @@ def _train(
     fallback: bool,
     on_step: Callable[[dict[str, Any]], None] | None,
 ) -> TrainResult:
-    run_dir = Path(run_dir)
-    dev = torch.device(device)
+    run = _setup(cfg, Path(run_dir), resume, torch.device(device), progress, init, fallback)
+    _announce(run, init)
+    return _steps(run, progress, on_step)
+
+
+@dataclass
+class _Run:
+    """What setup hands the step loop: the model built, placed on the mesh and maybe resumed."""
+
+    cfg: RunConfig
+    run_dir: Path
+    dev: torch.device
+    main: bool  # rank 0: owns the console and the run directory
+    say: Callable[[str], None]
+    layout: Layout
+    mesh: Any
+    saver: Checkpointer
+    corpus: Corpus
+    model_summary: str  # sizes of the whole model, taken before it is split over ranks
+    flops_per_token: float  # trained (forward + backward) per token
+    pm: ParallelModel
+    local: torch.nn.Module  # this rank's model, as checkpoints hold it
+    optimizer: torch.optim.Optimizer
+    forward: Callable | None  # the compiled model, when train.compile
+    start_step: int
+    resume_from: Path | None
+    manifest: dict[str, Any]
+
+
+def _setup(
+    cfg: RunConfig, run_dir: Path, resume: bool, dev: torch.device, progress: bool, init: Path | None, fallback: bool
+) -> _Run:
+    """Check the request, join the ranks, prepare the corpus, build the model and resume it."""
     if dev.type == "cpu":
         keep_freed_memory()
     if init is not None and resume:
         raise TrainingError("--init starts a new run from another run's weights; it cannot be combined with --resume")
-    main = int(os.environ.get("RANK", "0")) == 0
+    main = global_rank() == 0  # before the process group: rank 0 alone creates the run directory
+    say = tqdm.write if progress and main else (lambda msg: print(msg, file=sys.stderr))
     resume = resume or (init is None and _elastic_restart(run_dir))
     resolve_files(cfg.data.path)  # a corpus that is not there is reported before the run directory is made
     _prepare_run_dir(run_dir, resume, create=main)
     layout, mesh = init_distributed(cfg, dev)
-    say = tqdm.write if progress and main else (lambda msg: print(msg, file=sys.stderr))
     saver = Checkpointer(run_dir, cfg.train.keep_checkpoints, cfg.train.async_checkpoint, cfg.parallel.timeout_s)
     resume_from = saver.choose(fallback, say if main else lambda msg: None) if resume else None
     manifest = load_manifest(resume_from) if resume_from is not None else {}
@@ -174,89 +205,104 @@ def _train(
     if main:
         (run_dir / "config.json").write_text(cfg.to_json())
         corpus.tokenizer.save(run_dir)
-
     model = Transformer(cfg.model, cfg.moe if cfg.is_moe else None).to(dev)
     if init is not None:
         _load_init(Path(init), model)
-    total, active = model.num_params() / 1e6, model.num_active_params() / 1e6
     flops_per_token = model.flops_per_token()
-    n_moe = len(model.moe_layers())
+    summary = (
+        f"{model.num_params() / 1e6:.2f}M parameters ({model.num_active_params() / 1e6:.2f}M active per token, "
+        f"{flops_per_token / 1e6:.1f} MFLOPs per token trained), {len(model.moe_layers())} MoE blocks"
+    )
     pm = ParallelModel(model, cfg, dev, layout, mesh)
     local = local_model(pm.modules)
     optimizer = build_optimizer(pm.parameters(), cfg.train)
-    start_step = 0
-    if resume_from is not None:
-        start_step = int(saver.restore(resume_from, local, optimizer, model)["step"])
-    forward = torch.compile(model) if cfg.train.compile and mesh is None else None
-    progress = progress and main
-    say = tqdm.write if progress else (lambda msg: print(msg, file=sys.stderr))
-    if not main:
-        held = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in pm.parameters())
+    start_step = int(saver.restore(resume_from, local, optimizer, model)["step"]) if resume_from is not None else 0
+    return _Run(
+        cfg=cfg,
+        run_dir=run_dir,
+        dev=dev,
+        main=main,
+        say=say,
+        layout=layout,
+        mesh=mesh,
+        saver=saver,
+        corpus=corpus,
+        model_summary=summary,
+        flops_per_token=flops_per_token,
+        pm=pm,
+        local=local,
+        optimizer=optimizer,
+        forward=torch.compile(model) if cfg.train.compile and mesh is None else None,
+        start_step=start_step,
+        resume_from=resume_from,
+        manifest=manifest,
+    )
+
+
+def _announce(run: _Run, init: Path | None) -> None:
+    """One line on the console (rank 0), one per other rank on its stderr."""
+    layout = run.layout
+    if not run.main:
+        held = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in run.pm.parameters())
         print(
-            f"moekit rank {pm.ranks.rank}/{layout.world}: mesh {mesh}, {held / 1e6:.2f}M parameters held",
+            f"moekit rank {run.pm.ranks.rank}/{layout.world}: mesh {run.mesh}, {held / 1e6:.2f}M parameters held",
             file=sys.stderr,
         )
-    if main:
-        where = f"; {layout.world} ranks ({_describe(layout)})" if mesh is not None else ""
-        say(
-            f"moekit: {total:.2f}M parameters ({active:.2f}M active per token, "
-            f"{flops_per_token / 1e6:.1f} MFLOPs per token trained), {n_moe} MoE blocks; "
-            f"corpus {corpus.source}, {len(corpus.train):,} train tokens{where}"
-            + (f"; resuming at step {start_step} from {resume_from}" if resume_from else "")
-            + (f"; weights from {init}" if init is not None else "")
-        )
+        return
+    where = f"; {layout.world} ranks ({_describe(layout)})" if run.mesh is not None else ""
+    run.say(
+        f"moekit: {run.model_summary}; corpus {run.corpus.source}, {len(run.corpus.train):,} train tokens{where}"
+        + (f"; resuming at step {run.start_step} from {run.resume_from}" if run.resume_from else "")
+        + (f"; weights from {init}" if init is not None else "")
+    )
 
-    tokens_per_step = cfg.train.batch_size * cfg.model.context_length * cfg.train.grad_accum * layout.batch_ranks
+
+def _steps(run: _Run, progress: bool, on_step: Callable[[dict[str, Any]], None] | None) -> TrainResult:
+    """The optimizer steps, each logged, evaluated and checkpointed on schedule, until the last or a Ctrl-C."""
+    cfg, pm, saver, main = run.cfg, run.pm, run.saver, run.main
+    tc = cfg.train
+    tokens_per_step = tc.batch_size * cfg.model.context_length * tc.grad_accum * run.layout.batch_ranks
+    peak_flops = tc.peak_tflops * 1e12 * run.layout.world
     losses: list[float] = []
     val_loss: float | None = None
-    checkpoint = resume_from if main else None
-    step = start_step
+    checkpoint = run.resume_from if main else None
+    step = run.start_step
     # Carried in the manifest so that a resumed run counts (and stops) as the uninterrupted one would.
-    skipped_steps, streak = int(manifest.get("skipped_steps", 0)), int(manifest.get("nonfinite_streak", 0))
-    bar = tqdm(total=cfg.train.steps, initial=start_step, disable=not progress, unit="step", dynamic_ncols=True)
+    skipped_steps, streak = int(run.manifest.get("skipped_steps", 0)), int(run.manifest.get("nonfinite_streak", 0))
+    bar = tqdm(total=tc.steps, initial=step, disable=not (progress and main), unit="step", dynamic_ncols=True)
     pm.train(True)
-    logger = MetricsLogger(run_dir) if main else contextlib.nullcontext()
+    logger = MetricsLogger(run.run_dir) if main else contextlib.nullcontext()
     with logger, _StopOnInterrupt() as interrupt, saver:
-        stopping = _agree(interrupt.requested, mesh)
-        while step < cfg.train.steps and not stopping:
+        stopping = _agree(interrupt.requested, run.mesh)
+        while step < tc.steps and not stopping:
             started = time.perf_counter()
-            record = _train_step(pm, forward, optimizer, corpus, cfg, dev, step, checkpoint)
+            record = _train_step(pm, run.forward, run.optimizer, run.corpus, cfg, run.dev, step, checkpoint)
             step += 1
-            elapsed = time.perf_counter() - started
-            record["tokens_per_s"] = tokens_per_step / elapsed
-            record["mfu"] = flops_per_token * record["tokens_per_s"] / (cfg.train.peak_tflops * 1e12 * layout.world)
+            record["tokens_per_s"] = tokens_per_step / (time.perf_counter() - started)
+            record["mfu"] = run.flops_per_token * record["tokens_per_s"] / peak_flops
             losses.append(record["loss"])
             streak = streak + 1 if record["skipped"] else 0
             skipped_steps += record["skipped"]
             record["skipped_steps"] = skipped_steps
             if record["skipped"] and main:
-                say(
+                run.say(
                     f"moekit: warning: gradient norm is {record['grad_norm']} at step {step}: update skipped "
-                    f"({streak} in a row; train.max_nonfinite_steps={cfg.train.max_nonfinite_steps})"
+                    f"({streak} in a row; train.max_nonfinite_steps={tc.max_nonfinite_steps})"
                 )
-            if step % cfg.train.eval_every == 0 or step == cfg.train.steps:
-                val_loss = record["val_loss"] = evaluate(pm, forward, corpus, cfg, dev)
+            if step % tc.eval_every == 0 or step == tc.steps:
+                val_loss = record["val_loss"] = evaluate(pm, run.forward, run.corpus, cfg, run.dev)
             if main:
                 logger.log(record)
             checkpoint = saver.poll() or checkpoint
-            if streak >= cfg.train.max_nonfinite_steps:
+            if streak >= tc.max_nonfinite_steps:
                 checkpoint = saver.wait() or checkpoint
                 raise TrainingError(
                     f"gradient norm is not finite for {streak} steps in a row at step {step} "
-                    f"(train.max_nonfinite_steps={cfg.train.max_nonfinite_steps}): training stopped; "
-                    + _last_good(checkpoint)
+                    f"(train.max_nonfinite_steps={tc.max_nonfinite_steps}): training stopped; " + _last_good(checkpoint)
                 )
-            periodic = cfg.train.ckpt_every and step % cfg.train.ckpt_every == 0
-            stopping = _agree(interrupt.requested, mesh)  # one collective per step decides for every rank
-            if periodic or step == cfg.train.steps or stopping:
-                if not _weights_finite(local, mesh):
-                    checkpoint = saver.wait() or checkpoint
-                    raise TrainingError(
-                        f"weights are not finite after step {step}: checkpoint not saved, training stopped; "
-                        + _last_good(checkpoint)
-                    )
-                info = _checkpoint_info(step, cfg, layout, record, streak)
-                checkpoint = saver.save(step, local, optimizer, info, pm.expert_slots()) or checkpoint
+            stopping = _agree(interrupt.requested, run.mesh)  # one collective per step decides for every rank
+            if (tc.ckpt_every and step % tc.ckpt_every == 0) or step == tc.steps or stopping:
+                checkpoint = _save(run, step, record, streak, checkpoint)
             bar.update(1)
             bar.set_postfix(loss=f"{record['loss']:.3f}", val=f"{val_loss:.3f}" if val_loss else "-", refresh=False)
             if on_step is not None:
@@ -264,10 +310,22 @@ def _train(
         checkpoint = saver.wait() or checkpoint
     bar.close()
     if interrupt.requested and main:
-        say(f"moekit: interrupted at step {step}; checkpoint {checkpoint} (continue with --resume)")
+        run.say(f"moekit: interrupted at step {step}; checkpoint {checkpoint} (continue with --resume)")
     return TrainResult(
-        run_dir, step, losses, val_loss, checkpoint, interrupted=interrupt.requested, skipped_steps=skipped_steps
+        run.run_dir, step, losses, val_loss, checkpoint, interrupted=interrupt.requested, skipped_steps=skipped_steps
     )
+
+
+def _save(run: _Run, step: int, record: dict[str, Any], streak: int, checkpoint: Path | None) -> Path | None:
+    """Start a checkpoint of finite weights (or stop the run); returns the newest published one."""
+    if not _weights_finite(run.local, run.mesh):
+        checkpoint = run.saver.wait() or checkpoint
+        raise TrainingError(
+            f"weights are not finite after step {step}: checkpoint not saved, training stopped; "
+            + _last_good(checkpoint)
+        )
+    info = _checkpoint_info(step, run.cfg, run.layout, record, streak)
+    return run.saver.save(step, run.local, run.optimizer, info, run.pm.expert_slots()) or checkpoint
 
 
 def _describe(layout) -> str:
