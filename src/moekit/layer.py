@@ -10,6 +10,7 @@ from torch import Tensor, nn
 
 from moekit.config import MoEConfig
 from moekit.dispatch import LocalDispatcher
+from moekit.dispatch.base import Dispatcher
 from moekit.experts import DenseFFN, GroupedExperts
 from moekit.routing import RouterOutput, build_router, router_z_loss, switch_aux_loss
 from moekit.stats import MoEStats
@@ -27,7 +28,7 @@ class MoE(nn.Module):
         self.cfg = cfg
         self.index = index  # position among the model's MoE layers: the order of stats and loads
         self.router = build_router(cfg)
-        self.dispatcher = LocalDispatcher(
+        self.dispatcher: Dispatcher = LocalDispatcher(
             cfg.num_experts, cfg.capacity_factor if cfg.router != "expert_choice" else None
         )
         self.experts = GroupedExperts(cfg.num_experts, cfg.d_model, cfg.d_ff, cfg.activation, cfg.gemm)

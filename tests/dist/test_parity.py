@@ -32,7 +32,6 @@ from moekit.model import Transformer
 from moekit.parallel.fsdp import experts_sharded
 from moekit.parallel.grads import clip_grad_norm
 from moekit.parallel.mesh import LayoutError, microbatches
-from moekit.parallel.placement import identity
 from moekit.parallel.runtime import ParallelModel, init_distributed
 from moekit.stats import StepStats
 from moekit.train.optim import build_optimizer
@@ -168,7 +167,7 @@ def _place_away(pm: ParallelModel) -> None:
     so that the first step's gradients go through re-placed and shadowed experts."""
     assert pm.rebalancer is not None
     for moe in pm.moe_layers():
-        slots = list(identity(moe.cfg.num_experts))
+        slots = list(range(moe.cfg.num_experts))
         slots[0], slots[-1] = slots[-1], slots[0]
         pm.rebalancer.move(moe, tuple(slots), None)
         pm.rebalancer.set_shadows(moe, (0, 2))
@@ -186,7 +185,7 @@ def _grads_by_expert(pm: ParallelModel) -> dict[str, torch.Tensor]:
         for module in pm.modules:
             for name, moe in module.named_modules():
                 if moe in pm.moe_layers():
-                    slots = torch.tensor(pm.rebalancer._layer(moe).slots)
+                    slots = list(pm.rebalancer._layer(moe).slots)
                     for key in (f"{name}.experts.w_in", f"{name}.experts.w_out"):
                         grads[key] = grads[key][slots]
     return grads

@@ -10,7 +10,6 @@ import torch
 
 from moekit import runconfig
 from moekit.model import Transformer
-from moekit.parallel.placement import identity
 from moekit.parallel.runtime import ParallelModel, init_distributed
 from moekit.train import loop
 from moekit.train.optim import build_optimizer
@@ -107,7 +106,7 @@ def _same_gradients(rank: int, world: int) -> None:
         assert pm.rebalancer is not None
         if shadowed:
             for moe in pm.moe_layers():
-                slots = list(identity(8))
+                slots = list(range(8))
                 slots[0], slots[7] = slots[7], slots[0]  # expert 0 now runs on rank 3
                 pm.rebalancer.move(moe, tuple(slots), None)
                 pm.rebalancer.set_shadows(moe, (0, 2))

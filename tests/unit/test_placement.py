@@ -8,12 +8,13 @@ import pytest
 
 from moekit.parallel.placement import (
     choose_shadows,
-    identity,
     imbalance,
     migration,
     place_experts,
     rank_loads,
 )
+
+IDENTITY = tuple(range(8))  # expert e in slot e
 
 
 def _zipf(n: int, s: float = 1.2, shift: int = 0) -> list[float]:
@@ -65,7 +66,7 @@ def test_balanced_loads_stay_put_and_bad_input_is_named() -> None:
 
 def test_migration_moves_every_row_to_its_new_slot() -> None:
     """Simulate the all-to-all of ``migration`` on lists: every rank ends with its new slots' experts."""
-    old, new, ranks = identity(8), place_experts(_zipf(8), 4).expert_to_slot, 4
+    old, new, ranks = IDENTITY, place_experts(_zipf(8), 4).expert_to_slot, 4
     El = 2
     held = {r: [e for e in sorted(range(8), key=lambda e: old[e]) if old[e] // El == r] for r in range(ranks)}
     outboxes = {}
@@ -86,12 +87,12 @@ def test_migration_moves_every_row_to_its_new_slot() -> None:
 def test_shadow_cost_model_hand_computed() -> None:
     # 4 ranks, expert 0 takes 400 of 1000 rows. Tokens of 100 bytes, experts of 1000 bytes.
     loads = [400.0] + [600.0 / 7] * 7
-    choice = choose_shadows(loads, identity(8), 4, token_bytes=100.0, expert_bytes=1000.0, max_shadows=1)
+    choice = choose_shadows(loads, IDENTITY, 4, token_bytes=100.0, expert_bytes=1000.0, max_shadows=1)
     assert choice.experts == (0,)
     assert choice.bytes_saved == pytest.approx(4 * 100 * 400 * 3 / 4 / 4)  # 30000
     assert choice.bytes_moved == pytest.approx(1000 * (1 + 2 * 3 / 4))  # 2500
-    assert choice.after < imbalance(rank_loads(loads, identity(8), 4))
+    assert choice.after < imbalance(rank_loads(loads, IDENTITY, 4))
     # A second shadow: expert 2 (saves 4 * 100 * 85.7 * 3 / 16 = 6429 > 2500), as rank 1 stays above the mean.
-    assert choose_shadows(loads, identity(8), 4, 100.0, 1000.0, 2).experts == (0, 2)
+    assert choose_shadows(loads, IDENTITY, 4, 100.0, 1000.0, 2).experts == (0, 2)
     # Heavy weights make replication a loss: nothing is shadowed.
-    assert choose_shadows(loads, identity(8), 4, 100.0, 1e6, 2).experts == ()
+    assert choose_shadows(loads, IDENTITY, 4, 100.0, 1e6, 2).experts == ()

@@ -23,14 +23,14 @@ import functools
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from moekit.dispatch.base import ScheduledExperts
 from moekit.dispatch.local import DispatchMeta, LocalDispatcher
-from moekit.experts.grouped import ExpertsFn, Schedule
+from moekit.experts.grouped import ExpertsFn
 from moekit.routing import RouterOutput
 
 
@@ -65,15 +65,6 @@ class _Permute(torch.autograd.Function):
 
 def permute_rows(x: Tensor, index: Tensor) -> Tensor:
     return _Permute.apply(x, index)
-
-
-class ScheduledExperts(Protocol):
-    """Experts a dispatcher calls once per layer: ``experts(x, counts)`` or ``experts(x, schedule=s)``
-    (``s(x, ffn)`` runs the FFN on as many row groups as it likes inside the one call)."""
-
-    def __call__(
-        self, x_RD: Tensor, tokens_per_expert: Tensor | None = None, *, schedule: Schedule | None = None
-    ) -> Tensor: ...
 
 
 @dataclass(frozen=True)
@@ -148,17 +139,17 @@ def exchange(x: Tensor, plan: Exchange, result: Tensor | None = None, reverse: b
 class ExpertPlacement:
     """Where each expert of a layer runs, swapped whole between steps (``parallel/rebalance.py``)."""
 
-    expert_to_slot: Tensor  # [E] slot of each expert (a permutation); its rank is slot // El
+    expert_to_slot: tuple[int, ...]  # [E] slot of each expert (a permutation); its rank is slot // El
     shadows: tuple[int, ...] = ()  # experts replicated on every rank: their rows stay here
     shadow_experts: ExpertsFn | None = None  # computes the shadows' rows, grouped in ``shadows`` order
 
     @staticmethod
     def identity(num_experts: int) -> ExpertPlacement:
-        return ExpertPlacement(torch.arange(num_experts))
+        return ExpertPlacement(tuple(range(num_experts)))
 
     def sort_keys(self) -> Tensor:
         """[E] the dispatch order: slots first, then the shadows after all E slots."""
-        keys = self.expert_to_slot.clone()
+        keys = torch.tensor(self.expert_to_slot)
         for i, e in enumerate(self.shadows):
             keys[e] = len(keys) + i
         return keys
@@ -202,7 +193,7 @@ class AllToAllDispatcher:
         self.groups = groups
         self.chunks = chunks
         self.local = LocalDispatcher(num_experts, capacity_factor)
-        self.placement = ExpertPlacement.identity(num_experts)
+        self.placement = ExpertPlacement.identity(num_experts)  # changed only through ``place``
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="moekit-a2a") if chunks > 1 else None
 
     def apply(self, x_TD: Tensor, routing: RouterOutput, experts: ScheduledExperts) -> tuple[Tensor, DispatchMeta]:
@@ -226,6 +217,17 @@ class AllToAllDispatcher:
             assert placement.shadow_experts is not None
             y = torch.cat([y, placement.shadow_experts(x_shadow, per_key[E:].to(x_shadow.device))])
         return LocalDispatcher.combine(y, meta), meta
+
+    def place(self, placement: ExpertPlacement) -> None:
+        """Run the experts where ``placement`` says from the next call on (the caller moved their weights)."""
+        slots = placement.expert_to_slot
+        if sorted(slots) != list(range(self.world * self.local_experts)):
+            raise ValueError(
+                f"expert_to_slot must be a permutation of the {self.world * self.local_experts} slots: {slots}"
+            )
+        if placement.shadows and placement.shadow_experts is None:
+            raise ValueError(f"shadow experts {placement.shadows} without the function that computes them")
+        self.placement = placement
 
     def _plan_chunks(self, counts_E: Tensor) -> _Chunks:
         """Cut each slot's rows into C chunks and learn, from every rank's counts, what each exchange moves."""

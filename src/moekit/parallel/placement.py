@@ -39,8 +39,9 @@ def imbalance(per_rank: Sequence[float]) -> float:
 
 
 @dataclass(frozen=True)
-class Placement:
-    """A proposed expert -> slot permutation and what it is predicted to do."""
+class PlacementProposal:
+    """A proposed expert -> slot permutation and what it is predicted to do (the live one is
+    ``dispatch.all_to_all.ExpertPlacement``)."""
 
     expert_to_slot: tuple[int, ...]
     before: float  # max/mean rank load of the current placement
@@ -53,13 +54,9 @@ class Placement:
         return 1.0 - self.after / self.before
 
 
-def identity(num_experts: int) -> tuple[int, ...]:
-    return tuple(range(num_experts))
-
-
 def place_experts(
     loads: Sequence[float], ranks: int, current: Sequence[int] | None = None, max_moves: int = 0
-) -> Placement:
+) -> PlacementProposal:
     """Minimise the most-loaded rank: LPT bin packing with El slots per rank, moving at most ``max_moves``
     experts (0 = no bound).
 
@@ -70,7 +67,7 @@ def place_experts(
     E = len(loads)
     if ranks <= 0 or E % ranks:
         raise ValueError(f"place_experts: {ranks} ranks must divide {E} experts")
-    current = tuple(current) if current is not None else identity(E)
+    current = tuple(current) if current is not None else tuple(range(E))
     if sorted(current) != list(range(E)):
         raise ValueError(f"place_experts: current={current} is not a permutation of {E} slots")
     El = E // ranks
@@ -80,7 +77,7 @@ def place_experts(
     if not max_moves or _moves(current, lpt, El) <= max_moves:
         candidates.append(lpt)
     best = min(candidates, key=lambda slots: (max(rank_loads(loads, slots, ranks)), _moves(current, slots, El)))
-    return Placement(best, before, imbalance(rank_loads(loads, best, ranks)), _moves(current, best, El))
+    return PlacementProposal(best, before, imbalance(rank_loads(loads, best, ranks)), _moves(current, best, El))
 
 
 def _lpt(loads: Sequence[float], ranks: int) -> list[int]:

@@ -25,7 +25,7 @@ from importlib import resources
 from pathlib import Path
 
 from moekit.config import ModelConfig, MoEConfig
-from moekit.parallel.placement import identity, imbalance, place_experts, rank_loads
+from moekit.parallel.placement import imbalance, place_experts, rank_loads
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -395,7 +395,7 @@ def layout_imbalance(loads: Sequence[Sequence[float]], ep: int, placed: bool) ->
             factors.append(p.after)
             moved.append(p.moves / len(layer))
         else:
-            factors.append(imbalance(rank_loads(layer, identity(len(layer)), ep)))
+            factors.append(imbalance(rank_loads(layer, tuple(range(len(layer))), ep)))
     return sum(factors) / len(factors), (sum(moved) / len(moved) if moved else 0.0)
 
 

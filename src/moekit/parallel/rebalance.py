@@ -46,7 +46,7 @@ class _Layer:
 
     @property
     def slots(self) -> tuple[int, ...]:
-        return tuple(self.dispatcher.placement.expert_to_slot.tolist())
+        return self.dispatcher.placement.expert_to_slot
 
     @property
     def shadows(self) -> tuple[int, ...]:
@@ -135,7 +135,7 @@ class Rebalancer:
         flat[land] = out
         for t, part in zip(tensors, flat.split([t[0].numel() for t in tensors], dim=1), strict=True):
             t.copy_(part.view_as(t))
-        layer.dispatcher.placement = ExpertPlacement(torch.tensor(new_slots), layer.shadows, self._shadow_fn(layer))
+        layer.dispatcher.place(ExpertPlacement(new_slots, layer.shadows, self._shadow_fn(layer)))
         moved = sum(a // El != b // El for a, b in zip(old, new_slots, strict=True))
         return moved * flat.shape[1] * flat.element_size()
 
@@ -147,8 +147,7 @@ class Rebalancer:
             for p in moe.experts.parameters()
             if experts
         ]
-        slots = layer.dispatcher.placement.expert_to_slot
-        layer.dispatcher.placement = ExpertPlacement(slots, experts, self._shadow_fn(layer))
+        layer.dispatcher.place(ExpertPlacement(layer.slots, experts, self._shadow_fn(layer)))
 
     @torch.no_grad()
     def refresh_shadows(self) -> int:
