@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 from torch import nn
 
-from moekit.train import checkpoint, fileio
+from moekit import fileio
+from moekit.train import checkpoint
 from moekit.train.checkpoint import (
     CheckpointError,
     checkpoint_dir,

@@ -23,7 +23,7 @@ from typing import Any
 from safetensors.torch import load_model, save_model
 from torch import nn
 
-from moekit.train.fileio import fsync_dir, fsync_file, replace_dir, write_bytes_atomic
+from moekit.fileio import fsync_dir, fsync_file, replace_dir, write_bytes_atomic
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"

@@ -17,7 +17,7 @@ from typing import IO
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from moekit.train.fileio import write_atomic
+from moekit.fileio import write_atomic
 from moekit.train.sharded import MODEL_PREFIX, model_groups, read_metadata, read_weights
 
 DTYPES = {

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from moekit.config import DataConfig
-from moekit.train.fileio import write_atomic, write_bytes_atomic
+from moekit.fileio import write_atomic, write_bytes_atomic
 
 if TYPE_CHECKING:
     import tokenizers

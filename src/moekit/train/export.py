@@ -6,6 +6,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+from moekit.fileio import write_bytes_atomic
 from moekit.train.checkpoint import (
     MODEL_FILE,
     SHARDED,
@@ -20,7 +21,6 @@ from moekit.train.checkpoint import (
 )
 from moekit.train.consolidate import consolidate
 from moekit.train.data import load_tokenizer
-from moekit.train.fileio import write_bytes_atomic
 
 
 def export_run(run_dir: Path, out: Path) -> Path:
