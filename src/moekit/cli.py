@@ -482,7 +482,7 @@ def _load_model(path: Path):
     from moekit.config import DataConfig
     from moekit.convert import from_hf
     from moekit.infer.generate import load_run
-    from moekit.train.data import load_tokenizer
+    from moekit.tokenizer import load_tokenizer
 
     if not (path / "config.json").is_file():
         raise ValueError(f"{path}: no config.json (neither a moekit run nor a Hugging Face directory)")

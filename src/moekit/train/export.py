@@ -7,6 +7,7 @@ import shutil
 from pathlib import Path
 
 from moekit.fileio import write_bytes_atomic
+from moekit.tokenizer import load_tokenizer
 from moekit.train.checkpoint import (
     MODEL_FILE,
     SHARDED,
@@ -20,7 +21,6 @@ from moekit.train.checkpoint import (
     save_failed,
 )
 from moekit.train.consolidate import consolidate
-from moekit.train.data import load_tokenizer
 
 
 def export_run(run_dir: Path, out: Path) -> Path:
