@@ -35,8 +35,8 @@ from moekit.infer.generate import generate, left_pad, load_run
 from moekit.infer.offload import READERS, OffloadOptions, format_bytes, model_bytes, parse_bytes
 from moekit.infer.quant import matmul, roles
 from moekit.model import Transformer
+from moekit.run.checkpoint import save_checkpoint
 from moekit.tokenizer import ByteTokenizer
-from moekit.train.checkpoint import save_checkpoint
 
 DEFAULT_TEXT = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "tinyshakespeare.txt"
 # Fine-grained experts (DeepSeek-MoE, OLMoE): 128 per layer, so a batch of 16 top-2 tokens needs

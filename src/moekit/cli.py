@@ -495,7 +495,7 @@ def _load_model(path: Path):
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    from moekit.train.checkpoint import save_weights_run
+    from moekit.run.checkpoint import save_weights_run
 
     if (args.hf_dir / "checkpoints").is_dir():
         raise ValueError(f"{args.hf_dir}: is a moekit run already (convert reads Hugging Face directories)")
@@ -523,7 +523,7 @@ def export_hf(args: argparse.Namespace) -> None:
 
 
 def export_safetensors(args: argparse.Namespace) -> None:
-    from moekit.train.export import export_run
+    from moekit.run.export import export_run
 
     path = export_run(args.run_dir, args.out)
     print(f"{args.out}: {path / 'model.safetensors'} (moekit generate {args.out}; train --init {args.out})")
@@ -539,8 +539,8 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 def cmd_upcycle(args: argparse.Namespace) -> int:
     from moekit.convert.upcycle import upcycle
+    from moekit.run.checkpoint import save_weights_run
     from moekit.runconfig import for_model
-    from moekit.train.checkpoint import save_weights_run
 
     dense, tokenizer, cfg = _load_model(args.dense)
     model = upcycle(dense, args.experts, args.top_k, split=args.split, noise=args.noise, seed=args.seed)
@@ -574,7 +574,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from moekit.infer.expert_store import ExpertStoreError
     from moekit.parallel.runtime import RankFailure, exit_after_rank_failure
-    from moekit.train.checkpoint import CheckpointError
+    from moekit.run.checkpoint import CheckpointError
     from moekit.train.loop import TrainingError
 
     rank = f" (rank {os.environ['RANK']})" if "RANK" in os.environ and "WORLD_SIZE" in os.environ else ""

@@ -19,7 +19,7 @@ import torch
 import moekit
 from moekit import runconfig
 from moekit.infer.generate import load_run
-from moekit.train.checkpoint import latest_checkpoint
+from moekit.run.checkpoint import latest_checkpoint
 from moekit.train.loop import train
 
 STEPS, EVERY = 12, 3

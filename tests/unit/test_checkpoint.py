@@ -11,8 +11,8 @@ import pytest
 from torch import nn
 
 from moekit import fileio
-from moekit.train import checkpoint
-from moekit.train.checkpoint import (
+from moekit.run import checkpoint
+from moekit.run.checkpoint import (
     CheckpointError,
     checkpoint_dir,
     complete_checkpoints,
@@ -21,7 +21,7 @@ from moekit.train.checkpoint import (
     read_manifest,
     save_checkpoint,
 )
-from moekit.train.saver import Checkpointer, _unseen
+from moekit.run.saver import Checkpointer, _unseen
 
 
 def _run_with_step_2(tmp_path: Path) -> Path:

@@ -22,8 +22,8 @@ from torch.utils.hooks import RemovableHandle
 from moekit import runconfig
 from moekit.infer.generate import load_run
 from moekit.model import Transformer
+from moekit.run.checkpoint import latest_checkpoint, read_manifest
 from moekit.runconfig import RunConfig
-from moekit.train.checkpoint import latest_checkpoint, read_manifest
 from moekit.train.loop import TrainingError, train
 from moekit.train.metrics import read_metrics
 

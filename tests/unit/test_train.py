@@ -17,7 +17,7 @@ import torch
 
 from moekit import runconfig
 from moekit.infer.generate import load_run
-from moekit.train.checkpoint import CheckpointError, latest_checkpoint, read_manifest
+from moekit.run.checkpoint import CheckpointError, latest_checkpoint, read_manifest
 from moekit.train.loop import TrainingError, train
 
 

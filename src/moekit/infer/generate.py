@@ -14,9 +14,9 @@ import torch
 from torch import Tensor
 
 from moekit.model import KVCache, Transformer
+from moekit.run.checkpoint import CheckpointError, is_sharded, latest_checkpoint, load_model_weights, read_manifest
 from moekit.runconfig import RunConfig, from_json
 from moekit.tokenizer import Tokenizer, load_tokenizer
-from moekit.train.checkpoint import CheckpointError, is_sharded, latest_checkpoint, load_model_weights, read_manifest
 
 if TYPE_CHECKING:
     from moekit.infer.offload import Offloader, OffloadOptions

@@ -24,8 +24,7 @@ from moekit.hostmem import keep_freed_memory
 from moekit.model import Transformer
 from moekit.parallel.mesh import Layout, LayoutError
 from moekit.parallel.runtime import ParallelModel, collective_errors, init_distributed
-from moekit.runconfig import RunConfig
-from moekit.train.checkpoint import (
+from moekit.run.checkpoint import (
     LATEST,
     CheckpointError,
     checkpoint_dir,
@@ -35,11 +34,12 @@ from moekit.train.checkpoint import (
     load_model_weights,
     read_manifest,
 )
+from moekit.run.saver import Checkpointer
+from moekit.run.sharded import local_model
+from moekit.runconfig import RunConfig
 from moekit.train.data import Corpus, prepare_corpus, resolve_files
 from moekit.train.metrics import MetricsLogger
 from moekit.train.optim import build_optimizer, lr_at
-from moekit.train.saver import Checkpointer
-from moekit.train.sharded import local_model
 
 
 class TrainingError(RuntimeError):

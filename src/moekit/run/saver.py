@@ -29,8 +29,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from moekit.train import sharded
-from moekit.train.checkpoint import (
+from moekit.run import sharded
+from moekit.run.checkpoint import (
     LATEST,
     MODEL_FILE,
     SHARDED,
@@ -45,7 +45,7 @@ from moekit.train.checkpoint import (
     remove_stale,
     save_failed,
 )
-from moekit.train.consolidate import consolidate
+from moekit.run.consolidate import consolidate
 
 
 class _Pending:

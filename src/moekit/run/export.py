@@ -7,8 +7,7 @@ import shutil
 from pathlib import Path
 
 from moekit.fileio import write_bytes_atomic
-from moekit.tokenizer import load_tokenizer
-from moekit.train.checkpoint import (
+from moekit.run.checkpoint import (
     MODEL_FILE,
     SHARDED,
     CheckpointError,
@@ -20,7 +19,8 @@ from moekit.train.checkpoint import (
     read_manifest,
     save_failed,
 )
-from moekit.train.consolidate import consolidate
+from moekit.run.consolidate import consolidate
+from moekit.tokenizer import load_tokenizer
 
 
 def export_run(run_dir: Path, out: Path) -> Path:

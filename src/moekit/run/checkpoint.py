@@ -250,7 +250,7 @@ def load_model_weights(path: Path, model: nn.Module) -> None:
     A sharded checkpoint is consolidated in memory (every shard read in this process).
     """
     if is_sharded(path):
-        from moekit.train.sharded import load_weights  # sharded.py builds on this module
+        from moekit.run.sharded import load_weights  # sharded.py builds on this module
 
         load_weights(Path(path) / SHARDED, model)
         return

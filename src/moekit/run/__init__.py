@@ -1,0 +1,1 @@
+"""A run directory's checkpoints: published atomically, checksummed, sharded or not."""
