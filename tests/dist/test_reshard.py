@@ -21,11 +21,12 @@ from safetensors.torch import load_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from moekit import runconfig
-from moekit.infer.generate import generate_text, load_run
+from moekit.infer.generate import generate_text
+from moekit.run.load import load_run
 from moekit.infer.offload import OffloadOptions
 from moekit.model import Transformer
 from moekit.parallel.mesh import Layout, LayoutError
-from moekit.run.checkpoint import CheckpointError, latest_checkpoint
+from moekit.run.layout import CheckpointError, latest_checkpoint
 from moekit.run.export import export_run
 from moekit.train.loop import _rebatch, train
 

@@ -24,16 +24,9 @@ from moekit.hostmem import keep_freed_memory
 from moekit.model import Transformer
 from moekit.parallel.mesh import Layout, LayoutError
 from moekit.parallel.runtime import ParallelModel, collective_errors, init_distributed
-from moekit.run.checkpoint import (
-    LATEST,
-    CheckpointError,
-    checkpoint_dir,
-    complete_checkpoints,
-    latest_checkpoint,
-    load_manifest,
-    load_model_weights,
-    read_manifest,
-)
+from moekit.run.layout import LATEST, CheckpointError, checkpoint_dir, complete_checkpoints, latest_checkpoint
+from moekit.run.load import load_model_weights
+from moekit.run.manifest import load_manifest, read_manifest
 from moekit.run.saver import Checkpointer
 from moekit.run.sharded import local_model
 from moekit.runconfig import RunConfig
