@@ -30,9 +30,9 @@ def _rank(rank: int, world: int, steps: int, root: str) -> dict[str, float] | No
     from moekit import runconfig
     from moekit.model import Transformer
     from moekit.parallel.runtime import ParallelModel, init_distributed
+    from moekit.run.saver import Checkpointer
+    from moekit.run.sharded import local_model
     from moekit.train.optim import build_optimizer
-    from moekit.train.saver import Checkpointer
-    from moekit.train.sharded import local_model
 
     cfg = runconfig.resolve("default", {"parallel.ep": str(world), "model.vocab_size": "256"})
     dev = torch.device("cpu")

@@ -31,12 +31,13 @@ from moekit import runconfig
 from moekit.experts.grouped import apply_activation
 from moekit.infer.cache import POLICIES, replay
 from moekit.infer.expert_store import ExpertStore, aligned_empty
-from moekit.infer.generate import generate, left_pad, load_run
+from moekit.infer.generate import generate, left_pad
 from moekit.infer.offload import READERS, OffloadOptions, format_bytes, model_bytes, parse_bytes
 from moekit.infer.quant import matmul, roles
 from moekit.model import Transformer
-from moekit.train.checkpoint import save_checkpoint
-from moekit.train.data import ByteTokenizer
+from moekit.run.checkpoint import save_checkpoint
+from moekit.run.load import load_run
+from moekit.tokenizer import ByteTokenizer
 
 DEFAULT_TEXT = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "tinyshakespeare.txt"
 # Fine-grained experts (DeepSeek-MoE, OLMoE): 128 per layer, so a batch of 16 top-2 tokens needs

@@ -25,8 +25,8 @@ import torch
 
 from moekit import runconfig
 from moekit.convert.upcycle import upcycle
-from moekit.infer.generate import load_run
-from moekit.train.checkpoint import save_weights_run
+from moekit.run.checkpoint import save_weights_run
+from moekit.run.load import load_run
 from moekit.train.loop import train
 from moekit.train.plots import compare_runs
 

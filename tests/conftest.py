@@ -10,8 +10,8 @@ import torch
 
 from moekit import runconfig
 from moekit.model import Transformer
-from moekit.train.checkpoint import save_checkpoint
-from moekit.train.data import ByteTokenizer
+from moekit.run.checkpoint import save_checkpoint
+from moekit.tokenizer import ByteTokenizer
 
 SENTENCE = (
     "the king and queen of the castle walked along the river to see the ships that came from the "

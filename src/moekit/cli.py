@@ -225,8 +225,8 @@ def _add_offload_flags(parser: argparse.ArgumentParser) -> None:
 
 def _load_for_inference(args: argparse.Namespace):
     """The run, its experts offloaded when --memory-budget is given."""
-    from moekit.infer.generate import load_run
     from moekit.infer.offload import OffloadOptions, parse_bytes
+    from moekit.run.load import load_run
 
     offload = None
     if args.memory_budget is not None:
@@ -246,7 +246,8 @@ def _device(name: str) -> str:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from moekit import runconfig
-    from moekit.infer.generate import generate_text, load_run
+    from moekit.infer.generate import generate_text
+    from moekit.run.load import load_run
     from moekit.train.loop import train
     from moekit.train.plots import plot_run
 
@@ -481,8 +482,8 @@ def _load_model(path: Path):
     from moekit import runconfig
     from moekit.config import DataConfig
     from moekit.convert import from_hf
-    from moekit.infer.generate import load_run
-    from moekit.train.data import load_tokenizer
+    from moekit.run.load import load_run
+    from moekit.tokenizer import load_tokenizer
 
     if not (path / "config.json").is_file():
         raise ValueError(f"{path}: no config.json (neither a moekit run nor a Hugging Face directory)")
@@ -495,7 +496,7 @@ def _load_model(path: Path):
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    from moekit.train.checkpoint import save_weights_run
+    from moekit.run.checkpoint import save_weights_run
 
     if (args.hf_dir / "checkpoints").is_dir():
         raise ValueError(f"{args.hf_dir}: is a moekit run already (convert reads Hugging Face directories)")
@@ -509,7 +510,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 def export_hf(args: argparse.Namespace) -> None:
     from moekit.convert import to_hf
-    from moekit.infer.generate import load_run
+    from moekit.run.load import load_run
 
     if (args.out / "config.json").exists():
         raise ValueError(f"--out {args.out}: already holds a config.json; choose an empty directory")
@@ -523,7 +524,7 @@ def export_hf(args: argparse.Namespace) -> None:
 
 
 def export_safetensors(args: argparse.Namespace) -> None:
-    from moekit.train.export import export_run
+    from moekit.run.export import export_run
 
     path = export_run(args.run_dir, args.out)
     print(f"{args.out}: {path / 'model.safetensors'} (moekit generate {args.out}; train --init {args.out})")
@@ -539,8 +540,8 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 def cmd_upcycle(args: argparse.Namespace) -> int:
     from moekit.convert.upcycle import upcycle
+    from moekit.run.checkpoint import save_weights_run
     from moekit.runconfig import for_model
-    from moekit.train.checkpoint import save_weights_run
 
     dense, tokenizer, cfg = _load_model(args.dense)
     model = upcycle(dense, args.experts, args.top_k, split=args.split, noise=args.noise, seed=args.seed)
@@ -574,7 +575,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from moekit.infer.expert_store import ExpertStoreError
     from moekit.parallel.runtime import RankFailure, exit_after_rank_failure
-    from moekit.train.checkpoint import CheckpointError
+    from moekit.run.layout import CheckpointError
     from moekit.train.loop import TrainingError
 
     rank = f" (rank {os.environ['RANK']})" if "RANK" in os.environ and "WORLD_SIZE" in os.environ else ""

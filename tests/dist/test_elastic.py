@@ -18,8 +18,8 @@ import torch
 
 import moekit
 from moekit import runconfig
-from moekit.infer.generate import load_run
-from moekit.train.checkpoint import latest_checkpoint
+from moekit.run.load import load_run
+from moekit.run.layout import latest_checkpoint
 from moekit.train.loop import train
 
 STEPS, EVERY = 12, 3

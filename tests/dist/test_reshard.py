@@ -21,12 +21,13 @@ from safetensors.torch import load_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from moekit import runconfig
-from moekit.infer.generate import generate_text, load_run
+from moekit.infer.generate import generate_text
+from moekit.run.load import load_run
 from moekit.infer.offload import OffloadOptions
 from moekit.model import Transformer
 from moekit.parallel.mesh import Layout, LayoutError
-from moekit.train.checkpoint import CheckpointError, latest_checkpoint
-from moekit.train.export import export_run
+from moekit.run.layout import CheckpointError, latest_checkpoint
+from moekit.run.export import export_run
 from moekit.train.loop import _rebatch, train
 
 from .spawn import run_ranks
@@ -223,7 +224,7 @@ def _save_with_placement(rank: int, world: int, corpus_path: Path, tmp: Path) ->
     from moekit.parallel.runtime import ParallelModel, init_distributed
     from moekit.train import loop
     from moekit.train.optim import build_optimizer
-    from moekit.train.saver import Checkpointer
+    from moekit.run.saver import Checkpointer
 
     from .test_placement import SKEW
 

@@ -13,7 +13,7 @@ from hf_models import TINY, save_hf  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 from moekit.cli import main  # noqa: E402
-from moekit.infer.generate import load_run  # noqa: E402
+from moekit.run.load import load_run  # noqa: E402
 
 TOL = 1e-4
 

@@ -10,17 +10,11 @@ from pathlib import Path
 import pytest
 from torch import nn
 
-from moekit.train import checkpoint, fileio
-from moekit.train.checkpoint import (
-    CheckpointError,
-    checkpoint_dir,
-    complete_checkpoints,
-    latest_checkpoint,
-    publish_checkpoint,
-    read_manifest,
-    save_checkpoint,
-)
-from moekit.train.saver import Checkpointer, _unseen
+from moekit import fileio
+from moekit.run.checkpoint import begin_checkpoint, publish_checkpoint, save_checkpoint
+from moekit.run.layout import CheckpointError, checkpoint_dir, complete_checkpoints, latest_checkpoint
+from moekit.run.manifest import digests, read_manifest
+from moekit.run.saver import Checkpointer, _unseen
 
 
 def _run_with_step_2(tmp_path: Path) -> Path:
@@ -116,9 +110,9 @@ def test_replacing_a_checkpoint_never_leaves_it_missing(tmp_path: Path) -> None:
 
 def test_publish_fsyncs_the_directory_after_each_rename(tmp_path: Path, monkeypatch) -> None:
     run = _run_with_step_2(tmp_path)
-    tmp = checkpoint.begin_checkpoint(run, 2)  # the same step again: swapped with the published one
+    tmp = begin_checkpoint(run, 2)  # the same step again: swapped with the published one
     (tmp / "weights").write_bytes(b"new")
-    files = checkpoint.digests(tmp, ["weights"])
+    files = digests(tmp, ["weights"])
     events: list[str] = []
     monkeypatch.setattr(fileio, "fsync_dir", lambda path: events.append(f"fsync {Path(path).name}"))
     real_replace = fileio.os.replace

@@ -14,17 +14,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from moekit.config import DataConfig
+from moekit.tokenizer import BPETokenizer, ByteTokenizer, CharTokenizer, DataError, load_tokenizer
 from moekit.train import data
-from moekit.train.data import (
-    BPETokenizer,
-    ByteTokenizer,
-    CharTokenizer,
-    Corpus,
-    DataError,
-    load_tokenizer,
-    prepare_corpus,
-    resolve_files,
-)
+from moekit.train.data import Corpus, prepare_corpus, resolve_files
 
 PROSE = (
     "the expert router picks two of eight experts for every token and the load balancing loss keeps "

@@ -20,10 +20,11 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.hooks import RemovableHandle
 
 from moekit import runconfig
-from moekit.infer.generate import load_run
 from moekit.model import Transformer
+from moekit.run.layout import latest_checkpoint
+from moekit.run.load import load_run
+from moekit.run.manifest import read_manifest
 from moekit.runconfig import RunConfig
-from moekit.train.checkpoint import latest_checkpoint, read_manifest
 from moekit.train.loop import TrainingError, train
 from moekit.train.metrics import read_metrics
 

@@ -23,10 +23,11 @@ from moekit.infer.expert_store import (
     expert_tensor_prefix,
     read_safetensors_header,
 )
-from moekit.infer.generate import generate, generate_texts, left_pad, load_run
+from moekit.infer.generate import generate, generate_texts, left_pad
 from moekit.infer.offload import OffloadOptions, PinnedExperts, model_bytes, parse_bytes
 from moekit.infer.quant import roles
 from moekit.model import Transformer
+from moekit.run.load import load_run
 
 PROMPTS = [[5, 17, 99, 3, 42, 8, 1], [200, 13], [7, 7, 7, 7]]
 

@@ -8,7 +8,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from moekit.infer.generate import load_run
 from moekit.infer.offload import OffloadOptions
 from moekit.infer.quant import (
     dequantize_int4,
@@ -17,6 +16,7 @@ from moekit.infer.quant import (
     quantize_int4,
     quantize_int8,
 )
+from moekit.run.load import load_run
 
 
 def test_int8_round_trip_error_is_half_a_step_per_channel() -> None:

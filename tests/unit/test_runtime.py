@@ -6,7 +6,7 @@ import pytest
 import torch.distributed as dist
 
 from moekit.parallel.runtime import RankFailure, collective_errors
-from moekit.train.checkpoint import CheckpointError
+from moekit.run.layout import CheckpointError
 
 
 @pytest.fixture

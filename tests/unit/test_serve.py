@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from moekit.infer.generate import generate_texts, load_run
+from moekit.infer.generate import generate_texts
 from moekit.infer.offload import OffloadOptions
 from moekit.infer.serve import make_server
+from moekit.run.load import load_run
 
 
 @pytest.fixture(scope="module")

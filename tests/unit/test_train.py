@@ -16,8 +16,9 @@ import pytest
 import torch
 
 from moekit import runconfig
-from moekit.infer.generate import load_run
-from moekit.train.checkpoint import CheckpointError, latest_checkpoint, read_manifest
+from moekit.run.layout import CheckpointError, latest_checkpoint
+from moekit.run.load import load_run
+from moekit.run.manifest import read_manifest
 from moekit.train.loop import TrainingError, train
 
 

@@ -10,7 +10,7 @@ import torch
 
 from moekit import runconfig
 from moekit.cli import main
-from moekit.infer.generate import load_run
+from moekit.run.load import load_run
 from moekit.train.loop import train
 
 

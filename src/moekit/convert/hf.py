@@ -23,8 +23,8 @@ from safetensors import safe_open
 from torch import Tensor
 
 from moekit.config import ModelConfig, MoEConfig
+from moekit.fileio import write_bytes_atomic
 from moekit.model import Transformer
-from moekit.train.fileio import write_bytes_atomic
 
 
 class ConversionError(ValueError):

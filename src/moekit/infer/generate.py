@@ -6,62 +6,12 @@ Legend: B batch, L length, V vocabulary.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from moekit.model import KVCache, Transformer
-from moekit.runconfig import RunConfig, from_json
-from moekit.train.checkpoint import CheckpointError, is_sharded, latest_checkpoint, load_model_weights, read_manifest
-from moekit.train.data import Tokenizer, load_tokenizer
-
-if TYPE_CHECKING:
-    from moekit.infer.offload import Offloader, OffloadOptions
-
-
-@dataclass(frozen=True)
-class LoadedRun:
-    model: Transformer
-    tokenizer: Tokenizer
-    config: RunConfig
-    checkpoint: Path
-    offloader: Offloader | None = None  # set when the experts are offloaded
-
-
-def load_run(run_dir: Path, device: str = "cpu", offload: OffloadOptions | None = None) -> LoadedRun:
-    """The trained model (newest checkpoint, weights verified), its tokenizer and config.
-
-    A sharded checkpoint (from a multi-rank run) is consolidated in memory.
-
-    With ``offload`` the experts stay on disk and are served through a budgeted cache
-    (``moekit.infer.offload``); only the non-expert weights are loaded.
-    """
-    run_dir = Path(run_dir)
-    if not (run_dir / "config.json").is_file():
-        raise CheckpointError(f"{run_dir}: not a moekit run directory (no config.json)")
-    cfg = from_json(run_dir / "config.json")
-    path = latest_checkpoint(run_dir)
-    if path is None:
-        raise CheckpointError(f"{run_dir}: has no checkpoint yet")
-    if offload is not None:
-        from moekit.infer.offload import build_offloaded
-
-        if not cfg.is_moe:
-            raise ValueError(f"--memory-budget: {run_dir} is a dense model; it has no experts to offload")
-        if is_sharded(path):
-            raise CheckpointError(
-                f"--memory-budget: {path} is sharded (written by several ranks); offloaded experts are read from one "
-                f"file: consolidate it first with: moekit export {run_dir} --out DIR"
-            )
-        model, offloader = build_offloaded(cfg.model, cfg.moe, path, offload, device)
-        return LoadedRun(model, load_tokenizer(run_dir), cfg, path, offloader)
-    read_manifest(path)
-    model = Transformer(cfg.model, cfg.moe if cfg.is_moe else None)
-    load_model_weights(path, model)
-    return LoadedRun(model.to(device).eval(), load_tokenizer(run_dir), cfg, path)
+from moekit.run.load import LoadedRun
 
 
 def check_sampling(max_new_tokens: int, temperature: float, top_k: int, top_p: float, prefix: str = "--") -> None:

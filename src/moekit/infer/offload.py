@@ -449,6 +449,12 @@ class OffloadOptions:
         if self.record_trace < 0:
             raise ValueError(f"record_trace={self.record_trace}: must be >= 0 (0 = no trace)")
 
+    def build(
+        self, model_cfg: ModelConfig, moe_cfg: MoEConfig, checkpoint: Path, device: str = "cpu"
+    ) -> tuple[Transformer, Offloader]:
+        """``load_run``'s hook (``run.load.Offload``): the model with its experts served under these options."""
+        return build_offloaded(model_cfg, moe_cfg, checkpoint, self, device)
+
 
 def open_store(checkpoint: Path, blocks: dict[int, int], options: OffloadOptions) -> ExpertStore:
     """The checkpoint's own safetensors file (fp), or its quantized copy, written on first use."""

@@ -21,8 +21,8 @@ import torch
 from safetensors.torch import save
 from torch import Tensor
 
+from moekit.fileio import write_atomic
 from moekit.infer.expert_store import ExpertStore, Key, aligned_empty, expert_tensor_prefix
-from moekit.train.fileio import write_atomic
 
 QUANT_FORMATS = ("int8", "int4")
 INT4_GROUP = 32

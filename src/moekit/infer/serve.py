@@ -15,7 +15,8 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from moekit.infer.generate import LoadedRun, check_sampling, generate_texts
+from moekit.infer.generate import check_sampling, generate_texts
+from moekit.run.load import LoadedRun
 
 MAX_BODY = 1 << 20
 DEFAULTS: dict[str, Any] = {"max_new_tokens": 64, "temperature": 0.8, "top_k": 50, "top_p": 1.0, "seed": None}

@@ -4,7 +4,7 @@ The expert weights keep their DTensor layout (``Shard(0)`` over ``ep``), but row
 tensors now means *slot* ``s``, and each layer's dispatcher holds the ``ExpertPlacement`` saying
 which expert runs in which slot. Checkpoints stay canonical (row e = expert e) without moving
 anything: ``moved_layers`` tells the checkpoint writer which rows hold which experts, and it writes
-(and reads) each expert at its canonical offset (``train/sharded.py``). Every rank sees the same
+(and reads) each expert at its canonical offset (``run/sharded.py``). Every rank sees the same
 per-expert loads (summed over the batch ranks), so every rank reaches the same decision from
 ``parallel/placement.py`` without a message of its own.
 

@@ -24,23 +24,16 @@ from moekit.hostmem import keep_freed_memory
 from moekit.model import Transformer
 from moekit.parallel.mesh import Layout, LayoutError
 from moekit.parallel.runtime import ParallelModel, collective_errors, global_rank, init_distributed
+from moekit.run.layout import LATEST, CheckpointError, checkpoint_dir, complete_checkpoints, latest_checkpoint
+from moekit.run.load import load_model_weights
+from moekit.run.manifest import load_manifest, read_manifest
+from moekit.run.saver import Checkpointer
+from moekit.run.sharded import local_model
 from moekit.runconfig import RunConfig
 from moekit.stats import StepStats
-from moekit.train.checkpoint import (
-    LATEST,
-    CheckpointError,
-    checkpoint_dir,
-    complete_checkpoints,
-    latest_checkpoint,
-    load_manifest,
-    load_model_weights,
-    read_manifest,
-)
 from moekit.train.data import Corpus, prepare_corpus, resolve_files
 from moekit.train.metrics import MetricsLogger
 from moekit.train.optim import build_optimizer, lr_at
-from moekit.train.saver import Checkpointer
-from moekit.train.sharded import local_model
 
 
 class TrainingError(RuntimeError):

@@ -6,21 +6,12 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from moekit.train.checkpoint import (
-    MODEL_FILE,
-    SHARDED,
-    CheckpointError,
-    begin_checkpoint,
-    digests,
-    is_sharded,
-    latest_checkpoint,
-    publish_checkpoint,
-    read_manifest,
-    save_failed,
-)
-from moekit.train.consolidate import consolidate
-from moekit.train.data import load_tokenizer
-from moekit.train.fileio import write_bytes_atomic
+from moekit.fileio import write_bytes_atomic
+from moekit.run.checkpoint import begin_checkpoint, publish_checkpoint, save_failed
+from moekit.run.consolidate import consolidate
+from moekit.run.layout import CONFIG, MODEL_FILE, SHARDED, CheckpointError, is_sharded, latest_checkpoint
+from moekit.run.manifest import digests, read_manifest
+from moekit.tokenizer import load_tokenizer
 
 
 def export_run(run_dir: Path, out: Path) -> Path:
@@ -29,9 +20,9 @@ def export_run(run_dir: Path, out: Path) -> Path:
     A sharded checkpoint is consolidated one block at a time; its checksums are verified first.
     """
     run_dir, out = Path(run_dir), Path(out)
-    if not (run_dir / "config.json").is_file():
+    if not (run_dir / CONFIG).is_file():
         raise CheckpointError(f"{run_dir}: not a moekit run directory (no config.json)")
-    if latest_checkpoint(out) is not None or (out / "config.json").exists():
+    if latest_checkpoint(out) is not None or (out / CONFIG).exists():
         raise CheckpointError(f"--out {out}: already holds a run; choose an empty directory")
     source = latest_checkpoint(run_dir)
     if source is None:
@@ -39,7 +30,7 @@ def export_run(run_dir: Path, out: Path) -> Path:
     manifest = read_manifest(source)
     step = int(manifest["step"])
     out.mkdir(parents=True, exist_ok=True)
-    write_bytes_atomic(out / "config.json", (run_dir / "config.json").read_bytes())
+    write_bytes_atomic(out / CONFIG, (run_dir / CONFIG).read_bytes())
     load_tokenizer(run_dir).save(out)
     try:
         tmp = begin_checkpoint(out, step)

@@ -17,8 +17,8 @@ from typing import IO
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from moekit.train.fileio import write_atomic
-from moekit.train.sharded import MODEL_PREFIX, model_groups, read_metadata, read_weights
+from moekit.fileio import write_atomic
+from moekit.run.sharded import MODEL_PREFIX, model_groups, read_metadata, read_weights
 
 DTYPES = {
     torch.float32: "F32",

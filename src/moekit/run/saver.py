@@ -29,23 +29,19 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from moekit.train import sharded
-from moekit.train.checkpoint import (
+from moekit.run import sharded
+from moekit.run.checkpoint import begin_checkpoint, publish_checkpoint, remove_stale, save_failed
+from moekit.run.consolidate import consolidate
+from moekit.run.layout import (
     LATEST,
     MODEL_FILE,
     SHARDED,
     CheckpointError,
-    begin_checkpoint,
     checkpoint_dir,
     complete_checkpoints,
-    digests,
-    load_manifest,
-    publish_checkpoint,
-    read_manifest,
-    remove_stale,
-    save_failed,
+    staging_dir,
 )
-from moekit.train.consolidate import consolidate
+from moekit.run.manifest import Digests, digests, load_manifest, read_manifest
 
 
 class _Pending:
@@ -53,9 +49,6 @@ class _Pending:
 
     def __init__(self, step: int, tmp: Path, info: dict[str, Any], hashed: Future) -> None:
         self.step, self.tmp, self.info, self.hashed = step, tmp, info, hashed
-
-
-Digests = dict[str, tuple[int, str]]  # file (relative to the checkpoint) -> (size, SHA-256)
 
 
 class Checkpointer:
@@ -140,7 +133,7 @@ class Checkpointer:
         tmp = begin_checkpoint(self.run_dir, step) if self.rank == 0 else None
         if self.group is not None:
             dist.barrier(group=self.group)
-        return tmp or checkpoint_dir(self.run_dir) / f".tmp-step_{step:06d}"
+        return tmp or staging_dir(self.run_dir, step)
 
     def _after(self, upload: Future, tmp: Path, writer: sharded.RecordingWriter) -> Digests:
         upload.result()

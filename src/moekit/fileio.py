@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import json
 import os
 import shutil
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 RENAME_EXCHANGE = 2  # renameat2(2) flag: swap two names in one step (Linux >= 3.15)
 AT_FDCWD = -100
@@ -52,6 +53,11 @@ def write_atomic(path: Path, write: Callable[[IO[bytes]], None]) -> None:
 
 def write_bytes_atomic(path: Path, data: bytes) -> None:
     write_atomic(path, lambda f: f.write(data))
+
+
+def write_json_atomic(path: Path, obj: Any) -> None:
+    """``obj`` as indented UTF-8 JSON (non-ASCII characters kept as they are), written atomically."""
+    write_bytes_atomic(path, (json.dumps(obj, ensure_ascii=False, indent=1) + "\n").encode("utf-8"))
 
 
 def _exchange(a: Path, b: Path) -> bool:

@@ -40,7 +40,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.tensor import DTensor
 
 from moekit.parallel.rebalance import MOMENTS  # AdamW's per-row state, permuted with the expert weights
-from moekit.train.checkpoint import CheckpointError
+from moekit.run.layout import CheckpointError
 
 MODEL_PREFIX = "model."
 METADATA = ".metadata"  # the file DCP's coordinator writes

@@ -1,0 +1,92 @@
+"""A run directory read back as a model: its config, its tokenizer and the newest checkpoint's weights,
+what generation, serving, conversion, export and upcycling start from."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from safetensors.torch import load_model
+from torch import nn
+
+from moekit.config import ModelConfig, MoEConfig
+from moekit.model import Transformer
+from moekit.run.layout import CONFIG, MODEL_FILE, SHARDED, CheckpointError, is_sharded, latest_checkpoint
+from moekit.run.manifest import read_manifest
+from moekit.runconfig import RunConfig, from_json
+from moekit.tokenizer import Tokenizer, load_tokenizer
+
+
+class Offload(Protocol):
+    """Experts kept out of memory (``moekit.infer.offload.OffloadOptions``): builds the model whose
+    experts it serves."""
+
+    def build(
+        self, model_cfg: ModelConfig, moe_cfg: MoEConfig, checkpoint: Path, device: str
+    ) -> tuple[Transformer, Any]:
+        """The model, its non-expert weights loaded from ``checkpoint``, and what serves its experts."""
+        ...
+
+
+@dataclass(frozen=True)
+class LoadedRun:
+    model: Transformer
+    tokenizer: Tokenizer
+    config: RunConfig
+    checkpoint: Path
+    offloader: Any = None  # the ``infer.offload.Offloader`` serving the experts, when they are offloaded
+
+
+def load_model_weights(path: Path, model: nn.Module) -> None:
+    """Load a checkpoint's weights into ``model``; a shape or key mismatch names the keys.
+
+    A sharded checkpoint is consolidated in memory (every shard read in this process).
+    """
+    if is_sharded(path):
+        from moekit.run.sharded import load_weights  # DCP (and what it pulls in) only for a sharded checkpoint
+
+        load_weights(Path(path) / SHARDED, model)
+        return
+    try:
+        missing, unexpected = load_model(model, str(Path(path) / MODEL_FILE), strict=False)
+    except RuntimeError as err:  # safetensors reports size mismatches this way
+        first = str(err).strip().splitlines()
+        raise CheckpointError(f"{Path(path) / MODEL_FILE}: does not fit this model: {' '.join(first[-2:])}") from None
+    unexpected = [k for k in unexpected if k not in model.state_dict()]  # a tied weight's second name
+    if missing or unexpected:
+        raise CheckpointError(
+            f"{Path(path) / MODEL_FILE}: does not fit this model (missing {sorted(missing)[:3]}, "
+            f"unexpected {sorted(unexpected)[:3]})"
+        )
+
+
+def load_run(run_dir: Path, device: str = "cpu", offload: Offload | None = None) -> LoadedRun:
+    """The trained model (newest checkpoint, weights verified), its tokenizer and config.
+
+    A sharded checkpoint (from a multi-rank run) is consolidated in memory.
+
+    With ``offload`` (``moekit.infer.offload.OffloadOptions``) the experts stay on disk and are served
+    through a budgeted cache; only the non-expert weights are loaded.
+    """
+    run_dir = Path(run_dir)
+    if not (run_dir / CONFIG).is_file():
+        raise CheckpointError(f"{run_dir}: not a moekit run directory (no config.json)")
+    cfg = from_json(run_dir / CONFIG)
+    path = latest_checkpoint(run_dir)
+    if path is None:
+        raise CheckpointError(f"{run_dir}: has no checkpoint yet")
+    if offload is not None:
+        if not cfg.is_moe:
+            raise ValueError(f"--memory-budget: {run_dir} is a dense model; it has no experts to offload")
+        if is_sharded(path):
+            raise CheckpointError(
+                f"--memory-budget: {path} is sharded (written by several ranks); offloaded experts are read from one "
+                f"file: consolidate it first with: moekit export {run_dir} --out DIR"
+            )
+        model, offloader = offload.build(cfg.model, cfg.moe, path, device)
+        return LoadedRun(model, load_tokenizer(run_dir), cfg, path, offloader)
+    read_manifest(path)
+    model = Transformer(cfg.model, cfg.moe if cfg.is_moe else None)
+    load_model_weights(path, model)
+    return LoadedRun(model.to(device).eval(), load_tokenizer(run_dir), cfg, path)

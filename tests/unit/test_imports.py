@@ -1,0 +1,97 @@
+"""Imports flow one way: the run directory (checkpoints, manifests, ``load_run``), the tokenizer and the
+atomic-write helpers stand below training, inference and conversion, which never import one another.
+
+Read from the source with ``ast``, so an import inside a function counts as much as one at the top.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+import moekit
+
+PACKAGE = Path(moekit.__file__).parent
+ABOVE_RUN = ("moekit.train", "moekit.infer", "moekit.convert", "moekit.cli")
+
+# Each part of the package (a subpackage or a module file) and the modules it must not import.
+RULES = {
+    "train": ("moekit.infer", "moekit.convert", "moekit.cli"),
+    "infer": ("moekit.train", "moekit.convert", "moekit.cli"),
+    "convert": ("moekit.train", "moekit.infer", "moekit.cli"),
+    "run": ABOVE_RUN,
+    "tokenizer.py": (*ABOVE_RUN, "moekit.run"),
+    "fileio.py": ("moekit",),
+}
+
+
+def imports(path: Path) -> list[tuple[int, str]]:
+    """(line, module) of every import in ``path``: ``from a import b`` gives ``a.b`` (a module or a name
+    in ``a``), relative imports resolved."""
+    tree = ast.parse(path.read_text(), str(path))
+    here = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = here.rsplit(".", node.level)[0] if node.level else ""
+            module = ".".join(part for part in (base, node.module or "") if part)
+            found += [(node.lineno, f"{module}.{alias.name}") for alias in node.names]
+    return found
+
+
+def _within(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+@pytest.mark.parametrize("part", sorted(RULES))
+def test_imports_flow_one_way(part: str) -> None:
+    root = PACKAGE / part
+    files = sorted(root.rglob("*.py")) if root.is_dir() else [root]
+    assert root.exists() and files, f"moekit/{part} is missing"
+    wrong = [
+        f"{path.relative_to(PACKAGE.parent)}:{line} imports {module}"
+        for path in files
+        for line, module in sorted(imports(path))
+        if any(_within(module, banned) for banned in RULES[part])
+    ]
+    assert not wrong, "\n".join(wrong)
+
+
+def _modules() -> dict[str, Path]:
+    """Every module of the package by dotted name (a package by its ``__init__.py``)."""
+    named = {".".join(p.relative_to(PACKAGE.parent).with_suffix("").parts): p for p in PACKAGE.rglob("*.py")}
+    return {name.removesuffix(".__init__"): path for name, path in named.items()}
+
+
+def _module_of(name: str, modules: dict[str, Path]) -> str | None:
+    """The package module ``name`` (a module, or a name defined in one) lives in; None outside moekit."""
+    while name and name not in modules:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def test_no_module_imports_itself_back() -> None:
+    modules = _modules()
+    graph = {
+        name: sorted({_module_of(m, modules) for _, m in imports(path)} - {None, name})
+        for name, path in modules.items()
+    }
+    state: dict[str, str] = {}  # "open" while on the current path, "done" once every import is explored
+
+    def cycle_from(name: str, path: list[str]) -> list[str] | None:
+        state[name] = "open"
+        for target in graph[name]:
+            if state.get(target) == "open":
+                return [*path[path.index(target) :], target]
+            if target not in state and (found := cycle_from(target, [*path, target])):
+                return found
+        state[name] = "done"
+        return None
+
+    for name in sorted(graph):
+        if name not in state and (found := cycle_from(name, [name])):
+            raise AssertionError("import cycle: " + " -> ".join(found))
