@@ -24,6 +24,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from moekit.errors import MoekitError
+
 Key = tuple[int, int]  # (block index, expert index)
 
 SAFETENSORS_DTYPES = {
@@ -44,7 +46,7 @@ def aligned_empty(nbytes: int, pin: bool = False) -> Tensor:
     return raw[skip : skip + nbytes]
 
 
-class ExpertStoreError(RuntimeError):
+class ExpertStoreError(MoekitError):
     """An expert file is unreadable, truncated or does not match the model; the message names it."""
 
 

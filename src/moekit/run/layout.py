@@ -11,6 +11,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from moekit.errors import MoekitError
+
 CONFIG = "config.json"  # the run's configuration (``RunConfig.to_json``)
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
@@ -20,7 +22,7 @@ SHARDED = "sharded"  # the DCP directory of a checkpoint
 STEP_NAME = re.compile(r"step_\d+")  # a published checkpoint; anything else (``.tmp-*``) is never read
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(MoekitError):
     """A checkpoint could not be written or read; the message names the file."""
 
 

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
+from moekit.errors import MoekitError
 from moekit.hostmem import keep_freed_memory
 from moekit.model import Transformer
 from moekit.parallel.mesh import Layout, LayoutError
@@ -36,7 +37,7 @@ from moekit.train.metrics import MetricsLogger
 from moekit.train.optim import build_optimizer, lr_at
 
 
-class TrainingError(RuntimeError):
+class TrainingError(MoekitError):
     """Training stopped for a reason the user must see (a NaN loss or weights, a run dir in the way)."""
 
 

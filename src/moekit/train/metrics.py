@@ -132,6 +132,16 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     return kept
 
 
+def mean_expert_loads(run_dir: Path, num_experts: int, last: int = 50) -> list[list[float]]:
+    """Per MoE layer, each expert's share of the routed tokens averaged over the run's last logged steps."""
+    records = [r["expert_load"] for r in read_metrics(run_dir) if r.get("expert_load")][-last:]
+    if not records:
+        raise ValueError(f"{run_dir}: its metrics.jsonl has no expert_load records")
+    if any(len(layer) != num_experts for layer in records[-1]):
+        raise ValueError(f"{run_dir}: its layers do not have the model's {num_experts} experts")
+    return [[sum(r[i][e] for r in records) / len(records) for e in range(num_experts)] for i in range(len(records[-1]))]
+
+
 def _drop_partial_last_line(path: Path) -> None:
     """Cut a crash's unterminated last line so the next record does not get glued onto it."""
     with open(path, "rb+") as f:

@@ -1,0 +1,100 @@
+"""What several commands share: exit codes, the one-line-error parser, flag types and flag groups."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+import typing
+from pathlib import Path
+
+EXIT_FAILURE = 1  # the run failed (a dead or hung rank)
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, with a usage mistake reported on one line that says where to look."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def device_name(text: str) -> str:
+    if re.fullmatch(r"auto|cpu|cuda(:\d+)?", text):
+        return text
+    raise argparse.ArgumentTypeError(f"{text!r} is not a device (cpu, cuda, cuda:N or auto)")
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= 1")
+    return value
+
+
+def resolve_device(name: str) -> str:
+    """``auto`` -> cuda when available, else cpu; a CUDA device that is not here is an error."""
+    import torch
+
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--device={name}: no CUDA device is available here (use cpu or auto)")
+    return name
+
+
+def _type_name(annotation) -> str:
+    text = getattr(annotation, "__name__", None) or str(annotation)
+    return text.replace("NoneType", "none").replace("typing.", "").upper()
+
+
+def add_config_flags(parser: argparse.ArgumentParser) -> None:
+    """One ``--section.field`` flag per config field, with its one-line reason as help."""
+    from moekit.runconfig import SECTIONS, field_help
+
+    for section, cls in SECTIONS.items():
+        group = parser.add_argument_group(f"[{section}] {cls.__doc__.splitlines()[0]}")
+        reasons = field_help(cls)
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            if section == "moe" and f.name == "d_model":
+                continue  # decided by model.d_model
+            default = "" if f.default is dataclasses.MISSING else f" (base default {f.default})"
+            if section == "moe" and f.name == "d_ff":
+                default = " (default model.d_ff)"
+            group.add_argument(
+                f"--{section}.{f.name}",
+                metavar=_type_name(hints[f.name]),
+                default=argparse.SUPPRESS,
+                help=reasons.get(f.name, "") + default,
+            )
+
+
+def add_run_flags(parser: argparse.ArgumentParser) -> None:
+    """A trained run to load, where, and its experts offloaded (models larger than memory)."""
+    parser.add_argument("run_dir", type=Path, help="a run directory written by moekit train")
+    parser.add_argument("--device", type=device_name, default="auto", help="cpu, cuda, cuda:N or auto")
+    off = parser.add_argument_group("offloaded experts (models larger than memory)")
+    off.add_argument(
+        "--memory-budget", help="bytes for resident weights (e.g. 512MB): non-expert weights + an expert cache"
+    )
+    off.add_argument("--policy", default="lru", help="expert cache eviction: lru, lfu, fifo (default: %(default)s)")
+    off.add_argument(
+        "--prefetch", default="router", help="router (predict the next layer), all (ring), off (default: %(default)s)"
+    )
+    off.add_argument("--expert-format", default="fp", help="fp, int8 or int4 expert weights (default: %(default)s)")
+
+
+def load_for_inference(args: argparse.Namespace):
+    """The run of ``add_run_flags``, its experts offloaded when --memory-budget is given."""
+    from moekit.infer.offload import OffloadOptions, parse_bytes
+    from moekit.run.load import load_run
+
+    offload = None
+    if args.memory_budget is not None:
+        offload = OffloadOptions(parse_bytes(args.memory_budget), args.policy, args.prefetch, args.expert_format)
+    return load_run(args.run_dir, resolve_device(args.device), offload)

@@ -1,0 +1,23 @@
+"""``moekit plot``: PNG plots of a run's metrics."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def add_parser(commands) -> None:
+    plot = commands.add_parser(
+        "plot", help="write PNG plots of a run's metrics", description="Write PNG plots of a run."
+    )
+    plot.set_defaults(run=run)
+    plot.add_argument("run_dir", type=Path, help="a run directory written by moekit train")
+    plot.add_argument("--out", type=Path, help="output directory (default: RUN_DIR/plots)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from moekit.train.plots import plot_run
+
+    for path in plot_run(args.run_dir, args.out):
+        print(path)
+    return 0

@@ -1,0 +1,24 @@
+"""A model to convert or upcycle, from a moekit run directory or a Hugging Face directory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from moekit.config import DataConfig
+from moekit.convert.hf import from_hf
+from moekit.model import Transformer
+from moekit.run.load import load_run
+from moekit.runconfig import RunConfig, for_model
+from moekit.tokenizer import Tokenizer, load_tokenizer
+
+
+def load_model_source(path: Path) -> tuple[Transformer, Tokenizer, RunConfig]:
+    """(model, tokenizer, run config) of a moekit run directory or of a Hugging Face directory."""
+    if not (path / "config.json").is_file():
+        raise ValueError(f"{path}: no config.json (neither a moekit run nor a Hugging Face directory)")
+    if (path / "checkpoints").is_dir():
+        run = load_run(path)
+        return run.model, run.tokenizer, run.config
+    model = from_hf(path)
+    # The run trains on text encoded with this tokenizer (train --init), whatever data.tokenizer says.
+    return model, load_tokenizer(path), for_model(model.cfg, model.moe_cfg, DataConfig(tokenizer="bpe"))
