@@ -24,6 +24,10 @@ RULES = {
     "run": ABOVE_RUN,
     "tokenizer.py": (*ABOVE_RUN, "moekit.run"),
     "fileio.py": ("moekit",),
+    "errors.py": ("moekit",),
+    "stats.py": ("moekit",),
+    "parallel": ("moekit.train", "moekit.infer", "moekit.convert", "moekit.run", "moekit.cli"),
+    "dispatch": ("moekit.parallel", "moekit.train", "moekit.infer", "moekit.convert", "moekit.run", "moekit.cli"),
 }
 
 
