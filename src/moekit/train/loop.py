@@ -7,9 +7,7 @@ import contextlib
 import dataclasses
 import math
 import os
-import signal
 import sys
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -33,6 +31,7 @@ from moekit.run.sharded import local_model
 from moekit.runconfig import RunConfig
 from moekit.stats import StepStats
 from moekit.train.data import Corpus, prepare_corpus, resolve_files
+from moekit.train.interrupt import StopOnInterrupt, agree
 from moekit.train.metrics import MetricsLogger
 from moekit.train.optim import build_optimizer, lr_at
 
@@ -266,8 +265,8 @@ def _steps(run: _Run, progress: bool, on_step: Callable[[dict[str, Any]], None] 
     bar = tqdm(total=tc.steps, initial=step, disable=not (progress and main), unit="step", dynamic_ncols=True)
     pm.train(True)
     logger = MetricsLogger(run.run_dir) if main else contextlib.nullcontext()
-    with logger, _StopOnInterrupt() as interrupt, saver:
-        stopping = _agree(interrupt.requested, run.mesh)
+    with logger, StopOnInterrupt() as interrupt, saver:
+        stopping = agree(interrupt.requested, run.mesh)
         while step < tc.steps and not stopping:
             started = time.perf_counter()
             record = _train_step(pm, run.forward, run.optimizer, run.corpus, cfg, run.dev, step, checkpoint)
@@ -294,7 +293,7 @@ def _steps(run: _Run, progress: bool, on_step: Callable[[dict[str, Any]], None] 
                     f"gradient norm is not finite for {streak} steps in a row at step {step} "
                     f"(train.max_nonfinite_steps={tc.max_nonfinite_steps}): training stopped; " + _last_good(checkpoint)
                 )
-            stopping = _agree(interrupt.requested, run.mesh)  # one collective per step decides for every rank
+            stopping = agree(interrupt.requested, run.mesh)  # one collective per step decides for every rank
             if (tc.ckpt_every and step % tc.ckpt_every == 0) or step == tc.steps or stopping:
                 checkpoint = _save(run, step, record, streak, checkpoint)
             bar.update(1)
@@ -326,15 +325,6 @@ def _describe(layout) -> str:
     return " x ".join(f"{name}={getattr(layout, name)}" for name in ("dp", "ep", "tp", "pp"))
 
 
-def _agree(flag: bool, mesh) -> bool:
-    """True on every rank if it is true on any (a Ctrl-C reaches ranks at different steps)."""
-    if mesh is None:
-        return flag
-    value = torch.tensor(float(flag))
-    dist.all_reduce(value, op=dist.ReduceOp.MAX)
-    return bool(value.item())
-
-
 def _weights_finite(model: torch.nn.Module, mesh) -> bool:
     """True on every rank if no rank holds a NaN or inf in a parameter or floating-point buffer: what a
     checkpoint would save (a DTensor's local shard is enough, the ranks' verdicts are combined)."""
@@ -344,7 +334,7 @@ def _weights_finite(model: torch.nn.Module, mesh) -> bool:
         if piece.is_floating_point():
             by_device.setdefault(piece.device, []).append(piece.detach().isfinite().all())
     local = all(bool(torch.stack(flags).all()) for flags in by_device.values())  # one sync per device
-    return not _agree(not local, mesh)
+    return not agree(not local, mesh)
 
 
 def _last_good(checkpoint: Path | None) -> str:
@@ -358,29 +348,6 @@ def _prepare_corpus_once(cfg: RunConfig, main: bool, distributed: bool, init: Pa
     corpus = prepare_corpus(cfg.data, cfg.model.context_length, tokenizer_dir=init) if main else None
     dist.barrier()
     return corpus or prepare_corpus(cfg.data, cfg.model.context_length, tokenizer_dir=init)
-
-
-class _StopOnInterrupt:
-    """Turns the first Ctrl-C into a request to stop at the end of the current step (which is then
-    checkpointed), so no half-applied step is ever saved; a second Ctrl-C stops at once."""
-
-    def __init__(self) -> None:
-        self.requested = False
-        self._previous = None
-
-    def _handle(self, signum, frame) -> None:
-        if self.requested:
-            raise KeyboardInterrupt
-        self.requested = True
-
-    def __enter__(self) -> _StopOnInterrupt:
-        if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGINT, self._handle)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
 
 
 def _train_step(pm: ParallelModel, forward, optimizer, corpus, cfg: RunConfig, dev, step: int, checkpoint):
