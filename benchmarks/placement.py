@@ -212,26 +212,27 @@ def main() -> None:
         text.write_text("".join(f"{i}: the quick brown fox jumps over the lazy dog.\n" for i in range(3000)))
         runs = run_ranks(_bench, RANKS, str(text), scenarios, seeds, args.steps, args.shift_every, args.every)
     report = {scenario: {"seeds": r, "summary": summarize(r)} for scenario, r in runs.items()}
-    if args.json:
-        print(json.dumps({"args": vars(args), "scenarios": report}, indent=2))
-        return
     print(
         f"{RANKS} gloo ranks, {EXPERTS} experts, Zipf router re-drawn every {args.shift_every} of {args.steps} "
         f"steps, placement every {args.every}; seeds {seeds}: median [min, max] over seeds"
     )
     for scenario, rep in report.items():
         print(f"\n{scenario}: max/mean rank rows (measured), mean step ms (after {WARMUP} steps), change vs plain")
-        print(f"{'variant':>8} {'max/mean':>22} {'load change':>25} {'step ms':>25} {'time change':>25}")
+        print(
+            f"{'variant':>8} {'max/mean':>22} {'load change':>25} {'step ms':>25} {'time change':>25} {'MB moved':>9}"
+        )
         for name, s in rep["summary"].items():
             print(
                 f"{name:>8} {_fmt(s['max_mean_load'], '.2f'):>22} {_fmt(s['load_change'], '+.1%'):>25} "
-                f"{_fmt(s['step_ms'], '.0f'):>25} {_fmt(s['time_change'], '+.1%'):>25}"
+                f"{_fmt(s['step_ms'], '.0f'):>25} {_fmt(s['time_change'], '+.1%'):>25} {s['mb_moved']['median']:>9.1f}"
             )
         gap = max(s["loss_gap"] for s in rep["summary"].values())
         print(f"final losses: largest gap to plain over variants and seeds {gap:.1e}")
         for seed, run in rep["seeds"].items():
             cells = "  ".join(f"{n} {r['max_mean_load']:.2f} {r['step_ms']:.0f}ms" for n, r in run.items())
             print(f"  seed {seed}: {cells}")
+    if args.json:
+        print(json.dumps({"args": vars(args), "scenarios": report}))
 
 
 if __name__ == "__main__":
