@@ -17,7 +17,10 @@ expert parallelism, seed by seed. A seed sets the popularity draws, the model's 
 
 The experts (d_model 128, 512 hidden) are most of the step's FLOPs, as in real MoE models, so the
 busiest rank's expert GEMMs matter; with 4 ranks on fewer cores, even perfect balance cannot beat
-total work / cores, which caps the step-time gain below what 4 devices would show.
+total work / cores, which caps the step-time gain below what 4 devices would show. One MoE layer of
+32 x 64 tokens per rank keeps the default run (2 scenarios x 3 seeds x 4 variants x 36 steps) to
+15-20 minutes on 2 shared cores; fewer tokens per rank would make shadow experts not pay for their
+weight traffic (``choose_shadows``), so the shadows variant would not differ from live.
 
     python benchmarks/placement.py [--json] [--scenario random|adversarial|both] [--seeds 0,1,2]
                                    [--steps 36] [--shift-every 12] [--every 4]
@@ -44,7 +47,7 @@ from moekit.parallel.placement import place_experts  # noqa: E402
 
 EXPERTS, RANKS, WARMUP = 16, 4, 5
 OVERRIDES = {
-    "model.n_layers": "2",
+    "model.n_layers": "1",
     "model.n_heads": "2",
     "model.d_model": "128",
     "model.d_ff": "256",
