@@ -50,6 +50,6 @@ def training_rank(cfg, rank: int):
     cpu = torch.device("cpu")
     layout, mesh = init_distributed(cfg, cpu)
     corpus = loop._prepare_corpus_once(cfg, rank == 0, True, None)
-    torch.manual_seed(0)
+    torch.manual_seed(cfg.train.seed)
     pm = ParallelModel(Transformer(cfg.model, cfg.moe), cfg, cpu, layout, mesh)
     return pm, build_optimizer(pm.parameters(), cfg.train), corpus

@@ -1,26 +1,35 @@
 """Expert placement against plain expert parallelism on a skewed, drifting router (4 gloo ranks, CPU).
 
-The router's selection bias is set to a Zipf profile over the experts, rotated by a quarter of the
-experts every ``--shift-every`` steps (the popular experts move to another rank). Each variant trains
-the same model on the same batches through the training loop's own step:
+The router's selection bias carries a Zipf popularity profile over the experts that changes every
+``--shift-every`` steps. Two scenarios:
+  random       per seed, each phase's Zipf ranks are a fresh random permutation of the experts
+  adversarial  Zipf ranks in expert order, moved by one rank's experts each phase, so plain expert
+               parallelism always has the hottest experts together on one rank (its worst case)
+Each variant trains the same model on the same batches through the training loop's own step:
   plain      expert e on rank e // El
-  static     placed once, at step 0, from the first Zipf profile (never follows the drift)
+  static     placed once, before step 0, from the first phase's profile (never follows the drift)
   live       re-placed every ``--every`` steps from the measured loads (parallel.placement_every)
   shadows    live placement plus up to 2 shadow experts per layer (parallel.shadow_experts)
-The variants take turns, one step each, so the machine's drift hits them alike. It reports mean step
-time and mean max/mean rank load (rows each rank's experts compute), then the planner's simulated
-step times for the cluster presets (flat vs two-level, plain vs placed, with the Zipf loads).
+The variants take turns, one step each, so the machine's drift hits them alike. Per run it measures
+the rows each rank's experts computed (counted at the expert GEMMs, shadows included) and the step
+time; the tables give the median and min-max over seeds, and each variant's change against plain
+expert parallelism, seed by seed. A seed sets the popularity draws, the model's init and the data order.
 
 The experts (d_model 128, 512 hidden) are most of the step's FLOPs, as in real MoE models, so the
 busiest rank's expert GEMMs matter; with 4 ranks on fewer cores, even perfect balance cannot beat
-total work / cores, which caps the step-time gain below what 4 devices would show.
+total work / cores, which caps the step-time gain below what 4 devices would show. One MoE layer of
+32 x 64 tokens per rank keeps the default run (2 scenarios x 3 seeds x 4 variants x 36 steps) to
+15-20 minutes on 2 shared cores; fewer tokens per rank would make shadow experts not pay for their
+weight traffic (``choose_shadows``), so the shadows variant would not differ from live.
 
-    python benchmarks/placement.py [--json] [--steps 90] [--shift-every 30] [--every 10]
+    python benchmarks/placement.py [--json] [--scenario random|adversarial|both] [--seeds 0,1,2]
+                                   [--steps 36] [--shift-every 12] [--every 4]
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -34,12 +43,11 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _ranks import run_ranks, training_rank  # noqa: E402
 
 from moekit import runconfig  # noqa: E402
-from moekit.parallel import planner  # noqa: E402
 from moekit.parallel.placement import place_experts  # noqa: E402
 
-EXPERTS = 16
+EXPERTS, RANKS, WARMUP = 16, 4, 5
 OVERRIDES = {
-    "model.n_layers": "2",
+    "model.n_layers": "1",
     "model.n_heads": "2",
     "model.d_model": "128",
     "model.d_ff": "256",
@@ -53,7 +61,7 @@ OVERRIDES = {
     "train.lr": "1e-3",
     "train.warmup_steps": "5",
     "data.tokenizer": "byte",
-    "parallel.ep": "4",
+    "parallel.ep": str(RANKS),
 }
 VARIANTS = {
     "plain": {},
@@ -61,121 +69,173 @@ VARIANTS = {
     "live": {"parallel.placement_every": "EVERY", "parallel.placement_min_gain": "0.05"},
     "shadows": {"parallel.placement_every": "EVERY", "parallel.shadow_experts": "2"},
 }
+SCENARIOS = ("random", "adversarial")
 
 
-def zipf_bias(shift: int, scale: float = 0.3, s: float = 1.0) -> torch.Tensor:
-    """A selection bias whose top expert is ``shift``: scale / (i + 1)^s for the i-th most popular."""
-    ranks = (torch.arange(EXPERTS) - shift) % EXPERTS
+def popularity(scenario: str, seed: int, phases: int) -> list[torch.Tensor]:
+    """Each phase's Zipf rank of every expert (0 = most popular)."""
+    if scenario == "adversarial":
+        per_rank = EXPERTS // RANKS
+        return [(torch.arange(EXPERTS) - p * per_rank) % EXPERTS for p in range(phases)]
+    g = torch.Generator().manual_seed(seed)
+    return [torch.argsort(torch.randperm(EXPERTS, generator=g)) for _ in range(phases)]
+
+
+def zipf_bias(ranks: torch.Tensor, scale: float = 0.3, s: float = 1.0) -> torch.Tensor:
+    """A selection bias of scale / (i + 1)^s for the i-th most popular expert."""
     return scale / (ranks.double() + 1) ** s
 
 
-def _bench(rank: int, world: int, text: str, steps: int, shift_every: int, every: int) -> dict:
+class RankRows:
+    """Rows each MoE layer's experts computed on this rank, step by step: the rows the grouped GEMM of
+    the rank's own slots received, plus the rows it computed here for shadow experts."""
+
+    def __init__(self, moes: list) -> None:
+        self.now = torch.zeros(len(moes), dtype=torch.float64)
+        self.steps: list[torch.Tensor] = []
+        for i, moe in enumerate(moes):
+            moe.experts.register_forward_pre_hook(functools.partial(self._owned, i))
+            moe.register_forward_hook(functools.partial(self._shadowed, i))
+
+    def _owned(self, i: int, module, args) -> None:
+        self.now[i] += args[0].shape[0]
+
+    def _shadowed(self, i: int, moe, args, out) -> None:
+        shadows = list(moe.dispatcher.placement.shadows)
+        if shadows:
+            stats = out[1]
+            self.now[i] += float((stats.tokens_per_expert - stats.dropped_per_expert)[shadows].sum())
+
+    def end_step(self) -> None:
+        self.steps.append(self.now.clone())
+        self.now.zero_()
+
+
+def _bench(rank: int, world: int, text: str, scenarios, seeds, steps: int, shift_every: int, every: int) -> dict:
+    """Every (scenario, seed) run in turn, in one set of rank processes (each run builds its own models)."""
+    return {
+        scenario: {seed: _run(rank, world, text, scenario, seed, steps, shift_every, every) for seed in seeds}
+        for scenario in scenarios
+    }
+
+
+def _run(rank: int, world: int, text: str, scenario: str, seed: int, steps: int, shift_every: int, every: int):
     import torch.distributed as dist
 
     from moekit.train import loop
 
+    profiles = popularity(scenario, seed, -(-steps // shift_every))
     variants = {}
     for name, extra in VARIANTS.items():
-        overrides = {**OVERRIDES, "data.path": text, "train.steps": str(steps)}
+        overrides = {**OVERRIDES, "data.path": text, "train.steps": str(steps), "train.seed": str(seed)}
         overrides |= {k: v.replace("EVERY", str(every)) for k, v in extra.items()}
         cfg = runconfig.resolve("tiny", overrides)
         pm, opt, corpus = training_rank(cfg, rank)
         if name == "static":
-            first = zipf_bias(0).tolist()
+            first = zipf_bias(profiles[0]).tolist()
             for moe in pm.moe_layers():
                 pm.rebalancer.move(moe, place_experts(first, world).expert_to_slot, opt)
-        variants[name] = (cfg, pm, opt, corpus)
+        variants[name] = (cfg, pm, opt, corpus, RankRows(pm.moe_layers()))
     times = {name: [] for name in variants}
-    imbalance = {name: [] for name in variants}
     moved = dict.fromkeys(variants, 0.0)
+    routed = {name: [] for name in variants}  # rows the step's loads sent to experts, all ranks
     records = {}
     # NOTE: the variants take turns step by step (all ranks starting each step together), so the
     # machine's drift over minutes hits them alike.
     for step in range(steps):
-        bias = zipf_bias((step // shift_every) * EXPERTS // 4)
-        for name, (cfg, pm, opt, corpus) in variants.items():
+        bias = zipf_bias(profiles[step // shift_every])
+        for name, (cfg, pm, opt, corpus, rows) in variants.items():
             for moe in pm.moe_layers():
                 moe.router.expert_bias.copy_(bias)
             dist.barrier()
             started = time.perf_counter()
             record = loop._train_step(pm, None, opt, corpus, cfg, torch.device("cpu"), step, None)
             times[name].append(time.perf_counter() - started)
-            imbalance[name].append(record["rank_imbalance"])
+            rows.end_step()
+            routed[name].append(sum(record["rank_load"]))
             moved[name] += record["placement_bytes"]
             records[name] = record
     results = {}
-    for name in variants:
-        warm = times[name][5:]
+    for name, (*_, rows) in variants.items():
+        mine = torch.stack(rows.steps)  # [steps, layers]
+        every_rank = [torch.empty_like(mine) for _ in range(world)]
+        dist.all_gather(every_rank, mine)
+        per_rank = torch.stack(every_rank)  # [ranks, steps, layers]
+        counted = per_rank.sum((0, 2))
+        assert torch.allclose(counted, torch.tensor(routed[name], dtype=counted.dtype)), "each routed row counted once"
+        factor = per_rank.amax(0) / per_rank.mean(0)  # [steps, layers] max/mean over the ranks
         results[name] = {
-            "step_ms": 1e3 * statistics.mean(warm),
-            "step_ms_median": 1e3 * statistics.median(warm),
-            "rank_imbalance": statistics.mean(imbalance[name]),
+            "step_ms": 1e3 * statistics.mean(times[name][WARMUP:]),
+            "max_mean_load": factor.mean().item(),
+            "rank_rows": per_rank.sum((1, 2)).tolist(),
             "mb_moved": moved[name] / 1e6,
             "final_loss": records[name]["loss"],
         }
     return results
 
 
-def simulated(loads: list[list[float]]) -> list[dict]:
-    """The planner's step times for each cluster preset: best flat and two-level layouts, with the
-    measured-like Zipf loads, under plain expert parallelism and after placement."""
-    spec = planner.load_model("deepseek-moe-16b")
-    rows = []
-    for name in ("h100x8", "h100-ib-32", "h100-ib-256", "h100-ib-2048"):
-        cluster = planner.load_cluster(name)
-        best = planner.plan(spec, cluster, top=200)
-        for form in ("flat", "two_level"):
-            pick = [e for e in best if e.candidate.all_to_all == form and e.candidate.ep > 1][:1]
-            if not pick:
-                continue
-            (r,) = planner.rescore(spec, cluster, pick, loads, remaining_steps=1000)
-            c = r.estimate.candidate
-            rows.append(
-                {
-                    "cluster": name,
-                    "all_to_all": form,
-                    "layout": f"dp{c.dp} ep{c.ep} tp{c.tp} pp{c.pp} mb{c.micro}{' overlap' if c.overlap else ''}",
-                    "balanced_s": pick[0].step_s,
-                    "plain_s": r.estimate.step_s,
-                    "placed_s": r.placed.step_s,
-                }
-            )
-    return rows
+def _spread(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def summarize(runs: dict[int, dict]) -> dict:
+    """Per variant: median and min-max over seeds of each measure, and of its change against plain EP
+    in the same seed; and the largest final-loss gap to plain EP over the seeds."""
+    out = {}
+    for name in VARIANTS:
+        pairs = [(r[name], r["plain"]) for r in runs.values()]  # (variant, plain EP) of each seed
+        out[name] = {
+            "max_mean_load": _spread([r["max_mean_load"] for r, _ in pairs]),
+            "step_ms": _spread([r["step_ms"] for r, _ in pairs]),
+            "load_change": _spread([r["max_mean_load"] / b["max_mean_load"] - 1 for r, b in pairs]),
+            "time_change": _spread([r["step_ms"] / b["step_ms"] - 1 for r, b in pairs]),
+            "mb_moved": _spread([r["mb_moved"] for r, _ in pairs]),
+            "loss_gap": max(abs(r["final_loss"] - b["final_loss"]) for r, b in pairs),
+        }
+    return out
+
+
+def _fmt(s: dict, form: str) -> str:
+    return f"{s['median']:{form}} [{s['min']:{form}}, {s['max']:{form}}]"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=90)
-    parser.add_argument("--shift-every", type=int, default=30)
-    parser.add_argument("--every", type=int, default=10)
+    parser.add_argument("--scenario", choices=(*SCENARIOS, "both"), default="both")
+    parser.add_argument("--seeds", default="0,1,2", help="comma-separated; at least 3 for a spread")
+    parser.add_argument("--steps", type=int, default=36)
+    parser.add_argument("--shift-every", type=int, default=12)
+    parser.add_argument("--every", type=int, default=4)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    seeds = [int(s) for s in args.seeds.split(",")]
+    scenarios = SCENARIOS if args.scenario == "both" else (args.scenario,)
     with tempfile.TemporaryDirectory() as tmp:
         text = Path(tmp) / "corpus.txt"
         text.write_text("".join(f"{i}: the quick brown fox jumps over the lazy dog.\n" for i in range(3000)))
-        runs = run_ranks(_bench, 4, str(text), args.steps, args.shift_every, args.every)
-    zipf = [1 / (i + 1) ** 1.1 for i in range(64)]  # Zipf shares over DeepSeek-MoE's 64 experts
-    sims = simulated([zipf])
-    base = runs["plain"]
-    for r in runs.values():
-        r["imbalance_cut"] = 1 - r["rank_imbalance"] / base["rank_imbalance"]
-        r["step_time_cut"] = 1 - r["step_ms"] / base["step_ms"]
+        runs = run_ranks(_bench, RANKS, str(text), scenarios, seeds, args.steps, args.shift_every, args.every)
+    report = {scenario: {"seeds": r, "summary": summarize(r)} for scenario, r in runs.items()}
+    print(
+        f"{RANKS} gloo ranks, {EXPERTS} experts, Zipf router re-drawn every {args.shift_every} of {args.steps} "
+        f"steps, placement every {args.every}; seeds {seeds}: median [min, max] over seeds"
+    )
+    for scenario, rep in report.items():
+        print(f"\n{scenario}: max/mean rank rows (measured), mean step ms (after {WARMUP} steps), change vs plain")
+        print(
+            f"{'variant':>8} {'max/mean':>22} {'load change':>25} {'step ms':>25} {'time change':>25} {'MB moved':>9}"
+        )
+        for name, s in rep["summary"].items():
+            print(
+                f"{name:>8} {_fmt(s['max_mean_load'], '.2f'):>22} {_fmt(s['load_change'], '+.1%'):>25} "
+                f"{_fmt(s['step_ms'], '.0f'):>25} {_fmt(s['time_change'], '+.1%'):>25} {s['mb_moved']['median']:>9.1f}"
+            )
+        gap = max(s["loss_gap"] for s in rep["summary"].values())
+        print(f"final losses: largest gap to plain over variants and seeds {gap:.1e}")
+        for seed, run in rep["seeds"].items():
+            cells = "  ".join(f"{n} {r['max_mean_load']:.2f} {r['step_ms']:.0f}ms" for n, r in run.items())
+            print(f"  seed {seed}: {cells}")
     if args.json:
-        print(json.dumps({"runs": runs, "simulated": sims}, indent=2))
-        return
-    print(f"4 gloo ranks, {EXPERTS} experts, Zipf router shifted every {args.shift_every} of {args.steps} steps")
-    print(f"{'variant':>8} {'step ms':>8} {'median':>8} {'max/mean':>9} {'cut':>6} {'time cut':>9} {'MB moved':>9}")
-    for name, r in runs.items():
-        print(
-            f"{name:>8} {r['step_ms']:>8.1f} {r['step_ms_median']:>8.1f} {r['rank_imbalance']:>9.3f} "
-            f"{r['imbalance_cut']:>6.1%} {r['step_time_cut']:>9.1%} {r['mb_moved']:>9.2f}"
-        )
-    print("\nplanner, deepseek-moe-16b-like, Zipf(1.1) load over its 64 experts (step seconds):")
-    for s in sims:
-        print(
-            f"{s['cluster']:>12} {s['all_to_all']:>9} {s['layout']:<32} balanced {s['balanced_s']:.3f} "
-            f"plain {s['plain_s']:.3f} placed {s['placed_s']:.3f}"
-        )
+        print(json.dumps({"args": vars(args), "scenarios": report}))
 
 
 if __name__ == "__main__":
