@@ -258,7 +258,7 @@ def main() -> None:
     parser.add_argument("--in-sample", action="store_true", help="calibrate on model B at --ranks instead")
     parser.add_argument("--repeats", type=int, default=3, help="calibrations + full measurements")
     parser.add_argument("--steps", type=int, default=3, help="timed steps per layout (after one warm-up step)")
-    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--json", action="store_true", help="also print the figures as JSON on the last line")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         text = Path(tmp) / "corpus.txt"
@@ -272,9 +272,6 @@ def main() -> None:
     summary = {
         key: [r[key] for r in repeats] for key in ("spearman", "kendall_tau_b", "regret", "measured_over_predicted")
     }
-    if args.json:
-        print(json.dumps({"mode": mode, "model_b": MODEL_B, "ranks": args.ranks, "repeats": repeats, **summary}))
-        return
     n = len(repeats[0]["rows"])
     print(f"{mode}; ranked: model B ({_describe(MODEL_B)}), global batch {GLOBAL_BATCH}, {args.ranks} gloo ranks")
     print(f"{n} of {repeats[0]['enumerated']} enumerated layouts fit; all {n} measured, {args.steps} steps each")
@@ -294,6 +291,8 @@ def main() -> None:
         spread = f"{statistics.median(ms):.1f} ({ms[0]:.1f}-{ms[-1]:.1f})"
         print(f"{row['layout']:>34} {pred:>22.1f} {spread:>24}")
     print(" ".join(f"{k} {_spread(v)}" for k, v in summary.items()), f"(min-max over {len(repeats)} repeats)")
+    if args.json:
+        print(json.dumps({"mode": mode, "model_b": MODEL_B, "ranks": args.ranks, "repeats": repeats, **summary}))
 
 
 if __name__ == "__main__":
