@@ -4,16 +4,16 @@
 
 For 1, 2 and 4 ranks (EP = ranks; the rest of the model data-parallel with FSDP2), with the flat
 all-to-all, the two-level one (nodes of 2 ranks) and the chunked overlap (2 chunks) on or off, each
-configuration trains the same small MoE model on random tokens; the configurations run in turn,
-``--runs`` rounds, so a busy machine slows them alike. Every rank counts what it hands each
-torch.distributed collective (a counting wrapper around the functions the code calls) and how much
-of it crosses to other ranks: for an all-to-all, all but the split a rank sends to itself; for the
-ring collectives, what a ring sends per rank (all-gather (W-1) x input, reduce-scatter (W-1)/W x
-input, all-reduce 2 (W-1)/W x input). The table shows rank 0's step time (median over runs of each
-run's median, min-max over runs), the cross-rank bytes per step summed over ranks, and the
-all-to-all's bytes per token per MoE layer (dispatch + combine, forward + backward), crossing and
-self-sent apart: the planner's cost model charges only the crossing part. gloo on CPU; NCCL on a GPU
-machine (``--device cuda``).
+configuration trains the same small MoE model on random tokens. Each of ``--runs`` rounds runs every
+configuration (those of one world size in one set of processes, in an order rotated per round), so
+a busy machine slows them alike. Every rank counts what it hands each torch.distributed collective
+(a counting wrapper around the functions the code calls) and how much of it crosses to other ranks:
+for an all-to-all, all but the split a rank sends to itself; for the ring collectives, what a ring
+sends per rank (all-gather (W-1) x input, reduce-scatter (W-1)/W x input, all-reduce 2 (W-1)/W x
+input). The table shows rank 0's step time (median over runs of each run's median, min-max over
+runs), the cross-rank bytes per step summed over ranks, and the all-to-all's bytes per token per MoE
+layer (dispatch + combine, forward + backward), crossing and self-sent apart: the planner's cost
+model charges only the crossing part. gloo on CPU; NCCL on a GPU machine (``--device cuda``).
 """
 
 from __future__ import annotations
@@ -87,11 +87,17 @@ def _count_bytes(given: dict[str, int], crossing: dict[str, int]) -> None:
         setattr(dist, name, wrap(name, getattr(dist, name)))
 
 
-def _worker(rank: int, world: int, overrides: dict, steps: int, device: str) -> dict | None:
+def _worker(rank: int, world: int, configs: list[tuple[str, dict]], steps: int, device: str) -> dict:
+    """Every configuration of this world size in turn, in one process group; rank 0's figures by name."""
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
     given: dict[str, int] = defaultdict(int)
     crossing: dict[str, int] = defaultdict(int)
     _count_bytes(given, crossing)
+    return {name: _train(rank, world, overrides, steps, device, given, crossing) for name, overrides in configs}
+
+
+def _train(rank: int, world: int, overrides: dict, steps: int, device: str, given: dict, crossing: dict) -> dict | None:
+    """Train one configuration for ``steps`` timed steps; its step time and bytes per step (rank 0)."""
     cfg = runconfig.resolve("tiny", {**MODEL, **overrides})
     dev = torch.device(device)
     torch.manual_seed(0)
@@ -163,12 +169,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     ranks = [int(r) for r in args.ranks.split(",")]
     results: dict[str, dict] = {}
-    for run in range(args.runs):  # interleaved: every configuration once per round
-        for name, world, overrides in configurations(ranks):
-            print(f"# run {run}: {name}", file=sys.stderr, flush=True)
-            out = run_ranks(_worker, world, overrides, args.steps, args.device)
-            step_ms = out.pop("step_ms")
-            results.setdefault(name, {"ranks": world, **out, "step_ms_runs": []})["step_ms_runs"].append(step_ms)
+    for run in range(args.runs):  # interleaved: every configuration once per round, in a rotated order
+        for world in ranks:
+            configs = [(name, overrides) for name, w, overrides in configurations(ranks) if w == world]
+            configs = configs[run % len(configs) :] + configs[: run % len(configs)]
+            print(f"# run {run}: {world} ranks", file=sys.stderr, flush=True)
+            for name, out in run_ranks(_worker, world, configs, args.steps, args.device).items():
+                step_ms = out.pop("step_ms")
+                entry = results.setdefault(name, {"ranks": world, **out, "step_ms_runs": []})
+                entry["step_ms_runs"].append(step_ms)
 
     kinds = ("all_to_all_single", "all_gather_single", "reduce_scatter_single", "all_reduce")
     header = (

@@ -2,15 +2,16 @@
 layout of another model at another rank count.
 
 Calibration: model A on ``--calibrate-ranks`` gloo ranks (default 2) measures the primitives the cost
-model uses, with every rank busy at once: forward + backward at two micro-batch sizes (the FLOP rate
-and the fixed cost per block pass), all-to-all at two sizes (latency and bandwidth) and the same pass
-sharded by FSDP (the fixed cost per FSDP collective). Validation: model B (other width, depth and
-expert count) on ``--ranks`` (default 4); the planner ranks every layout it enumerates, and every one
-of them trains for a few steps (same global batch, median step time), in a shuffled order. Reported
-per repeat (a fresh calibration and fresh measurements each): Spearman and Kendall tau-b between
-predicted and measured step times over all layouts, and the top-1 regret (the measured step time of
-the planner's pick over the fastest measured). ``--in-sample`` calibrates on model B at ``--ranks``
-instead, for comparison. Timing on a shared CPU is noisy, and 4 ranks on 2 cores share them.
+model uses, every rank busy at once and the measurements interleaved round by round: forward +
+backward at two micro-batch sizes (the FLOP rate and the fixed cost per block pass), all-to-all at
+two sizes (latency and bandwidth) and the one-sequence pass sharded by FSDP (the fixed cost per FSDP
+collective). Validation: model B (other width, depth and expert count) on ``--ranks`` (default 4): the
+planner ranks every layout it enumerates, and every one of them trains for a few steps (same global
+batch, median step time), in a shuffled order. Reported per repeat (a fresh calibration and fresh
+measurements each): Spearman and Kendall tau-b between predicted and measured step times over all
+layouts, and the top-1 regret (the measured step time of the planner's pick over the fastest
+measured). ``--calibrate-ranks 4`` leaves only the model out of sample; ``--in-sample`` calibrates on
+model B at ``--ranks`` instead. Timing on a shared CPU is noisy, and 4 ranks on 2 cores share them.
 
     python benchmarks/planner_calibration.py [--json] [--repeats 3] [--steps 3] [--in-sample]
 """
@@ -66,38 +67,51 @@ def _describe(overrides: dict[str, str]) -> str:
 # --- calibration ------------------------------------------------------------------------------------
 
 
-def _timed(fn, repeats: int) -> float:
-    """Median seconds of ``fn`` over ``repeats`` runs, every rank starting together."""
-    times = []
-    for _ in range(repeats):
-        dist.barrier()
-        started = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - started)
-    return statistics.median(times)
+def _interleaved(fns: list, rounds: int) -> list[float]:
+    """Median seconds of each of ``fns``, run in turn for ``rounds`` rounds (every rank starting each
+    together), so a machine busy with other work slows them alike."""
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(rounds):
+        for fn, out in zip(fns, times, strict=True):
+            dist.barrier()
+            started = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - started)
+    return [statistics.median(t) for t in times]
 
 
 def _calibrate(rank: int, world: int, overrides: dict[str, str]) -> planner.Cluster:
-    """The primitives on this machine with ``world`` ranks busy at once (rank 0's figures)."""
-    dist.init_process_group("gloo")
+    """The primitives on this machine with ``world`` ranks busy at once (rank 0's figures): one model's
+    forward + backward on 1 and 8 sequences (FLOP rate and fixed cost per block pass), all-to-all of
+    two sizes (latency, bandwidth), and the one-sequence pass sharded by FSDP over every rank (its
+    excess over the plain pass and the bytes' alpha-beta time, per collective: the FSDP fixed cost)."""
+    cpu = torch.device("cpu")
     spec = _spec(overrides)
+    cfg = runconfig.resolve("tiny", {**overrides, "parallel.dp": str(world)})
+    layout, mesh = init_distributed(cfg, cpu)
     torch.manual_seed(0)
     model = Transformer(spec.model, spec.moe)
-    dense_f, expert_f = planner.training_flops_per_token(spec)
+    torch.manual_seed(0)
+    sharded = ParallelModel(Transformer(cfg.model, cfg.moe), cfg, cpu, layout, mesh)
     one = torch.randint(0, spec.model.vocab_size, (1, spec.model.context_length))
     eight = torch.randint(0, spec.model.vocab_size, (8, spec.model.context_length))
-    t1, t8 = (_timed(lambda x=x: model(x, x).loss.backward(), 7) for x in (one, eight))
+    small, big = (torch.randn(n * world) for n in (16, 1 << 18))
+    t1, t8, a_small, a_big, s1 = _interleaved(
+        [
+            lambda: model(one, one).loss.backward(),
+            lambda: model(eight, eight).loss.backward(),
+            lambda: dist.all_to_all_single(torch.empty_like(small), small),
+            lambda: dist.all_to_all_single(torch.empty_like(big), big),
+            lambda: sharded.forward_backward(one, one, 1.0),
+        ],
+        rounds=15,
+    )
+    dense_f, expert_f = planner.training_flops_per_token(spec)
     f1, f8 = (x.numel() * (dense_f + expert_f) for x in (one, eight))
     rate = (f8 - f1) / max(t8 - t1, 1e-9)  # FLOP/s of the GEMMs once the fixed cost is paid
     overhead = max(t1 - f1 / rate, 0.0) / spec.model.n_layers  # per block pass
-
-    def a2a(n: int) -> float:
-        x, out = torch.randn(n * world), torch.empty(n * world)
-        return _timed(lambda: dist.all_to_all_single(out, x), 20)
-
-    small, big = a2a(16), a2a(1 << 18)
-    latency = small / (world - 1)
-    bandwidth = 4 * world * (1 << 18) * (world - 1) / world / max(big - small, 1e-9)
+    latency = a_small / (world - 1)
+    bandwidth = big.numel() * big.element_size() * (world - 1) / world / max(a_big - a_small, 1e-9)
     cluster = planner.Cluster(
         f"cpu-{world}",
         nodes=1,
@@ -111,23 +125,8 @@ def _calibrate(rank: int, world: int, overrides: dict[str, str]) -> planner.Clus
         inter_latency_us=latency * 1e6,
         pass_overhead_us=overhead * 1e6,
     )
-    fsdp_s = _fsdp_overhead(world, overrides, spec, cluster, one, t1)
-    return dataclasses.replace(cluster, fsdp_overhead_us=fsdp_s * 1e6)
-
-
-def _fsdp_overhead(
-    world: int, overrides: dict, spec: planner.ModelSpec, cluster: planner.Cluster, x: torch.Tensor, plain_s: float
-) -> float:
-    """Seconds per FSDP collective beyond alpha-beta: the same one-sequence forward + backward sharded
-    over every rank, less the unsharded one and the bytes' predicted time, per collective."""
-    cpu = torch.device("cpu")
-    cfg = runconfig.resolve("tiny", {**overrides, "parallel.dp": str(world)})
-    layout, mesh = init_distributed(cfg, cpu)
-    torch.manual_seed(0)
-    pm = ParallelModel(Transformer(cfg.model, cfg.moe), cfg, cpu, layout, mesh)
-    sharded_s = _timed(lambda: pm.forward_backward(x, x, 1.0), 7)
     wire, collectives = planner.fsdp_collectives(spec, planner.Candidate(world, 1, 1, 1, 1, "flat", False), cluster)
-    return max(sharded_s - plain_s - wire, 0.0) / collectives
+    return dataclasses.replace(cluster, fsdp_overhead_us=max(s1 - t1 - wire, 0.0) / collectives * 1e6)
 
 
 # --- validation -------------------------------------------------------------------------------------
