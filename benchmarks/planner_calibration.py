@@ -1,15 +1,19 @@
-"""Calibrate the planner on this machine and check its ranking against measured step times.
+"""Check the planner out of sample: calibrate on one model and rank count, then rank and measure every
+layout of another model at another rank count.
 
-For 2 and 4 gloo ranks on this CPU: measure the primitives the cost model uses, with every rank busy
-at once (the model's forward + backward at two micro-batch sizes gives the FLOP rate and the fixed
-per-block overhead; all-to-all at two sizes gives latency and bandwidth; the same pass sharded by
-FSDP gives the fixed cost of its collectives), write them as a cluster,
-rank every layout the planner enumerates for a small MoE model, then train the top, the bottom and
-evenly spaced layouts between for a few steps each (same global batch) and compare the measured step
-times with the predictions: Spearman rank correlation per world size and over all layouts run.
-Timing on a shared CPU is noisy, and 4 ranks on 2 cores share them.
+Calibration: model A on ``--calibrate-ranks`` gloo ranks (default 2) measures the primitives the cost
+model uses, every rank busy at once and the measurements interleaved round by round: forward +
+backward at two micro-batch sizes (the FLOP rate and the fixed cost per block pass), all-to-all at
+two sizes (latency and bandwidth) and the one-sequence pass sharded by FSDP (the fixed cost per FSDP
+collective). Validation: model B (other width, depth and expert count) on ``--ranks`` (default 4): the
+planner ranks every layout it enumerates, and every one of them trains for a few steps (same global
+batch, median step time), in a shuffled order. Reported per repeat (a fresh calibration and fresh
+measurements each): Spearman and Kendall tau-b between predicted and measured step times over all
+layouts, and the top-1 regret (the measured step time of the planner's pick over the fastest
+measured). ``--calibrate-ranks 4`` leaves only the model out of sample; ``--in-sample`` calibrates on
+model B at ``--ranks`` instead. Timing on a shared CPU is noisy, and 4 ranks on 2 cores share them.
 
-    python benchmarks/planner_calibration.py [--json] [--steps 6] [--layouts 7]
+    python benchmarks/planner_calibration.py [--json] [--repeats 3] [--steps 3] [--in-sample]
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
+import random
 import statistics
 import sys
 import tempfile
@@ -34,52 +40,78 @@ from moekit.model import Transformer  # noqa: E402
 from moekit.parallel import planner  # noqa: E402
 from moekit.parallel.runtime import ParallelModel, init_distributed  # noqa: E402
 
-GLOBAL_BATCH = 16  # sequences per step, over all data ranks
-MODEL = {
-    "model.n_layers": "4",
+GLOBAL_BATCH = 8  # sequences per step, over all data ranks
+COMMON = {
     "model.n_heads": "4",
-    "model.d_model": "64",
-    "model.d_ff": "128",
     "model.context_length": "64",
-    "model.tie_embeddings": "false",
+    "model.tie_embeddings": "false",  # pipeline layouts need untied embeddings
     "model.vocab_size": "256",
-    "moe.num_experts": "8",
     "moe.top_k": "2",
     "train.lr": "1e-3",
     "data.tokenizer": "byte",
 }
+MODEL_A = {**COMMON, "model.n_layers": "4", "model.d_model": "64", "model.d_ff": "128", "moe.num_experts": "8"}
+MODEL_B = {**COMMON, "model.n_layers": "2", "model.d_model": "96", "model.d_ff": "192", "moe.num_experts": "4"}
 
 
-def _timed(fn, repeats: int) -> float:
-    """Median seconds of ``fn`` over ``repeats`` runs, every rank starting together."""
-    times = []
-    for _ in range(repeats):
-        dist.barrier()
-        started = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - started)
-    return statistics.median(times)
+def _spec(overrides: dict[str, str]) -> planner.ModelSpec:
+    cfg = runconfig.resolve("tiny", overrides)
+    return planner.ModelSpec("bench", cfg.model, cfg.moe, planner.Workload(GLOBAL_BATCH, dtype_bytes=4))
 
 
-def measure_cluster(world: int, spec: planner.ModelSpec) -> planner.Cluster:
-    """The primitives on this machine with ``world`` ranks busy at once."""
+def _describe(overrides: dict[str, str]) -> str:
+    o = overrides
+    return f"{o['model.n_layers']} layers x d{o['model.d_model']}, {o['moe.num_experts']} experts of {o['model.d_ff']}"
+
+
+# --- calibration ------------------------------------------------------------------------------------
+
+
+def _interleaved(fns: list, rounds: int) -> list[float]:
+    """Median seconds of each of ``fns``, run in turn for ``rounds`` rounds (every rank starting each
+    together), so a machine busy with other work slows them alike."""
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(rounds):
+        for fn, out in zip(fns, times, strict=True):
+            dist.barrier()
+            started = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - started)
+    return [statistics.median(t) for t in times]
+
+
+def _calibrate(rank: int, world: int, overrides: dict[str, str]) -> planner.Cluster:
+    """The primitives on this machine with ``world`` ranks busy at once (rank 0's figures): one model's
+    forward + backward on 1 and 8 sequences (FLOP rate and fixed cost per block pass), all-to-all of
+    two sizes (latency, bandwidth), and the one-sequence pass sharded by FSDP over every rank (its
+    excess over the plain pass and the bytes' alpha-beta time, per collective: the FSDP fixed cost)."""
+    cpu = torch.device("cpu")
+    spec = _spec(overrides)
+    cfg = runconfig.resolve("tiny", {**overrides, "parallel.dp": str(world)})
+    layout, mesh = init_distributed(cfg, cpu)
     torch.manual_seed(0)
     model = Transformer(spec.model, spec.moe)
-    dense_f, expert_f = planner.training_flops_per_token(spec)
+    torch.manual_seed(0)
+    sharded = ParallelModel(Transformer(cfg.model, cfg.moe), cfg, cpu, layout, mesh)
     one = torch.randint(0, spec.model.vocab_size, (1, spec.model.context_length))
     eight = torch.randint(0, spec.model.vocab_size, (8, spec.model.context_length))
-    t1, t8 = (_timed(lambda x=x: model(x, x).loss.backward(), 7) for x in (one, eight))
+    small, big = (torch.randn(n * world) for n in (16, 1 << 18))
+    t1, t8, a_small, a_big, s1 = _interleaved(
+        [
+            lambda: model(one, one).loss.backward(),
+            lambda: model(eight, eight).loss.backward(),
+            lambda: dist.all_to_all_single(torch.empty_like(small), small),
+            lambda: dist.all_to_all_single(torch.empty_like(big), big),
+            lambda: sharded.forward_backward(one, one, 1.0),
+        ],
+        rounds=15,
+    )
+    dense_f, expert_f = planner.training_flops_per_token(spec)
     f1, f8 = (x.numel() * (dense_f + expert_f) for x in (one, eight))
     rate = (f8 - f1) / max(t8 - t1, 1e-9)  # FLOP/s of the GEMMs once the fixed cost is paid
     overhead = max(t1 - f1 / rate, 0.0) / spec.model.n_layers  # per block pass
-
-    def a2a(n: int) -> float:
-        x, out = torch.randn(n * world), torch.empty(n * world)
-        return _timed(lambda: dist.all_to_all_single(out, x), 20)
-
-    small, big = a2a(16), a2a(1 << 18)
-    latency = small / (world - 1)
-    bandwidth = 4 * world * (1 << 18) * (world - 1) / world / max(big - small, 1e-9)
+    latency = a_small / (world - 1)
+    bandwidth = big.numel() * big.element_size() * (world - 1) / world / max(a_big - a_small, 1e-9)
     cluster = planner.Cluster(
         f"cpu-{world}",
         nodes=1,
@@ -93,28 +125,11 @@ def measure_cluster(world: int, spec: planner.ModelSpec) -> planner.Cluster:
         inter_latency_us=latency * 1e6,
         pass_overhead_us=overhead * 1e6,
     )
-    return dataclasses.replace(cluster, fsdp_overhead_us=fsdp_overhead(world, spec, cluster, t1) * 1e6)
-
-
-def fsdp_overhead(world: int, spec: planner.ModelSpec, cluster: planner.Cluster, plain_s: float) -> float:
-    """Seconds per FSDP collective beyond alpha-beta: the same one-sequence forward + backward sharded
-    over every rank, less the unsharded one and the bytes' predicted time, per collective."""
-    cpu = torch.device("cpu")
-    cfg = runconfig.resolve("tiny", {**MODEL, "parallel.dp": str(world)})
-    layout, mesh = init_distributed(cfg, cpu)
-    torch.manual_seed(0)
-    pm = ParallelModel(Transformer(cfg.model, cfg.moe), cfg, cpu, layout, mesh)
-    x = torch.randint(0, spec.model.vocab_size, (1, spec.model.context_length))
-    sharded_s = _timed(lambda: pm.forward_backward(x, x, 1.0), 7)
     wire, collectives = planner.fsdp_collectives(spec, planner.Candidate(world, 1, 1, 1, 1, "flat", False), cluster)
-    return max(sharded_s - plain_s - wire, 0.0) / collectives
+    return dataclasses.replace(cluster, fsdp_overhead_us=max(s1 - t1 - wire, 0.0) / collectives * 1e6)
 
 
-def picks(ranked: list[planner.Estimate], count: int) -> list[planner.Estimate]:
-    """The top, the bottom and evenly spaced layouts between, from the planner's ranking."""
-    if len(ranked) <= count:
-        return ranked
-    return [ranked[round(i * (len(ranked) - 1) / (count - 1))] for i in range(count)]
+# --- validation -------------------------------------------------------------------------------------
 
 
 def overrides_for(cand: planner.Candidate) -> dict[str, str]:
@@ -126,7 +141,7 @@ def overrides_for(cand: planner.Candidate) -> dict[str, str]:
         "parallel.tp": str(cand.tp),
         "parallel.pp": str(cand.pp),
         "parallel.all_to_all": cand.all_to_all,
-        "parallel.overlap_chunks": "2" if cand.overlap else "1",
+        "parallel.overlap_chunks": str(planner.OVERLAP_CHUNKS) if cand.overlap else "1",
     }
     if cand.pp > 1:
         return flags | {"parallel.pp_microbatches": str(cand.micro), "train.batch_size": str(per_rank)}
@@ -135,84 +150,148 @@ def overrides_for(cand: planner.Candidate) -> dict[str, str]:
 
 def label(cand: planner.Candidate) -> str:
     parts = [f"{name}{getattr(cand, name)}" for name in ("dp", "ep", "tp", "pp") if getattr(cand, name) > 1]
-    return "x".join(parts or ["1"]) + f"-mb{cand.micro}" + ("-overlap" if cand.overlap else "")
+    two_level = "-2level" if cand.all_to_all == "two_level" else ""
+    return "x".join(parts or ["1"]) + f"-mb{cand.micro}" + two_level + ("-overlap" if cand.overlap else "")
 
 
-def _bench(rank: int, world: int, text: str, steps: int, count: int) -> dict:
+def _measure(
+    rank: int, world: int, overrides: dict, layouts: list[planner.Candidate], text: str, steps: int
+) -> list[float]:
+    """Rank 0's median step time of each layout, trained in the given order (after one warm-up step)."""
     from moekit.train import loop
 
     dist.init_process_group("gloo")
-    base = runconfig.resolve("tiny", MODEL)
-    spec = planner.ModelSpec("calibration", base.model, base.moe, planner.Workload(GLOBAL_BATCH, dtype_bytes=4))
-    shared = [measure_cluster(world, spec)]
-    dist.broadcast_object_list(shared, src=0)  # rank 0's figures, so every rank picks the same layouts
-    cluster = shared[0]
-    ranked = sorted(
-        (planner.estimate(spec, cand, cluster) for cand in planner.candidates(spec, cluster)), key=lambda e: e.step_s
-    )
-    rows = []
-    for est in picks(ranked, count):
-        cfg = runconfig.resolve("tiny", {**MODEL, **overrides_for(est.candidate), "data.path": text})
+    medians = []
+    for cand in layouts:
+        cfg = runconfig.resolve("tiny", {**overrides, **overrides_for(cand), "data.path": text})
         pm, opt, corpus = training_rank(cfg, rank)
         times = []
-        for step in range(steps + 2):
+        for step in range(steps + 1):
             dist.barrier()
             started = time.perf_counter()
             loop._train_step(pm, None, opt, corpus, cfg, torch.device("cpu"), step, None)
             times.append(time.perf_counter() - started)
-        rows.append(
-            {"layout": label(est.candidate), "measured_s": statistics.median(times[2:]), "predicted_s": est.step_s}
-        )
-    return {"cluster": cluster.__dict__, "candidates": len(ranked), "rows": rows}
+        medians.append(statistics.median(times[1:]))
+    return medians
+
+
+# --- rank statistics --------------------------------------------------------------------------------
+
+
+def _average_ranks(v: list[float]) -> list[float]:
+    """Ranks from 0, ties sharing their mean rank."""
+    order = sorted(range(len(v)), key=v.__getitem__)
+    out = [0.0] * len(v)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and v[order[j + 1]] == v[order[i]]:
+            j += 1
+        for k in range(i, j + 1):
+            out[order[k]] = (i + j) / 2
+        i = j + 1
+    return out
 
 
 def spearman(xs: list[float], ys: list[float]) -> float:
-    """Rank correlation (no ties expected among timings)."""
+    """Pearson correlation of the (tie-averaged) ranks."""
+    rx, ry = _average_ranks(xs), _average_ranks(ys)
+    mx, my = statistics.fmean(rx), statistics.fmean(ry)
+    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry, strict=True))
+    return cov / math.sqrt(sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry))
 
-    def ranks(v: list[float]) -> list[int]:
-        order = sorted(range(len(v)), key=v.__getitem__)
-        out = [0] * len(v)
-        for r, i in enumerate(order):
-            out[i] = r
-        return out
 
-    rx, ry, n = ranks(xs), ranks(ys), len(xs)
-    return 1 - 6 * sum((a - b) ** 2 for a, b in zip(rx, ry, strict=True)) / (n * (n * n - 1))
+def kendall_tau_b(xs: list[float], ys: list[float]) -> float:
+    """Concordant minus discordant pairs, corrected for ties in either list."""
+    signs = [(_sign(xs[i] - xs[j]), _sign(ys[i] - ys[j])) for i in range(len(xs)) for j in range(i)]
+    score = sum(a * b for a, b in signs)
+    return score / math.sqrt(sum(a != 0 for a, _ in signs) * sum(b != 0 for _, b in signs))
+
+
+def _sign(x: float) -> int:
+    return (x > 0) - (x < 0)
+
+
+# --- driver -----------------------------------------------------------------------------------------
+
+
+def run_once(repeat: int, args: argparse.Namespace, text: str) -> dict:
+    """One fresh calibration, then every fitting layout of model B measured in a shuffled order."""
+    calib_model, calib_world = (MODEL_B, args.ranks) if args.in_sample else (MODEL_A, args.calibrate_ranks)
+    measured_cluster = run_ranks(_calibrate, calib_world, calib_model)
+    cluster = dataclasses.replace(measured_cluster, name=f"cpu-{args.ranks}", gpus_per_node=args.ranks)
+    spec = _spec(MODEL_B)
+    enumerated = planner.candidates(spec, cluster)
+    ranked = planner.plan(spec, cluster, top=len(enumerated))  # the planner's order, fastest first
+    order = random.Random(repeat).sample(range(len(ranked)), len(ranked))
+    times = run_ranks(_measure, args.ranks, MODEL_B, [ranked[i].candidate for i in order], text, args.steps)
+    measured = [0.0] * len(ranked)
+    for i, t in zip(order, times, strict=True):
+        measured[i] = t
+    predicted = [est.step_s for est in ranked]
+    best = min(range(len(ranked)), key=measured.__getitem__)
+    return {
+        "cluster": dataclasses.asdict(measured_cluster),
+        "enumerated": len(enumerated),
+        "rows": [
+            {"layout": label(est.candidate), "predicted_s": est.step_s, "measured_s": m}
+            for est, m in zip(ranked, measured, strict=True)
+        ],
+        "spearman": spearman(predicted, measured),
+        "kendall_tau_b": kendall_tau_b(predicted, measured),
+        "regret": measured[0] / measured[best],  # ranked[0] is the planner's pick
+        "pick": label(ranked[0].candidate),
+        "best": label(ranked[best].candidate),
+        "measured_over_predicted": statistics.median(m / p for m, p in zip(measured, predicted, strict=True)),
+    }
+
+
+def _spread(values: list[float]) -> str:
+    return f"{min(values):.2f}-{max(values):.2f}"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=6, help="timed steps per layout (after 2 warm-up steps)")
-    parser.add_argument("--layouts", type=int, default=7, help="layouts run per world size (top, bottom, between)")
-    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--ranks", type=int, default=4, help="ranks model B's layouts are planned and run on")
+    parser.add_argument("--calibrate-ranks", type=int, default=2, help="ranks model A calibrates on")
+    parser.add_argument("--in-sample", action="store_true", help="calibrate on model B at --ranks instead")
+    parser.add_argument("--repeats", type=int, default=3, help="calibrations + full measurements")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per layout (after one warm-up step)")
+    parser.add_argument("--json", action="store_true", help="also print the figures as JSON on the last line")
     args = parser.parse_args()
-    results = {}
     with tempfile.TemporaryDirectory() as tmp:
         text = Path(tmp) / "corpus.txt"
         text.write_text("".join(f"{i}: the quick brown fox jumps over the lazy dog.\n" for i in range(3000)))
-        for world in (2, 4):
-            results[world] = run_ranks(_bench, world, str(text), args.steps, args.layouts)
-    every = [r for w in results.values() for r in w["rows"]]
+        repeats = [run_once(r, args, str(text)) for r in range(args.repeats)]
+    mode = (
+        f"in-sample: calibrated on model B ({_describe(MODEL_B)}) at {args.ranks} ranks"
+        if args.in_sample
+        else f"out of sample: calibrated on model A ({_describe(MODEL_A)}) at {args.calibrate_ranks} ranks"
+    )
     summary = {
-        f"spearman_{w}": spearman([r["measured_s"] for r in res["rows"]], [r["predicted_s"] for r in res["rows"]])
-        for w, res in results.items()
+        key: [r[key] for r in repeats] for key in ("spearman", "kendall_tau_b", "regret", "measured_over_predicted")
     }
-    summary["spearman_all"] = spearman([r["measured_s"] for r in every], [r["predicted_s"] for r in every])
-    if args.json:
-        print(json.dumps({"worlds": results, **summary}, indent=2))
-        return
-    for world, res in results.items():
-        c = res["cluster"]
+    n = len(repeats[0]["rows"])
+    print(f"{mode}; ranked: model B ({_describe(MODEL_B)}), global batch {GLOBAL_BATCH}, {args.ranks} gloo ranks")
+    print(f"{n} of {repeats[0]['enumerated']} enumerated layouts fit; all {n} measured, {args.steps} steps each")
+    for i, r in enumerate(repeats):
+        c = r["cluster"]
         print(
-            f"{world} ranks: {c['peak_tflops'] * 1e3:.1f} GFLOP/s per rank, {c['pass_overhead_us'] / 1e3:.2f} ms per "
+            f"repeat {i}: {c['peak_tflops'] * 1e3:.1f} GFLOP/s per rank, {c['pass_overhead_us'] / 1e3:.2f} ms per "
             f"block pass, {c['fsdp_overhead_us'] / 1e3:.2f} ms per FSDP collective, all-to-all "
-            f"{c['intra_latency_us']:.0f} us per message, {c['intra_gbps']:.2f} GB/s; "
-            f"{len(res['rows'])} of {res['candidates']} planned layouts run"
+            f"{c['intra_latency_us']:.0f} us per message, {c['intra_gbps']:.2f} GB/s | Spearman {r['spearman']:.2f} "
+            f"Kendall {r['kendall_tau_b']:.2f} regret {r['regret']:.2f} (pick {r['pick']}, best {r['best']})"
         )
-        for r in res["rows"]:
-            ms, pred = r["measured_s"] * 1e3, r["predicted_s"] * 1e3
-            print(f"  {r['layout']:>22} measured {ms:8.1f} ms  predicted {pred:8.1f} ms")
-    print(" ".join(f"{k} {v:.2f}" for k, v in summary.items()))
+    print(f"{'layout (repeat 0 planner order)':>34} {'predicted ms (median)':>22} {'measured ms (min-max)':>24}")
+    by_layout = [{row["layout"]: row for row in r["rows"]} for r in repeats]
+    for row in repeats[0]["rows"]:
+        ms = sorted(rows[row["layout"]]["measured_s"] * 1e3 for rows in by_layout)
+        pred = statistics.median(rows[row["layout"]]["predicted_s"] * 1e3 for rows in by_layout)
+        spread = f"{statistics.median(ms):.1f} ({ms[0]:.1f}-{ms[-1]:.1f})"
+        print(f"{row['layout']:>34} {pred:>22.1f} {spread:>24}")
+    print(" ".join(f"{k} {_spread(v)}" for k, v in summary.items()), f"(min-max over {len(repeats)} repeats)")
+    if args.json:
+        print(json.dumps({"mode": mode, "model_b": MODEL_B, "ranks": args.ranks, "repeats": repeats, **summary}))
 
 
 if __name__ == "__main__":
