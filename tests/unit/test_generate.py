@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from moekit import runconfig
-from moekit.infer.generate import generate, left_pad, sample_next
+from moekit.infer.generate import decode_step, generate, generate_uncached, left_pad, prefill, sample_next
 from moekit.model import KVCache, Transformer
 
 
@@ -31,8 +31,8 @@ def tiny_model(sharpen: float = 20.0, **overrides: str) -> Transformer:
 def test_greedy_with_cache_equals_no_cache_reference(overrides: dict[str, str]) -> None:
     model = tiny_model(**overrides)
     prompt = torch.randint(0, 256, (2, 5), generator=torch.Generator().manual_seed(1))
-    cached = generate(model, prompt, 24, temperature=0, use_cache=True)
-    reference = generate(model, prompt, 24, temperature=0, use_cache=False)
+    cached = generate(model, prompt, 24, temperature=0)
+    reference = generate_uncached(model, prompt, 24, temperature=0)
     assert torch.equal(cached, reference)
     assert cached.shape == (2, 29)
 
@@ -45,6 +45,16 @@ def test_cached_logits_match_full_forward() -> None:
     prefill = model(seq[:, :7], cache=cache).logits
     steps = [model(seq[:, i : i + 1], cache=cache).logits for i in range(7, 12)]
     torch.testing.assert_close(torch.cat([prefill, *steps], dim=1), full, atol=1e-5, rtol=0)
+
+
+def test_prefill_then_decode_steps_match_full_forward() -> None:
+    model = tiny_model()
+    seq = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(2))
+    full = model(seq).logits  # [B, 12, V]; position i predicts token i + 1
+    logits, cache = prefill(model, seq[:, :7])
+    steps = [logits] + [decode_step(model, seq[:, i : i + 1], cache) for i in range(7, 12)]
+    torch.testing.assert_close(torch.stack(steps, dim=1), full[:, 6:], atol=1e-5, rtol=0)
+    assert cache.length == 12
 
 
 def test_generation_past_the_context_slides() -> None:

@@ -1,4 +1,5 @@
-"""Text generation: prefill the prompt once, then decode one token at a time from a KV cache.
+"""Text generation as small functions: ``prefill`` the prompt once, then ``decode_step`` one token at a
+time from the KV cache; ``generate`` samples with them (the server's scheduler reuses them).
 
 Legend: B batch, L length, V vocabulary.
 """
@@ -49,6 +50,27 @@ def sample_next(
 
 
 @torch.no_grad()
+def prefill(model: Transformer, tokens_BL: Tensor, left_pad_B: Tensor | None = None) -> tuple[Tensor, KVCache]:
+    """Run the prompt once into a fresh KV cache: the last position's logits [B, V], and the cache.
+    ``left_pad_B``: leading padding positions of each row, masked out of attention."""
+    cache = KVCache(model.cfg, tokens_BL.shape[0], tokens_BL.device, model.embed.weight.dtype, left_pad_B)
+    return model(tokens_BL, cache=cache).logits[:, -1], cache
+
+
+@torch.no_grad()
+def decode_step(model: Transformer, token_B1: Tensor, cache: KVCache) -> Tensor:
+    """One new position per row through the cache (which grows by one): its logits [B, V]."""
+    return model(token_B1, cache=cache).logits[:, -1]
+
+
+def _sampler(model: Transformer, prompt_BL: Tensor, seed: int | None) -> torch.Generator | None:
+    if prompt_BL.shape[1] == 0:
+        raise ValueError("prompt is empty: give at least one token")
+    model.eval()
+    return torch.Generator().manual_seed(seed) if seed is not None else None
+
+
+@torch.no_grad()
 def generate(
     model: Transformer,
     prompt_BL: Tensor,
@@ -57,40 +79,48 @@ def generate(
     top_k: int | None = None,
     top_p: float | None = None,
     seed: int | None = None,
-    use_cache: bool = True,
     left_pad_B: Tensor | None = None,
 ) -> Tensor:
     """Prompt followed by ``max_new_tokens`` generated tokens, ``[B, L + max_new_tokens]``.
 
-    With ``use_cache`` the prompt is prefilled once and each new token costs one position; when the
-    context fills, the cache is rebuilt from the last half-context (a sliding window). Without it,
-    every step reruns the whole (cropped) sequence: the reference the cache is tested against.
-    ``left_pad_B``: leading padding positions of each row (prompts of different lengths).
+    The prompt is prefilled once and each new token costs one position; when the context fills, the
+    last half-context is prefilled again (a sliding window). ``left_pad_B``: leading padding
+    positions of each row (prompts of different lengths).
     """
-    if prompt_BL.shape[1] == 0:
-        raise ValueError("prompt is empty: give at least one token")
-    if left_pad_B is not None and not use_cache:
-        raise ValueError("left-padded prompts need use_cache=True (the cache carries the padding mask)")
-    generator = torch.Generator().manual_seed(seed) if seed is not None else None
-    model.eval()
+    generator = _sampler(model, prompt_BL, seed)
     ctx = model.cfg.context_length
     out = prompt_BL
     cache: KVCache | None = None
     for _ in range(max_new_tokens):
-        if not use_cache:
-            logits = model(out[:, -ctx:]).logits[:, -1]
+        if cache is None or cache.length >= ctx:
+            window = out[:, -(max(1, ctx // 2) if cache is not None else ctx) :]
+            pad = None
+            if left_pad_B is not None:  # padding that the window cut off is gone
+                pad = (left_pad_B - (out.shape[1] - window.shape[1])).clamp_min(0)
+            logits, cache = prefill(model, window, pad)
         else:
-            if cache is None or cache.length >= ctx:
-                window = out[:, -(max(1, ctx // 2) if cache is not None else ctx) :]
-                pad = None
-                if left_pad_B is not None:  # padding that the window cut off is gone
-                    pad = (left_pad_B - (out.shape[1] - window.shape[1])).clamp_min(0)
-                cache = KVCache(model.cfg, out.shape[0], out.device, model.embed.weight.dtype, pad)
-                logits = model(window, cache=cache).logits[:, -1]
-            else:
-                logits = model(out[:, -1:], cache=cache).logits[:, -1]
-        next_B1 = sample_next(logits, temperature, top_k, top_p, generator).unsqueeze(1)
-        out = torch.cat([out, next_B1], dim=1)
+            logits = decode_step(model, out[:, -1:], cache)
+        out = torch.cat([out, sample_next(logits, temperature, top_k, top_p, generator).unsqueeze(1)], dim=1)
+    return out
+
+
+@torch.no_grad()
+def generate_uncached(
+    model: Transformer,
+    prompt_BL: Tensor,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    seed: int | None = None,
+) -> Tensor:
+    """``generate`` without a cache: every step reruns the whole (cropped) sequence. The reference the
+    cached path is tested against."""
+    generator = _sampler(model, prompt_BL, seed)
+    out = prompt_BL
+    for _ in range(max_new_tokens):
+        logits = model(out[:, -model.cfg.context_length :]).logits[:, -1]
+        out = torch.cat([out, sample_next(logits, temperature, top_k, top_p, generator).unsqueeze(1)], dim=1)
     return out
 
 
@@ -122,9 +152,7 @@ def generate_texts(
     texts = []
     for start in range(0, len(encoded), batch_size):
         ids_BL, pad_B = left_pad(encoded[start : start + batch_size])
-        out = generate(
-            run.model, ids_BL.to(device), max_new_tokens, temperature, top_k, top_p, seed, True, pad_B.to(device)
-        )
+        out = generate(run.model, ids_BL.to(device), max_new_tokens, temperature, top_k, top_p, seed, pad_B.to(device))
         texts += [run.tokenizer.decode(row[pad:].tolist()) for row, pad in zip(out, pad_B.tolist(), strict=True)]
     return texts
 
