@@ -1,15 +1,16 @@
 """MoE statistics in one place: what a layer measures per call, how micro-batches and ranks reduce
 it, and what a training step logs.
 
-To add a per-layer statistic: a field on ``MoEStats`` (filled in ``MoE._stats``), a column in
-``_COLUMNS`` (its value summed over micro-batches and data ranks) and its entry in
-``StepStats.record``. Everything else (pipeline stages, data ranks, the logs) moves whole rows.
+To add a per-layer statistic: a field on ``MoEStats`` (filled in ``MoE._stats``; a count, or a
+mean listed in ``_AVERAGED``), a column in ``_COLUMNS`` (its value summed over micro-batches and data
+ranks) and its entry in ``StepStats.record``. Everything else (pipeline stages, data ranks, the logs) moves whole rows.
 
 Legend: E experts of a layer.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -34,23 +35,19 @@ class MoEStats:
         return int(self.dropped_per_expert.sum())
 
 
+_AVERAGED = ("aux_loss", "z_loss", "loss")  # per-call means; every other field is a count, summed
+
+
 def merge_micro_batches(per_micro: list[list[MoEStats]]) -> list[MoEStats]:
     """Per layer, the stats of several micro-batches as one: counts summed, losses averaged."""
-    if not per_micro:
-        return []
     merged = []
     for layer in zip(*per_micro, strict=True):
-        n = len(layer)
-        merged.append(
-            MoEStats(
-                aux_loss=sum(s.aux_loss.detach() for s in layer) / n,
-                z_loss=sum(s.z_loss.detach() for s in layer) / n,
-                loss=sum(s.loss.detach() for s in layer) / n,
-                tokens_per_expert=sum(s.tokens_per_expert for s in layer),
-                dropped_per_expert=sum(s.dropped_per_expert for s in layer),
-                num_tokens=sum(s.num_tokens for s in layer),
-            )
-        )
+        fields = {}
+        for f in dataclasses.fields(MoEStats):
+            values = [getattr(s, f.name) for s in layer]
+            values = [v.detach() if isinstance(v, Tensor) else v for v in values]
+            fields[f.name] = sum(values) / len(values) if f.name in _AVERAGED else sum(values)
+        merged.append(MoEStats(**fields))
     return merged
 
 
@@ -59,15 +56,15 @@ def merge_micro_batches(per_micro: list[list[MoEStats]]) -> list[MoEStats]:
 _COLUMNS: dict[str, Callable[[MoEStats], Tensor | float]] = {
     "aux_sum": lambda s: s.aux_loss,
     "z_sum": lambda s: s.z_loss,
-    "calls": lambda s: 1.0,
+    "calls": lambda s: 1.0,  # stats added: micro-batches, or 1 for a pipeline step's merged stats
     "dropped": lambda s: s.dropped_per_expert.sum(),
 }
 _AT = {name: i for i, name in enumerate(_COLUMNS)}
 
 
 def _row(s: MoEStats) -> Tensor:
-    head = torch.tensor([float(value(s)) for value in _COLUMNS.values()])
-    return torch.cat([head, s.tokens_per_expert.detach().float().cpu()])
+    head = [torch.as_tensor(value(s)).detach().float().reshape(1) for value in _COLUMNS.values()]
+    return torch.cat([*head, s.tokens_per_expert.detach().float()]).cpu()  # one copy to the host
 
 
 class StepStats:

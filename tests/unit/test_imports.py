@@ -15,6 +15,7 @@ import moekit
 
 PACKAGE = Path(moekit.__file__).parent
 ABOVE_RUN = ("moekit.train", "moekit.infer", "moekit.convert", "moekit.cli")
+ABOVE_MODEL = (*ABOVE_RUN, "moekit.run", "moekit.tokenizer")
 
 # Each part of the package (a subpackage or a module file) and the modules it must not import.
 RULES = {
@@ -28,6 +29,17 @@ RULES = {
     "stats.py": ("moekit",),
     "parallel": ("moekit.train", "moekit.infer", "moekit.convert", "moekit.run", "moekit.cli"),
     "dispatch": ("moekit.parallel", "moekit.train", "moekit.infer", "moekit.convert", "moekit.run", "moekit.cli"),
+    "model": (*ABOVE_MODEL, "moekit.parallel"),
+    "layer.py": (*ABOVE_MODEL, "moekit.parallel", "moekit.model"),
+    "experts": (*ABOVE_MODEL, "moekit.parallel", "moekit.model", "moekit.layer", "moekit.dispatch"),
+    "routing.py": (
+        *ABOVE_MODEL,
+        "moekit.parallel",
+        "moekit.model",
+        "moekit.layer",
+        "moekit.dispatch",
+        "moekit.experts",
+    ),
 }
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -27,6 +29,17 @@ def test_step_stats_sum_calls_and_average_losses() -> None:
     assert got["dropped_frac"] == pytest.approx(4 / 16)
     assert got["load_max_over_mean"] == pytest.approx([7 / 4, 5 / 4])
     assert got["expert_load"] == [pytest.approx([7 / 8, 1 / 8]), pytest.approx([3 / 8, 5 / 8])]
+
+
+def test_stats_of_a_training_forward_are_read_without_a_warning() -> None:
+    aux = torch.tensor(1.0, requires_grad=True) * 2  # as a training forward returns it: part of the graph
+    stats = MoEStats(aux, aux * 0, aux * 0.01, torch.tensor([3, 1]), torch.tensor([0, 0]), 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        step = StepStats()
+        step.add([stats])
+        merge_micro_batches([[stats], [stats]])
+    assert step.record()["aux_loss"] == 2.0
 
 
 def test_merge_micro_batches_sums_counts_and_averages_losses() -> None:

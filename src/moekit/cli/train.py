@@ -91,6 +91,7 @@ def _config(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
+    from moekit.parallel.runtime import global_rank
     from moekit.train.loop import train
 
     cfg = _config(args)
@@ -109,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
     _leave_process_group()
     if result.interrupted:
         return EXIT_INTERRUPTED
-    if int(os.environ.get("RANK", "0")) == 0:  # rank 0 reports for the job
+    if global_rank() == 0:  # rank 0 reports for the job
         _report(cfg, run_dir, result, resolve_device(args.device))
     return 0
 

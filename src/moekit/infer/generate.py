@@ -1,5 +1,5 @@
 """Text generation as small functions: ``prefill`` the prompt once, then ``decode_step`` one token at a
-time from the KV cache; ``generate`` samples with them (the server's scheduler reuses them).
+time from the KV cache; ``generate`` samples with them.
 
 Legend: B batch, L length, V vocabulary.
 """

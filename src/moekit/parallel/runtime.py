@@ -63,8 +63,8 @@ def collective_errors(timeout_s: float):
         yield
     except RuntimeError as err:
         text = str(err).strip()
-        # gloo raises a plain RuntimeError; moekit's own errors (a checkpoint's, a training stop) are
-        # subclasses and keep their message even when it quotes an OS error such as "Connection refused".
+        # gloo raises a plain RuntimeError (or a DistError); any other error keeps its message, even one
+        # that quotes an OS error such as "Connection refused".
         backend = isinstance(err, dist.DistError) or (
             type(err) is RuntimeError and any(w in text for w in ("gloo", "NCCL", "Connection", "Timed out"))
         )

@@ -387,10 +387,9 @@ def _train_step(pm: ParallelModel, forward, optimizer, corpus, cfg: RunConfig, d
     optimizer.zero_grad(set_to_none=True)
     stats.layers = pm.reduce_layers(stats.layers)
     placement = pm.rebalance(step, stats.loads, optimizer)
-    whole_model_index = {id(m): i for i, m in enumerate(pm.full_model.moe_layers())}
     if not skipped:
         for moe in pm.moe_layers():
-            moe.update_bias(stats.loads[whole_model_index[id(moe)]].to(dev))
+            moe.update_bias(stats.loads[moe.index].to(dev))
     lm_loss = pm.mean_over_batch(pm.broadcast_from_last_stage(lm_loss))
     record = {"step": step + 1, "loss": lm_loss.item(), "lr": lr, "grad_norm": grad_norm.item(), "skipped": skipped}
     return {**record, **stats.record(), **placement}
