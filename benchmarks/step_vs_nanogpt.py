@@ -1,6 +1,6 @@
 """Training-step time of moekit's dense and MoE presets against nanoGPT's model, side by side.
 
-    python benchmarks/step_vs_nanogpt.py [--json] [--runs 5] [--rounds 40]
+    python benchmarks/step_vs_nanogpt.py [--json] [--runs 5] [--rounds 40] [--threads 2]
 
 The reference is a faithful reimplementation of nanoGPT's ``model.py`` below (nanoGPT is a script,
 not a package, so its code is not what runs here): its module layout, ``bias=False``, dropout 0 kept
@@ -145,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--runs", type=int, default=5, help="runs, each with fresh models (default: %(default)s)")
     parser.add_argument("--rounds", type=int, default=40, help="interleaved rounds per run (default: %(default)s)")
+    parser.add_argument("--threads", type=int, default=2, help="torch CPU threads (default: %(default)s)")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON on the last line")
     parser.add_argument(
         "--glibc-defaults", action="store_true", help="do not keep freed memory (glibc's trim and mmap thresholds)"
@@ -152,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.runs < 1 or args.rounds < 1:
         parser.error("--runs and --rounds must be >= 1")
+    torch.set_num_threads(args.threads)
     kept = not args.glibc_defaults and keep_freed_memory()
     runs = [one_run(seed, args.rounds) for seed in range(args.runs)]
     ms = {name: [r[name] for r in runs] for name in runs[0]}
