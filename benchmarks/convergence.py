@@ -1,7 +1,7 @@
 """Quality per compute: a dense model and an MoE model with the same active parameters per token,
 trained side by side in this process on the same data, over seeds.
 
-    python benchmarks/convergence.py --data tinyshakespeare.txt [--json] [--iters N] [--seeds 3]
+    python benchmarks/convergence.py --data tinyshakespeare.txt [--json] [--iters N] [--seeds 3] [--threads 2]
 
 The dense run is the ``shakespeare-dense`` preset, nanoGPT's CPU configuration (character level,
 4 layers, 4 heads, d_model 128, context 64, batch 12, 2000 iterations, lr 1e-3 -> 1e-4, no

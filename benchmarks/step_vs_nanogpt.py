@@ -2,11 +2,11 @@
 
     python benchmarks/step_vs_nanogpt.py [--json] [--runs 5] [--rounds 40] [--threads 2]
 
-The reference is a faithful reimplementation of nanoGPT's ``model.py`` below (nanoGPT is a script,
-not a package, so its code is not what runs here): its module layout, ``bias=False``, dropout 0 kept
-as modules, learned positions, tied embeddings, at the configuration of nanoGPT's documented CPU run:
-4 layers, 4 heads, d_model 128, context 64, batch 12, character vocabulary of 65. moekit runs
-``shakespeare-dense`` and ``shakespeare-moe`` (MoE every other block).
+The reference is a faithful reimplementation of nanoGPT's ``model.py`` below (nanoGPT is not an
+installable package, so its own code does not run here): its module layout, ``bias=False``,
+dropout 0 kept as modules, learned positions, tied embeddings, at the configuration of nanoGPT's
+documented CPU run: 4 layers, 4 heads, d_model 128, context 64, batch 12, character vocabulary of
+65. moekit runs ``shakespeare-dense`` and ``shakespeare-moe`` (MoE every other block).
 
 All three train with the same optimizer code: moekit's ``build_optimizer`` (torch's fused AdamW,
 weight decay on parameters of two or more dimensions only, nanoGPT's own decay groups) with the

@@ -1,6 +1,7 @@
 """Sparse upcycling against its alternatives at equal steps and equal training FLOPs, over seeds.
 
     python benchmarks/upcycle.py --data tinyshakespeare.txt [--json] [--seeds 3] [--base-steps N] [--extra-steps M]
+        [--threads 2]
 
 Per seed, a dense ``shakespeare-dense`` parent is trained for N steps, then:
 (a) ``upcycled``: the parent's MLPs become 8 copies each, top-2 (Komatsuzaki et al.), trained M steps;
