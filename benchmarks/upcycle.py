@@ -18,10 +18,11 @@ FLOPs per step F = tokens per step (batch x context) x ``Transformer.flops_per_t
 output head) + 12 x layers x d_model x context (attention scores and values), forward and backward
 (PaLM, appendix B). The DTS run counts at each step the experts its gate runs then (8 down to 2).
 
-The defaults (parent 200 steps, 100 more) are cut down from the preset's 2000 iterations so that three
-seeds fit in about ten minutes on a busy 2-core CPU. Prints each variant's steps, training FLOPs and
-final validation loss (median and min-max over seeds, and each seed's), writes ``upcycle.png`` per
-seed (the continuations' loss curves), and with ``--json`` one JSON object on the last line.
+The defaults (parent 200 steps, 100 more) are cut down from the preset's 2000 iterations: three
+seeds take about ten CPU-minutes (at one thread; longer in wall time on a loaded machine). Prints
+each variant's steps, training FLOPs and final validation loss (median and min-max over seeds, and
+each seed's), writes ``upcycle.png`` per seed (the continuations' loss curves), and with ``--json``
+one JSON object on the last line.
 Target: (a) below (c) and (d).
 """
 
