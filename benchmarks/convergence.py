@@ -1,19 +1,22 @@
 """Quality per compute: a dense model and an MoE model with the same active parameters per token,
-trained side by side in this process on the same data, against nanoGPT's documented CPU run.
+trained side by side in this process on the same data, over seeds.
 
-    python benchmarks/convergence.py --data ../shared/data/tinyshakespeare.txt [--json] [--steps N]
+    python benchmarks/convergence.py --data tinyshakespeare.txt [--json] [--iters N] [--seeds 3] [--threads 2]
 
-The dense run is the ``shakespeare-dense`` preset (nanoGPT's CPU configuration: character level,
+The dense run is the ``shakespeare-dense`` preset, nanoGPT's CPU configuration (character level,
 4 layers, 4 heads, d_model 128, context 64, batch 12, 2000 iterations, lr 1e-3 -> 1e-4, no
-dropout, LayerNorm and a 4x GELU MLP; nanoGPT reports val loss 1.88). The MoE run is
-``shakespeare-moe``: every other MLP becomes 16 GELU experts of half its width, top-2 (equal active
-parameters). Prints a table, writes
-``convergence.png`` with both loss curves into the output directory, and with ``--json`` one JSON
-object on the last line.
+dropout, LayerNorm and a 4x GELU MLP), with RoPE in place of learned positions. nanoGPT's README
+gives val loss 1.88 for its own 2000 iterations: a published figure, not measured here. The MoE run
+is ``shakespeare-moe``: every other MLP becomes 16 GELU experts of half its width, top-2 (equal
+active parameters). ``--iters`` shortens both runs (the schedule decays over the shorter run); each
+seed (0 .. N-1) sets both runs' init and data order.
 
-The two runs take turns, one optimizer step each (the training loop's ``on_step`` hands over), and
-each run's seconds are the sum of its own turns: this machine's speed drifts by tens of percent
-within minutes, so runs timed one after the other do not compare.
+The two runs of a seed take turns, one optimizer step each (the training loop's ``on_step`` hands
+over), and each run's seconds are the sum of its own turns: this machine's speed drifts by tens of
+percent within minutes, so runs timed one after the other do not compare. Prints each seed's row
+and the median and min-max over seeds of the val losses, their difference and the wall-time ratio;
+writes ``convergence.png`` with both loss curves per seed, and with ``--json`` one JSON object on the
+last line.
 """
 
 from __future__ import annotations
@@ -21,18 +24,23 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 
+import torch
 from tqdm.auto import tqdm
 
-from moekit import runconfig
-from moekit.model import Transformer
-from moekit.train.loop import train
-from moekit.train.metrics import read_metrics
-from moekit.train.plots import compare_runs
+sys.path.insert(0, str(Path(__file__).parent))
+from _spread import show, spread  # noqa: E402
+
+from moekit import runconfig  # noqa: E402
+from moekit.model import Transformer  # noqa: E402
+from moekit.train.loop import train  # noqa: E402
+from moekit.train.metrics import read_metrics  # noqa: E402
+from moekit.train.plots import compare_runs  # noqa: E402
 
 RUNS = {"dense": "shakespeare-dense", "moe": "shakespeare-moe"}
 
@@ -68,10 +76,10 @@ class TakeTurns:
             self.begin(name)
 
 
-def run_one(name: str, preset: str, args: argparse.Namespace, out_dir: Path, turns: TakeTurns) -> dict:
-    overrides = {"data.path": args.data, "train.sample_tokens": "0"}
-    if args.steps:
-        overrides["train.steps"] = str(args.steps)
+def run_one(name: str, preset: str, seed: int, args: argparse.Namespace, out_dir: Path, turns: TakeTurns) -> dict:
+    overrides = {"data.path": args.data, "train.sample_tokens": "0", "train.seed": str(seed)}
+    if args.iters:
+        overrides["train.steps"] = str(args.iters)
     cfg = runconfig.resolve(preset, overrides)
     run_dir = out_dir / name
     result = train(cfg, run_dir, progress=False, on_step=lambda record: turns.hand_over(name))
@@ -83,17 +91,16 @@ def run_one(name: str, preset: str, args: argparse.Namespace, out_dir: Path, tur
         "val_loss": round(result.val_loss, 4),
         "train_loss": round(statistics.mean(result.losses[-50:]), 4),
         "ms_per_iter": round(step_ms, 2),
-        "tokens_per_s": round(tokens_per_step / step_ms * 1e3, 1),
         "params": built.num_params(),
         "active_params": built.num_active_params(),
         "run_dir": str(run_dir),
     }
 
 
-def train_side_by_side(args: argparse.Namespace, out_dir: Path) -> dict[str, dict]:
-    """Both runs in threads taking turns step by step; each result gets the seconds of its own turns."""
-    steps = args.steps or runconfig.resolve(RUNS["dense"], {}).train.steps
-    bar = tqdm(total=steps * len(RUNS), unit="step", disable=args.quiet, desc="dense + MoE, turn by turn")
+def train_side_by_side(seed: int, args: argparse.Namespace, out_dir: Path) -> dict[str, dict]:
+    """Both runs of ``seed`` in threads taking turns step by step; each gets the seconds of its own turns."""
+    steps = args.iters or runconfig.resolve(RUNS["dense"], {}).train.steps
+    bar = tqdm(total=steps * len(RUNS), unit="step", disable=args.quiet, desc=f"seed {seed}: dense + MoE, turn by turn")
     turns = TakeTurns(list(RUNS), bar)
     results: dict[str, dict] = {}
     errors: list[BaseException] = []
@@ -101,7 +108,7 @@ def train_side_by_side(args: argparse.Namespace, out_dir: Path) -> dict[str, dic
     def work(name: str, preset: str) -> None:
         turns.begin(name)
         try:
-            results[name] = run_one(name, preset, args, out_dir, turns)
+            results[name] = run_one(name, preset, seed, args, out_dir, turns)
         except BaseException as err:  # reported by the main thread
             errors.append(err)
         finally:
@@ -117,42 +124,56 @@ def train_side_by_side(args: argparse.Namespace, out_dir: Path) -> dict[str, dic
         raise errors[0]
     for name, r in results.items():
         r["seconds"] = round(turns.seconds[name], 1)
+    compare_runs({n: Path(r["run_dir"]) for n, r in results.items()}, out_dir / "convergence.png", f"seed {seed}")
     return {name: results[name] for name in RUNS}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--data", required=True, help="the training text (tinyshakespeare.txt)")
-    parser.add_argument("--out", type=Path, help="where runs and the plot go (default: a temporary directory)")
-    parser.add_argument("--steps", type=int, help="override the 2000 iterations (for a quick look)")
+    parser.add_argument("--out", type=Path, help="where runs and plots go (default: a temporary directory)")
+    parser.add_argument("--iters", type=int, help="iterations of each run (default: the presets' 2000)")
+    parser.add_argument("--seeds", type=int, default=3, help="seeds 0 .. N-1 (default: 3)")
+    parser.add_argument("--threads", type=int, default=2, help="torch CPU threads (default: 2)")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON on the last line")
     args = parser.parse_args(argv)
     if not Path(args.data).is_file():
         parser.error(f"--data: no such file: {args.data}")
+    if args.seeds < 1 or (args.iters is not None and args.iters < 1):
+        parser.error("--seeds and --iters must be >= 1")
+    torch.set_num_threads(args.threads)
     out_dir = args.out or Path(tempfile.mkdtemp(prefix="moekit-convergence-"))
-    results = train_side_by_side(args, out_dir)
-    plot = compare_runs(
-        {n: Path(r["run_dir"]) for n, r in results.items()}, out_dir / "convergence.png", "dense vs MoE"
-    )
+    seeds = {seed: train_side_by_side(seed, args, out_dir / f"seed{seed}") for seed in range(args.seeds)}
 
-    columns = [("model", 7), ("val loss", 10), ("train loss", 12), ("seconds", 10), ("ms/iter", 10)]
-    columns += [("tokens/s", 11), ("params", 11), ("active", 11)]
-    header = "".join(f"{name:<{w}}" if i == 0 else f"{name:>{w}}" for i, (name, w) in enumerate(columns))
-    print(header)
-    print("-" * len(header))
-    for name, r in results.items():
-        print(
-            f"{name:<7}{r['val_loss']:>10.4f}{r['train_loss']:>12.4f}{r['seconds']:>10.1f}{r['ms_per_iter']:>10.2f}"
-            f"{r['tokens_per_s']:>11.0f}{r['params']:>11,}{r['active_params']:>11,}"
-        )
-    dense, moe = results["dense"], results["moe"]
+    iters = args.iters or runconfig.resolve(RUNS["dense"], {}).train.steps
+    first = seeds[0]
     print(
-        f"MoE - dense val loss: {moe['val_loss'] - dense['val_loss']:+.4f}; "
-        f"MoE / dense wall time: {moe['seconds'] / dense['seconds']:.2f}x; plot: {plot}"
+        f"{iters} iterations; dense {first['dense']['active_params']:,} params; MoE {first['moe']['params']:,} params"
     )
+    print(f"({first['moe']['active_params']:,} active per token); torch threads {torch.get_num_threads()}")
+    print(f"{'seed':<6}{'dense val':>11}{'MoE val':>10}{'MoE-dense':>11}{'dense s':>9}{'MoE s':>9}{'time ratio':>12}")
+    print("-" * 68)
+    for seed, r in seeds.items():
+        dense, moe = r["dense"], r["moe"]
+        print(
+            f"{seed:<6}{dense['val_loss']:>11.4f}{moe['val_loss']:>10.4f}{moe['val_loss'] - dense['val_loss']:>+11.4f}"
+            f"{dense['seconds']:>9.1f}{moe['seconds']:>9.1f}{moe['seconds'] / dense['seconds']:>11.2f}x"
+        )
+    figures = {
+        "dense_val_loss": [r["dense"]["val_loss"] for r in seeds.values()],
+        "moe_val_loss": [r["moe"]["val_loss"] for r in seeds.values()],
+        "moe_minus_dense": [r["moe"]["val_loss"] - r["dense"]["val_loss"] for r in seeds.values()],
+        "time_ratio": [r["moe"]["seconds"] / r["dense"]["seconds"] for r in seeds.values()],
+    }
+    print(f"median (min .. max) over {args.seeds} seeds:")
+    print(f"  dense val loss {show(figures['dense_val_loss'])}; MoE val loss {show(figures['moe_val_loss'])}")
+    print(f"  MoE - dense val loss {show(figures['moe_minus_dense'], '+.4f')}")
+    print(f"  MoE / dense wall time {show(figures['time_ratio'], '.2f')}")
+    print(f"plots: {out_dir}/seed*/convergence.png")
     if args.json:
-        print(json.dumps(results))
+        summary = {name: spread(values) for name, values in figures.items()}
+        print(json.dumps({"iters": iters, "seeds": {str(k): v for k, v in seeds.items()}, **summary}))
     return 0
 
 
