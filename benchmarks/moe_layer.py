@@ -400,8 +400,10 @@ def main(argv: list[str] | None = None) -> int:
     for run in runs:
         line = f"# {run['shape']} {run['pass']}: limit {run['limit']}, baseline {run['baseline']}; "
         line += f"gemm='auto' picks {run['auto_picks']}"
-        if "fastest_backend" in run:
-            line += f"; fastest {run['fastest_backend']}, x{fmt(run['fastest_over_picked'])} per round"
+        if run.get("fastest_backend") == run["auto_picks"]:
+            line += ", the fastest backend"
+        elif "fastest_backend" in run:
+            line += f"; {run['fastest_backend']} ran faster, x{fmt(run['fastest_over_picked'])} per round"
         print(line)
     print("\n".join(f"# {n}" for n in notes))
     print(FOOTNOTE)
