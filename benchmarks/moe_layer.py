@@ -1,23 +1,40 @@
-"""MoE layer throughput against the balanced-GEMM limit and a per-expert Python loop.
+"""MoE layer throughput: moekit against transformers' MoE blocks, a per-expert loop and two limits.
 
-    python benchmarks/moe_layer.py [--json] [--repeats 5] [--shapes S1,S2] [--pass fwd+bwd]
+    python benchmarks/moe_layer.py [--json] [--rounds 5] [--shapes S1,S2] [--pass fwd+bwd]
 
-Impls, timed side by side in one process, interleaved round by round; medians reported:
-- limit: the same expert FLOPs on perfectly balanced tokens with no routing, as one torch.bmm per
-  weight (w1, w3, w2 separate, or gate/up fused) or torch._grouped_mm; the fastest form counts.
-- moekit-dropless: moekit.MoE, dropless, default grouped GEMM for the device (gemm="auto"); and
-  moekit-dropless/<backend>: the same with each grouped GEMM forced, so that what "auto" picks
-  stays checked by measurement.
-- moekit-capacity: moekit.MoE with capacity_factor 1.25.
-- loop: a per-expert Python loop over the selected tokens with stacked [E, ...] weights indexed
-  per expert, as the Hugging Face Mixtral block (transformers 5) does it.
-``ratio_to_limit`` is tokens/s over the limit's tokens/s.
+Legend: T tokens, D model dim, F expert hidden dim, E experts, K picks per token.
+
+Every implementation computes the same function from the same weights (router softmax over E,
+top-K, the K weights renormalised to sum to 1, SwiGLU experts); before timing, the untimed warm-up
+call of each is checked against moekit-dropless (outputs and input gradients, max error relative to
+the largest value <= ``TOLERANCE``). They are timed in one process, interleaved round by round (the
+order rotates each round); each row gives the median and min-max over the rounds.
+
+- moekit-dropless: ``moekit.MoE`` with ``gemm="auto"``, and ``/<backend>`` with each grouped GEMM
+  forced; ``auto: picks X, fastest Y`` lines show whether the fixed rule picked the faster one.
+- moekit-capacity: capacity factor 1.25 (drops over-capacity tokens: not checked, drops printed).
+- loop-linear: transformers' Mixtral block before version 5, a Python loop over experts held as
+  separate ``nn.Linear`` modules (w1, w3, w2); loop-linear-fused: gate and up in one ``nn.Linear``.
+- hf-<family>/<mode>: transformers' own ``MixtralSparseMoeBlock`` and ``Qwen3MoeSparseMoeBlock``
+  (``norm_topk_prob``) built from a local config, under each experts implementation that runs on
+  the device (``eager``: the same loop over stacked ``[E, ...]`` weights indexed per expert;
+  ``grouped_mm``; ``batched_mm`` when its per-assignment weight copies fit in memory). The fastest
+  row is the baseline of the ``x baseline`` column (per-round ratios: median and min-max).
+- limit: the same expert FLOPs on perfectly balanced tokens, no router and no gather: one
+  ``torch.bmm`` per weight, gate/up fused, or ``torch._grouped_mm``; the fastest form counts.
+- dense-gemm: one ``[T*K, D] @ [D, 3F]`` matmul, the same FLOPs as the experts in one GEMM: the
+  machine's dense GEMM rate at this size, to read each row's GFLOP/s against.
+
+GFLOP/s counts the dropless expert FLOPs, 6*T*K*D*F per forward and three times that per
+forward+backward (router, gather and combine are left out). ``FOOTNOTE`` says where the
+differences come from.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -26,9 +43,26 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor, nn
 
 from moekit import MoE, MoEConfig
 from moekit.config import GEMM_BACKENDS
+from moekit.dispatch import LocalDispatcher
+from moekit.experts.gemm import resolve_backend
+
+TOLERANCE = 1e-4  # max |a - b| / max |b|, fp32: GEMM blocking and summation order differ by impl
+GPU_ONLY_MODES = ("deepgemm", "sonicmoe")  # transformers experts implementations needing CUDA kernels
+FOOTNOTE = """\
+Where the differences come from (CPU, fp32):
+- moekit and loop-linear do the same per-expert GEMMs: torch._grouped_mm's CPU kernel is a C++ loop
+  of matmuls, and per_expert_mm a Python one; on CPU the loop costs little beside the GEMMs, so
+  the two meet and the gap to the limit is the router, the gather and the combine.
+- hf-*/eager index the stacked [E, ...] weights per expert; autograd's backward of each index is a
+  zero-filled gradient of all E experts' weights that is then added up, E times per step. That,
+  not the loop, is what separates it from loop-linear, and forward-only it is absent.
+- On a GPU (not measured here) moekit's gain would come from elsewhere: one grouped-GEMM kernel per
+  weight instead of E small matmul launches, each preceded in a loop by a per-expert `where`
+  whose output size the host must wait for."""
 
 
 @dataclass(frozen=True)
@@ -40,6 +74,9 @@ class Shape:
     top_k: int
     tokens: int
 
+    def expert_flops(self, backward: bool) -> float:
+        return 6 * self.tokens * self.top_k * self.d_model * self.d_ff * (3 if backward else 1)
+
 
 SHAPES = {
     "S1": Shape("S1", 512, 1024, 8, 2, 4096),
@@ -47,7 +84,93 @@ SHAPES = {
 }
 
 
-Case = tuple[Callable[[], torch.Tensor], list[torch.Tensor]]  # (run forward, leaves whose .grad to reset)
+@dataclass
+class Case:
+    run: Callable[[], Tensor]  # one forward; returns the output
+    leaves: list[Tensor]  # tensors whose .grad is reset before each call
+    checked: bool = True  # computes moekit-dropless's function on the shared input
+
+
+# ---------------------------------------------------------------------------------------------
+# The implementations, all built from one moekit layer's weights.
+
+
+class PerExpertLoop(nn.Module):
+    """transformers' Mixtral block before v5: experts as separate ``nn.Linear`` modules, one loop."""
+
+    def __init__(self, moe: MoE, fused: bool) -> None:
+        super().__init__()
+        self.top_k, self.fused = moe.cfg.top_k, fused
+        self.gate = linear(moe.router.gate.weight.t())
+        self.experts = nn.ModuleList()
+        for w_in, w_out in zip(moe.experts.w_in, moe.experts.w_out, strict=True):
+            first = [w_in] if fused else w_in.chunk(2, dim=1)  # [gate | up], or w1 (gate) and w3 (up)
+            self.experts.append(nn.ModuleList([*map(linear, first), linear(w_out)]))
+
+    def expert(self, e: int, x_RD: Tensor) -> Tensor:
+        *first, down = self.experts[e]
+        gate, up = first[0](x_RD).chunk(2, dim=-1) if self.fused else (first[0](x_RD), first[1](x_RD))
+        return down(F.silu(gate) * up)
+
+    def forward(self, x_TD: Tensor) -> Tensor:
+        probs = F.softmax(self.gate(x_TD), dim=1, dtype=torch.float)
+        weights_TK, experts_TK = torch.topk(probs, self.top_k, dim=-1)
+        weights_TK = (weights_TK / weights_TK.sum(dim=-1, keepdim=True)).to(x_TD.dtype)
+        out = torch.zeros_like(x_TD)
+        mask_EKT = F.one_hot(experts_TK, num_classes=len(self.experts)).permute(2, 1, 0)
+        for e in torch.greater(mask_EKT.sum(dim=(-1, -2)), 0).nonzero().flatten().tolist():
+            pick, tokens = torch.where(mask_EKT[e])
+            out.index_add_(0, tokens, self.expert(e, x_TD[tokens]) * weights_TK[tokens, pick, None])
+        return out
+
+
+def linear(w_IO: Tensor) -> nn.Linear:
+    """A bias-free ``nn.Linear`` holding a copy of ``w_IO`` (moekit's [in, out] layout)."""
+    layer = nn.Linear(*w_IO.shape, bias=False)
+    layer.weight.data.copy_(w_IO.detach().t())
+    return layer
+
+
+def transformers_blocks(s: Shape, moe: MoE) -> tuple[dict[str, tuple[nn.Module, str]], list[str]]:
+    """``hf-<family>/<mode>``: (block, experts implementation) for each mode that runs here; and notes.
+
+    Mixtral and Qwen3-MoE share one copy of the weights in transformers' own layout
+    (``gate_up_proj [E, 2F, D]``, ``down_proj [E, D, F]``).
+    """
+    try:
+        from transformers import MixtralConfig, Qwen3MoeConfig
+        from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+        from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+        from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+    except ImportError as e:
+        return {}, [f"transformers blocks left out: {e}"]
+    dims = dict(hidden_size=s.d_model, num_experts_per_tok=s.top_k, hidden_act="silu")
+    blocks = {
+        "mixtral": MixtralSparseMoeBlock(
+            MixtralConfig(**dims, intermediate_size=s.d_ff, num_local_experts=s.num_experts, router_jitter_noise=0.0)
+        ),
+        "qwen3_moe": Qwen3MoeSparseMoeBlock(
+            Qwen3MoeConfig(**dims, moe_intermediate_size=s.d_ff, num_experts=s.num_experts, norm_topk_prob=True)
+        ),
+    }
+    shared = {
+        "weight": nn.Parameter(moe.router.gate.weight.detach().clone()),
+        "gate_up_proj": nn.Parameter(moe.experts.w_in.detach().transpose(1, 2).contiguous()),
+        "down_proj": nn.Parameter(moe.experts.w_out.detach().transpose(1, 2).contiguous()),
+    }
+    for block in blocks.values():
+        block.gate.weight = shared["weight"]
+        block.experts.gate_up_proj, block.experts.down_proj = shared["gate_up_proj"], shared["down_proj"]
+    notes, modes = [], ["eager", *ALL_EXPERTS_FUNCTIONS]
+    batched_bytes = s.tokens * s.top_k * 3 * s.d_model * s.d_ff * 4
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for mode in [m for m in modes if m in GPU_ONLY_MODES]:
+        notes.append(f"hf-*/{mode} left out: CUDA kernels only")
+    if "batched_mm" in modes and batched_bytes > memory / 4:
+        modes.remove("batched_mm")
+        notes.append(f"hf-*/batched_mm left out: it copies the weights per assignment, {batched_bytes / 2**30:.0f} GiB")
+    runnable = [m for m in modes if m not in GPU_ONLY_MODES]
+    return {f"hf-{f}/{m}": (block, m) for f, block in blocks.items() for m in runnable}, notes
 
 
 def limit_forms(s: Shape) -> dict[str, Case]:
@@ -71,125 +194,221 @@ def limit_forms(s: Shape) -> dict[str, Case]:
         gate, up = torch._grouped_mm(x_flat, w13, offs=offsets).chunk(2, dim=-1)
         return torch._grouped_mm(F.silu(gate) * up, w2, offs=offsets)
 
-    forms = {"limit-bmm": (bmm3, [x, w1, w3, w2]), "limit-bmm-fused": (bmm2, [x, w13, w2])}
+    forms = {"limit-bmm": Case(bmm3, [x, w1, w3, w2], False), "limit-bmm-fused": Case(bmm2, [x, w13, w2], False)}
     if hasattr(torch, "_grouped_mm"):
-        forms["limit-grouped_mm"] = (grouped, [x_flat, w13, w2])
+        forms["limit-grouped_mm"] = Case(grouped, [x_flat, w13, w2], False)
     return forms
 
 
-def hf_style_loop(moe: MoE) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The Mixtral block's per-expert loop over moekit's router and stacked weights."""
-    experts = moe.experts
-
-    def forward(x_TD: torch.Tensor) -> torch.Tensor:
-        routing = moe.router(x_TD)
-        out = torch.zeros_like(x_TD)
-        for e in range(experts.num_experts):
-            picked = (routing.expert_idx == e).nonzero().squeeze(1)
-            if picked.numel() == 0:
-                continue
-            tokens = routing.token_idx[picked]
-            gate, up = (x_TD[tokens] @ experts.w_in[e]).chunk(2, dim=-1)
-            y = (F.silu(gate) * up) @ experts.w_out[e]
-            out.index_add_(0, tokens, y * routing.weights[picked, None])
-        return out
-
-    return forward
+def dense_gemm(s: Shape) -> Case:
+    """One matmul with the experts' FLOPs: [T*K, D] @ [D, 3F] (2 * T*K * D * 3F = 6*T*K*D*F)."""
+    x = torch.randn(s.tokens * s.top_k, s.d_model, requires_grad=True)
+    w = torch.randn(s.d_model, 3 * s.d_ff, requires_grad=True)
+    return Case(lambda: x @ w, [x, w], False)
 
 
-def make_cases(s: Shape) -> dict[str, Case]:
-    cfg = dict(d_model=s.d_model, d_ff=s.d_ff, num_experts=s.num_experts, top_k=s.top_k)
-    dropless = MoE(MoEConfig(**cfg))
-    capacity = MoE(MoEConfig(**cfg, capacity_factor=1.25))
-    capacity.load_state_dict(dropless.state_dict())
+def make_cases(s: Shape) -> tuple[dict[str, Case], MoE, Tensor, list[str]]:
+    """Every impl over one input ``x [T, D]``; also the moekit layer and notes on what was left out."""
+    moe = MoE(MoEConfig(d_model=s.d_model, d_ff=s.d_ff, num_experts=s.num_experts, top_k=s.top_k))
+    dropless, capacity = moe.dispatcher, LocalDispatcher(s.num_experts, capacity_factor=1.25)
     x = torch.randn(s.tokens, s.d_model, requires_grad=True)
-    loop = hf_style_loop(dropless)
-    cases = dict(limit_forms(s))
-    cases["moekit-dropless"] = (lambda: dropless(x), [x, *dropless.parameters()])
-    for backend in (b for b in GEMM_BACKENDS if b != "auto"):
-        other = MoE(MoEConfig(**cfg, gemm=backend))
-        other.load_state_dict(dropless.state_dict())
-        cases[f"moekit-dropless/{backend}"] = (lambda m=other: m(x), [x, *other.parameters()])
-    cases["moekit-capacity"] = (lambda: capacity(x), [x, *capacity.parameters()])
-    cases["loop"] = (lambda: loop(x), [x, *dropless.parameters()])
-    return cases
+
+    def moekit(backend: str, dispatcher: LocalDispatcher = dropless, checked: bool = True) -> Case:
+        def run() -> Tensor:
+            moe.experts.gemm, moe.dispatcher = backend, dispatcher
+            return moe(x)
+
+        return Case(run, [x, *moe.parameters()], checked)
+
+    cases = {"moekit-dropless": moekit("auto")}
+    cases |= {f"moekit-dropless/{b}": moekit(b) for b in GEMM_BACKENDS if b != "auto"}
+    cases["moekit-capacity"] = moekit("auto", capacity, checked=False)
+    for name, fused in (("loop-linear", False), ("loop-linear-fused", True)):
+        loop = PerExpertLoop(moe, fused)
+        cases[name] = Case(lambda m=loop: m(x), [x, *loop.parameters()])
+    blocks, notes = transformers_blocks(s, moe)
+    for name, (block, mode) in blocks.items():
+        cases[name] = Case(lambda b=block, m=mode: run_hf(b, m, x), [x, *block.parameters()])
+    cases |= limit_forms(s)
+    cases["dense-gemm"] = dense_gemm(s)
+    with torch.no_grad():
+        moe.dispatcher = capacity
+        dropped = moe(x, return_stats=True)[1].num_dropped
+    notes.append(f"moekit-capacity drops {dropped} of {s.tokens * s.top_k} assignments")
+    return cases, moe, x, notes
 
 
-def time_once(case: Case, backward: bool) -> float:
-    """One timed call; gradients start unset, as after ``optimizer.zero_grad(set_to_none=True)``."""
-    fn, leaves = case
-    for leaf in leaves:
+def run_hf(block: nn.Module, mode: str, x_TD: Tensor) -> Tensor:
+    block.experts.config._experts_implementation = mode
+    return block(x_TD.unsqueeze(0)).squeeze(0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Timing and the agreement check.
+
+
+def call(case: Case, backward: bool, grads: dict[torch.Size, Tensor]) -> tuple[float, Tensor]:
+    """One timed call, gradients unset first as after ``zero_grad(set_to_none=True)``: (seconds, output).
+
+    The output gradient is a fixed random tensor per output shape (made on the untimed first call).
+    """
+    for leaf in case.leaves:
         leaf.grad = None
     start = time.perf_counter()
     if backward:
-        y = fn()
-        y.backward(torch.ones_like(y))
+        y = case.run()
+        if y.shape not in grads:
+            grads[y.shape] = torch.randn(y.shape)
+        y.backward(grads[y.shape])
     else:
         with torch.no_grad():
-            fn()
-    return time.perf_counter() - start
+            y = case.run()
+    return time.perf_counter() - start, y.detach()
 
 
-def run_shape(s: Shape, passes: list[str], repeats: int, warmup: int, skip: set[str]) -> list[dict]:
+def outputs(case: Case, x: Tensor, backward: bool, grads: dict[torch.Size, Tensor]) -> list[Tensor]:
+    """One untimed call: the output, and the input's gradient when ``backward``."""
+    y = call(case, backward, grads)[1]
+    return [y, x.grad.clone()] if backward else [y]
+
+
+def relative_error(got: list[Tensor], want: list[Tensor]) -> float:
+    return max(float((a - b).abs().max() / b.abs().max()) for a, b in zip(got, want, strict=True))
+
+
+def time_shape(s: Shape, backward: bool, rounds: int, skip: set[str]) -> tuple[dict[str, list[float]], str, list[str]]:
+    """Seconds of each timed round per impl (after an untimed round that checks agreement), the
+    backend ``gemm="auto"`` picks for this shape and pass, and notes."""
     torch.manual_seed(0)
-    cases = {k: v for k, v in make_cases(s).items() if k not in skip}
+    cases, moe, x, notes = make_cases(s)
+    cases = {k: v for k, v in cases.items() if k not in skip or k == "moekit-dropless"}
+    grads: dict[torch.Size, Tensor] = {}
+    want, errors = outputs(cases["moekit-dropless"], x, backward, grads), {}
+    for name, case in cases.items():  # the warm-up call of each
+        if case.checked and name != "moekit-dropless":
+            errors[name] = relative_error(outputs(case, x, backward, grads), want)
+        else:
+            call(case, backward, grads)
+    worst = max(errors, key=errors.__getitem__)
+    if errors[worst] > TOLERANCE:
+        raise SystemExit(f"{s.name}: {worst} disagrees with moekit-dropless: relative error {errors[worst]:.1e}")
+    notes.append(f"{len(errors)} impls agree with moekit-dropless, worst {worst} {errors[worst]:.1e} <= {TOLERANCE}")
+    names, times = list(cases), {name: [] for name in cases}
+    for round_ in range(rounds):
+        shift = round_ % len(names)
+        for name in names[shift:] + names[:shift]:
+            times[name].append(call(cases[name], backward, grads)[0])
+    with torch.set_grad_enabled(backward):
+        picked = resolve_backend("auto", x, moe.experts.w_in)
+    return times, picked, notes
+
+
+# ---------------------------------------------------------------------------------------------
+# Report.
+
+
+def fastest(times: dict[str, list[float]], prefix: str) -> str | None:
+    names = [n for n in times if n.startswith(prefix)]
+    return min(names, key=lambda n: statistics.median(times[n])) if names else None
+
+
+def ratios(times: dict[str, list[float]], name: str, other: str | None) -> dict[str, float] | None:
+    """How many times faster ``name`` ran than ``other``, round by round: median, min, max."""
+    if other is None:
+        return None
+    return spread([a / b for a, b in zip(times[other], times[name], strict=True)])
+
+
+def spread(values: list[float], digits: int = 3) -> dict[str, float]:
+    stats = {"median": statistics.median(values), "min": min(values), "max": max(values)}
+    return {k: round(v, digits) for k, v in stats.items()}
+
+
+def summarize(s: Shape, pass_name: str, times: dict[str, list[float]], picked: str) -> tuple[list[dict], dict]:
+    """Table rows; and the run's references, with what ``auto`` picked beside the fastest backend."""
+    limit, baseline = fastest(times, "limit"), fastest(times, "hf-") or fastest(times, "loop-")
+    flops = s.expert_flops(pass_name == "fwd+bwd")
     rows = []
-    for pass_name in passes:
-        backward = pass_name == "fwd+bwd"
-        times: dict[str, list[float]] = {name: [] for name in cases}
-        for round_ in range(warmup + repeats):
-            for name, case in cases.items():
-                elapsed = time_once(case, backward)
-                if round_ >= warmup:
-                    times[name].append(elapsed)
-        medians = {name: statistics.median(t) for name, t in times.items()}
-        limit_name = min((n for n in medians if n.startswith("limit")), key=medians.__getitem__)
-        for name, median in medians.items():
-            rows.append(
-                {
-                    "shape": s.name,
-                    "impl": name,
-                    "pass": pass_name,
-                    "median_ms": round(median * 1e3, 2),
-                    "tokens_per_s": round(s.tokens / median, 1),
-                    "ratio_to_limit": round(medians[limit_name] / median, 3),
-                    "limit_form": limit_name,
-                }
-            )
-    return rows
+    for name, t in times.items():
+        median = statistics.median(t)
+        rows.append(
+            {
+                "shape": s.name,
+                "pass": pass_name,
+                "impl": name,
+                "ms": spread([x * 1e3 for x in t], 2),
+                "tokens_per_s": spread([s.tokens / x for x in t], 1),
+                "gflops": round(flops / median / 1e9, 2),
+                "vs_limit": ratios(times, name, limit),
+                "vs_baseline": ratios(times, name, baseline),
+                "limit": limit,
+                "baseline": baseline,
+            }
+        )
+    run = {"shape": s.name, "pass": pass_name, "limit": limit, "baseline": baseline, "auto_picks": picked}
+    forced = fastest(times, "moekit-dropless/")
+    if forced and f"moekit-dropless/{picked}" in times:
+        run["fastest_backend"] = forced.split("/")[1]
+        run["fastest_over_picked"] = ratios(times, forced, f"moekit-dropless/{picked}")
+    return rows, run
+
+
+def fmt(ratio: dict[str, float] | None) -> str:
+    return f"{ratio['median']:.2f} ({ratio['min']:.2f}-{ratio['max']:.2f})" if ratio else "-"
 
 
 def print_table(rows: list[dict]) -> None:
-    header = f"{'shape':<6}{'pass':<9}{'impl':<30}{'median ms':>11}{'tokens/s':>12}{'vs limit':>10}"
+    header = (
+        f"{'shape':<6}{'pass':<8}{'impl':<31}{'median ms':>10}{'min-max ms':>17}{'tokens/s':>10}"
+        f"{'GFLOP/s':>9}{'x limit (min-max)':>20}{'x baseline (min-max)':>22}"
+    )
     print(header)
     print("-" * len(header))
     for r in rows:
+        ms, base = r["ms"], r["vs_baseline"]
         print(
-            f"{r['shape']:<6}{r['pass']:<9}{r['impl']:<30}{r['median_ms']:>11.1f}{r['tokens_per_s']:>12.0f}{r['ratio_to_limit']:>10.2f}"
+            f"{r['shape']:<6}{r['pass']:<8}{r['impl']:<31}{ms['median']:>10.1f}{ms['min']:>8.1f}-{ms['max']:<8.1f}"
+            f"{r['tokens_per_s']['median']:>10.0f}{r['gflops']:>9.1f}{fmt(r['vs_limit']):>20}{fmt(base):>22}"
         )
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shapes", default="S1,S2", help="comma-separated shape names (S1, S2)")
-    parser.add_argument("--pass", dest="passes", default="fwd,fwd+bwd", help="fwd, fwd+bwd or both")
-    parser.add_argument("--repeats", type=int, default=5, help="timed runs per impl (median taken)")
-    parser.add_argument("--warmup", type=int, default=1, help="untimed runs per impl first")
-    parser.add_argument("--skip", default="", help="comma-separated impls to leave out (e.g. loop)")
+    parser.add_argument("--pass", dest="passes", default="fwd+bwd", help="fwd, fwd+bwd or both, comma-separated")
+    parser.add_argument("--rounds", type=int, default=5, help="timed rounds, one call per impl each (>= 3)")
+    parser.add_argument("--skip", default="", help="comma-separated impls to leave out (e.g. hf-qwen3_moe/eager)")
     parser.add_argument("--json", action="store_true", help="print the results as JSON on the last line")
     args = parser.parse_args(argv)
-    rows = []
+    if args.rounds < 3:
+        parser.error("--rounds: at least 3, for a spread")
+    unknown = [n for n in args.shapes.split(",") if n not in SHAPES]
+    if unknown:
+        parser.error(f"--shapes: unknown shape {unknown} (choose from {', '.join(SHAPES)})")
+    rows, runs, notes = [], [], []
+    skip = set(args.skip.split(","))
     for name in args.shapes.split(","):
-        if name not in SHAPES:
-            parser.error(f"--shapes: unknown shape {name!r} (choose from {', '.join(SHAPES)})")
-        rows += run_shape(
-            SHAPES[name], args.passes.split(","), args.repeats, args.warmup, set(filter(None, args.skip.split(",")))
-        )
-        print(f"# {name} done", file=sys.stderr, flush=True)
-    print(f"# torch {torch.__version__}, {torch.get_num_threads()} threads, fp32, SwiGLU")
+        for pass_name in args.passes.split(","):
+            times, picked, shape_notes = time_shape(SHAPES[name], pass_name == "fwd+bwd", args.rounds, skip)
+            shape_rows, run = summarize(SHAPES[name], pass_name, times, picked)
+            rows += shape_rows
+            runs.append(run)
+            notes += [f"{name} {pass_name}: {n}" for n in shape_notes]
+            print(f"# {name} {pass_name} done", file=sys.stderr, flush=True)
+    print(f"# torch {torch.__version__}, {torch.get_num_threads()} threads, fp32, SwiGLU, {args.rounds} rounds")
     print_table(rows)
+    for run in runs:
+        line = f"# {run['shape']} {run['pass']}: limit {run['limit']}, baseline {run['baseline']}; "
+        line += f"gemm='auto' picks {run['auto_picks']}"
+        if run.get("fastest_backend") == run["auto_picks"]:
+            line += ", the fastest backend"
+        elif "fastest_backend" in run:
+            line += f"; {run['fastest_backend']} ran faster, x{fmt(run['fastest_over_picked'])} per round"
+        print(line)
+    print("\n".join(f"# {n}" for n in notes))
+    print(FOOTNOTE)
     if args.json:
-        print(json.dumps({"cases": rows}))
+        print(json.dumps({"cases": rows, "runs": runs, "notes": notes}))
     return 0
 
 

@@ -44,7 +44,7 @@ class MoEConfig:
     aux_loss_coef: float = 0.01  # weight of the Switch load-balancing loss in MoEStats.loss
     z_loss_coef: float = 0.001  # weight of the ST-MoE router z-loss in MoEStats.loss
     bias_update_rate: float = 0.0  # >0: aux-loss-free balancing bias step per update (DeepSeek-V3)
-    gemm: str = "auto"  # grouped GEMM: auto | grouped_mm (torch._grouped_mm) | per_expert_mm
+    gemm: str = "auto"  # grouped_mm | per_expert_mm | auto: a fixed rule on device and grad mode (experts/gemm.py)
     shared_expert_gate: bool = False  # scale the shared experts' output by a learned per-token sigmoid (Qwen2-MoE)
     dts_steps: int = 0  # >0: DTS gate (Nie et al.): start on all experts, anneal to top_k over this many steps
     dts_temperature: float = 2.0  # softmax temperature of the DTS gate at step 0, annealed to 1

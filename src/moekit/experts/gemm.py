@@ -2,7 +2,7 @@
 
 Legend: R rows (sorted by expert), K input dim, N output dim, E experts.
 
-Two implementations of the same op, chosen by measurement (see ``resolve_backend``):
+Two implementations of the same op; ``gemm="auto"`` picks one by a fixed rule (``resolve_backend``):
 - ``grouped_mm``: ``torch._grouped_mm``, one call for all experts (a kernel on Hopper GPUs, a C++
   loop of matmuls on CPU).
 - ``per_expert_mm``: one ``torch.mm`` per expert into preallocated slices, with a hand-written
@@ -76,13 +76,15 @@ def has_grouped_mm() -> bool:
 
 
 def resolve_backend(backend: str, x: Tensor, w: Tensor) -> str:
-    """The grouped GEMM ``auto`` stands for, by measurement (benchmarks/moe_layer.py):
+    """The grouped GEMM ``auto`` stands for: a fixed rule on device, dtype and grad mode.
 
-    - CUDA: ``torch._grouped_mm`` on compute capability 9.0+ in bf16 (what its kernels cover);
-      elsewhere per-expert matmuls.
-    - CPU, training: ``torch._grouped_mm`` (forward+backward 0.88 / 0.94 of the balanced bmm limit
-      on the S1 / S2 shapes, against 0.81 / 0.88 for per-expert matmuls).
-    - CPU, inference: per-expert matmuls (forward 1.03 vs 0.87 of the limit on S1, equal on S2).
+    - CPU: ``torch._grouped_mm`` when gradients are needed, per-expert matmuls when not.
+    - CUDA: ``torch._grouped_mm`` in bf16 on compute capability 9.0+, per-expert matmuls elsewhere.
+    - No ``torch._grouped_mm``, or a dtype it does not take: per-expert matmuls.
+
+    Nothing is measured at run time. The CPU rule was set from ``benchmarks/moe_layer.py`` on a
+    2-core CPU, which prints for each of its shapes and passes what ``auto`` picks beside the
+    backend that measured faster; the CUDA rule follows where the grouped kernel was written for.
     """
     if backend != "auto":
         return backend
