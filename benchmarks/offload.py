@@ -7,19 +7,22 @@ greedy generation from real-text prompts (tinyshakespeare) at batch 1 and 16 for
   moekit-*        expert-granular reads through the budgeted cache (LRU / LFU, prefetch on / off), int8
 Cold runs read directly (``O_DIRECT``; buffered reads on a filesystem without it are followed by
 ``posix_fadvise(DONTNEED)``) after the file's pages are dropped, so the page cache is no hidden fast
-tier; one warm run per batch size reads through the page cache, labelled as such. Also: hit rate,
-bytes read per token, the read-bandwidth bound (bandwidth at the reader pool's queue depth / bytes per
-token), prefetch recall and precision, an offline replay of the recorded routing trace through each
-policy and Belady's optimum, and validation perplexity of fp / int8 / int4 experts.
+tier; one warm run per batch size reads the file into the page cache first, then through it, labelled
+as such. Every configuration runs --repeats times, round by round (each run cold again); tokens/s is
+reported as median and min-max. Also: hit rate, bytes read per token, the read-bandwidth bound
+(bandwidth at the reader pool's queue depth / bytes per token), prefetch recall and precision, and an
+offline replay of the recorded routing trace through each policy and Belady's optimum. The int8 row
+shows speed only (random weights say nothing of quality: see benchmarks/quant_quality.py).
 
-    python benchmarks/offload.py [--json] [--cache-dir /tmp/moekit-offload-bench] [--budget 512MB]
+    python benchmarks/offload.py [--json] [--budget 512MB] [--repeats 3] [--batches 1 16] [--variants naive int8 ...]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
+import statistics
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -51,6 +54,23 @@ OVERRIDES = {
     "moe.num_experts": "128",
     "moe.top_k": "2",
 }
+COMPUTE_NOTE = (
+    "int8/int4 experts save bytes read and cache slots, not compute: every multiply-add runs in the compute "
+    "dtype. int4 experts, and int8 ones with more than 2 rows or on a GPU, are dequantized into a full-precision "
+    "weight before torch.mm (extra work per use); int8 with 1-2 rows on a CPU goes through "
+    "torch._weight_int8pack_mm, which converts the weights inside the kernel. No integer GEMM yet."
+)
+# --variants: name -> (label, OffloadOptions fields; warm: through a filled page cache); "naive" is built apart
+OFFLOADED = {
+    "lru+prefetch": ("moekit-lru+prefetch", dict(policy="lru", prefetch="router")),
+    "lru": ("moekit-lru", dict(policy="lru", prefetch="off")),
+    "lfu+prefetch": ("moekit-lfu+prefetch", dict(policy="lfu", prefetch="router")),
+    "lfu": ("moekit-lfu", dict(policy="lfu", prefetch="off")),
+    "fifo-ring": ("moekit-fifo ring (prefetch all)", dict(policy="fifo", prefetch="all")),
+    "int8": ("moekit-lru+prefetch int8", dict(policy="lru", prefetch="router", expert_format="int8")),
+    "warm": ("moekit-lru+prefetch", dict(policy="lru", prefetch="router", warm=True)),
+}
+VARIANTS = ("naive", *OFFLOADED)
 TRACE_LEN = 100_000  # layer requests recorded for the offline replay: far more than a run here makes
 
 
@@ -115,156 +135,189 @@ def timed(model: Transformer, text: Path, batch: int, new_tokens: int) -> tuple[
     return out, time.perf_counter() - start
 
 
+def warm_page_cache(path: Path, chunk: int = 1 << 24) -> None:
+    """Read the whole file through the OS page cache, so a buffered run's reads all hit it."""
+    with open(path, "rb", buffering=0) as f:
+        while f.read(chunk):
+            pass
+
+
+def median_row(runs: list[dict]) -> dict:
+    """One row per configuration over its repeated runs: each figure's median (a ``max_`` figure's maximum,
+    a flag only if it held in every run), and tokens/s with its min-max."""
+    row = dict(runs[0])
+    for key, value in row.items():
+        if isinstance(value, bool):
+            row[key] = all(r[key] for r in runs)
+        elif isinstance(value, int | float):
+            row[key] = (max if key.startswith("max_") else statistics.median)(r[key] for r in runs)
+    speeds = [r["tokens_per_s"] for r in runs]
+    row.update(runs=len(runs), tokens_per_s_min=min(speeds), tokens_per_s_max=max(speeds))
+    return row
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--data", type=Path, default=DEFAULT_TEXT, help="prompt and validation text (tinyshakespeare)")
+    parser.add_argument("--data", type=Path, default=DEFAULT_TEXT, help="prompt text (tinyshakespeare)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     parser.add_argument("--cache-dir", type=Path, default=Path("/tmp/moekit-offload-bench"))
     parser.add_argument("--budget", default="512MB", help="memory budget of the offloaded runs")
     parser.add_argument("--new-tokens", type=int, default=8, help="tokens generated per prompt")
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each configuration, round by round")
+    parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's; 1 on a busy machine)")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 16], help="batch sizes")
+    parser.add_argument(
+        "--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS), help="what runs beside resident (all)"
+    )
     args = parser.parse_args()
     if not args.data.is_file():
         parser.error(f"--data: no such file: {args.data}")
-    torch.set_num_threads(max(1, torch.get_num_threads()))
+    if args.threads:
+        torch.set_num_threads(args.threads)
     run_dir = build_run(args.cache_dir / "run")
     budget = parse_bytes(args.budget)
-    rows: list[dict] = []
+    cfg = runconfig.from_json(run_dir / "config.json")
+    weights = next(run_dir.glob("checkpoints/step_*")) / "model.safetensors"
+    runs: dict[tuple[str, int], list[dict]] = {}
     reference: dict[int, Tensor] = {}
+    traces: dict[int, tuple[list, int]] = {}
+    bandwidths: list[float] = []  # cold read bandwidth, measured at the start of each round
 
-    def offloaded(name: str, batch: int, warm: bool = False, **options) -> None:
-        replayed = name == "moekit-lru+prefetch" and not warm  # its routing trace is replayed offline
-        trace_len = TRACE_LEN if replayed else 0
+    def record(
+        name: str, batch: int, out: Tensor, seconds: float, compare: bool = True, bound: bool = True, **figures
+    ) -> None:
+        """One run's row; ``compare``: whether its tokens should equal the resident model's (the first run);
+        ``bound``: whether the bandwidth measured at moekit's reads bounds it."""
+        reference.setdefault(batch, out)
+        same = bool(torch.equal(out, reference[batch])) if compare else None
+        row = dict(config=name, batch=batch, tokens_per_s=batch * args.new_tokens / seconds, same_tokens=same)
+        if bound and figures.get("bytes_per_token"):  # this round's disk: its speed drifts on a shared machine
+            row["bound_tokens_per_s"] = bandwidths[-1] / figures["bytes_per_token"]
+            row["of_bound"] = row["tokens_per_s"] / row["bound_tokens_per_s"]
+        runs.setdefault((name, batch), []).append({**row, **figures})
+        print(f"# {name} batch {batch}: {row['tokens_per_s']:.2f} tokens/s", file=sys.stderr, flush=True)
+
+    def offloaded(name: str, batch: int, first_round: bool, warm: bool = False, **options) -> None:
+        replayed = name == "moekit-lru+prefetch" and not warm and first_round  # its routing trace is replayed offline
         opts = OffloadOptions(
-            memory_budget=budget, direct_io=not warm, drop_pages=not warm, record_trace=trace_len, **options
+            memory_budget=budget,
+            direct_io=not warm,
+            drop_pages=not warm,
+            record_trace=TRACE_LEN if replayed else 0,
+            **options,
         )
         run = load_run(run_dir, offload=opts)
         off = run.offloader
-        if not warm:
+        if warm:
+            warm_page_cache(off.store.path)
+        else:
             off.store.drop_page_cache()
         out, seconds = timed(run.model, args.data, batch, args.new_tokens)
         off.close()
-        tokens = batch * args.new_tokens
-        stats = off.stats
-        rows.append(
-            dict(
-                config=name + (" (warm page cache)" if warm else ""),
-                batch=batch,
-                tokens_per_s=tokens / seconds,
-                hit_rate=stats.hit_rate,
-                bytes_per_token=stats.bytes_read / tokens,
-                recall=stats.prediction_recall if opts.prefetch == "router" else None,
-                precision=stats.prediction_precision if opts.prefetch == "router" else None,
-                prefetch_reads=stats.prefetch_reads,
-                same_tokens=bool(torch.equal(out, reference[batch])) if opts.expert_format == "fp" else None,
-                slots=off.cache.num_slots,
-                reads_per_step=stats.mean_reads_per_step,
-                max_reads_per_step=stats.max_reads_per_step,
-            )
+        stats, tokens, router = off.stats, batch * args.new_tokens, opts.prefetch == "router"
+        record(
+            name + (" (warm page cache)" if warm else ""),
+            batch,
+            out,
+            seconds,
+            compare=opts.expert_format == "fp",  # quantized experts may pick other tokens
+            hit_rate=stats.hit_rate,
+            bytes_per_token=stats.bytes_read / tokens,
+            recall=stats.prediction_recall if router else None,
+            precision=stats.prediction_precision if router else None,
+            prefetch_reads=stats.prefetch_reads,
+            slots=off.cache.num_slots,
+            reads_per_step=stats.mean_reads_per_step,
+            max_reads_per_step=stats.max_reads_per_step,
         )
         if replayed:
             assert len(off.trace.requests) == stats.steps * len(off.blocks), "TRACE_LEN is too short for the run"
             traces[batch] = (off.trace.routing(), off.cache.num_slots)
 
-    traces: dict[int, tuple[list, int]] = {}
-    for batch in (1, 16):
-        resident = load_run(run_dir).model
-        out, seconds = timed(resident, args.data, batch, args.new_tokens)
-        reference[batch] = out
-        rows.append(dict(config="resident", batch=batch, tokens_per_s=batch * args.new_tokens / seconds))
-        resident_bytes = model_bytes(resident)
-        del resident
-        # naive: the same model with every MoE layer's experts read whole on each call
+    def naive(batch: int) -> None:
+        """The same model with every MoE layer's experts read whole on each call."""
         run = load_run(run_dir, offload=OffloadOptions(memory_budget=budget, prefetch="off", drop_pages=True))
         run.offloader.store.drop_page_cache()
-        naive = []
+        layers = []
         for block in run.offloader.blocks:
             moe = run.model.blocks[block].ffn
             moe.experts = NaiveLayerExperts(run.offloader.store, block, moe.cfg.num_experts, moe.cfg.activation)
-            naive.append(moe.experts)
+            layers.append(moe.experts)
         out, seconds = timed(run.model, args.data, batch, args.new_tokens)
         run.offloader.close()
+        read = sum(n.bytes_read for n in layers)
+        # NOTE: no bound: reading whole layers in file order is sequential, faster than moekit's scattered reads
         tokens = batch * args.new_tokens
-        rows.append(
-            dict(
-                config="naive (whole layers, no cache)",
-                batch=batch,
-                tokens_per_s=tokens / seconds,
-                bytes_per_token=sum(n.bytes_read for n in naive) / tokens,
-                same_tokens=bool(torch.equal(out, reference[batch])),
-            )
-        )
-        for policy in ("lru", "lfu"):
-            for prefetch in ("router", "off"):
-                name = f"moekit-{policy}" + ("+prefetch" if prefetch == "router" else "")
-                offloaded(name, batch, policy=policy, prefetch=prefetch)
-        offloaded("moekit-fifo ring (prefetch all)", batch, policy="fifo", prefetch="all")
-        offloaded("moekit-lru+prefetch int8", batch, policy="lru", prefetch="router", expert_format="int8")
-        offloaded("moekit-lru+prefetch", batch, warm=True, policy="lru", prefetch="router")
+        record("naive (whole layers, no cache)", batch, out, seconds, bound=False, bytes_per_token=read / tokens)
 
-    cfg = runconfig.from_json(run_dir / "config.json")
+    resident = load_run(run_dir).model
+    resident_bytes = model_bytes(resident)
     blocks = dict.fromkeys(cfg.model.moe_layers(), cfg.moe.num_experts)
-    weights = next(run_dir.glob("checkpoints/step_*")) / "model.safetensors"
-    with ExpertStore(weights, blocks, roles("fp"), drop_pages=True) as store:
-        bandwidth = read_bandwidth(store)
-        direct = store.direct
+    for round_ in range(args.repeats):
+        first = round_ == 0
+        with ExpertStore(weights, blocks, roles("fp"), drop_pages=True) as store:
+            bandwidths.append(read_bandwidth(store))
+            direct = store.direct
+        for batch in args.batches:
+            out, seconds = timed(resident, args.data, batch, args.new_tokens)
+            record("resident", batch, out, seconds)  # first: the tokens the others must match
+            for variant in args.variants:
+                if variant == "naive":
+                    naive(batch)
+                else:
+                    label, options = OFFLOADED[variant]
+                    offloaded(label, batch, first, **options)
+        print(f"# round {round_ + 1}/{args.repeats} done", file=sys.stderr, flush=True)
+
     expert_bytes = len(store.pieces) * store.bytes_per_expert
-    for row in rows:
-        if row.get("bytes_per_token"):
-            row["bound_tokens_per_s"] = bandwidth / row["bytes_per_token"]
-            row["of_bound"] = row["tokens_per_s"] / row["bound_tokens_per_s"]
+    rows = [median_row(r) for r in runs.values()]
     replays = {
         batch: {p: replay(trace, slots, p) for p in (*POLICIES, "belady")} for batch, (trace, slots) in traces.items()
     }
-    perplexity = validation_perplexity(args.data, run_dir, budget)
     result = dict(
         expert_bytes_on_disk=expert_bytes,
         budget=budget,
         non_expert_bytes=resident_bytes - expert_bytes,
-        read_bandwidth=bandwidth,
+        read_bandwidth=statistics.median(bandwidths),
+        read_bandwidth_min=min(bandwidths),
+        read_bandwidth_max=max(bandwidths),
         direct_reads=direct,
+        repeats=args.repeats,
         rows=rows,
         replay_hit_rates=replays,
-        perplexity=perplexity,
     )
     print(json.dumps(result, indent=2) if args.json else table(result))
 
 
-def validation_perplexity(text: Path, run_dir: Path, budget: int) -> dict[str, float]:
-    """Perplexity of the tail of the text (teacher-forced, 255 tokens) with each expert format."""
-    ids = torch.tensor([list(text.read_bytes()[-256:])])
-    out = {}
-    for fmt in ("fp", "int8", "int4"):
-        run = load_run(run_dir, offload=OffloadOptions(memory_budget=budget, expert_format=fmt, prefetch="off"))
-        with torch.no_grad():
-            logits = run.model(ids[:, :-1]).logits
-        run.offloader.close()
-        out[fmt] = math.exp(torch.nn.functional.cross_entropy(logits[0], ids[0, 1:]).item())
-    return out
-
-
 def cell(row: dict, key: str, fmt: str, scale: float = 1.0) -> str:
     value = row.get(key)
-    return "-" if value is None else format(value * scale, fmt)
+    return f"{'-':>{int(fmt.split('.')[0] or 0)}}" if value is None else format(value * scale, fmt)
 
 
 def table(r: dict) -> str:
+    bandwidth = f"{format_bytes(r['read_bandwidth'])}/s ({format_bytes(r['read_bandwidth_min'])}-"
     lines = [
         f"experts on disk {format_bytes(r['expert_bytes_on_disk'])}, budget {format_bytes(r['budget'])} "
-        f"(non-expert weights {format_bytes(r['non_expert_bytes'])}), cold read bandwidth "
-        f"{format_bytes(r['read_bandwidth'])}/s ({'direct' if r['direct_reads'] else 'buffered'}, {READERS} readers)",
-        f"{'config':36} {'batch':>5} {'tok/s':>8} {'hit':>6} {'MB/tok':>8} {'bound':>8} {'of bound':>8} "
-        f"{'recall':>6} {'prec.':>6} {'same':>5}",
+        f"(non-expert weights {format_bytes(r['non_expert_bytes'])}), cold read bandwidth {bandwidth}"
+        f"{format_bytes(r['read_bandwidth_max'])}/s, {'direct' if r['direct_reads'] else 'buffered'}, "
+        f"{READERS} readers)",
+        f"median (min-max) of {r['repeats']} runs of each configuration, interleaved round by round; "
+        "other figures: medians (bound: the round's read bandwidth / MB per token); same: greedy tokens equal to "
+        "the resident model's in every run",
+        f"{'config':36} {'batch':>5} {'tok/s':>8} {'(min-max)':>15} {'hit':>6} {'MB/tok':>8} {'bound':>8} "
+        f"{'of bound':>8} {'recall':>6} {'prec.':>6} {'same':>5}",
     ]
     for row in r["rows"]:
         lines.append(
-            f"{row['config']:36} {row['batch']:>5} {cell(row, 'tokens_per_s', '8.2f')} {cell(row, 'hit_rate', '6.1%')} "
-            f"{cell(row, 'bytes_per_token', '8.1f', 1e-6)} {cell(row, 'bound_tokens_per_s', '8.2f')} "
-            f"{cell(row, 'of_bound', '8.2f')} {cell(row, 'recall', '6.1%')} {cell(row, 'precision', '6.1%')} "
-            f"{str(row.get('same_tokens', '-')):>5}"
+            f"{row['config']:36} {row['batch']:>5} {cell(row, 'tokens_per_s', '8.2f')} "
+            f"{'(' + cell(row, 'tokens_per_s_min', '.2f') + '-' + cell(row, 'tokens_per_s_max', '.2f') + ')':>15} "
+            f"{cell(row, 'hit_rate', '6.1%')} {cell(row, 'bytes_per_token', '8.1f', 1e-6)} "
+            f"{cell(row, 'bound_tokens_per_s', '8.2f')} {cell(row, 'of_bound', '8.2f')} {cell(row, 'recall', '6.1%')} "
+            f"{cell(row, 'precision', '6.1%')} {'-' if row.get('same_tokens') is None else str(row['same_tokens']):>5}"
         )
     for batch, rates in r["replay_hit_rates"].items():
         lines.append(f"replay batch {batch}: " + ", ".join(f"{p} {h:.1%}" for p, h in rates.items()))
-    lines.append("validation perplexity: " + ", ".join(f"{k} {v:.3f}" for k, v in r["perplexity"].items()))
+    lines.append(COMPUTE_NOTE + " Quality on a trained model: benchmarks/quant_quality.py.")
     return "\n".join(lines)
 
 

@@ -1,4 +1,4 @@
-"""Quantized expert weights: fewer bytes in the slow tier, in the cache and on the wire.
+"""Quantized expert weights: fewer bytes in the slow tier, in the cache and on the wire; not less compute.
 
 Legend: K input dim, N output dim (weights are stored [in, out], as the experts use them), G group.
 
@@ -7,10 +7,19 @@ Legend: K input dim, N output dim (weights are stored [in, out], as the experts 
 - ``int4``: group-wise along the input dim (G rows share a scale per output channel), symmetric
   q in [-8, 7] (scale = absmax / 7), two values packed per byte. Error per element <= scale / 2.
 
-The cache keeps the quantized form (a budget holds ~4x / ~7x as many experts); ``matmul`` computes
-with it. NOTE: on CPU (torch 2.13, K=1024, N=2048, 1 thread) ``torch._weight_int8pack_mm`` took 4.6 ms
-for one row against 18 ms for dequantise + ``torch.mm``, but 26 vs 20 ms for 4 rows and 174 vs 10 ms
-for 32: it is used for an expert's rows up to ``INT8PACK_MAX_ROWS``, dequantise + mm above.
+From fp32 experts, int8 stores ~4x fewer bytes and int4 6.4x (half a byte per weight plus an fp32 scale
+per 32). The cache keeps the quantized form, so a budget holds about as many times more experts.
+
+What this saves is bytes read and cache slots, not arithmetic: there is no integer GEMM here, and every
+multiply-add runs in the compute dtype. ``matmul`` dequantizes int4 weights, and int8 ones for more than
+``INT8PACK_MAX_ROWS`` rows or off the CPU, into a full-precision [K, N] weight before ``torch.mm`` (a
+pass over the weight that full precision does not pay); int8 for 1-2 rows on a CPU goes through
+``torch._weight_int8pack_mm``, a weight-only kernel that converts the int8 weights to the activations'
+dtype inside the kernel. Quality on a trained model: ``benchmarks/quant_quality.py``.
+
+NOTE: on CPU (torch 2.13, K=1024, N=2048, 1 thread) ``torch._weight_int8pack_mm`` took 4.6 ms for one
+row against 18 ms for dequantise + ``torch.mm``, but 26 vs 20 ms for 4 rows and 174 vs 10 ms for 32:
+it is used for an expert's rows up to ``INT8PACK_MAX_ROWS``, dequantise + mm above.
 """
 
 from __future__ import annotations
@@ -63,6 +72,7 @@ def quantize_int4(w_KN: Tensor, group: int = INT4_GROUP) -> tuple[Tensor, Tensor
 
 
 def dequantize_int4(packed: Tensor, scale_GN: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
+    """The weight [K, N] in ``dtype`` (a new full-precision tensor: the work int8pack_mm avoids)."""
     half, N = packed.shape
     q = torch.empty(2 * half, N, dtype=torch.int16, device=packed.device)
     as_int = packed.to(torch.int16)
