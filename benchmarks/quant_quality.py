@@ -32,12 +32,14 @@ import torch
 from torch import Tensor
 
 import moekit
-from moekit.infer.generate import LoadedRun, generate, load_run
+from moekit.infer.generate import generate
 from moekit.infer.offload import OffloadOptions, format_bytes, parse_bytes
 from moekit.layer import MoE
 from moekit.model import Transformer
 from moekit.routing import RouterOutput
-from moekit.train.checkpoint import latest_checkpoint, load_manifest
+from moekit.run.layout import latest_checkpoint
+from moekit.run.load import LoadedRun, load_run
+from moekit.run.manifest import load_manifest
 from moekit.train.data import prepare_corpus
 
 sys.path.insert(0, str(Path(__file__).parent))
