@@ -51,6 +51,7 @@ from moekit.dispatch import LocalDispatcher
 from moekit.experts.gemm import resolve_backend
 
 TOLERANCE = 1e-4  # max |a - b| / max |b|, fp32: GEMM blocking and summation order differ by impl
+SLOW, SLOW_ROUNDS = 10, 3  # impls over SLOW x moekit's warm-up time are timed in SLOW_ROUNDS rounds only
 GPU_ONLY_MODES = ("deepgemm", "sonicmoe")  # transformers experts implementations needing CUDA kernels
 FOOTNOTE = """\
 Where the differences come from (CPU, fp32):
@@ -247,13 +248,13 @@ def run_hf(block: nn.Module, mode: str, x_TD: Tensor) -> Tensor:
 # Timing and the agreement check.
 
 
-def call(case: Case, backward: bool, grads: dict[torch.Size, Tensor]) -> tuple[float, Tensor]:
-    """One timed call, gradients unset first as after ``zero_grad(set_to_none=True)``: (seconds, output).
+def call(case: Case, backward: bool, grads: dict[torch.Size, Tensor]) -> tuple[float, Tensor, Tensor | None]:
+    """One timed call from unset gradients, as after ``zero_grad(set_to_none=True)``: seconds, output
+    and the first leaf's gradient (the shared input's, for checked cases).
 
     The output gradient is a fixed random tensor per output shape (made on the untimed first call).
+    Gradients are dropped afterwards, so that only one impl's are held at a time.
     """
-    for leaf in case.leaves:
-        leaf.grad = None
     start = time.perf_counter()
     if backward:
         y = case.run()
@@ -263,41 +264,53 @@ def call(case: Case, backward: bool, grads: dict[torch.Size, Tensor]) -> tuple[f
     else:
         with torch.no_grad():
             y = case.run()
-    return time.perf_counter() - start, y.detach()
-
-
-def outputs(case: Case, x: Tensor, backward: bool, grads: dict[torch.Size, Tensor]) -> list[Tensor]:
-    """One untimed call: the output, and the input's gradient when ``backward``."""
-    y = call(case, backward, grads)[1]
-    return [y, x.grad.clone()] if backward else [y]
+    elapsed, dx = time.perf_counter() - start, case.leaves[0].grad
+    for leaf in case.leaves:
+        leaf.grad = None
+    return elapsed, y.detach(), dx
 
 
 def relative_error(got: list[Tensor], want: list[Tensor]) -> float:
     return max(float((a - b).abs().max() / b.abs().max()) for a, b in zip(got, want, strict=True))
 
 
-def time_shape(s: Shape, backward: bool, rounds: int, skip: set[str]) -> tuple[dict[str, list[float]], str, list[str]]:
+def wanted(name: str, only: list[str], skip: list[str]) -> bool:
+    """``--only`` and ``--skip`` take name prefixes."""
+    return any(name.startswith(p) for p in only or [""]) and not any(name.startswith(p) for p in skip)
+
+
+def time_shape(
+    s: Shape, backward: bool, rounds: int, only: list[str], skip: list[str]
+) -> tuple[dict[str, list[float]], str, list[str]]:
     """Seconds of each timed round per impl (after an untimed round that checks agreement), the
     backend ``gemm="auto"`` picks for this shape and pass, and notes."""
     torch.manual_seed(0)
     cases, moe, x, notes = make_cases(s)
-    cases = {k: v for k, v in cases.items() if k not in skip or k == "moekit-dropless"}
+    cases = {k: v for k, v in cases.items() if k == "moekit-dropless" or wanted(k, only, skip)}
+    assert next(iter(cases)) == "moekit-dropless", "the reference runs first"
     grads: dict[torch.Size, Tensor] = {}
-    want, errors = outputs(cases["moekit-dropless"], x, backward, grads), {}
-    for name, case in cases.items():  # the warm-up call of each
-        if case.checked and name != "moekit-dropless":
-            errors[name] = relative_error(outputs(case, x, backward, grads), want)
-        else:
-            call(case, backward, grads)
-    worst = max(errors, key=errors.__getitem__)
-    if errors[worst] > TOLERANCE:
-        raise SystemExit(f"{s.name}: {worst} disagrees with moekit-dropless: relative error {errors[worst]:.1e}")
-    notes.append(f"{len(errors)} impls agree with moekit-dropless, worst {worst} {errors[worst]:.1e} <= {TOLERANCE}")
+    warmup, errors, want = {}, {}, []
+    for name, case in cases.items():  # an untimed warm-up call of each, checked against the first
+        warmup[name], y, dx = call(case, backward, grads)
+        got = [y, dx] if backward else [y]
+        if name == "moekit-dropless":
+            want = got
+        elif case.checked:
+            errors[name] = relative_error(got, want)
+    if errors:
+        worst = max(errors, key=errors.__getitem__)
+        if errors[worst] > TOLERANCE:
+            raise SystemExit(f"{s.name}: {worst} disagrees with moekit-dropless: relative error {errors[worst]:.1e}")
+        notes.append(f"{len(errors)} impls agree with moekit-dropless; worst {worst}, {errors[worst]:.1e}")
+    slow = {n for n, t in warmup.items() if t > SLOW * warmup["moekit-dropless"]}
+    notes += [f"{n}: timed in the first {SLOW_ROUNDS} rounds only, over {SLOW}x moekit's time" for n in sorted(slow)]
     names, times = list(cases), {name: [] for name in cases}
     for round_ in range(rounds):
         shift = round_ % len(names)
         for name in names[shift:] + names[:shift]:
-            times[name].append(call(cases[name], backward, grads)[0])
+            if name not in slow or round_ < SLOW_ROUNDS:
+                times[name].append(call(cases[name], backward, grads)[0])
+        print(f"# {s.name} round {round_ + 1} of {rounds}", file=sys.stderr, flush=True)
     with torch.set_grad_enabled(backward):
         picked = resolve_backend("auto", x, moe.experts.w_in)
     return times, picked, notes
@@ -316,7 +329,8 @@ def ratios(times: dict[str, list[float]], name: str, other: str | None) -> dict[
     """How many times faster ``name`` ran than ``other``, round by round: median, min, max."""
     if other is None:
         return None
-    return spread([a / b for a, b in zip(times[other], times[name], strict=True)])
+    pairs = zip(times[other], times[name], strict=False)  # a slow impl ran only the first rounds
+    return spread([a / b for a, b in pairs])
 
 
 def spread(values: list[float], digits: int = 3) -> dict[str, float]:
@@ -346,15 +360,21 @@ def summarize(s: Shape, pass_name: str, times: dict[str, list[float]], picked: s
             }
         )
     run = {"shape": s.name, "pass": pass_name, "limit": limit, "baseline": baseline, "auto_picks": picked}
-    forced = fastest(times, "moekit-dropless/")
-    if forced and f"moekit-dropless/{picked}" in times:
-        run["fastest_backend"] = forced.split("/")[1]
-        run["fastest_over_picked"] = ratios(times, forced, f"moekit-dropless/{picked}")
+    others = [n for n in times if n.startswith("moekit-dropless/") and n != f"moekit-dropless/{picked}"]
+    if f"moekit-dropless/{picked}" in times:
+        run["others_vs_pick"] = {n.split("/")[1]: ratios(times, n, f"moekit-dropless/{picked}") for n in others}
     return rows, run
 
 
 def fmt(ratio: dict[str, float] | None) -> str:
     return f"{ratio['median']:.2f} ({ratio['min']:.2f}-{ratio['max']:.2f})" if ratio else "-"
+
+
+def verdict(ratio: dict[str, float]) -> str:
+    """Whether a per-round speed ratio says faster, slower, or neither."""
+    if ratio["min"] > 1:
+        return "faster in every round"
+    return "slower in every round" if ratio["max"] < 1 else "faster in some rounds, slower in others"
 
 
 def print_table(rows: list[dict]) -> None:
@@ -377,7 +397,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shapes", default="S1,S2", help="comma-separated shape names (S1, S2)")
     parser.add_argument("--pass", dest="passes", default="fwd+bwd", help="fwd, fwd+bwd or both, comma-separated")
     parser.add_argument("--rounds", type=int, default=5, help="timed rounds, one call per impl each (>= 3)")
-    parser.add_argument("--skip", default="", help="comma-separated impls to leave out (e.g. hf-qwen3_moe/eager)")
+    parser.add_argument("--only", default="", help="comma-separated impl name prefixes to run (e.g. hf-,loop-)")
+    parser.add_argument("--skip", default="", help="comma-separated impl name prefixes to leave out (e.g. hf-qwen3)")
+    parser.add_argument("--threads", type=int, help="torch threads (default: torch's); 1 resists a shared CPU best")
     parser.add_argument("--json", action="store_true", help="print the results as JSON on the last line")
     args = parser.parse_args(argv)
     if args.rounds < 3:
@@ -386,29 +408,32 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"--shapes: unknown shape {unknown} (choose from {', '.join(SHAPES)})")
     rows, runs, notes = [], [], []
-    skip = set(args.skip.split(","))
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    only, skip = ([p for p in arg.split(",") if p] for arg in (args.only, args.skip))
+    load = os.getloadavg()[0]
     for name in args.shapes.split(","):
         for pass_name in args.passes.split(","):
-            times, picked, shape_notes = time_shape(SHAPES[name], pass_name == "fwd+bwd", args.rounds, skip)
+            times, picked, shape_notes = time_shape(SHAPES[name], pass_name == "fwd+bwd", args.rounds, only, skip)
             shape_rows, run = summarize(SHAPES[name], pass_name, times, picked)
             rows += shape_rows
             runs.append(run)
             notes += [f"{name} {pass_name}: {n}" for n in shape_notes]
             print(f"# {name} {pass_name} done", file=sys.stderr, flush=True)
     print(f"# torch {torch.__version__}, {torch.get_num_threads()} threads, fp32, SwiGLU, {args.rounds} rounds")
+    load = [round(load, 2), round(os.getloadavg()[0], 2)]
+    print(f"# load average {load[0]:.1f} at the start, {load[1]:.1f} at the end, {os.cpu_count()} CPUs")
     print_table(rows)
     for run in runs:
         line = f"# {run['shape']} {run['pass']}: limit {run['limit']}, baseline {run['baseline']}; "
         line += f"gemm='auto' picks {run['auto_picks']}"
-        if run.get("fastest_backend") == run["auto_picks"]:
-            line += ", the fastest backend"
-        elif "fastest_backend" in run:
-            line += f"; {run['fastest_backend']} ran faster, x{fmt(run['fastest_over_picked'])} per round"
+        for backend, ratio in run.get("others_vs_pick", {}).items():
+            line += f"; {backend} runs x{fmt(ratio)} its speed, {verdict(ratio)}"
         print(line)
     print("\n".join(f"# {n}" for n in notes))
     print(FOOTNOTE)
     if args.json:
-        print(json.dumps({"cases": rows, "runs": runs, "notes": notes}))
+        print(json.dumps({"cases": rows, "runs": runs, "notes": notes, "load_average": load}))
     return 0
 
 
