@@ -1,33 +1,48 @@
 """MoE layer throughput: moekit against transformers' MoE blocks, a per-expert loop and two limits.
 
-    python benchmarks/moe_layer.py [--json] [--rounds 5] [--shapes S1,S2] [--pass fwd+bwd]
+    python benchmarks/moe_layer.py [--json] [--threads 1] [--shapes S1,S2] [--pass fwd+bwd] [--rounds 5]
+                                   [--only PREFIXES] [--skip PREFIXES]
 
 Legend: T tokens, D model dim, F expert hidden dim, E experts, K picks per token.
 
 Every implementation computes the same function from the same weights (router softmax over E,
-top-K, the K weights renormalised to sum to 1, SwiGLU experts); before timing, the untimed warm-up
-call of each is checked against moekit-dropless (outputs and input gradients, max error relative to
-the largest value <= ``TOLERANCE``). They are timed in one process, interleaved round by round (the
-order rotates each round); each row gives the median and min-max over the rounds.
+top-K, the K weights renormalised to sum to 1, SwiGLU experts); the untimed warm-up call of each is
+checked against moekit-dropless first (outputs and input gradients, max error relative to the
+largest value <= ``TOLERANCE``). They are timed in one process, interleaved round by round (the
+order rotates each round); each row gives the median and min-max over the rounds, ratios are taken
+within each round. An impl over ``SLOW`` x moekit's warm-up time is timed in the first
+``SLOW_ROUNDS`` rounds only. On a shared CPU use ``--threads 1``: with two threads every op ends in
+an OpenMP barrier that waits for a descheduled thread, and the timings measure the neighbours.
 
 - moekit-dropless: ``moekit.MoE`` with ``gemm="auto"``, and ``/<backend>`` with each grouped GEMM
-  forced; ``auto: picks X, fastest Y`` lines show whether the fixed rule picked the faster one.
+  forced; a line per run gives the other backend's speed relative to the one ``auto`` picks.
 - moekit-capacity: capacity factor 1.25 (drops over-capacity tokens: not checked, drops printed).
 - loop-linear: transformers' Mixtral block before version 5, a Python loop over experts held as
   separate ``nn.Linear`` modules (w1, w3, w2); loop-linear-fused: gate and up in one ``nn.Linear``.
 - hf-<family>/<mode>: transformers' own ``MixtralSparseMoeBlock`` and ``Qwen3MoeSparseMoeBlock``
   (``norm_topk_prob``) built from a local config, under each experts implementation that runs on
-  the device (``eager``: the same loop over stacked ``[E, ...]`` weights indexed per expert;
+  the device (``eager``: a loop over stacked ``[E, ...]`` weights indexed per expert;
   ``grouped_mm``; ``batched_mm`` when its per-assignment weight copies fit in memory). The fastest
-  row is the baseline of the ``x baseline`` column (per-round ratios: median and min-max).
+  is the baseline of the ``x baseline`` column.
 - limit: the same expert FLOPs on perfectly balanced tokens, no router and no gather: one
   ``torch.bmm`` per weight, gate/up fused, or ``torch._grouped_mm``; the fastest form counts.
-- dense-gemm: one ``[T*K, D] @ [D, 3F]`` matmul, the same FLOPs as the experts in one GEMM: the
-  machine's dense GEMM rate at this size, to read each row's GFLOP/s against.
+- dense-gemm: one ``[T*K, D] @ [D, 3F]`` matmul, the experts' FLOPs in one GEMM: the machine's
+  dense GEMM rate at this size, to read each row's GFLOP/s against.
 
 GFLOP/s counts the dropless expert FLOPs, 6*T*K*D*F per forward and three times that per
-forward+backward (router, gather and combine are left out). ``FOOTNOTE`` says where the
-differences come from.
+forward+backward (router, gather and combine left out).
+
+Where the differences come from (CPU, fp32):
+- moekit, loop-linear and hf-*/grouped_mm run the same GEMMs, one per expert and weight: on CPU
+  torch._grouped_mm is itself a loop of matmuls (per_expert_mm a Python one), and a loop's own cost
+  is small beside the GEMMs, so they meet. Where a loop leads in forward it is cache locality: it
+  runs SwiGLU and the second GEMM on one expert's rows, moekit on all T*K rows at once.
+- hf-*/eager index the stacked [E, ...] weights per expert: the backward of each index is a
+  zero-filled gradient as large as all E experts' weights, summed E times per step, so its cost
+  grows with E and the size of every expert. Forward-only it is the plain loop.
+- On a GPU (not measured here) a gain would come from launches and host syncs, not FLOPs: one
+  grouped-GEMM kernel per weight (bf16, compute capability 9.0+) instead of E small matmuls, each
+  behind a per-expert `where` whose output size the host must wait for.
 """
 
 from __future__ import annotations
@@ -53,17 +68,7 @@ from moekit.experts.gemm import resolve_backend
 TOLERANCE = 1e-4  # max |a - b| / max |b|, fp32: GEMM blocking and summation order differ by impl
 SLOW, SLOW_ROUNDS = 10, 3  # impls over SLOW x moekit's warm-up time are timed in SLOW_ROUNDS rounds only
 GPU_ONLY_MODES = ("deepgemm", "sonicmoe")  # transformers experts implementations needing CUDA kernels
-FOOTNOTE = """\
-Where the differences come from (CPU, fp32):
-- moekit and loop-linear do the same per-expert GEMMs: torch._grouped_mm's CPU kernel is a C++ loop
-  of matmuls, and per_expert_mm a Python one; on CPU the loop costs little beside the GEMMs, so
-  the two meet and the gap to the limit is the router, the gather and the combine.
-- hf-*/eager index the stacked [E, ...] weights per expert; autograd's backward of each index is a
-  zero-filled gradient of all E experts' weights that is then added up, E times per step. That,
-  not the loop, is what separates it from loop-linear, and forward-only it is absent.
-- On a GPU (not measured here) moekit's gain would come from elsewhere: one grouped-GEMM kernel per
-  weight instead of E small matmul launches, each preceded in a loop by a per-expert `where`
-  whose output size the host must wait for."""
+FOOTNOTE = __doc__[__doc__.index("Where the differences") :].rstrip()
 
 
 @dataclass(frozen=True)
