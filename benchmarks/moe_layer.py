@@ -1,33 +1,48 @@
 """MoE layer throughput: moekit against transformers' MoE blocks, a per-expert loop and two limits.
 
-    python benchmarks/moe_layer.py [--json] [--rounds 5] [--shapes S1,S2] [--pass fwd+bwd]
+    python benchmarks/moe_layer.py [--json] [--threads 1] [--shapes S1,S2] [--pass fwd+bwd] [--rounds 5]
+                                   [--only PREFIXES] [--skip PREFIXES]
 
 Legend: T tokens, D model dim, F expert hidden dim, E experts, K picks per token.
 
 Every implementation computes the same function from the same weights (router softmax over E,
-top-K, the K weights renormalised to sum to 1, SwiGLU experts); before timing, the untimed warm-up
-call of each is checked against moekit-dropless (outputs and input gradients, max error relative to
-the largest value <= ``TOLERANCE``). They are timed in one process, interleaved round by round (the
-order rotates each round); each row gives the median and min-max over the rounds.
+top-K, the K weights renormalised to sum to 1, SwiGLU experts); the untimed warm-up call of each is
+checked against moekit-dropless first (outputs and input gradients, max error relative to the
+largest value <= ``TOLERANCE``). They are timed in one process, interleaved round by round (the
+order rotates each round); each row gives the median and min-max over the rounds, ratios are taken
+within each round. An impl over ``SLOW`` x moekit's warm-up time is timed in the first
+``SLOW_ROUNDS`` rounds only. On a shared CPU use ``--threads 1``: with two threads every op ends in
+an OpenMP barrier that waits for a descheduled thread, and the timings measure the neighbours.
 
 - moekit-dropless: ``moekit.MoE`` with ``gemm="auto"``, and ``/<backend>`` with each grouped GEMM
-  forced; ``auto: picks X, fastest Y`` lines show whether the fixed rule picked the faster one.
+  forced; a line per run gives the other backend's speed relative to the one ``auto`` picks.
 - moekit-capacity: capacity factor 1.25 (drops over-capacity tokens: not checked, drops printed).
 - loop-linear: transformers' Mixtral block before version 5, a Python loop over experts held as
   separate ``nn.Linear`` modules (w1, w3, w2); loop-linear-fused: gate and up in one ``nn.Linear``.
 - hf-<family>/<mode>: transformers' own ``MixtralSparseMoeBlock`` and ``Qwen3MoeSparseMoeBlock``
   (``norm_topk_prob``) built from a local config, under each experts implementation that runs on
-  the device (``eager``: the same loop over stacked ``[E, ...]`` weights indexed per expert;
+  the device (``eager``: a loop over stacked ``[E, ...]`` weights indexed per expert;
   ``grouped_mm``; ``batched_mm`` when its per-assignment weight copies fit in memory). The fastest
-  row is the baseline of the ``x baseline`` column (per-round ratios: median and min-max).
+  is the baseline of the ``x baseline`` column.
 - limit: the same expert FLOPs on perfectly balanced tokens, no router and no gather: one
   ``torch.bmm`` per weight, gate/up fused, or ``torch._grouped_mm``; the fastest form counts.
-- dense-gemm: one ``[T*K, D] @ [D, 3F]`` matmul, the same FLOPs as the experts in one GEMM: the
-  machine's dense GEMM rate at this size, to read each row's GFLOP/s against.
+- dense-gemm: one ``[T*K, D] @ [D, 3F]`` matmul, the experts' FLOPs in one GEMM: the machine's
+  dense GEMM rate at this size, to read each row's GFLOP/s against.
 
 GFLOP/s counts the dropless expert FLOPs, 6*T*K*D*F per forward and three times that per
-forward+backward (router, gather and combine are left out). ``FOOTNOTE`` says where the
-differences come from.
+forward+backward (router, gather and combine left out).
+
+Where the differences come from (CPU, fp32):
+- moekit, loop-linear and hf-*/grouped_mm run the same GEMMs, one per expert and weight: on CPU
+  torch._grouped_mm is itself a loop of matmuls (per_expert_mm a Python one), and a loop's own cost
+  is small beside the GEMMs, so they meet. Where a loop leads in forward it is cache locality: it
+  runs SwiGLU and the second GEMM on one expert's rows, moekit on all T*K rows at once.
+- hf-*/eager index the stacked [E, ...] weights per expert: the backward of each index is a
+  zero-filled gradient as large as all E experts' weights, summed E times per step, so its cost
+  grows with E and the size of every expert. Forward-only it is the plain loop.
+- On a GPU (not measured here) a gain would come from launches and host syncs, not FLOPs: one
+  grouped-GEMM kernel per weight (bf16, compute capability 9.0+) instead of E small matmuls, each
+  behind a per-expert `where` whose output size the host must wait for.
 """
 
 from __future__ import annotations
@@ -51,18 +66,9 @@ from moekit.dispatch import LocalDispatcher
 from moekit.experts.gemm import resolve_backend
 
 TOLERANCE = 1e-4  # max |a - b| / max |b|, fp32: GEMM blocking and summation order differ by impl
+SLOW, SLOW_ROUNDS = 10, 3  # impls over SLOW x moekit's warm-up time are timed in SLOW_ROUNDS rounds only
 GPU_ONLY_MODES = ("deepgemm", "sonicmoe")  # transformers experts implementations needing CUDA kernels
-FOOTNOTE = """\
-Where the differences come from (CPU, fp32):
-- moekit and loop-linear do the same per-expert GEMMs: torch._grouped_mm's CPU kernel is a C++ loop
-  of matmuls, and per_expert_mm a Python one; on CPU the loop costs little beside the GEMMs, so
-  the two meet and the gap to the limit is the router, the gather and the combine.
-- hf-*/eager index the stacked [E, ...] weights per expert; autograd's backward of each index is a
-  zero-filled gradient of all E experts' weights that is then added up, E times per step. That,
-  not the loop, is what separates it from loop-linear, and forward-only it is absent.
-- On a GPU (not measured here) moekit's gain would come from elsewhere: one grouped-GEMM kernel per
-  weight instead of E small matmul launches, each preceded in a loop by a per-expert `where`
-  whose output size the host must wait for."""
+FOOTNOTE = __doc__[__doc__.index("Where the differences") :].rstrip()
 
 
 @dataclass(frozen=True)
@@ -247,13 +253,13 @@ def run_hf(block: nn.Module, mode: str, x_TD: Tensor) -> Tensor:
 # Timing and the agreement check.
 
 
-def call(case: Case, backward: bool, grads: dict[torch.Size, Tensor]) -> tuple[float, Tensor]:
-    """One timed call, gradients unset first as after ``zero_grad(set_to_none=True)``: (seconds, output).
+def call(case: Case, backward: bool, grads: dict[torch.Size, Tensor]) -> tuple[float, Tensor, Tensor | None]:
+    """One timed call from unset gradients, as after ``zero_grad(set_to_none=True)``: seconds, output
+    and the first leaf's gradient (the shared input's, for checked cases).
 
     The output gradient is a fixed random tensor per output shape (made on the untimed first call).
+    Gradients are dropped afterwards, so that only one impl's are held at a time.
     """
-    for leaf in case.leaves:
-        leaf.grad = None
     start = time.perf_counter()
     if backward:
         y = case.run()
@@ -263,41 +269,53 @@ def call(case: Case, backward: bool, grads: dict[torch.Size, Tensor]) -> tuple[f
     else:
         with torch.no_grad():
             y = case.run()
-    return time.perf_counter() - start, y.detach()
-
-
-def outputs(case: Case, x: Tensor, backward: bool, grads: dict[torch.Size, Tensor]) -> list[Tensor]:
-    """One untimed call: the output, and the input's gradient when ``backward``."""
-    y = call(case, backward, grads)[1]
-    return [y, x.grad.clone()] if backward else [y]
+    elapsed, dx = time.perf_counter() - start, case.leaves[0].grad
+    for leaf in case.leaves:
+        leaf.grad = None
+    return elapsed, y.detach(), dx
 
 
 def relative_error(got: list[Tensor], want: list[Tensor]) -> float:
     return max(float((a - b).abs().max() / b.abs().max()) for a, b in zip(got, want, strict=True))
 
 
-def time_shape(s: Shape, backward: bool, rounds: int, skip: set[str]) -> tuple[dict[str, list[float]], str, list[str]]:
+def wanted(name: str, only: list[str], skip: list[str]) -> bool:
+    """``--only`` and ``--skip`` take name prefixes."""
+    return any(name.startswith(p) for p in only or [""]) and not any(name.startswith(p) for p in skip)
+
+
+def time_shape(
+    s: Shape, backward: bool, rounds: int, only: list[str], skip: list[str]
+) -> tuple[dict[str, list[float]], str, list[str]]:
     """Seconds of each timed round per impl (after an untimed round that checks agreement), the
     backend ``gemm="auto"`` picks for this shape and pass, and notes."""
     torch.manual_seed(0)
     cases, moe, x, notes = make_cases(s)
-    cases = {k: v for k, v in cases.items() if k not in skip or k == "moekit-dropless"}
+    cases = {k: v for k, v in cases.items() if k == "moekit-dropless" or wanted(k, only, skip)}
+    assert next(iter(cases)) == "moekit-dropless", "the reference runs first"
     grads: dict[torch.Size, Tensor] = {}
-    want, errors = outputs(cases["moekit-dropless"], x, backward, grads), {}
-    for name, case in cases.items():  # the warm-up call of each
-        if case.checked and name != "moekit-dropless":
-            errors[name] = relative_error(outputs(case, x, backward, grads), want)
-        else:
-            call(case, backward, grads)
-    worst = max(errors, key=errors.__getitem__)
-    if errors[worst] > TOLERANCE:
-        raise SystemExit(f"{s.name}: {worst} disagrees with moekit-dropless: relative error {errors[worst]:.1e}")
-    notes.append(f"{len(errors)} impls agree with moekit-dropless, worst {worst} {errors[worst]:.1e} <= {TOLERANCE}")
+    warmup, errors, want = {}, {}, []
+    for name, case in cases.items():  # an untimed warm-up call of each, checked against the first
+        warmup[name], y, dx = call(case, backward, grads)
+        got = [y, dx] if backward else [y]
+        if name == "moekit-dropless":
+            want = got
+        elif case.checked:
+            errors[name] = relative_error(got, want)
+    if errors:
+        worst = max(errors, key=errors.__getitem__)
+        if errors[worst] > TOLERANCE:
+            raise SystemExit(f"{s.name}: {worst} disagrees with moekit-dropless: relative error {errors[worst]:.1e}")
+        notes.append(f"{len(errors)} impls agree with moekit-dropless; worst {worst}, {errors[worst]:.1e}")
+    slow = {n for n, t in warmup.items() if t > SLOW * warmup["moekit-dropless"]}
+    notes += [f"{n}: timed in the first {SLOW_ROUNDS} rounds only, over {SLOW}x moekit's time" for n in sorted(slow)]
     names, times = list(cases), {name: [] for name in cases}
     for round_ in range(rounds):
         shift = round_ % len(names)
         for name in names[shift:] + names[:shift]:
-            times[name].append(call(cases[name], backward, grads)[0])
+            if name not in slow or round_ < SLOW_ROUNDS:
+                times[name].append(call(cases[name], backward, grads)[0])
+        print(f"# {s.name} round {round_ + 1} of {rounds}", file=sys.stderr, flush=True)
     with torch.set_grad_enabled(backward):
         picked = resolve_backend("auto", x, moe.experts.w_in)
     return times, picked, notes
@@ -316,7 +334,8 @@ def ratios(times: dict[str, list[float]], name: str, other: str | None) -> dict[
     """How many times faster ``name`` ran than ``other``, round by round: median, min, max."""
     if other is None:
         return None
-    return spread([a / b for a, b in zip(times[other], times[name], strict=True)])
+    pairs = zip(times[other], times[name], strict=False)  # a slow impl ran only the first rounds
+    return spread([a / b for a, b in pairs])
 
 
 def spread(values: list[float], digits: int = 3) -> dict[str, float]:
@@ -346,15 +365,21 @@ def summarize(s: Shape, pass_name: str, times: dict[str, list[float]], picked: s
             }
         )
     run = {"shape": s.name, "pass": pass_name, "limit": limit, "baseline": baseline, "auto_picks": picked}
-    forced = fastest(times, "moekit-dropless/")
-    if forced and f"moekit-dropless/{picked}" in times:
-        run["fastest_backend"] = forced.split("/")[1]
-        run["fastest_over_picked"] = ratios(times, forced, f"moekit-dropless/{picked}")
+    others = [n for n in times if n.startswith("moekit-dropless/") and n != f"moekit-dropless/{picked}"]
+    if f"moekit-dropless/{picked}" in times:
+        run["others_vs_pick"] = {n.split("/")[1]: ratios(times, n, f"moekit-dropless/{picked}") for n in others}
     return rows, run
 
 
 def fmt(ratio: dict[str, float] | None) -> str:
     return f"{ratio['median']:.2f} ({ratio['min']:.2f}-{ratio['max']:.2f})" if ratio else "-"
+
+
+def verdict(ratio: dict[str, float]) -> str:
+    """Whether a per-round speed ratio says faster, slower, or neither."""
+    if ratio["min"] > 1:
+        return "faster in every round"
+    return "slower in every round" if ratio["max"] < 1 else "faster in some rounds, slower in others"
 
 
 def print_table(rows: list[dict]) -> None:
@@ -377,7 +402,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shapes", default="S1,S2", help="comma-separated shape names (S1, S2)")
     parser.add_argument("--pass", dest="passes", default="fwd+bwd", help="fwd, fwd+bwd or both, comma-separated")
     parser.add_argument("--rounds", type=int, default=5, help="timed rounds, one call per impl each (>= 3)")
-    parser.add_argument("--skip", default="", help="comma-separated impls to leave out (e.g. hf-qwen3_moe/eager)")
+    parser.add_argument("--only", default="", help="comma-separated impl name prefixes to run (e.g. hf-,loop-)")
+    parser.add_argument("--skip", default="", help="comma-separated impl name prefixes to leave out (e.g. hf-qwen3)")
+    parser.add_argument("--threads", type=int, help="torch threads (default: torch's); 1 resists a shared CPU best")
     parser.add_argument("--json", action="store_true", help="print the results as JSON on the last line")
     args = parser.parse_args(argv)
     if args.rounds < 3:
@@ -386,29 +413,32 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"--shapes: unknown shape {unknown} (choose from {', '.join(SHAPES)})")
     rows, runs, notes = [], [], []
-    skip = set(args.skip.split(","))
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    only, skip = ([p for p in arg.split(",") if p] for arg in (args.only, args.skip))
+    load = os.getloadavg()[0]
     for name in args.shapes.split(","):
         for pass_name in args.passes.split(","):
-            times, picked, shape_notes = time_shape(SHAPES[name], pass_name == "fwd+bwd", args.rounds, skip)
+            times, picked, shape_notes = time_shape(SHAPES[name], pass_name == "fwd+bwd", args.rounds, only, skip)
             shape_rows, run = summarize(SHAPES[name], pass_name, times, picked)
             rows += shape_rows
             runs.append(run)
             notes += [f"{name} {pass_name}: {n}" for n in shape_notes]
             print(f"# {name} {pass_name} done", file=sys.stderr, flush=True)
     print(f"# torch {torch.__version__}, {torch.get_num_threads()} threads, fp32, SwiGLU, {args.rounds} rounds")
+    load = [round(load, 2), round(os.getloadavg()[0], 2)]
+    print(f"# load average {load[0]:.1f} at the start, {load[1]:.1f} at the end, {os.cpu_count()} CPUs")
     print_table(rows)
     for run in runs:
         line = f"# {run['shape']} {run['pass']}: limit {run['limit']}, baseline {run['baseline']}; "
         line += f"gemm='auto' picks {run['auto_picks']}"
-        if run.get("fastest_backend") == run["auto_picks"]:
-            line += ", the fastest backend"
-        elif "fastest_backend" in run:
-            line += f"; {run['fastest_backend']} ran faster, x{fmt(run['fastest_over_picked'])} per round"
+        for backend, ratio in run.get("others_vs_pick", {}).items():
+            line += f"; {backend} runs x{fmt(ratio)} its speed, {verdict(ratio)}"
         print(line)
     print("\n".join(f"# {n}" for n in notes))
     print(FOOTNOTE)
     if args.json:
-        print(json.dumps({"cases": rows, "runs": runs, "notes": notes}))
+        print(json.dumps({"cases": rows, "runs": runs, "notes": notes, "load_average": load}))
     return 0
 
 

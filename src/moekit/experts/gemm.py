@@ -82,9 +82,9 @@ def resolve_backend(backend: str, x: Tensor, w: Tensor) -> str:
     - CUDA: ``torch._grouped_mm`` in bf16 on compute capability 9.0+, per-expert matmuls elsewhere.
     - No ``torch._grouped_mm``, or a dtype it does not take: per-expert matmuls.
 
-    Nothing is measured at run time. The CPU rule was set from ``benchmarks/moe_layer.py`` on a
-    2-core CPU, which prints for each of its shapes and passes what ``auto`` picks beside the
-    backend that measured faster; the CUDA rule follows where the grouped kernel was written for.
+    Nothing is measured at run time. ``benchmarks/moe_layer.py`` prints, for each of its shapes and
+    passes, what ``auto`` picks and the other backend's speed relative to it, round by round; the
+    CUDA rule follows where the grouped kernel was written for.
     """
     if backend != "auto":
         return backend
