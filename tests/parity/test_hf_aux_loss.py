@@ -19,7 +19,7 @@ from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_fun
 
 from moekit.config import ModelConfig, MoEConfig  # noqa: E402
 from moekit.convert import from_hf, to_hf  # noqa: E402
-from moekit.convert.hf import configs_from_hf  # noqa: E402
+from moekit.convert.hf_config import configs_from_hf  # noqa: E402
 from moekit.layer import MoE  # noqa: E402
 from moekit.model import Transformer  # noqa: E402
 

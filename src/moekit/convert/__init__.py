@@ -1,4 +1,5 @@
-"""Models in and out of moekit: Hugging Face checkpoints (hf.py) and dense-to-MoE upcycling (upcycle.py)."""
+"""Models in and out of moekit: Hugging Face checkpoints (hf.py over hf_config.py, keymap.py and
+safetensors_dir.py) and dense-to-MoE upcycling (upcycle.py)."""
 
 from moekit.convert.hf import ConversionError, from_hf, to_hf
 

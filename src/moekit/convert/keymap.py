@@ -1,0 +1,186 @@
+"""The key map between moekit's and Hugging Face's tensor names, for both directions.
+
+One table of ``Rule`` s: each native tensor is the concatenation (rows) of one or more Hugging Face
+tensors, per expert and transposed to ``[in, out]`` for routed experts. Hugging Face tensor names
+live in this module only.
+
+Legend: E experts, D model dim, F expert hidden dim.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import torch
+from torch import Tensor
+
+from moekit.config import ModelConfig, MoEConfig
+
+
+@dataclass(frozen=True)
+class Family:
+    """Where one Hugging Face architecture keeps its tensors."""
+
+    model_type: str  # config.json "model_type"
+    architecture: str  # config.json "architectures"[0]
+    moe: bool  # routed experts (else a dense model, read for upcycling)
+    mlp: str  # module holding each block's MLP or MoE
+    expert: tuple[str, str, str]  # names of an expert's gate, up and down projections
+
+
+_PROJ = ("gate_proj", "up_proj", "down_proj")
+FAMILIES = {
+    f.model_type: f
+    for f in (
+        Family("mixtral", "MixtralForCausalLM", True, "block_sparse_moe", ("w1", "w3", "w2")),
+        Family("qwen2_moe", "Qwen2MoeForCausalLM", True, "mlp", _PROJ),
+        Family("olmoe", "OlmoeForCausalLM", True, "mlp", _PROJ),
+        Family("llama", "LlamaForCausalLM", False, "mlp", _PROJ),
+        Family("mistral", "MistralForCausalLM", False, "mlp", _PROJ),
+        Family("qwen2", "Qwen2ForCausalLM", False, "mlp", _PROJ),
+    )
+}
+
+
+@dataclass(frozen=True)
+class Part:
+    key: str  # Hugging Face tensor name; "{e}" stands for the expert index
+    rows: int  # rows it fills in the (per-expert, [out, in]) native tensor
+    rope_heads: int = 0  # >0: query/key rows of this many heads, reordered for RoPE
+
+
+@dataclass(frozen=True)
+class Rule:
+    native: str  # moekit tensor name
+    parts: tuple[Part, ...]  # concatenated along rows
+    experts: int = 0  # >0: one [out, in] matrix per expert, transposed and stacked to [E, in, out]
+    groups: int = 0  # >0: the parts interleave in this many row groups (moekit's per-kv-group qkv)
+
+
+def interleave_rope(w: Tensor, heads: int) -> Tensor:
+    """Per head, rows (a_0..a_{h/2-1}, b_0..b_{h/2-1}) -> (a_0, b_0, a_1, b_1, ...).
+
+    Hugging Face rotates the pair (x[j], x[j + h/2]) ("rotate_half"), moekit the pair (x[2j], x[2j+1])
+    (complex RoPE); both by the angle of frequency j, so reordering the query and key rows makes
+    the two compute the same attention scores (as gpt-fast's Llama conversion does, reversed).
+    """
+    return w.reshape(heads, 2, -1, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def deinterleave_rope(w: Tensor, heads: int) -> Tensor:
+    """The inverse of ``interleave_rope``: moekit's row order back to Hugging Face's."""
+    return w.reshape(heads, -1, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def _moe_at(model: ModelConfig, moe: MoEConfig | None, layer: int) -> MoEConfig | None:
+    """The MoE config of block ``layer``, or None for a dense block."""
+    layers = model.moe_layers()
+    if moe is None or layer not in layers:
+        return None
+    if model.experts_per_layer:
+        return replace(moe, num_experts=model.experts_per_layer[layers.index(layer)])
+    return moe
+
+
+def rules(family: Family, model: ModelConfig, moe: MoEConfig | None) -> list[Rule]:
+    """Every native tensor of ``Transformer(model, moe)`` and the Hugging Face tensors it is made of."""
+    head_dim = model.d_model // model.n_heads
+    q_rows, kv_rows = model.n_heads * head_dim, model.kv_heads * head_dim
+    table = [Rule("embed.weight", (Part("model.embed_tokens.weight", model.vocab_size),))]
+    for i in range(model.n_layers):
+        n, h = f"blocks.{i}.", f"model.layers.{i}."
+        attn = h + "self_attn."
+        table.append(Rule(n + "attn_norm.weight", (Part(h + "input_layernorm.weight", model.d_model),)))
+        table.append(Rule(n + "ffn_norm.weight", (Part(h + "post_attention_layernorm.weight", model.d_model),)))
+        for kind in ("weight", "bias") if model.qkv_bias else ("weight",):
+            q = Part(f"{attn}q_proj.{kind}", q_rows, model.n_heads)
+            k = Part(f"{attn}k_proj.{kind}", kv_rows, model.kv_heads)
+            v = Part(f"{attn}v_proj.{kind}", kv_rows)
+            table.append(Rule(f"{n}attn.qkv.{kind}", (q, k, v), groups=model.kv_heads))
+        table.append(Rule(n + "attn.out.weight", (Part(attn + "o_proj.weight", model.d_model),)))
+        if model.qk_norm:
+            table.append(Rule(n + "attn.qk_norm.q.weight", (Part(attn + "q_norm.weight", q_rows, model.n_heads),)))
+            table.append(Rule(n + "attn.qk_norm.k.weight", (Part(attn + "k_norm.weight", kv_rows, model.kv_heads),)))
+        layer_moe = _moe_at(model, moe, i)
+        mlp = h + family.mlp + "."
+        if layer_moe is None:
+            table += _ffn_rules(n + "ffn.", mlp, _PROJ, model.d_ff, model.d_model)
+            continue
+        gate, up, down = (f"{mlp}experts.{{e}}.{name}.weight" for name in family.expert)
+        f, e = layer_moe.d_ff, layer_moe.num_experts
+        table.append(Rule(n + "ffn.router.gate.weight", (Part(mlp + "gate.weight", e),)))
+        table.append(Rule(n + "ffn.experts.w_in", (Part(gate, f), Part(up, f)), experts=e))
+        table.append(Rule(n + "ffn.experts.w_out", (Part(down, model.d_model),), experts=e))
+        if layer_moe.num_shared_experts:
+            shared_ff = layer_moe.shared_hidden
+            table += _ffn_rules(n + "ffn.shared.", mlp + "shared_expert.", _PROJ, shared_ff, model.d_model)
+        if layer_moe.shared_expert_gate:
+            table.append(Rule(n + "ffn.shared_gate.weight", (Part(mlp + "shared_expert_gate.weight", 1),)))
+    table.append(Rule("norm.weight", (Part("model.norm.weight", model.d_model),)))
+    if not model.tie_embeddings:
+        table.append(Rule("lm_head.weight", (Part("lm_head.weight", model.vocab_size),)))
+    return table
+
+
+def _ffn_rules(native: str, hf: str, names: tuple[str, str, str], d_ff: int, d_model: int) -> list[Rule]:
+    """A SwiGLU MLP: gate, up (moekit's ``w_in``) and down projections."""
+    gate, up, down = (f"{hf}{name}.weight" for name in names)
+    return [
+        Rule(native + "w_gate.weight", (Part(gate, d_ff),)),
+        Rule(native + "w_in.weight", (Part(up, d_ff),)),
+        Rule(native + "w_out.weight", (Part(down, d_model),)),
+    ]
+
+
+def inert(family: Family, model: ModelConfig, moe: MoEConfig | None) -> dict[str, tuple[int, ...]]:
+    """Hugging Face tensors with no moekit counterpart that change nothing, and their shapes.
+
+    Qwen2-MoE always builds a shared expert and its gate; a model without shared experts is one
+    whose shared expert has width 0, which outputs zeros whatever its gate holds.
+    """
+    if family.model_type != "qwen2_moe":
+        return {}
+    out: dict[str, tuple[int, ...]] = {}
+    for i in model.moe_layers():
+        layer_moe = _moe_at(model, moe, i)
+        if layer_moe is None or layer_moe.num_shared_experts:
+            continue
+        shared = f"model.layers.{i}.{family.mlp}.shared_expert"
+        d = model.d_model
+        out |= {f"{shared}.gate_proj.weight": (0, d), f"{shared}.up_proj.weight": (0, d)}
+        out |= {f"{shared}.down_proj.weight": (d, 0), f"{shared}_gate.weight": (1, d)}
+    return out
+
+
+def join(rule: Rule, read: Callable[[str], Tensor]) -> Tensor:
+    """The native tensor of ``rule`` from the Hugging Face tensors ``read`` returns."""
+
+    def matrix(expert: int) -> Tensor:
+        parts = []
+        for part in rule.parts:
+            t = read(part.key.format(e=expert))
+            parts.append(interleave_rope(t, part.rope_heads) if part.rope_heads else t)
+        if rule.groups:
+            return torch.cat([p.unflatten(0, (rule.groups, -1)) for p in parts], dim=1).flatten(0, 1)
+        return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+    if not rule.experts:
+        return matrix(0)
+    return torch.stack([matrix(e).t() for e in range(rule.experts)])
+
+
+def split(rule: Rule, tensor: Tensor) -> dict[str, Tensor]:
+    """The Hugging Face tensors of ``rule`` cut from its native tensor (the inverse of ``join``)."""
+    out: dict[str, Tensor] = {}
+    for expert in range(rule.experts or 1):
+        matrix = tensor[expert].t() if rule.experts else tensor
+        if rule.groups:
+            grouped = matrix.unflatten(0, (rule.groups, -1))
+            pieces = [g.flatten(0, 1) for g in grouped.split([p.rows // rule.groups for p in rule.parts], dim=1)]
+        else:
+            pieces = matrix.split([p.rows for p in rule.parts])
+        for part, piece in zip(rule.parts, pieces, strict=True):
+            piece = deinterleave_rope(piece, part.rope_heads) if part.rope_heads else piece
+            out[part.key.format(e=expert)] = piece.contiguous().clone()
+    return out
