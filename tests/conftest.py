@@ -1,4 +1,14 @@
-"""Shared fixtures: a small real-text corpus written into the test's own directory."""
+"""Shared fixtures: a small real-text corpus and tiny run directories, written into the test's own directory.
+
+Layout: the tests mirror the package.
+- unit/test_<module>.py tests ``moekit/<module>.py`` and unit/test_<subpackage>_<module>.py tests
+  ``moekit/<subpackage>/<module>.py`` (test_run_checkpoint.py: run/checkpoint.py); a module with two
+  files adds a topic (test_train_loop_nonfinite.py). test_imports.py checks the package as a whole.
+- e2e/test_cli_<command>.py drives one ``moekit`` command as a user does (``python -m moekit`` or
+  ``moekit.cli.main``); e2e/test_bad_input.py is the table of bad input across commands.
+- dist/ spawns gloo ranks; parity/ compares with transformers (both named by what they check).
+Helpers used by more than one file live in helpers.py, fixtures here.
+"""
 
 from __future__ import annotations
 
@@ -58,3 +68,9 @@ def _write_run(run_dir: Path, **overrides: str) -> Path:
 def write_run():
     """``write_run(run_dir, **overrides)``: a tiny MoE run directory with one checkpoint."""
     return _write_run
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory: pytest.TempPathFactory, write_run) -> Path:
+    """One tiny run directory per test module, read (never written) by its tests."""
+    return write_run(tmp_path_factory.mktemp("offload") / "run")

@@ -9,7 +9,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from moekit import MoE, MoEConfig
-from moekit.experts.gemm import has_grouped_mm, resolve_backend
 from moekit.reference import moe_per_token
 
 ATOL = 1e-5
@@ -135,17 +134,6 @@ def test_gemm_backends_agree_and_survive_zero_stride_grads() -> None:
     torch.testing.assert_close(outs[0], outs[1], atol=ATOL, rtol=0)
     for a, b in zip(grads[0], grads[1], strict=True):
         torch.testing.assert_close(a, b, atol=ATOL, rtol=0)
-
-
-def test_auto_gemm_is_the_documented_cpu_rule() -> None:
-    """``auto`` is a fixed rule, not a measurement: grouped_mm to train, per-expert matmuls to infer."""
-    w = torch.randn(4, 8, 8, requires_grad=True)
-    x = torch.randn(10, 8)
-    assert resolve_backend("auto", x, w) == ("grouped_mm" if has_grouped_mm() else "per_expert_mm")
-    with torch.no_grad():
-        assert resolve_backend("auto", x, w) == "per_expert_mm"
-    assert resolve_backend("auto", x.double(), w.double()) == "per_expert_mm"
-    assert resolve_backend("per_expert_mm", x, w) == "per_expert_mm"
 
 
 @pytest.mark.parametrize("gemm", ["per_expert_mm", "grouped_mm"])

@@ -1,4 +1,4 @@
-"""Routers, capacity drops, balancing losses and config validation against hand-worked numbers."""
+"""Routers (the DTS gate too), capacity drops, balancing losses and config validation against hand-worked numbers."""
 
 from __future__ import annotations
 
@@ -9,7 +9,14 @@ import torch
 
 from moekit import MoE, MoEConfig
 from moekit.dispatch import LocalDispatcher
-from moekit.routing import RouterOutput, router_z_loss, switch_aux_loss, update_expert_bias
+from moekit.routing import (
+    RouterOutput,
+    build_router,
+    dts_schedule,
+    router_z_loss,
+    switch_aux_loss,
+    update_expert_bias,
+)
 
 
 def test_switch_aux_loss_formula() -> None:
@@ -176,3 +183,38 @@ def test_bad_config_names_field_and_value(overrides: dict, field: str) -> None:
     with pytest.raises(ValueError, match=rf"^{field}=") as err:
         MoEConfig(**cfg)
     assert repr(overrides[field] if field in overrides else cfg[field]) in str(err.value)
+
+
+def test_dts_schedule_anneals_from_dense_to_top_k() -> None:
+    schedule = [dts_schedule(step, 8, 2, 100, 2.0) for step in range(0, 121, 10)]
+    assert schedule[0] == (8, 2.0)
+    assert schedule[-1] == (2, 1.0) and dts_schedule(100, 8, 2, 100, 2.0) == (2, 1.0)
+    ks = [k for k, _ in schedule]
+    temperatures = [t for _, t in schedule]
+    assert ks == sorted(ks, reverse=True) and temperatures == sorted(temperatures, reverse=True)
+    assert 2 < dts_schedule(50, 8, 2, 100, 2.0)[0] < 8
+
+
+def test_dts_router_starts_dense_and_ends_as_plain_top_k() -> None:
+    torch.manual_seed(0)
+    cfg = MoEConfig(d_model=16, d_ff=8, num_experts=6, top_k=2, dts_steps=20, dts_temperature=3.0)
+    router = build_router(cfg)
+    plain = build_router(MoEConfig(d_model=16, d_ff=8, num_experts=6, top_k=2))
+    plain.load_state_dict(router.state_dict())
+    x = torch.randn(10, 16)
+    router.step = 0
+    start = router(x)
+    assert start.expert_idx.numel() == 10 * 6 and start.num_picks == 60
+    # Every expert, softmax at temperature 3 (renormalised over all experts: unchanged).
+    probs = torch.softmax(x @ router.gate.weight.t() / 3.0, dim=-1)
+    weights = torch.zeros(10, 6).index_put_((start.token_idx, start.expert_idx), start.weights)
+    torch.testing.assert_close(weights, probs)
+    for step in (20, None):  # annealed, and at inference (no step set)
+        router.step = step
+        got, expected = router(x), plain(x)
+        assert torch.equal(got.expert_idx, expected.expert_idx) and torch.equal(got.weights, expected.weights)
+
+
+def test_dts_needs_a_softmax_top_k_router() -> None:
+    with pytest.raises(ValueError, match="dts_steps=5: the DTS gate needs router = topk"):
+        MoEConfig(d_model=8, d_ff=8, router="expert_choice", dts_steps=5)

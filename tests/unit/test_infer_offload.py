@@ -11,39 +11,21 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from helpers import budget_for
 
-from moekit import runconfig
 from moekit.infer import offload
 from moekit.infer.cache import LFU, LRU, ExpertCache
 from moekit.infer.expert_store import (
-    ExpertStore,
     ExpertStoreError,
-    aligned_empty,
     expert_tensor_prefix,
     read_safetensors_header,
 )
 from moekit.infer.generate import generate, generate_texts, left_pad
 from moekit.infer.offload import OffloadOptions, PinnedExperts, model_bytes, parse_bytes
-from moekit.infer.quant import roles
 from moekit.model import Transformer
 from moekit.run.load import load_run
 
 PROMPTS = [[5, 17, 99, 3, 42, 8, 1], [200, 13], [7, 7, 7, 7]]
-
-
-@pytest.fixture(scope="module")
-def run_dir(tmp_path_factory: pytest.TempPathFactory, write_run) -> Path:
-    return write_run(tmp_path_factory.mktemp("offload") / "run")
-
-
-def budget_for(run_dir: Path, experts: int, **options) -> int:
-    """Bytes for the non-expert weights plus ``experts`` cache slots."""
-    probe = load_run(run_dir, offload=OffloadOptions(memory_budget=1 << 40, **options))
-    try:
-        return model_bytes(probe.model) + experts * probe.offloader.cache.slot_bytes
-    finally:
-        probe.offloader.close()
 
 
 def greedy(model: Transformer, new_tokens: int = 12) -> torch.Tensor:
@@ -325,24 +307,6 @@ def test_parse_bytes() -> None:
         parse_bytes("lots")
 
 
-def test_cli_generate_offloaded_batch(run_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    from moekit.cli import main
-
-    prompts = tmp_path / "prompts.txt"
-    prompts.write_text("ab\nhello\n\nxyz\n")
-    budget = str(budget_for(run_dir, 2))
-    argv = ["generate", str(run_dir), "--prompts-file", str(prompts), "--batch-size", "2", "--max-new-tokens", "5"]
-    assert main([*argv, "--memory-budget", budget, "--temperature", "0", "--policy", "lfu"]) == 0
-    out = capsys.readouterr()
-    assert len(out.out.splitlines()) == 3 and out.out.startswith("ab")
-    assert "tokens/s" in out.err and "hit rate" in out.err and "read " in out.err
-    assert main([*argv, "--memory-budget", "10KB"]) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "smaller than the non-expert weights" in err
-    assert main([*argv, "--memory-budget", budget, "--policy", "mru"]) == 2
-    assert "--policy='mru'" in capsys.readouterr().err
-
-
 def test_host_tier_holds_every_expert_as_the_store_reads_it(run_dir: Path) -> None:
     run = load_run(run_dir, offload=OffloadOptions(memory_budget=1 << 30))
     store = run.offloader.store
@@ -356,38 +320,3 @@ def test_host_tier_holds_every_expert_as_the_store_reads_it(run_dir: Path) -> No
                 assert torch.equal(store.views(key, host.slot(key))[role], view), (key, role)
     finally:
         run.offloader.close()
-
-
-def _store_args(run_dir: Path) -> tuple[Path, dict[int, int]]:
-    cfg = runconfig.from_json(run_dir / "config.json")
-    weights = next(run_dir.glob("checkpoints/step_*/model.safetensors"))
-    return weights, dict.fromkeys(cfg.model.moe_layers(), cfg.moe.num_experts)
-
-
-@pytest.mark.parametrize("direct", [True, False])
-def test_each_expert_read_equals_the_checkpoint_tensor(run_dir: Path, direct: bool) -> None:
-    """Direct (O_DIRECT, whole 4 KiB blocks) and buffered reads land each tensor where ``views`` finds it."""
-    weights, blocks = _store_args(run_dir)
-    reference = load_file(weights)
-    with ExpertStore(weights, blocks, roles("fp"), direct=direct) as store:
-        if direct and not store.direct:
-            pytest.skip("this filesystem has no direct reads")
-        assert store.direct == direct
-        for slot in (aligned_empty(store.slot_bytes), aligned_empty(store.slot_bytes + 64)[64:]):
-            for block, expert in store.pieces:  # (a slot off the 4 KiB grid is read buffered, to the same places)
-                assert store.read_into((block, expert), slot) == store.bytes_per_expert
-                for role, view in store.views((block, expert), slot).items():
-                    assert torch.equal(view, reference[expert_tensor_prefix(block) + role][expert]), (block, role)
-
-
-@pytest.mark.parametrize("direct", [True, False])
-def test_a_file_cut_after_opening_names_the_expert(run_dir: Path, tmp_path: Path, direct: bool) -> None:
-    weights, blocks = _store_args(run_dir)
-    cut = tmp_path / "model.safetensors"
-    shutil.copy(weights, cut)
-    with ExpertStore(cut, blocks, roles("fp"), direct=direct) as store:
-        last = max(store.pieces)
-        w_out = next(p for p in store.pieces[last] if p.name == "w_out")
-        os.truncate(cut, w_out.file_offset + w_out.nbytes // 2)
-        with pytest.raises(ExpertStoreError, match=rf"truncated: expert {last[1]} of block {last[0]} \(w_out\)"):
-            store.read_into(last, aligned_empty(store.slot_bytes))

@@ -1,14 +1,12 @@
-"""The planner's cost model against hand-computed values, its enumeration, memory check and CLI."""
+"""The planner's cost model against hand-computed values, its enumeration and memory check."""
 
 from __future__ import annotations
 
 import dataclasses
-from importlib import resources
 
 import pytest
 
 from moekit import runconfig
-from moekit.cli import main
 from moekit.model import Transformer
 from moekit.parallel.planner import (
     Candidate,
@@ -158,19 +156,3 @@ def test_rescore_with_skewed_loads_prefers_placement() -> None:
     assert r.placed.step_s == pytest.approx(r.estimate.step_s) and not r.switch
     ep2 = rescore(spec, c, [estimate(spec, Candidate(2, 2, 1, 1, 1, "flat", False), c)], skewed, 100)[0]
     assert ep2.placed.step_s < ep2.estimate.step_s
-
-
-def test_plan_cli(capsys, tmp_path) -> None:
-    assert main(["plan", "--model", "deepseek-moe-16b", "--cluster", "h100-ib-32", "--top", "3"]) == 0
-    out = capsys.readouterr().out
-    assert "step s" in out and len(out.strip().splitlines()) == 5
-    assert main(["plan", "--model", "nope", "--cluster", "h100x8"]) == 2
-    assert "--model: unknown preset 'nope'" in capsys.readouterr().err
-    bad = tmp_path / "c.toml"
-    bad.write_text("nodes = 1\ngpus_per_node = 8\n")
-    assert main(["plan", "--model", "mixtral-8x7b", "--cluster", str(bad)]) == 2
-    assert "missing field(s) peak_tflops" in capsys.readouterr().err
-    preset = (resources.files("moekit.configs") / "clusters" / "h100x8.toml").read_text()
-    bad.write_text(preset + "pass_overhead_us = -1\n")
-    assert main(["plan", "--model", "mixtral-8x7b", "--cluster", str(bad)]) == 2
-    assert "pass_overhead_us=-1 must be a number >= 0" in capsys.readouterr().err

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import math
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -181,21 +179,6 @@ def test_nonfinite_weights_are_never_saved(corpus_file: Path, tmp_path: Path) ->
     assert all(w.isfinite().all() for w in weights.values())
 
 
-def test_exploded_weights_stop_after_max_nonfinite_steps(corpus_file: Path, tmp_path: Path) -> None:
-    run = tmp_path / "run"
-    args = ["train", "--preset", "tiny", "--data", str(corpus_file), "--run-dir", str(run), "--quiet"]
-    args += ["--data.cache_dir", str(tmp_path / "cache"), "--train.lr", "1e30", "--train.warmup_steps", "0"]
-    args += ["--train.ckpt_every", "1", "--train.grad_clip", "0", "--train.max_nonfinite_steps", "2"]
-    # Step 1's update leaves huge finite weights; their gradients overflow from step 2 on.
-    proc = subprocess.run([sys.executable, "-m", "moekit", *args], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    lines = proc.stderr.strip().splitlines()
-    assert "gradient norm is nan at step 2: update skipped" in proc.stderr
-    assert "2 steps in a row at step 3 (train.max_nonfinite_steps=2)" in lines[-1], lines[-1]
-    assert lines[-1].endswith("step_000002") and latest_checkpoint(run).name == "step_000002"
-    assert all(w.isfinite().all() for w in load_run(run).model.state_dict().values())
-
-
 def _nan_on_rank_one(rank: int, world: int, corpus: Path, tmp: Path) -> None:
     cfg = tiny(corpus, tmp / "cache", **{"train.steps": "4", "parallel.ep": "2"})
     with Watch({3} if rank == 1 else set()) as watch:
@@ -210,8 +193,3 @@ def test_every_rank_skips_a_step_that_is_nan_on_one(corpus_file: Path, tmp_path:
 
     run_ranks(_nan_on_rank_one, 2, corpus_file, tmp_path, tmp_path=tmp_path)
     assert [r["skipped"] for r in read_metrics(tmp_path / "run")] == [False, False, True, False]
-
-
-def test_max_nonfinite_steps_must_be_positive() -> None:
-    with pytest.raises(ValueError, match=r"train.max_nonfinite_steps=0: must be a positive integer"):
-        runconfig.resolve("tiny", {"train.max_nonfinite_steps": "0"})

@@ -1,63 +1,16 @@
-"""MetricsLogger's JSONL + TensorBoard output, crash/resume handling in read_metrics, and the PNG plots."""
+"""MetricsLogger's JSONL + TensorBoard output and crash/resume handling in read_metrics."""
 
 from __future__ import annotations
 
 import json
-import math
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
+from helpers import log_run, synthetic_record
 
 from moekit.train import metrics
 from moekit.train.metrics import MetricsLogger, read_metrics
-from moekit.train.plots import compare_runs, plot_run
-
-PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-
-
-def synthetic_record(step: int, moe: bool = True, offset: float = 0.0) -> dict[str, Any]:
-    """A trainer-like record: 2 MoE layers of 4 experts, layer 0 drifting from skewed toward uniform."""
-    record: dict[str, Any] = {
-        "step": step,
-        "loss": 6.0 * math.exp(-step / 15) + 3.0 + 0.05 * math.sin(step) + offset,
-        "lr": 6e-4 * min(1.0, step / 5),
-        "tokens_per_s": 5400.0,
-        "mfu": 0.031,
-    }
-    if moe:
-        skew = 0.3 * math.exp(-step / 10)
-        layer0 = [0.25 + skew, 0.25 - skew / 3, 0.25 - skew / 3, 0.25 - skew / 3]
-        layer1 = [0.26, 0.24, 0.25, 0.25]
-        record |= {
-            "aux_loss": 1.0 + skew,
-            "z_loss": 0.35,
-            "dropped_frac": 0.0,
-            "load_max_over_mean": [max(layer0) * 4, max(layer1) * 4],
-            "load_cv": [skew, 0.01],
-            "expert_load": [layer0, layer1],
-        }
-    if step % 10 == 0:
-        record["val_loss"] = record["loss"] + 0.1
-    return record
-
-
-def log_run(run_dir: Path, steps: range, moe: bool = True, offset: float = 0.0, tensorboard: bool = True) -> list[dict]:
-    records = [synthetic_record(s, moe, offset) for s in steps]
-    with MetricsLogger(run_dir, tensorboard=tensorboard) as logger:
-        for r in records:
-            logger.log(r)
-    return records
-
-
-def assert_png(path: Path, min_bytes: int = 10_000) -> tuple[int, ...]:
-    from matplotlib.image import imread
-
-    data = path.read_bytes()
-    assert data[:8] == PNG_SIGNATURE
-    assert len(data) > min_bytes
-    return imread(path).shape
 
 
 def test_jsonl_has_every_record_and_read_metrics_round_trips(tmp_path: Path) -> None:
@@ -155,69 +108,3 @@ def test_missing_tensorboard_warns_once_and_keeps_jsonl(
     assert len(err) == 1 and "tensorboard is not installed" in err[0]
     assert len(read_metrics(tmp_path / "b")) == 3
     assert not (tmp_path / "b" / "tensorboard").exists()
-
-
-def test_plot_run_writes_loss_and_expert_load_pngs(tmp_path: Path) -> None:
-    pytest.importorskip("matplotlib")
-    log_run(tmp_path, range(1, 31), tensorboard=False)
-    paths = plot_run(tmp_path)
-    assert paths == [tmp_path / "plots" / "loss.png", tmp_path / "plots" / "expert_load.png"]
-    for path in paths:
-        height, width, channels = assert_png(path)
-        assert width >= 1000 and height >= 500 and channels in (3, 4)
-
-
-def test_plot_run_of_a_dense_run_writes_only_the_loss(tmp_path: Path) -> None:
-    pytest.importorskip("matplotlib")
-    log_run(tmp_path / "run", range(1, 31), moe=False, tensorboard=False)
-    out = tmp_path / "out"
-    assert plot_run(tmp_path / "run", out) == [out / "loss.png"]
-    assert sorted(p.name for p in out.iterdir()) == ["loss.png"]
-    assert_png(out / "loss.png")
-
-
-@pytest.mark.parametrize("content", [None, ""])
-def test_plot_run_without_metrics_names_the_file(tmp_path: Path, content: str | None) -> None:
-    if content is not None:
-        (tmp_path / "metrics.jsonl").write_text(content)
-    with pytest.raises(ValueError, match=r"metrics\.jsonl"):
-        plot_run(tmp_path)
-
-
-def test_plot_run_without_matplotlib_says_how_to_install(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    log_run(tmp_path, range(1, 4), tensorboard=False)
-    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
-    with pytest.raises(RuntimeError, match="pip install matplotlib"):
-        plot_run(tmp_path)
-
-
-def test_compare_runs_draws_one_png(tmp_path: Path) -> None:
-    pytest.importorskip("matplotlib")
-    log_run(tmp_path / "dense", range(1, 31), moe=False, offset=0.2, tensorboard=False)
-    log_run(tmp_path / "moe", range(1, 31), tensorboard=False)
-    out = compare_runs(
-        {"dense": tmp_path / "dense", "moe": tmp_path / "moe"}, tmp_path / "cmp" / "loss.png", "dense vs MoE"
-    )
-    assert out == tmp_path / "cmp" / "loss.png"
-    assert_png(out)
-    with pytest.raises(ValueError, match="at least one run"):
-        compare_runs({}, tmp_path / "x.png", "nothing")
-
-
-def test_plot_run_of_an_expert_parallel_run_adds_placement(tmp_path: Path) -> None:
-    with MetricsLogger(tmp_path, tensorboard=False) as logger:
-        for step in range(1, 31):
-            placed = step > 10  # re-placed at step 10: the ranks even out
-            logger.log(
-                synthetic_record(step)
-                | {
-                    "rank_load": [100.0, 100.0] if placed else [150.0, 50.0],
-                    "rank_imbalance": 1.0 if placed else 1.5,
-                    "placement_moves": int(step == 10) * 2,
-                    "placement_bytes": 4e6 if step == 10 else 0.0,
-                    "placement_s": 0.02 if step == 10 else 0.001,
-                }
-            )
-    paths = plot_run(tmp_path)
-    assert [p.name for p in paths] == ["loss.png", "expert_load.png", "placement.png"]
-    assert_png(paths[-1])

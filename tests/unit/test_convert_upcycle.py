@@ -1,15 +1,14 @@
-"""Sparse upcycling and the DTS gate: the upcycled model equals its dense parent at step 0."""
+"""Sparse upcycling: the upcycled model equals its dense parent at step 0."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from moekit.config import ModelConfig, MoEConfig
+from moekit.config import ModelConfig
 from moekit.convert.upcycle import expert_slices, upcycle
 from moekit.experts import DenseFFN
 from moekit.model import Transformer
-from moekit.routing import build_router, dts_schedule
 
 TOL = 1e-5  # fp32: the same products summed in another order
 
@@ -88,38 +87,3 @@ def test_upcycle_rejects_bad_requests() -> None:
     moe = upcycle(dense, 4, 2)
     with pytest.raises(ValueError, match="already has MoE blocks"):
         upcycle(moe, 4, 2)
-
-
-def test_dts_schedule_anneals_from_dense_to_top_k() -> None:
-    schedule = [dts_schedule(step, 8, 2, 100, 2.0) for step in range(0, 121, 10)]
-    assert schedule[0] == (8, 2.0)
-    assert schedule[-1] == (2, 1.0) and dts_schedule(100, 8, 2, 100, 2.0) == (2, 1.0)
-    ks = [k for k, _ in schedule]
-    temperatures = [t for _, t in schedule]
-    assert ks == sorted(ks, reverse=True) and temperatures == sorted(temperatures, reverse=True)
-    assert 2 < dts_schedule(50, 8, 2, 100, 2.0)[0] < 8
-
-
-def test_dts_router_starts_dense_and_ends_as_plain_top_k() -> None:
-    torch.manual_seed(0)
-    cfg = MoEConfig(d_model=16, d_ff=8, num_experts=6, top_k=2, dts_steps=20, dts_temperature=3.0)
-    router = build_router(cfg)
-    plain = build_router(MoEConfig(d_model=16, d_ff=8, num_experts=6, top_k=2))
-    plain.load_state_dict(router.state_dict())
-    x = torch.randn(10, 16)
-    router.step = 0
-    start = router(x)
-    assert start.expert_idx.numel() == 10 * 6 and start.num_picks == 60
-    # Every expert, softmax at temperature 3 (renormalised over all experts: unchanged).
-    probs = torch.softmax(x @ router.gate.weight.t() / 3.0, dim=-1)
-    weights = torch.zeros(10, 6).index_put_((start.token_idx, start.expert_idx), start.weights)
-    torch.testing.assert_close(weights, probs)
-    for step in (20, None):  # annealed, and at inference (no step set)
-        router.step = step
-        got, expected = router(x), plain(x)
-        assert torch.equal(got.expert_idx, expected.expert_idx) and torch.equal(got.weights, expected.weights)
-
-
-def test_dts_needs_a_softmax_top_k_router() -> None:
-    with pytest.raises(ValueError, match="dts_steps=5: the DTS gate needs router = topk"):
-        MoEConfig(d_model=8, d_ff=8, router="expert_choice", dts_steps=5)

@@ -1,0 +1,56 @@
+"""``moekit generate``: bad sampling flags and a corrupt checkpoint are one line; an offloaded batch runs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from helpers import budget_for, moekit_cli, tiny
+
+from moekit.run.layout import CheckpointError, latest_checkpoint
+from moekit.run.load import load_run
+from moekit.train.loop import train
+
+
+def test_cli_generate_offloaded_batch(run_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from moekit.cli import main
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("ab\nhello\n\nxyz\n")
+    budget = str(budget_for(run_dir, 2))
+    argv = ["generate", str(run_dir), "--prompts-file", str(prompts), "--batch-size", "2", "--max-new-tokens", "5"]
+    assert main([*argv, "--memory-budget", budget, "--temperature", "0", "--policy", "lfu"]) == 0
+    out = capsys.readouterr()
+    assert len(out.out.splitlines()) == 3 and out.out.startswith("ab")
+    assert "tokens/s" in out.err and "hit rate" in out.err and "read " in out.err
+    assert main([*argv, "--memory-budget", "10KB"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "smaller than the non-expert weights" in err
+    assert main([*argv, "--memory-budget", budget, "--policy", "mru"]) == 2
+    assert "--policy='mru'" in capsys.readouterr().err
+
+
+def test_corrupt_checkpoint_is_named(corpus_file: Path, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    train(tiny(corpus_file, tmp_path / "cache", **{"train.steps": "2"}), run, progress=False)
+    weights = latest_checkpoint(run) / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-10] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="model.safetensors: corrupt"):
+        load_run(run)
+    proc = moekit_cli("generate", str(run), "--max-new-tokens", "5")
+    assert proc.returncode == 2 and "model.safetensors: corrupt" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize(
+    "flag, message",
+    [
+        (["--top-p", "0"], "--top-p=0.0"),
+        (["--top-k", "-3"], "--top-k=-3"),
+        (["--temperature", "-1"], "--temperature=-1.0"),
+    ],
+)
+def test_generate_rejects_bad_sampling_flags(flag: list[str], message: str, tmp_path: Path) -> None:
+    proc = moekit_cli("generate", str(tmp_path), *flag)
+    assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr

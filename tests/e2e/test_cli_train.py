@@ -1,0 +1,130 @@
+"""``moekit train`` as a user runs it (a subprocess): help, bad input, non-finite numbers, Ctrl-C and a
+failed save each end with one clear line and keep the last good checkpoint."""
+
+from __future__ import annotations
+
+import resource
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from helpers import moekit_cli
+
+from moekit.run.layout import latest_checkpoint
+from moekit.run.load import load_run
+from moekit.run.manifest import read_manifest
+
+
+def test_exploded_weights_stop_after_max_nonfinite_steps(corpus_file: Path, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    args = ["train", "--preset", "tiny", "--data", str(corpus_file), "--run-dir", str(run), "--quiet"]
+    args += ["--data.cache_dir", str(tmp_path / "cache"), "--train.lr", "1e30", "--train.warmup_steps", "0"]
+    args += ["--train.ckpt_every", "1", "--train.grad_clip", "0", "--train.max_nonfinite_steps", "2"]
+    # Step 1's update leaves huge finite weights; their gradients overflow from step 2 on.
+    proc = subprocess.run([sys.executable, "-m", "moekit", *args], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert "gradient norm is nan at step 2: update skipped" in proc.stderr
+    assert "2 steps in a row at step 3 (train.max_nonfinite_steps=2)" in lines[-1], lines[-1]
+    assert lines[-1].endswith("step_000002") and latest_checkpoint(run).name == "step_000002"
+    assert all(w.isfinite().all() for w in load_run(run).model.state_dict().values())
+
+
+def test_help_lists_presets_and_fields() -> None:
+    out = subprocess.run([sys.executable, "-m", "moekit", "train", "--help"], capture_output=True, text=True).stdout
+    assert "--moe.num_experts" in out and "routed experts in the layer" in out
+    assert "--model.n_layers" in out and "presets: default" in out
+    top = subprocess.run([sys.executable, "-m", "moekit", "--help"], capture_output=True, text=True).stdout
+    for command in ("train", "generate", "plot"):
+        assert command in top
+
+
+def test_nan_loss_stops_and_keeps_last_good_checkpoint(corpus_file: Path, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    args = ["train", "--preset", "tiny", "--data", str(corpus_file), "--run-dir", str(run), "--quiet"]
+    args += ["--data.cache_dir", str(tmp_path / "cache"), "--train.ckpt_every", "2"]
+    assert moekit_cli(*args, "--train.steps", "2").returncode == 0
+    # Resumed at a learning rate past float32's range: step 3's update makes the weights infinite
+    # (step 3 saves nothing), so step 4's loss is NaN.
+    proc = moekit_cli(*args, "--resume", "--train.steps", "4", "--train.lr", "1e39", "--train.warmup_steps", "0")
+    assert proc.returncode == 2
+    error = proc.stderr.strip().splitlines()[-1]
+    assert "loss is nan at step 4" in error or "loss is inf at step 4" in error, error
+    assert error.endswith("step_000002"), error
+    assert "Traceback" not in proc.stderr
+    assert latest_checkpoint(run).name == "step_000002"  # nothing of the NaN steps was saved
+    assert read_manifest(latest_checkpoint(run))["step"] == 2
+
+
+def test_ctrl_c_saves_a_checkpoint_then_exits(corpus_file: Path, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    args = ["train", "--preset", "tiny", "--data", str(corpus_file), "--run-dir", str(run), "--quiet"]
+    args += ["--data.cache_dir", str(tmp_path / "cache"), "--train.steps", "100000", "--train.ckpt_every", "0"]
+    proc = subprocess.Popen([sys.executable, "-m", "moekit", *args], stderr=subprocess.PIPE, text=True)
+    metrics = run / "metrics.jsonl"
+    deadline = time.monotonic() + 300  # generous: a loaded machine starts slowly; the steps are what count
+    while time.monotonic() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 3):
+        time.sleep(0.1)
+    assert metrics.exists() and len(metrics.read_text().splitlines()) >= 3, "the run did not start training"
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 130, stderr
+    assert "interrupted at step" in stderr and "Traceback" not in stderr
+    step = int(stderr.split("interrupted at step ")[1].split(";")[0])
+    assert step >= 3
+    assert latest_checkpoint(run).name == f"step_{step:06d}"
+    assert read_manifest(latest_checkpoint(run))["step"] == step
+
+
+def _limit_file_size(max_bytes: int):
+    def apply() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead
+        resource.setrlimit(resource.RLIMIT_FSIZE, (max_bytes, max_bytes))
+
+    return apply
+
+
+def test_failed_save_keeps_previous_checkpoint(corpus_file: Path, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    base = ["--preset", "tiny", "--data", str(corpus_file), "--run-dir", str(run), "--quiet"]
+    base += ["--data.cache_dir", str(tmp_path / "cache"), "--train.ckpt_every", "10"]
+    assert moekit_cli("train", *base, "--train.steps", "10").returncode == 0
+    good = latest_checkpoint(run)
+    size = max(p.stat().st_size for p in good.rglob("*.distcp"))
+    # Resume with files capped below the training state's size: the step-20 save cannot complete.
+    proc = moekit_cli("train", *base, "--resume", "--train.steps", "20", preexec=_limit_file_size(size // 2))
+    assert proc.returncode == 2, proc.stderr
+    error = proc.stderr.strip().splitlines()[-1]
+    assert "could not save checkpoint" in error and "step_000010 is intact" in error
+    assert latest_checkpoint(run) == good
+    assert read_manifest(good)["step"] == 10
+    assert not [p for p in (run / "checkpoints").iterdir() if p.name.startswith(".tmp")]
+    load_run(run)  # the previous checkpoint still loads
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--preset", "nope"], "unknown preset 'nope'"),
+        (["--moe.experts", "4"], "unrecognized arguments"),
+        (["--moe.top_k", "99"], "moe.top_k=99"),
+        (["--model.d_model", "abc"], "--model.d_model: cannot read 'abc'"),
+        (["--data", "/no/such/file.txt"], "/no/such/file.txt"),
+    ],
+)
+def test_bad_input_gives_one_line_error(args: list[str], message: str, tmp_path: Path) -> None:
+    proc = moekit_cli("train", "--run-dir", str(tmp_path / "run"), "--quiet", *args)
+    assert proc.returncode == 2
+    assert message in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_empty_data_file(tmp_path: Path) -> None:
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    proc = moekit_cli("train", "--preset", "tiny", "--data", str(empty), "--run-dir", str(tmp_path / "r"), "--quiet")
+    assert proc.returncode == 2 and str(empty) in proc.stderr and "Traceback" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1

@@ -1,0 +1,96 @@
+"""Helpers shared by test files in more than one place (fixtures live in conftest.py); tests/ is on
+sys.path through the rootdir conftest, so every test imports them as ``helpers``."""
+
+from __future__ import annotations
+
+import math
+import random
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from moekit import runconfig
+from moekit.infer.offload import OffloadOptions, model_bytes
+from moekit.run.load import load_run
+from moekit.train.metrics import MetricsLogger
+
+PROSE = (
+    "the expert router picks two of eight experts for every token and the load balancing loss keeps "
+    "them busy while a shared expert sees all tokens; capacity factor drops overflow naïvely. "
+    "def forward(self, x): return self.experts(x) + self.shared(x)  # ≈ 1.5× faster"
+)
+
+
+def sample_text(seed: int, num_lines: int = 60) -> str:
+    """A few KB of real-looking prose and code, different per seed."""
+    rng, words = random.Random(seed), PROSE.split()
+    lines = [" ".join(rng.choice(words) for _ in range(rng.randint(4, 14))) for _ in range(num_lines)]
+    return "\n".join(lines) + "\n"
+
+
+def write_file(path: Path, content: str | bytes) -> Path:
+    """Text as UTF-8 or raw bytes, creating the parent directories."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if isinstance(content, str):
+        path.write_text(content, encoding="utf-8")
+    else:
+        path.write_bytes(content)
+    return path
+
+
+def synthetic_record(step: int, moe: bool = True, offset: float = 0.0) -> dict[str, Any]:
+    """A trainer-like record: 2 MoE layers of 4 experts, layer 0 drifting from skewed toward uniform."""
+    record: dict[str, Any] = {
+        "step": step,
+        "loss": 6.0 * math.exp(-step / 15) + 3.0 + 0.05 * math.sin(step) + offset,
+        "lr": 6e-4 * min(1.0, step / 5),
+        "tokens_per_s": 5400.0,
+        "mfu": 0.031,
+    }
+    if moe:
+        skew = 0.3 * math.exp(-step / 10)
+        layer0 = [0.25 + skew, 0.25 - skew / 3, 0.25 - skew / 3, 0.25 - skew / 3]
+        layer1 = [0.26, 0.24, 0.25, 0.25]
+        record |= {
+            "aux_loss": 1.0 + skew,
+            "z_loss": 0.35,
+            "dropped_frac": 0.0,
+            "load_max_over_mean": [max(layer0) * 4, max(layer1) * 4],
+            "load_cv": [skew, 0.01],
+            "expert_load": [layer0, layer1],
+        }
+    if step % 10 == 0:
+        record["val_loss"] = record["loss"] + 0.1
+    return record
+
+
+def log_run(run_dir: Path, steps: range, moe: bool = True, offset: float = 0.0, tensorboard: bool = True) -> list[dict]:
+    """Logs ``synthetic_record`` of each step through the real MetricsLogger; returns the records."""
+    records = [synthetic_record(s, moe, offset) for s in steps]
+    with MetricsLogger(run_dir, tensorboard=tensorboard) as logger:
+        for r in records:
+            logger.log(r)
+    return records
+
+
+def budget_for(run_dir: Path, experts: int, **options) -> int:
+    """Bytes for the non-expert weights plus ``experts`` cache slots."""
+    probe = load_run(run_dir, offload=OffloadOptions(memory_budget=1 << 40, **options))
+    try:
+        return model_bytes(probe.model) + experts * probe.offloader.cache.slot_bytes
+    finally:
+        probe.offloader.close()
+
+
+def tiny(corpus: Path, cache: Path, **overrides: str):
+    """The tiny preset reading ``corpus``, its token cache under ``cache``."""
+    values = {"data.path": str(corpus), "data.cache_dir": str(cache)} | overrides
+    return runconfig.resolve("tiny", values)
+
+
+def moekit_cli(*args: str, preexec=None, timeout: float = 600) -> subprocess.CompletedProcess:
+    """``python -m moekit ARGS`` in a subprocess, as a user runs it."""
+    return subprocess.run(
+        [sys.executable, "-m", "moekit", *args], capture_output=True, text=True, timeout=timeout, preexec_fn=preexec
+    )
