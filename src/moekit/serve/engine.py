@@ -205,13 +205,14 @@ class Engine:
         now = time.monotonic()
         for r, ((index, seq), token) in enumerate(zip(sampling, tokens.tolist(), strict=True)):
             seq.tokens.append(token)
-            text, stopped = seq.state.add(token)
+            end_token = token in self.stop_tokens  # ends the choice; its text is not part of the answer
+            text, stopped = ("", True) if end_token else seq.state.add(token)
             routing = self._routing_of(index) if seq.params.return_routing else None
             seq.emit(Token(seq.choice, token, text, logprobs_of.get(r), routing))
             if self.metrics is not None:
                 self.metrics.token(now - (seq.last_token_at or seq.arrived), first=seq.last_token_at is None)
             seq.last_token_at = now
-            if stopped or token in self.stop_tokens:
+            if stopped:
                 self._finish(seq, "stop", "")
             elif seq.generated >= seq.params.max_tokens:
                 self._finish(seq, "length", "")

@@ -178,7 +178,10 @@ def parse_request(
     room = context - max(len(p) for p in prompts)
     cap = min(room, limits.max_tokens or context)
     name = "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens"
-    max_tokens = _number(body, name, cap, 1, cap, integer=True)
+    max_tokens = _number(body, name, cap, 1, math.inf, integer=True)
+    if max_tokens > cap:
+        why = f"the prompt leaves {room} of the context's {context}" if cap == room else "the server's --max-tokens"
+        raise ApiError(400, f"'{name}'={max_tokens}: at most {cap} ({why})", name)
     if chat:
         count = _number(body, "top_logprobs", 0, 0, MAX_LOGPROBS, integer=True)
         logprobs = count if _flag(body, "logprobs") else None

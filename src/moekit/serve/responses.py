@@ -58,7 +58,8 @@ class Shaper:
         return {
             "tokens": [text(e.token) for e in entries],
             "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [{text(t): lp for t, lp in e.top} for e in entries],
+            # NOTE: reversed, so that of tokens with the same text (bytes of split characters) the likeliest is kept.
+            "top_logprobs": [{text(t): lp for t, lp in reversed(e.top)} for e in entries],
             "text_offset": offsets,
         }
 
