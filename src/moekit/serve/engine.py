@@ -99,11 +99,9 @@ class Engine:
         self._thread: threading.Thread | None = None
         self.steps = 0
         # Tokens routed to each expert, per MoE layer, since the start (read by /metrics).
-        self.expert_load = [torch.zeros(moe.cfg.num_experts, dtype=torch.long) for moe in model.moe_layers()]
+        self.moe_layers = model.moe_layers()
+        self.expert_load = [torch.zeros(moe.cfg.num_experts, dtype=torch.long) for moe in self.moe_layers]
         self._routing: list = [None] * len(self.expert_load)
-        self._record_routing = False
-        for i, moe in enumerate(model.moe_layers()):
-            moe.router.register_forward_hook(self._routing_hook(i))
 
     # --- the API's side (any thread) -----------------------------------------------------------
 
@@ -184,8 +182,14 @@ class Engine:
             if seq.computed + n == len(seq.tokens):
                 sampling.append((len(ids) - 1, seq))
         step = PagedStep(self.pool, [Chunk(s.blocks, s.computed, n) for s, n in plan.chunks], self.device)
-        self._record_routing = any(seq.params.return_routing for _, seq in sampling)
-        out = self.run.model(torch.tensor([ids], device=self.device), cache=step)
+        hooks = []
+        if any(seq.params.return_routing for _, seq in sampling):  # hooks only on the steps that record
+            hooks = [moe.router.register_forward_hook(self._keep_routing(i)) for i, moe in enumerate(self.moe_layers)]
+        try:
+            out = self.run.model(torch.tensor([ids], device=self.device), cache=step)
+        finally:
+            for hook in hooks:
+                hook.remove()
         for seq, n in plan.chunks:
             seq.computed += n
         for load, stats in zip(self.expert_load, out.moe_stats, strict=True):
@@ -231,10 +235,9 @@ class Engine:
 
     # --- routing traces --------------------------------------------------------------------------
 
-    def _routing_hook(self, layer: int):
+    def _keep_routing(self, layer: int):
         def hook(module, args, output) -> None:
-            if self._record_routing:
-                self._routing[layer] = output
+            self._routing[layer] = output
 
         return hook
 
