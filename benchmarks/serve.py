@@ -103,8 +103,11 @@ class Server:
         self.proc.wait(timeout=60)
 
 
-def stream(server: Server, prompt: str, max_tokens: int, seed: int, out: list, start: float = 0.0) -> None:
-    """One streaming completion (greedy); appends (sent, [token arrival times], completion tokens)."""
+def stream(
+    server: Server, prompt: str, max_tokens: int, seed: int, out: list, start: float = 0.0, first: list | None = None
+) -> None:
+    """One streaming completion (greedy); appends (sent, [token arrival times], completion tokens) to
+    ``out``, and its first token's time to ``first``."""
     if start:
         time.sleep(max(0.0, start - time.perf_counter()))
     conn = http.client.HTTPConnection(server.host, server.port, timeout=600)
@@ -121,6 +124,8 @@ def stream(server: Server, prompt: str, max_tokens: int, seed: int, out: list, s
         chunk = json.loads(line[6:])
         if chunk["choices"] and chunk["choices"][0]["finish_reason"] is None:
             times.append(time.perf_counter())
+            if first is not None and len(times) == 1:
+                first.append(times[0])
         if chunk.get("usage"):
             usage = chunk["usage"]["completion_tokens"]
     conn.close()
@@ -201,12 +206,15 @@ def static_and_sequential(run, prompts: list[str], max_tokens: int) -> dict[str,
 def arrival(server: Server, run, prompts: list[str], max_tokens: int) -> dict[str, float]:
     """TTFT of a 16th request once 15 are decoding, against its prefill alone + two decode steps."""
     records: list = []
+    first: list = []
     threads = [
-        threading.Thread(target=stream, args=(server, p, max_tokens, i, records)) for i, p in enumerate(prompts[:15])
+        threading.Thread(target=stream, args=(server, p, max_tokens, i, records, 0.0, first))
+        for i, p in enumerate(prompts[:15])
     ]
     for t in threads:
         t.start()
-    time.sleep(1.0)  # every one of the 15 is decoding by now
+    while len(first) < 15:  # every one of the 15 is decoding
+        time.sleep(0.005)
     late: list = []
     stream(server, prompts[15], 8, 15, late)
     for t in threads:
