@@ -1,5 +1,6 @@
 """Imports flow one way: the run directory (checkpoints, manifests, ``load_run``), the tokenizer and the
-atomic-write helpers stand below training, inference and conversion, which never import one another.
+atomic-write helpers stand below training, inference and conversion, which never import one another;
+serving stands on inference.
 
 Read from the source with ``ast``, so an import inside a function counts as much as one at the top.
 """
@@ -14,14 +15,15 @@ import pytest
 import moekit
 
 PACKAGE = Path(moekit.__file__).parent
-ABOVE_RUN = ("moekit.train", "moekit.infer", "moekit.convert", "moekit.cli")
+ABOVE_RUN = ("moekit.train", "moekit.infer", "moekit.serve", "moekit.convert", "moekit.cli")
 ABOVE_MODEL = (*ABOVE_RUN, "moekit.run", "moekit.tokenizer")
 
 # Each part of the package (a subpackage or a module file) and the modules it must not import.
 RULES = {
-    "train": ("moekit.infer", "moekit.convert", "moekit.cli"),
-    "infer": ("moekit.train", "moekit.convert", "moekit.cli"),
-    "convert": ("moekit.train", "moekit.infer", "moekit.cli"),
+    "train": ("moekit.infer", "moekit.serve", "moekit.convert", "moekit.cli"),
+    "infer": ("moekit.train", "moekit.serve", "moekit.convert", "moekit.cli"),
+    "serve": ("moekit.train", "moekit.convert", "moekit.cli"),
+    "convert": ("moekit.train", "moekit.infer", "moekit.serve", "moekit.cli"),
     "run": ABOVE_RUN,
     "tokenizer.py": (*ABOVE_RUN, "moekit.run"),
     "fileio.py": ("moekit",),

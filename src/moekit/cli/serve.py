@@ -1,40 +1,72 @@
-"""``moekit serve``: a trained run over HTTP."""
+"""``moekit serve``: a trained run behind an OpenAI-compatible HTTP API with continuous batching."""
 
 from __future__ import annotations
 
 import argparse
 
-from moekit.cli.common import add_run_flags, load_for_inference
+from moekit.cli.common import add_run_flags, load_for_inference, positive_int
+
+DESCRIPTION = """\
+Serve a trained run over HTTP with OpenAI's API: POST /v1/completions and /v1/chat/completions
+(streaming with "stream": true), GET /v1/models, GET /health (ready / busy / draining) and
+GET /metrics (Prometheus). Requests are batched continuously: waiting ones join the running batch
+at every decode step, long prompts are prefilled in chunks, and the KV cache is paged under
+--kv-budget. SIGTERM drains: running requests finish, new ones get 503, then the process exits."""
 
 
 def add_parser(commands) -> None:
     serve = commands.add_parser(
-        "serve",
-        help="serve a trained run over HTTP",
-        description="Serve a trained run over HTTP: POST /generate (JSON), GET /health.",
+        "serve", help="serve a trained run over an OpenAI-compatible HTTP API", description=DESCRIPTION
     )
     serve.set_defaults(run=run)
-    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s, this machine only)")
     serve.add_argument("--port", type=int, default=8000, help="port (default: %(default)s; 0 = any free)")
+    serve.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/* (default: none)")
+    serve.add_argument("--model-name", help="the model id clients name (default: the run directory's name)")
+    batching = serve.add_argument_group("batching and limits")
+    batching.add_argument("--kv-budget", default="256MB", help="bytes of the paged KV cache (default: %(default)s)")
+    batching.add_argument("--block-size", type=positive_int, default=16, help="positions per KV block (default: 16)")
+    batching.add_argument("--max-running", type=positive_int, default=64, help="sequences decoding together (64)")
+    batching.add_argument(
+        "--prefill-chunk", type=positive_int, default=128, help="prompt tokens per sequence per step (default: 128)"
+    )
+    batching.add_argument("--max-queue", type=positive_int, default=256, help="choices waiting; more get 429 (256)")
+    batching.add_argument("--max-body", default="1MB", help="request body size; larger get 413 (default: 1MB)")
+    batching.add_argument("--max-choices", type=positive_int, default=16, help="prompts x n per request (16)")
+    batching.add_argument(
+        "--max-tokens", type=positive_int, help="cap on a request's max_tokens (default: the model's context)"
+    )
+    batching.add_argument("--timeout", type=float, default=600.0, help="seconds a request may take (default: 600)")
     add_run_flags(serve)
 
 
 def run(args: argparse.Namespace) -> int:
-    from moekit.infer.serve import make_server
+    from moekit.infer.offload import parse_bytes
+    from moekit.serve.engine import EngineOptions
+    from moekit.serve.protocol import Limits
+    from moekit.serve.server import build_state, listen, serve
 
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port={args.port}: must be in 0..65535")
+    if not args.timeout > 0:
+        raise ValueError(f"--timeout={args.timeout}: must be > 0")
+    engine = EngineOptions(
+        parse_bytes(args.kv_budget, "--kv-budget"),
+        args.block_size,
+        args.max_running,
+        args.prefill_chunk,
+        args.max_queue,
+    )
+    limits = Limits(parse_bytes(args.max_body, "--max-body"), args.max_choices, args.max_tokens, args.timeout)
+    sock = listen(args.host, args.port)
     loaded = load_for_inference(args)
     try:
-        server = make_server(loaded, args.host, args.port)
-    except OSError as err:
-        raise ValueError(f"--port={args.port}: cannot listen on {args.host} ({err.strerror})") from None
-    host, port = server.server_address[:2]
-    print(f"serving {args.run_dir} on http://{host}:{port} (POST /generate, GET /health); Ctrl-C stops", flush=True)
-    try:
-        server.serve_forever()
+        state = build_state(loaded, args.run_dir, engine, limits, args.model_name, args.api_key)
+        host, port = sock.getsockname()[:2]
+        print(f"serving {args.run_dir} as {state.model_name!r} on http://{host}:{port}/v1; Ctrl-C stops", flush=True)
+        serve(state, sock)
     finally:
-        server.server_close()
+        sock.close()
         if loaded.offloader is not None:
             loaded.offloader.close()
     return 0

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +27,18 @@ class ModelOutput:
     loss: Tensor | None  # cross-entropy + every MoE layer's weighted aux losses (when targets given)
     lm_loss: Tensor | None  # cross-entropy alone
     moe_stats: list[MoEStats]  # one per MoE block, in order
+
+
+class Cache(Protocol):
+    """What the model asks of a KV cache: the positions of this step's tokens (as RoPE frequencies),
+    attention of its queries to the cached keys, and the step's end. ``KVCache`` holds one contiguous
+    block per row; ``moekit.serve.kv.PagedStep`` packs sequences at different positions into one row."""
+
+    def rope(self, freqs_Sd2: Tensor, num_tokens: int) -> Tensor: ...
+
+    def attend(self, layer: int, q_BHLd: Tensor, k_BGLd: Tensor, v_BGLd: Tensor) -> Tensor: ...
+
+    def advance(self, num_tokens: int) -> None: ...
 
 
 class KVCache:
@@ -70,6 +83,27 @@ class KVCache:
         self.keys[layer][:, :, self.length : end] = k_BGLd
         self.values[layer][:, :, self.length : end] = v_BGLd
         return self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
+
+    def rope(self, freqs_Sd2: Tensor, num_tokens: int) -> Tensor:
+        """The rotary frequencies of the next ``num_tokens`` positions (the same for every row)."""
+        end = self.length + num_tokens
+        if end > freqs_Sd2.shape[0]:
+            raise ValueError(f"sequence of {end} tokens exceeds model.context_length={freqs_Sd2.shape[0]}")
+        return freqs_Sd2[self.length : end]
+
+    def attend(self, layer: int, q_BHLd: Tensor, k_BGLd: Tensor, v_BGLd: Tensor) -> Tensor:
+        """Cache this step's keys/values, then attend the queries to every cached (real) key up to their
+        own position: ``[B, H, L, d]``."""
+        k, v = self.append(layer, k_BGLd, v_BGLd)
+        mask = self.attention_mask(q_BHLd.shape[2], k.shape[2], q_BHLd.device)
+        gqa = q_BHLd.shape[1] != k.shape[1]
+        if mask is None:
+            return F.scaled_dot_product_attention(q_BHLd, k, v, is_causal=True, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q_BHLd, k, v, attn_mask=mask, enable_gqa=gqa)
+
+    def advance(self, num_tokens: int) -> None:
+        """Every layer has cached this step's ``num_tokens`` positions."""
+        self.length += num_tokens
 
 
 def rope_frequencies(head_dim: int, max_len: int, theta: float) -> Tensor:
@@ -145,7 +179,7 @@ class Attention(nn.Module):
         wq, wk, wv = grouped.split([q_per_group * head_dim, head_dim, head_dim], dim=1)
         return wq.flatten(0, 1), wk.flatten(0, 1), wv.flatten(0, 1)
 
-    def forward(self, x_BLD: Tensor, freqs: Tensor, cache: KVCache | None, layer: int) -> Tensor:
+    def forward(self, x_BLD: Tensor, freqs: Tensor, cache: Cache | None, layer: int) -> Tensor:
         B, L, _ = x_BLD.shape
         Q = self.q_per_group
         h = self.qkv(x_BLD).view(B, L, -1, Q + 2, self.head_dim)  # [B, L, G, Q + 2, d]
@@ -157,16 +191,11 @@ class Attention(nn.Module):
         q, k = apply_rope(qk, freqs).split([Q, 1], dim=-2)  # queries and keys rotated at once
         q = q.reshape(B, L, -1, self.head_dim).transpose(1, 2)
         k, v = k.squeeze(-2).transpose(1, 2), v.squeeze(-2).transpose(1, 2)
-        mask = None
         if cache is not None:
-            k, v = cache.append(layer, k, v)
-            mask = cache.attention_mask(L, k.shape[2], q.device)
-        dropout = self.dropout if self.training else 0.0
-        gqa = Q > 1
-        if mask is None:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout, enable_gqa=gqa)
-        else:  # queries at positions start.. attend to every cached (real) key up to their own position
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, enable_gqa=gqa)
+            y = cache.attend(layer, q, k, v)
+        else:
+            dropout = self.dropout if self.training else 0.0
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout, enable_gqa=Q > 1)
         return self.out(y.transpose(1, 2).reshape(B, L, -1))
 
 
@@ -235,12 +264,11 @@ class Transformer(nn.Module):
     def moe_layers(self) -> list[MoE]:
         return [b.ffn for b in self.blocks if isinstance(b.ffn, MoE)]
 
-    def forward(self, idx_BL: Tensor, targets_BL: Tensor | None = None, cache: KVCache | None = None) -> ModelOutput:
+    def forward(self, idx_BL: Tensor, targets_BL: Tensor | None = None, cache: Cache | None = None) -> ModelOutput:
         B, L = idx_BL.shape
-        start = cache.length if cache is not None else 0
-        if start + L > self.cfg.context_length:
-            raise ValueError(f"sequence of {start + L} tokens exceeds model.context_length={self.cfg.context_length}")
-        freqs = self.rope_freqs[start : start + L]
+        freqs = self.rope_freqs[:L] if cache is None else cache.rope(self.rope_freqs, L)
+        if freqs.shape[0] < L:
+            raise ValueError(f"sequence of {L} tokens exceeds model.context_length={self.cfg.context_length}")
         x = self.drop(self.embed(idx_BL))
         stats: list[MoEStats] = []
         for i, block in enumerate(self.blocks):
@@ -248,7 +276,7 @@ class Transformer(nn.Module):
             if s is not None:
                 stats.append(s)
         if cache is not None:
-            cache.length += L
+            cache.advance(L)
         logits = self.lm_head(self.norm(x))
         if targets_BL is None:
             return ModelOutput(logits, None, None, stats)

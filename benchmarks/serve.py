@@ -1,0 +1,342 @@
+"""Serving many clients: ``moekit serve`` (continuous batching, paged KV cache) against its baselines.
+
+Builds (once, cached under /tmp) a byte-level MoE model with random weights, and takes prompts from
+real text (tinyshakespeare). Sections, each over --repeats rounds (median and min-max):
+  decode      ms per decoded token at batch 1: the engine's step, ``generate``, and transformers'
+              ``generate`` on the same model exported with ``moekit.convert.hf.to_hf`` (greedy)
+  batching    16 prompts x --max-tokens: one static batch (``generate`` with batch 16), one request
+              at a time (``generate`` with batch 1, 16 times), and 16 concurrent streaming clients of
+              a ``moekit serve`` process on loopback; tokens/s of each
+  arrival     a 16th request arriving while 15 others decode: its time to first token against its
+              own prefill (alone, batch 1) plus two decode steps of the 15 (their inter-token median)
+  poisson     --requests streaming clients arriving as a Poisson process at each --rates: throughput,
+              TTFT and ITL p50 / p99, for the resident model and with experts offloaded (--budget)
+The server is a real subprocess (the CLI); clients are threads of this process reading the SSE stream
+with ``http.client``; the baselines run here while the server idles.
+
+Torch runs on --threads threads (default 1) here and in the server: on a shared machine two spinning
+threads per process slow every step several times over.
+
+    python benchmarks/serve.py [--json] [--repeats 3] [--max-tokens 32] [--rates 2 4 8] [--budget 60MB] [--threads 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+from _spread import show, spread
+
+from moekit import runconfig
+from moekit.infer.generate import generate, left_pad
+from moekit.model import Transformer
+from moekit.run.checkpoint import save_checkpoint
+from moekit.run.load import load_run
+from moekit.serve.engine import Engine, EngineOptions
+from moekit.serve.scheduler import SamplingParams, Seq
+from moekit.tokenizer import ByteTokenizer
+
+DEFAULT_TEXT = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "tinyshakespeare.txt"
+OVERRIDES = {
+    "model.d_model": "256",
+    "model.n_layers": "4",
+    "model.n_heads": "4",
+    "model.d_ff": "512",
+    "model.context_length": "512",
+    "model.tie_embeddings": "false",
+    "moe.num_experts": "16",
+    "moe.top_k": "2",
+}
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+
+def build_run(root: Path) -> Path:
+    run_dir = root / "run"
+    if not (run_dir / "config.json").is_file():
+        cfg = runconfig.resolve("tiny", OVERRIDES)
+        torch.manual_seed(0)
+        model = Transformer(cfg.model, cfg.moe)
+        run_dir.mkdir(parents=True)
+        (run_dir / "config.json").write_text(cfg.to_json())
+        ByteTokenizer().save(run_dir)
+        save_checkpoint(run_dir, 1, model, {}, keep=1)
+    return run_dir
+
+
+def text_prompts(path: Path, n: int, seed: int, lo: int = 32, hi: int = 96) -> list[str]:
+    """``n`` slices of the corpus, ``lo``..``hi`` characters, cut at random places."""
+    text = path.read_text("utf-8")
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        start, size = rng.randrange(len(text) - hi), rng.randint(lo, hi)
+        out.append(text[start : start + size])
+    return out
+
+
+class Server:
+    """``moekit serve`` as a subprocess on a free port; SIGTERM drains it."""
+
+    def __init__(self, run_dir: Path, *flags: str) -> None:
+        cmd = [sys.executable, "-m", "moekit", "serve", str(run_dir), "--port", "0", "--device", "cpu", *flags]
+        env = {**os.environ, "PYTHONPATH": str(SRC)}
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
+        line = self.proc.stdout.readline()
+        if " on http://" not in line:
+            raise RuntimeError(f"moekit serve did not start: {line!r}")
+        self.host, port = line.split(" on http://")[1].split("/")[0].rsplit(":", 1)
+        self.port = int(port)
+
+    def close(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        self.proc.wait(timeout=60)
+
+
+def stream(
+    server: Server, prompt: str, max_tokens: int, seed: int, out: list, start: float = 0.0, first: list | None = None
+) -> None:
+    """One streaming completion (greedy); appends (sent, [token arrival times], completion tokens) to
+    ``out``, and its first token's time to ``first``."""
+    if start:
+        time.sleep(max(0.0, start - time.perf_counter()))
+    conn = http.client.HTTPConnection(server.host, server.port, timeout=600)
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "seed": seed, "stream": True}
+    sent = time.perf_counter()
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    reply = conn.getresponse()
+    assert reply.status == 200, reply.read()
+    times, usage = [], 0
+    for raw in reply:
+        line = raw.decode().strip()
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        chunk = json.loads(line[6:])
+        if chunk["choices"] and chunk["choices"][0]["finish_reason"] is None:
+            times.append(time.perf_counter())
+            if first is not None and len(times) == 1:
+                first.append(times[0])
+        if chunk.get("usage"):
+            usage = chunk["usage"]["completion_tokens"]
+    conn.close()
+    out.append((sent, times, usage))
+
+
+def clients(server: Server, prompts: list[str], max_tokens: int, starts: list[float]) -> tuple[list, float]:
+    """Streams started at ``starts`` (perf_counter times); their records and the wall time."""
+    records: list = []
+    threads = [
+        threading.Thread(target=stream, args=(server, p, max_tokens, i, records, s))
+        for i, (p, s) in enumerate(zip(prompts, starts, strict=True))
+    ]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(records) == len(prompts) and all(r[2] == max_tokens for r in records), "a request was lost"
+    return records, time.perf_counter() - t0
+
+
+def percentile(values: list[float], q: float) -> float:
+    return statistics.quantiles(values, n=100, method="inclusive")[q - 1] if len(values) > 1 else values[0]
+
+
+def latency(records: list) -> dict[str, float]:
+    ttft = [times[0] - sent for sent, times, _ in records]
+    itl = [b - a for _, times, _ in records for a, b in zip(times, times[1:], strict=False)]
+    return {
+        "ttft_p50": percentile(ttft, 50),
+        "ttft_p99": percentile(ttft, 99),
+        "itl_p50": percentile(itl, 50),
+        "itl_p99": percentile(itl, 99),
+    }
+
+
+@torch.no_grad()
+def decode_ms(run, hf, prompt: list[int], tokens: int) -> dict[str, float]:
+    """ms per decoded token at batch 1 (prefill excluded) of the engine step, generate and transformers."""
+    ids = torch.tensor([prompt])
+    out: dict[str, float] = {}
+    engine = Engine(run, EngineOptions(kv_budget=64 << 20))
+    engine.submit([Seq(prompt, SamplingParams(tokens + 1, 0.0), lambda e: None)])
+    engine.waiting.extend(engine._inbox)
+    engine._inbox.clear()
+    engine.step()  # admission and prefill
+    t = time.perf_counter()
+    while engine.running:
+        engine.step()
+    out["engine step"] = (time.perf_counter() - t) / tokens * 1e3
+    for name, call in (
+        ("generate", lambda n: generate(run.model, ids, n, 0.0)),
+        ("transformers", lambda n: hf.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)),
+    ):
+        t = time.perf_counter()
+        call(1)
+        one = time.perf_counter() - t
+        t = time.perf_counter()
+        call(tokens + 1)
+        out[name] = (time.perf_counter() - t - one) / tokens * 1e3
+    return out
+
+
+def static_and_sequential(run, prompts: list[str], max_tokens: int) -> dict[str, float]:
+    """tokens/s of one batch of all prompts, and of one prompt at a time (both ``generate``, greedy)."""
+    encoded = [list(p.encode()) for p in prompts]
+    ids, pad = left_pad(encoded)
+    t = time.perf_counter()
+    generate(run.model, ids, max_tokens, 0.0, left_pad_B=pad)
+    static = len(prompts) * max_tokens / (time.perf_counter() - t)
+    t = time.perf_counter()
+    for e in encoded:
+        generate(run.model, torch.tensor([e]), max_tokens, 0.0)
+    return {"static batch": static, "one at a time": len(prompts) * max_tokens / (time.perf_counter() - t)}
+
+
+def arrival(server: Server, run, prompts: list[str], max_tokens: int) -> dict[str, float]:
+    """TTFT of a 16th request once 15 are decoding, against its prefill alone + two decode steps."""
+    records: list = []
+    first: list = []
+    threads = [
+        threading.Thread(target=stream, args=(server, p, max_tokens, i, records, 0.0, first))
+        for i, p in enumerate(prompts[:15])
+    ]
+    for t in threads:
+        t.start()
+    while len(first) < 15:  # every one of the 15 is decoding
+        time.sleep(0.005)
+    late: list = []
+    stream(server, prompts[15], 8, 15, late)
+    for t in threads:
+        t.join()
+    itl = [b - a for _, times, _ in records for a, b in zip(times, times[1:], strict=False)]
+    ids = torch.tensor([list(prompts[15].encode())])
+    with torch.no_grad():
+        t = time.perf_counter()
+        run.model(ids)
+        prefill = time.perf_counter() - t
+    ttft = late[0][1][0] - late[0][0]
+    return {
+        "ttft": ttft,
+        "bound": prefill + 2 * statistics.median(itl),
+        "prefill": prefill,
+        "step": statistics.median(itl),
+    }
+
+
+def poisson(server: Server, prompts: list[str], rate: float, max_tokens: int, seed: int) -> dict[str, float]:
+    rng = random.Random(seed)
+    t0, starts, at = time.perf_counter() + 0.2, [], 0.0
+    for _ in prompts:
+        at += rng.expovariate(rate)
+        starts.append(t0 + at)
+    records, _ = clients(server, prompts, max_tokens, starts)
+    wall = max(times[-1] for _, times, _ in records) - t0
+    return {"tokens_per_s": len(prompts) * max_tokens / wall, **latency(records)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true", help="print the figures as JSON on the last line")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--requests", type=int, default=24, help="requests per Poisson run")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads, here and in the server")
+    parser.add_argument("--rates", type=float, nargs="+", default=[2.0, 4.0, 8.0], help="Poisson arrival rates /s")
+    parser.add_argument("--budget", default="60MB", help="--memory-budget of the offloaded server")
+    parser.add_argument("--text", type=Path, default=DEFAULT_TEXT)
+    parser.add_argument("--cache", type=Path, default=Path("/tmp/moekit-bench-serve"))
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)  # the server subprocesses' torch threads
+    run_dir = build_run(args.cache)
+    run = load_run(run_dir)
+    prompts = text_prompts(args.text, 16, seed=0)
+    figures: dict = {"threads": torch.get_num_threads(), "max_tokens": args.max_tokens}
+
+    from transformers import AutoModelForCausalLM
+
+    from moekit.convert.hf import to_hf
+
+    to_hf(run.model, args.cache / "hf")
+    hf = AutoModelForCausalLM.from_pretrained(args.cache / "hf", dtype=torch.float32).eval()
+    decode: dict[str, list[float]] = {}
+    for r in range(args.repeats):  # interleaved round by round
+        for name, ms in decode_ms(run, hf, list(prompts[r].encode()), args.max_tokens).items():
+            decode.setdefault(name, []).append(ms)
+    figures["decode_ms_per_token_batch1"] = {k: spread(v) for k, v in decode.items()}
+    print(f"decode at batch 1, ms/token ({args.max_tokens} tokens after the prompt, greedy)")
+    for name, values in decode.items():
+        print(f"  {name:<14} {show(values, '.3f')}")
+
+    batching: dict[str, list[float]] = {}
+    arrivals: list[dict] = []
+    server = Server(run_dir)
+    try:
+        for _ in range(args.repeats):
+            for name, tps in static_and_sequential(run, prompts, args.max_tokens).items():
+                batching.setdefault(name, []).append(tps)
+            _, wall = clients(server, prompts, args.max_tokens, [0.0] * 16)
+            batching.setdefault("16 streams (serve)", []).append(16 * args.max_tokens / wall)
+            arrivals.append(arrival(server, run, prompts, args.max_tokens))
+        rates = {
+            rate: [
+                poisson(server, text_prompts(args.text, args.requests, seed=r + 1), rate, args.max_tokens, r)
+                for r in range(args.repeats)
+            ]
+            for rate in args.rates
+        }
+    finally:
+        server.close()
+    figures["batching_tokens_per_s"] = {k: spread(v, 1) for k, v in batching.items()}
+    serve_tps = batching["16 streams (serve)"]
+    ratio = {k: [s / b for s, b in zip(serve_tps, v, strict=True)] for k, v in batching.items() if "serve" not in k}
+    figures["serve_over"] = {k: spread(v, 2) for k, v in ratio.items()}
+    print(f"\n16 prompts x {args.max_tokens} tokens, tokens/s (serve / baseline per round)")
+    for name, values in batching.items():
+        extra = f"   serve = {show(ratio[name], '.2f')}x" if name in ratio else ""
+        print(f"  {name:<20} {show(values, '.1f')}{extra}")
+    figures["arrival"] = {k: spread([a[k] for a in arrivals]) for k in arrivals[0]}
+    print("\na request arriving while 15 decode: TTFT vs its prefill alone + 2 decode steps (s)")
+    for key in ("ttft", "bound", "prefill", "step"):
+        print(f"  {key:<8} {show([a[key] for a in arrivals], '.4f')}")
+
+    offloaded = Server(run_dir, "--memory-budget", args.budget)
+    try:
+        rates_off = {
+            rate: [
+                poisson(offloaded, text_prompts(args.text, args.requests, seed=r + 1), rate, args.max_tokens, r)
+                for r in range(args.repeats)
+            ]
+            for rate in args.rates
+        }
+    finally:
+        offloaded.close()
+    print(f"\nPoisson arrivals, {args.requests} requests x {args.max_tokens} tokens (ms; median and min-max)")
+    heads = ("tokens/s", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99")
+    print(f"  {'model':<10} {'rate/s':>6} " + " ".join(f"{h:>24}" for h in heads))
+    figures["poisson"] = []
+    for label, table in (("resident", rates), (f"offl {args.budget}", rates_off)):
+        for rate, runs in table.items():
+            row = {k: [r[k] for r in runs] for k in runs[0]}
+            ms = {k: [v * 1e3 for v in row[k]] for k in row if k != "tokens_per_s"}
+            cells = [show(row["tokens_per_s"], ".1f")] + [show(ms[k], ".1f") for k in ms]
+            print(f"  {label:<10} {rate:>6.1f} " + " ".join(f"{c:>24}" for c in cells))
+            figures["poisson"].append({"model": label, "rate": rate, **{k: spread(v, 4) for k, v in row.items()}})
+    if args.json:
+        print(json.dumps(figures))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,271 @@
+"""The model runner: one thread steps the running batch through the model, as ``plan_step`` says, and
+hands each choice its tokens as events. The API only queues sequences and forwards events.
+
+Each step packs every scheduled sequence's new tokens into one row, so with offloaded experts one
+read of an expert serves every active sequence in that layer.
+
+Legend: T tokens this step, R sequences that sample this step, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import collections
+import secrets
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from moekit.infer.generate import sample_next
+from moekit.run.load import LoadedRun
+from moekit.serve.kv import Chunk, KVPool, PagedStep
+from moekit.serve.scheduler import Budget, Seq, plan_step
+from moekit.serve.text import TextStream
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """The serving budgets; each a flag of ``moekit serve``."""
+
+    kv_budget: int = 256 << 20  # bytes of the paged KV cache: bounds the tokens in flight
+    block_size: int = 16  # positions per KV block
+    max_running: int = 64  # sequences decoding together
+    prefill_chunk: int = 128  # prompt tokens one sequence feeds per step (long prompts take several)
+    max_queue: int = 256  # choices waiting for admission; more get 429
+
+
+@dataclass(frozen=True)
+class TopLogprobs:
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]  # the N likeliest (token, logprob), likeliest first
+
+
+@dataclass(frozen=True)
+class Token:
+    """A choice's next token and the text it releases (maybe empty: held back)."""
+
+    choice: int
+    token: int
+    text: str
+    logprobs: TopLogprobs | None
+    routing: list[list[int]] | None  # per MoE layer, the experts that computed this token's logits
+
+
+@dataclass(frozen=True)
+class Finish:
+    """A choice is over: ``reason`` is stop | length | cancelled | timeout | error."""
+
+    choice: int
+    reason: str
+    text: str  # the text still held back, released now
+    prompt_tokens: int
+    completion_tokens: int
+    message: str = ""
+
+
+class QueueFull(RuntimeError):
+    """More choices are waiting than ``EngineOptions.max_queue``."""
+
+
+class Engine:
+    """Continuous batching over one loaded run, on a thread of its own (``start`` / ``stop``)."""
+
+    def __init__(self, run: LoadedRun, options: EngineOptions, metrics=None, stop_tokens: frozenset[int] = frozenset()):
+        self.run, self.options, self.metrics = run, options, metrics
+        self.stop_tokens = stop_tokens
+        model = run.model.eval()
+        self.device = model.embed.weight.device
+        dtype = model.embed.weight.dtype
+        bs = options.block_size
+        num_blocks = options.kv_budget // KVPool.bytes_per_block(model.cfg, bs, dtype)
+        context = model.cfg.context_length
+        if num_blocks * bs < context:
+            need = -(-context // bs) * KVPool.bytes_per_block(model.cfg, bs, dtype)
+            raise ValueError(
+                f"--kv-budget={options.kv_budget}: holds {num_blocks * bs} positions, less than one "
+                f"context of {context}: give at least {need} bytes"
+            )
+        self.pool = KVPool(model.cfg, num_blocks, bs, self.device, dtype)
+        self.budget = Budget(options.max_running, options.max_running + options.prefill_chunk, options.prefill_chunk)
+        self.running: list[Seq] = []
+        self.waiting: collections.deque[Seq] = collections.deque()
+        self._inbox: list[Seq] = []
+        self._cond = threading.Condition()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self.steps = 0
+        # Tokens routed to each expert, per MoE layer, since the start (read by /metrics).
+        self.moe_layers = model.moe_layers()
+        self.expert_load = [torch.zeros(moe.cfg.num_experts, dtype=torch.long) for moe in self.moe_layers]
+        self._routing: list = [None] * len(self.expert_load)
+
+    # --- the API's side (any thread) -----------------------------------------------------------
+
+    def submit(self, seqs: list[Seq]) -> None:
+        """Queue a request's choices (all or none: ``QueueFull``)."""
+        with self._cond:
+            if self._stopping:
+                raise RuntimeError("the engine is stopped")
+            if len(self.waiting) + len(self._inbox) + len(seqs) > self.options.max_queue:
+                raise QueueFull(f"{len(self.waiting) + len(self._inbox)} choices are waiting already")
+            self._inbox += seqs
+            self._cond.notify()
+
+    @property
+    def in_flight(self) -> tuple[int, int]:
+        """(running, waiting) sequences."""
+        return len(self.running), len(self.waiting) + len(self._inbox)
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="moekit-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join()
+
+    # --- the engine thread ---------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not (self._stopping or self._inbox or self.running or self.waiting):
+                    self._cond.wait()
+                if self._stopping:
+                    break
+                self.waiting.extend(self._inbox)
+                self._inbox.clear()
+            try:
+                stepped = self.step()
+            except Exception:  # a failed step fails its sequences, not the server
+                message = traceback.format_exc(limit=1).strip().splitlines()[-1]
+                for seq in [*self.running, *self.waiting]:
+                    self._finish(seq, "error", message)
+                stepped = True
+            if not stepped:
+                with self._cond:
+                    self._cond.wait(0.01)
+        for seq in [*self.running, *self.waiting, *self._inbox]:
+            self._finish(seq, "cancelled", "the server stopped")
+
+    @torch.no_grad()
+    def step(self) -> bool:
+        """Retire cancelled and late sequences, admit, run one step and sample; False if nothing ran."""
+        now = time.monotonic()
+        for seq in [*self.running, *self.waiting]:
+            if seq.cancelled or now > seq.deadline:
+                self._finish(seq, "cancelled" if seq.cancelled else "timeout", "")
+        plan = plan_step(self.running, self.waiting, self.pool.free_blocks, self.pool.block_size, self.budget)
+        for seq in plan.admit:
+            assert self.waiting[0] is seq, "admission is first come first served"
+            self.waiting.popleft()
+            blocks = self.pool.allocate(self.pool.blocks_for(seq.reserved_positions))
+            assert blocks is not None, "plan_step admits only what fits"
+            seq.blocks = blocks
+            seq.state = TextStream(self.run.tokenizer, seq.params.stop)
+            seed = seq.params.seed if seq.params.seed is not None else secrets.randbits(63)
+            seq.generator = torch.Generator().manual_seed(seed) if seq.params.temperature > 0 else None
+            self.running.append(seq)
+        if not plan.chunks:
+            return False
+        ids: list[int] = []
+        sampling: list[tuple[int, Seq]] = []  # (packed index of its last token, sequence)
+        for seq, n in plan.chunks:
+            ids += seq.tokens[seq.computed : seq.computed + n]
+            if seq.computed + n == len(seq.tokens):
+                sampling.append((len(ids) - 1, seq))
+        step = PagedStep(self.pool, [Chunk(s.blocks, s.computed, n) for s, n in plan.chunks], self.device)
+        hooks = []
+        if any(seq.params.return_routing for _, seq in sampling):  # hooks only on the steps that record
+            hooks = [moe.router.register_forward_hook(self._keep_routing(i)) for i, moe in enumerate(self.moe_layers)]
+        try:
+            out = self.run.model(torch.tensor([ids], device=self.device), cache=step)
+        finally:
+            for hook in hooks:
+                hook.remove()
+        for seq, n in plan.chunks:
+            seq.computed += n
+        for load, stats in zip(self.expert_load, out.moe_stats, strict=True):
+            load += stats.tokens_per_expert.cpu()
+        self.steps += 1
+        if sampling:
+            rows = torch.tensor([i for i, _ in sampling], device=self.device)
+            self._emit(sampling, out.logits[0, rows])
+        return True
+
+    def _emit(self, sampling: list[tuple[int, Seq]], logits_RV: Tensor) -> None:
+        seqs = [seq for _, seq in sampling]
+        tokens = sample_rows(seqs, logits_RV)
+        wanted = [r for r, seq in enumerate(seqs) if seq.params.logprobs is not None]
+        logprobs = top_logprobs(logits_RV[wanted], tokens[wanted], [seqs[r].params.logprobs for r in wanted])
+        logprobs_of = dict(zip(wanted, logprobs, strict=True))
+        now = time.monotonic()
+        for r, ((index, seq), token) in enumerate(zip(sampling, tokens.tolist(), strict=True)):
+            seq.tokens.append(token)
+            end_token = token in self.stop_tokens  # ends the choice; its text is not part of the answer
+            text, stopped = ("", True) if end_token else seq.state.add(token)
+            routing = self._routing_of(index) if seq.params.return_routing else None
+            seq.emit(Token(seq.choice, token, text, logprobs_of.get(r), routing))
+            if self.metrics is not None:
+                self.metrics.token(now - (seq.last_token_at or seq.arrived), first=seq.last_token_at is None)
+            seq.last_token_at = now
+            if stopped:
+                self._finish(seq, "stop", "")
+            elif seq.generated >= seq.params.max_tokens:
+                self._finish(seq, "length", "")
+
+    def _finish(self, seq: Seq, reason: str, message: str) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+            self.pool.release(seq.blocks)
+            seq.blocks = []
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        text = seq.state.flush() if reason == "length" and seq.state is not None else ""
+        seq.emit(Finish(seq.choice, reason, text, len(seq.prompt), seq.generated, message))
+        if self.metrics is not None:
+            self.metrics.finished(reason, len(seq.prompt), seq.generated)
+
+    # --- routing traces --------------------------------------------------------------------------
+
+    def _keep_routing(self, layer: int):
+        def hook(module, args, output) -> None:
+            self._routing[layer] = output
+
+        return hook
+
+    def _routing_of(self, index: int) -> list[list[int]]:
+        """Per MoE layer, the experts the token at packed position ``index`` was routed to."""
+        return [out.expert_idx[out.token_idx == index].tolist() for out in self._routing]
+
+
+def sample_rows(seqs: list[Seq], logits_RV: Tensor) -> Tensor:
+    """One token per sequence [R]: greedy rows in one argmax, sampled rows each with its own generator,
+    consumed exactly as ``generate`` consumes it for a batch of one."""
+    tokens = logits_RV.argmax(dim=-1)
+    for r, seq in enumerate(seqs):
+        p = seq.params
+        if p.temperature > 0:
+            row = logits_RV[r : r + 1]
+            tokens[r] = sample_next(row, p.temperature, p.top_k or None, p.top_p, seq.generator)[0]
+    return tokens
+
+
+def top_logprobs(logits_RV: Tensor, tokens_R: Tensor, counts: list[int]) -> list[TopLogprobs]:
+    """Each row's chosen token's log-probability under the model and its ``counts[r]`` likeliest tokens."""
+    if not counts:
+        return []
+    logp_RV = torch.log_softmax(logits_RV.float(), dim=-1)
+    chosen = logp_RV.gather(1, tokens_R.view(-1, 1)).squeeze(1).tolist()
+    values, ids = logp_RV.topk(max(max(counts), 1), dim=-1)
+    return [
+        TopLogprobs(t, lp, list(zip(ids[r, :n].tolist(), values[r, :n].tolist(), strict=True)))
+        for r, (t, lp, n) in enumerate(zip(tokens_R.tolist(), chosen, counts, strict=True))
+    ]

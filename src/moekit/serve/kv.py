@@ -1,0 +1,138 @@
+"""The KV cache in blocks (paged): every sequence's keys and values live in fixed-size blocks of one
+pool per layer, found through the sequence's block table, so sequences of any length share memory
+without fragmentation and a finished one frees its blocks at once.
+
+One step packs every scheduled sequence's new tokens into one row ``[1, T]`` (the model's other
+layers work token by token); attention alone regroups them: queries into ``[B, H, Lq, d]`` and each
+sequence's cached keys gathered into ``[B, G, S, d]``, masked per sequence.
+
+Legend: T tokens this step, B sequences this step, Lq most new tokens of one sequence, S longest
+sequence, G key/value heads, H query heads, d head dim, N blocks, P block size (positions).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from moekit.config import ModelConfig
+
+
+class KVPool:
+    """Keys and values of ``num_blocks`` blocks of ``block_size`` positions, per layer ``[N * P, G, d]``,
+    and the free list of blocks."""
+
+    def __init__(
+        self, cfg: ModelConfig, num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype
+    ) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"KV pool of {num_blocks} blocks of {block_size} positions: both must be >= 1")
+        head_dim = cfg.d_model // cfg.n_heads
+        shape = (num_blocks * block_size, cfg.kv_heads, head_dim)
+        self.keys = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layers)]
+        self.values = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layers)]
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self._free = list(range(num_blocks - 1, -1, -1))  # popped from the end: low blocks first
+
+    @staticmethod
+    def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+        """Bytes one block takes over all layers (keys and values)."""
+        head_dim = cfg.d_model // cfg.n_heads
+        return 2 * cfg.n_layers * block_size * cfg.kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+    @property
+    def free_blocks(self) -> int:
+        return len(self._free)
+
+    def blocks_for(self, num_positions: int) -> int:
+        return -(-num_positions // self.block_size)
+
+    def allocate(self, num_blocks: int) -> list[int] | None:
+        """``num_blocks`` free blocks, or None (nothing taken) when fewer are free."""
+        if num_blocks > len(self._free):
+            return None
+        taken = self._free[len(self._free) - num_blocks :]
+        del self._free[len(self._free) - num_blocks :]
+        return taken
+
+    def release(self, blocks: list[int]) -> None:
+        self._free.extend(reversed(blocks))
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One sequence's share of a step: ``num_tokens`` new positions from ``start``, cached in ``blocks``."""
+
+    blocks: list[int]
+    start: int
+    num_tokens: int
+
+
+class PagedStep:
+    """The model's cache (``moekit.model.transformer.Cache``) for one step over several sequences at
+    different positions: their new tokens packed into one row, each attending to its own blocks."""
+
+    def __init__(self, pool: KVPool, chunks: list[Chunk], device: torch.device) -> None:
+        P = pool.block_size
+        self.pool = pool
+        lengths = [c.num_tokens for c in chunks]
+        ends = [c.start + c.num_tokens for c in chunks]
+        longest, most_new = max(ends), max(lengths)
+        assert all(len(c.blocks) * P >= end for c, end in zip(chunks, ends, strict=True)), "blocks reserved up front"
+        positions = [p for c in chunks for p in range(c.start, c.start + c.num_tokens)]
+        # Slots in the flat pool: slot = block * P + offset, for every position of every sequence.
+        width = pool.blocks_for(longest)
+        table_BW = torch.tensor([c.blocks[:width] + [0] * (width - len(c.blocks[:width])) for c in chunks])
+        pos_S = torch.arange(longest)
+        gather_BS = table_BW[:, pos_S // P] * P + pos_S % P
+        self.positions_T = torch.tensor(positions, device=device)
+        seq_T = torch.repeat_interleave(torch.arange(len(chunks)), torch.tensor(lengths))
+        self.slots_T = gather_BS[seq_T, torch.tensor(positions)].to(device)
+        self.gather_BS = gather_BS.to(device)
+        self.decode_only = most_new == 1
+        # Query slot of each packed token in the padded [B, Lq] view (decode-only steps need none).
+        offsets = torch.tensor([0, *lengths[:-1]]).cumsum(0)
+        self.query_T = (seq_T * most_new + torch.arange(len(positions)) - offsets[seq_T]).to(device)
+        self.shape = (len(chunks), most_new)
+        query_pos_BL = torch.tensor([c.start for c in chunks]).view(-1, 1) + torch.arange(most_new)
+        key_pos = pos_S.view(1, 1, -1)
+        mask = (key_pos <= query_pos_BL.unsqueeze(-1)) & (key_pos < torch.tensor(ends).view(-1, 1, 1))
+        # NOTE: a padding query (beyond its sequence's new tokens) still sees its sequence's keys, so
+        # its softmax stays finite; its output is dropped.
+        self.mask = None if bool(mask.all()) else mask.unsqueeze(1).to(device)  # [B, 1, Lq, S]
+
+    def rope(self, freqs_Sd2: Tensor, num_tokens: int) -> Tensor:
+        assert num_tokens == self.positions_T.numel(), "the step's tokens are packed into one row"
+        return freqs_Sd2[self.positions_T]
+
+    def attend(self, layer: int, q_1HTd: Tensor, k_1GTd: Tensor, v_1GTd: Tensor) -> Tensor:
+        keys, values = self.pool.keys[layer], self.pool.values[layer]
+        keys.index_copy_(0, self.slots_T, k_1GTd[0].transpose(0, 1))
+        values.index_copy_(0, self.slots_T, v_1GTd[0].transpose(0, 1))
+        k_BGSd = keys[self.gather_BS].transpose(1, 2)
+        v_BGSd = values[self.gather_BS].transpose(1, 2)
+        q_BHLd = self._pad(q_1HTd)
+        gqa = q_BHLd.shape[1] != k_BGSd.shape[1]
+        y_BHLd = F.scaled_dot_product_attention(q_BHLd, k_BGSd, v_BGSd, attn_mask=self.mask, enable_gqa=gqa)
+        return self._unpad(y_BHLd)
+
+    def advance(self, num_tokens: int) -> None:
+        pass  # the scheduler keeps each sequence's position
+
+    def _pad(self, q_1HTd: Tensor) -> Tensor:
+        if self.decode_only:
+            return q_1HTd.transpose(0, 2)  # [B, H, 1, d]
+        B, Lq = self.shape
+        _, H, T, d = q_1HTd.shape
+        q = q_1HTd.new_zeros(B * Lq, H, d).index_copy_(0, self.query_T, q_1HTd[0].transpose(0, 1))
+        return q.view(B, Lq, H, d).transpose(1, 2)
+
+    def _unpad(self, y_BHLd: Tensor) -> Tensor:
+        if self.decode_only:
+            return y_BHLd.transpose(0, 2)  # [1, H, T, d]
+        B, H, Lq, d = y_BHLd.shape
+        return y_BHLd.transpose(1, 2).reshape(B * Lq, H, d)[self.query_T].transpose(0, 1).unsqueeze(0)

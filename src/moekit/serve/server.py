@@ -1,0 +1,98 @@
+"""One process serving one run: the engine thread, the ASGI app, uvicorn on the event loop, and the
+drain on SIGTERM (running requests finish, new ones get 503, then the process exits).
+"""
+
+from __future__ import annotations
+
+import signal
+import socket
+import threading
+from pathlib import Path
+
+import uvicorn
+
+from moekit.run.load import LoadedRun
+from moekit.serve.app import ServeState, build_app
+from moekit.serve.chat import ChatTemplate
+from moekit.serve.engine import Engine, EngineOptions
+from moekit.serve.metrics import Metrics
+from moekit.serve.protocol import Limits
+
+
+def build_state(
+    run: LoadedRun,
+    run_dir: Path,
+    engine_options: EngineOptions | None = None,
+    limits: Limits | None = None,
+    model_name: str | None = None,
+    api_key: str | None = None,
+) -> ServeState:
+    """Engine (not started), chat format, metrics and limits of one served run."""
+    template = ChatTemplate(run_dir)
+    stop_tokens: frozenset[int] = frozenset()
+    if template.eos_token is not None:
+        ids = run.tokenizer.encode(template.eos_token)
+        stop_tokens = frozenset(ids) if len(ids) == 1 else frozenset()  # only a single-token end marker
+    metrics = Metrics()
+    engine = Engine(run, engine_options or EngineOptions(), metrics, stop_tokens)
+    metrics.watch(engine)
+    name = model_name or Path(run_dir).resolve().name
+    return ServeState(engine, name, template, limits or Limits(), metrics, api_key)
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn, except that SIGTERM drains: /health says draining and new requests get 503 until the
+    engine has nothing in flight; then it exits as on Ctrl-C. A second signal exits at once."""
+
+    def __init__(self, config: uvicorn.Config, state: ServeState) -> None:
+        super().__init__(config)
+        self.state = state
+
+    def handle_exit(self, sig: int, frame) -> None:
+        if sig == signal.SIGTERM and not self.state.draining:
+            self.state.draining = True
+            return
+        super().handle_exit(sig, frame)
+
+    async def on_tick(self, counter: int) -> bool:
+        if self.state.draining and self.state.engine.in_flight == (0, 0):
+            self.should_exit = True
+        return await super().on_tick(counter)
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A bound, listening socket (port 0: a free one), so the caller knows the port before serving."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as err:
+        sock.close()
+        raise ValueError(f"--port={port}: cannot listen on {host} ({err.strerror})") from None
+    sock.listen(2048)
+    return sock
+
+
+def make_server(state: ServeState) -> DrainingServer:
+    config = uvicorn.Config(build_app(state), log_level="warning", access_log=False, timeout_graceful_shutdown=5)
+    return DrainingServer(config, state)
+
+
+def serve(state: ServeState, sock: socket.socket) -> None:
+    """Serve until Ctrl-C or a drained SIGTERM (on the calling thread, the main one for signals)."""
+    server = make_server(state)
+    state.engine.start()
+    try:
+        server.run(sockets=[sock])
+    finally:
+        state.engine.stop()
+
+
+def serve_in_thread(state: ServeState, sock: socket.socket) -> tuple[DrainingServer, threading.Thread]:
+    """The same server on a daemon thread (no signal handling): set ``should_exit`` to stop it."""
+    server = make_server(state)
+    state.engine.start()
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    return server, thread

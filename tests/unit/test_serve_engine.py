@@ -1,0 +1,150 @@
+"""The parts under the API: the paged KV cache against the contiguous one, the scheduler's plan as a
+pure function, stop strings over split text, an offloaded model batched through each layer, and the
+real ``moekit serve`` process draining on SIGTERM."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+
+from moekit import runconfig
+from moekit.infer.generate import generate
+from moekit.infer.offload import OffloadOptions
+from moekit.model import Transformer
+from moekit.run.load import load_run
+from moekit.serve.kv import Chunk, KVPool, PagedStep
+from moekit.serve.scheduler import Budget, SamplingParams, Seq, plan_step
+from moekit.serve.text import TextStream
+from moekit.tokenizer import ByteTokenizer
+
+
+def test_paged_steps_of_mixed_chunks_equal_whole_sequences() -> None:
+    """Two sequences (GQA) fed in chunks of different sizes, decode beside prefill: every position's
+    logits equal the model run on the whole sequence at once (reference: no cache), to fp32 rounding."""
+    cfg = runconfig.resolve("tiny", {"model.n_heads": "4", "model.n_kv_heads": "2", "model.context_length": "48"})
+    torch.manual_seed(0)
+    model = Transformer(cfg.model, cfg.moe).eval()
+    pool = KVPool(cfg.model, 12, 4, torch.device("cpu"), torch.float32)
+    a, b = torch.randint(0, 256, (14,)), torch.randint(0, 256, (9,))
+    blocks_a, blocks_b = pool.allocate(4), pool.allocate(3)
+    steps = [[(0, 0, 5), (1, 0, 7)], [(1, 7, 1), (0, 5, 8)], [(1, 8, 1), (0, 13, 1)]]  # (seq, start, tokens)
+    with torch.no_grad():
+        for step in steps:
+            chunks = [Chunk(blocks_a if s == 0 else blocks_b, start, n) for s, start, n in step]
+            ids = torch.cat([(a if s == 0 else b)[start : start + n] for s, start, n in step])
+            logits = model(ids[None], cache=PagedStep(pool, chunks, torch.device("cpu"))).logits[0]
+            at = 0
+            for s, start, n in step:
+                whole = model((a if s == 0 else b)[None, : start + n]).logits[0, start:]
+                torch.testing.assert_close(logits[at : at + n], whole, rtol=0, atol=1e-5)
+                at += n
+
+
+def seq(prompt_len: int, max_tokens: int = 4, computed: int = 0, generated: int = 0) -> Seq:
+    s = Seq(list(range(prompt_len)), SamplingParams(max_tokens=max_tokens), lambda event: None)
+    s.computed = computed
+    s.tokens += [0] * generated
+    return s
+
+
+def test_plan_decodes_first_then_chunks_prompts_then_admits_in_order() -> None:
+    decoding = seq(5, computed=5, generated=1)
+    prefilling = seq(20, computed=8)
+    waiting = [seq(30), seq(2), seq(2)]
+    plan = plan_step([decoding, prefilling], waiting, free_blocks=100, block_size=4, b=Budget(4, 20, 8))
+    assert [(s, n) for s, n in plan.chunks] == [(decoding, 1), (prefilling, 8), (waiting[0], 8), (waiting[1], 2)]
+    assert plan.admit == waiting[:2]  # the step's 20 tokens are spent
+    # Admission reserves prompt + max_tokens in blocks, and never lets a later request overtake the head.
+    plan = plan_step([], [seq(30, max_tokens=10), seq(1)], free_blocks=9, block_size=4, b=Budget(4, 64, 64))
+    assert plan.admit == [] and plan.chunks == []
+    plan = plan_step([decoding] * 2, [seq(1)], free_blocks=9, block_size=4, b=Budget(2, 64, 64))
+    assert plan.admit == []  # the batch is full
+
+
+def test_text_stream_holds_back_split_characters_and_stop_prefixes() -> None:
+    stream = TextStream(ByteTokenizer(), ("END",))
+    released = [stream.add(t) for t in "é wEN".encode()]
+    assert "".join(text for text, _ in released) == "é w" and not any(stop for _, stop in released)
+    assert released[0] == ("", False)  # half of é
+    assert stream.add(ord("D")) == ("", True)  # "END" stops: neither it nor anything after is released
+    stream = TextStream(ByteTokenizer(), ("END",))
+    assert [stream.add(t)[0] for t in b"ENx"] == ["", "", "ENx"]  # a prefix that did not become a stop
+
+
+def test_offloaded_experts_serve_the_whole_batch_in_each_layer(write_run, tmp_path: Path) -> None:
+    """Four prompts through the engine with experts on disk: tokens equal the resident model's, and each
+    step reads an expert at most once however many sequences route to it."""
+    from moekit.serve.engine import Engine, EngineOptions, Finish, Token
+
+    run_dir = write_run(tmp_path / "run", **{"model.tie_embeddings": "false"})
+    resident = load_run(run_dir)
+    run = load_run(run_dir, offload=OffloadOptions(memory_budget=1 << 30, prefetch="off"))
+    engine = Engine(run, EngineOptions(kv_budget=1 << 20, block_size=4, prefill_chunk=4))
+    events: list = []
+    prompts = ["the king", "ab", "hello there", "x"]
+    engine.submit([Seq(list(p.encode()), SamplingParams(6, 0.0), events.append, i) for i, p in enumerate(prompts)])
+    engine.waiting.extend(engine._inbox)
+    engine._inbox.clear()
+    while engine.running or engine.waiting:
+        engine.step()
+    for i, p in enumerate(prompts):
+        ids = torch.tensor([list(p.encode())])
+        want = generate(resident.model, ids, 6, 0.0)[0, ids.shape[1] :].tolist()
+        assert [e.token for e in events if isinstance(e, Token) and e.choice == i] == want
+    assert sum(isinstance(e, Finish) for e in events) == 4
+    assert run.offloader.stats.max_reads_per_step == 1 and engine.steps < 4 * 6
+    run.offloader.close()
+
+
+def _call(url: str, body: dict | None = None) -> tuple[int, dict]:
+    request = urllib.request.Request(url, None if body is None else json.dumps(body).encode())
+    try:
+        with urllib.request.urlopen(request, timeout=30) as reply:
+            return reply.status, json.loads(reply.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
+
+
+def test_sigterm_drains_the_real_server(write_run, tmp_path: Path) -> None:
+    """``moekit serve`` as a subprocess: a stream is running when SIGTERM arrives; health says draining,
+    a new request gets 503, the stream still completes, then the process exits 0."""
+    run_dir = write_run(tmp_path / "run", **{"model.tie_embeddings": "false", "model.context_length": "512"})
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2] / "src")}
+    cmd = [sys.executable, "-m", "moekit", "serve", str(run_dir), "--port", "0", "--device", "cpu"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        line = proc.stdout.readline()
+        url = line.split(" on ")[1].split("/v1")[0]
+        body = json.dumps({"prompt": "a", "max_tokens": 400, "stream": True}).encode()
+        request = urllib.request.Request(url + "/v1/completions", body, {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=60) as stream:
+            assert stream.readline().startswith(b"data: {")
+            proc.send_signal(signal.SIGTERM)
+            assert _call(url + "/health")[1]["status"] == "draining"
+            code, reply = _call(url + "/v1/completions", {"prompt": "b", "max_tokens": 2})
+            assert code == 503 and reply["error"]["code"] == "draining"
+            events = [line for line in stream.read().decode().splitlines() if line.startswith("data: ")]
+        assert events[-1] == "data: [DONE]" and json.loads(events[-2][6:])["usage"]["completion_tokens"] == 400
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+
+
+@pytest.mark.parametrize("flag", ["--kv-budget=1KB", "--port=70000", "--timeout=0"])
+def test_serve_flags_are_checked(write_run, tmp_path: Path, flag: str, capsys) -> None:
+    from moekit.cli import main
+
+    run_dir = write_run(tmp_path / "run")
+    assert main(["serve", str(run_dir), flag, "--port=0" if "port" not in flag else flag]) == 2
+    assert flag.split("=")[0] in capsys.readouterr().err
