@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from moekit import runconfig
-from moekit.infer import offload
+from moekit.infer import offloader
 from moekit.infer.cache import LFU, LRU, ExpertCache
 from moekit.infer.expert_store import (
     ExpertStore,
@@ -24,8 +24,10 @@ from moekit.infer.expert_store import (
     read_safetensors_header,
 )
 from moekit.infer.generate import generate, generate_texts, left_pad
-from moekit.infer.offload import OffloadOptions, PinnedExperts, model_bytes, parse_bytes
+from moekit.infer.loaders import PinnedExperts
+from moekit.infer.offload import OffloadOptions, model_bytes
 from moekit.infer.quant import roles
+from moekit.infer.units import parse_bytes
 from moekit.model import Transformer
 from moekit.run.load import load_run
 
@@ -157,7 +159,7 @@ def test_router_prefetch_pauses_while_its_precision_is_low(run_dir: Path, monkey
     run = load_run(run_dir, offload=OffloadOptions(memory_budget=budget_for(run_dir, 9)))
     stats = run.offloader.stats
     stats.recent_precision = 0.1  # below the 50% gate ...
-    monkeypatch.setattr(offload, "_PRECISION_DECAY", 1.0)  # ... and held there
+    monkeypatch.setattr(offloader, "_PRECISION_DECAY", 1.0)  # ... and held there
     try:
         assert torch.equal(greedy(run.model), reference)
         assert stats.prefetch_reads == 0  # no read on a prediction this unreliable
@@ -178,7 +180,7 @@ def test_moving_precision_follows_the_predictions(run_dir: Path) -> None:
         run.offloader.close()
 
 
-_BOOKKEEPING = (offload.OffloadStats, offload.Offloader, offload.OffloadTrace, ExpertCache, LRU, LFU)
+_BOOKKEEPING = (offloader.OffloadStats, offloader.Offloader, offloader.OffloadTrace, ExpertCache, LRU, LFU)
 
 
 def _container_lengths(obj: object, name: str = "") -> dict[str, int]:
@@ -318,11 +320,11 @@ def test_a_failed_read_leaves_no_slot_pinned(run_dir: Path, tmp_path: Path, cut:
 
 
 def test_parse_bytes() -> None:
-    assert parse_bytes("512MB") == 512 * 10**6
-    assert parse_bytes("1.5GiB") == int(1.5 * 2**30)
-    assert parse_bytes("4096") == 4096
-    with pytest.raises(ValueError, match="--memory-budget='lots'"):
-        parse_bytes("lots")
+    assert parse_bytes("512MB", "budget") == 512 * 10**6
+    assert parse_bytes("1.5GiB", "budget") == int(1.5 * 2**30)
+    assert parse_bytes("4096", "budget") == 4096
+    with pytest.raises(ValueError, match="memory_budget='lots'"):
+        parse_bytes("lots", "memory_budget")
 
 
 def test_cli_generate_offloaded_batch(run_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

@@ -91,10 +91,12 @@ def add_run_flags(parser: argparse.ArgumentParser) -> None:
 
 def load_for_inference(args: argparse.Namespace):
     """The run of ``add_run_flags``, its experts offloaded when --memory-budget is given."""
-    from moekit.infer.offload import OffloadOptions, parse_bytes
+    from moekit.infer.offload import OffloadOptions
+    from moekit.infer.units import parse_bytes
     from moekit.run.load import load_run
 
     offload = None
     if args.memory_budget is not None:
-        offload = OffloadOptions(parse_bytes(args.memory_budget), args.policy, args.prefetch, args.expert_format)
+        budget = parse_bytes(args.memory_budget, "--memory-budget")
+        offload = OffloadOptions(budget, args.policy, args.prefetch, args.expert_format)
     return load_run(args.run_dir, resolve_device(args.device), offload)

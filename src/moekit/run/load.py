@@ -35,7 +35,7 @@ class LoadedRun:
     tokenizer: Tokenizer
     config: RunConfig
     checkpoint: Path
-    offloader: Any = None  # the ``infer.offload.Offloader`` serving the experts, when they are offloaded
+    offloader: Any = None  # the ``infer.offloader.Offloader`` serving the experts, when they are offloaded
 
 
 def load_model_weights(path: Path, model: nn.Module) -> None:
