@@ -24,7 +24,7 @@ from moekit.infer.expert_store import (
     read_safetensors_header,
 )
 from moekit.infer.generate import generate, generate_texts, left_pad
-from moekit.infer.loaders import PinnedExperts
+from moekit.infer.loaders import CudaLoader, FileLoader, PinnedExperts
 from moekit.infer.offload import OffloadOptions, model_bytes
 from moekit.infer.quant import roles
 from moekit.infer.units import parse_bytes
@@ -50,7 +50,8 @@ def budget_for(run_dir: Path, experts: int, **options) -> int:
 
 def greedy(model: Transformer, new_tokens: int = 12) -> torch.Tensor:
     ids, pad = left_pad(PROMPTS)
-    return generate(model, ids, new_tokens, temperature=0, left_pad_B=pad)
+    device = model.embed.weight.device
+    return generate(model, ids.to(device), new_tokens, temperature=0, left_pad_B=pad.to(device))
 
 
 @pytest.mark.parametrize("policy", ["lru", "lfu"])
@@ -71,6 +72,33 @@ def test_greedy_tokens_equal_resident_and_budget_holds(run_dir: Path, experts: i
             assert off.stats.reads <= 18 and cache.counters.evictions == 0
     finally:
         off.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("prefetch", ["router", "all", "off"])
+@pytest.mark.parametrize("experts", [2, 9, 18])
+def test_cuda_offloaded_tokens_equal_resident(run_dir: Path, experts: int, prefetch: str) -> None:
+    """On a GPU the experts are copied from pinned host memory on a side stream (``CudaLoader``): the
+    greedy tokens are the resident model's on the same device, with slots reused (2, 9) or not (18)."""
+    reference = greedy(load_run(run_dir, "cuda").model)
+    options = OffloadOptions(budget_for(run_dir, experts), prefetch=prefetch, prefetch_min_precision=0.0)
+    run = load_run(run_dir, "cuda", offload=options)
+    off = run.offloader
+    try:
+        assert isinstance(off.loader, CudaLoader) and off.cache.arena.is_cuda
+        assert torch.equal(greedy(run.model), reference)
+        assert off.stats.max_reads_per_step == 1 and off.stats.reads > 0
+        assert experts == 18 or off.cache.counters.evictions > 0
+    finally:
+        off.close()
+
+
+def test_cpu_offload_reads_the_file(run_dir: Path) -> None:
+    run = load_run(run_dir, offload=OffloadOptions(memory_budget=budget_for(run_dir, 2)))
+    try:
+        assert isinstance(run.offloader.loader, FileLoader) and not run.offloader.cache.arena.is_cuda
+    finally:
+        run.offloader.close()
 
 
 @pytest.mark.parametrize("prefetch", ["router", "all", "off"])
