@@ -15,18 +15,16 @@ from moekit.model import KVCache, Transformer
 from moekit.run.load import LoadedRun
 
 
-def check_sampling(max_new_tokens: int, temperature: float, top_k: int, top_p: float, prefix: str = "--") -> None:
-    """ValueError naming the first out-of-range option (``prefix`` + its name: a flag or a JSON field)."""
-    dash = "-" if prefix == "--" else "_"
-    name = {k: prefix + k.replace("_", dash) for k in ("max_new_tokens", "temperature", "top_k", "top_p")}
+def check_sampling(max_new_tokens: int, temperature: float, top_k: int, top_p: float) -> None:
+    """ValueError naming the first out-of-range option (by its argument name, also the JSON field's)."""
     if max_new_tokens < 0:
-        raise ValueError(f"{name['max_new_tokens']}={max_new_tokens}: must be >= 0")
+        raise ValueError(f"max_new_tokens={max_new_tokens}: must be >= 0")
     if not (math.isfinite(temperature) and temperature >= 0):
-        raise ValueError(f"{name['temperature']}={temperature}: must be a finite number >= 0 (0 = greedy)")
+        raise ValueError(f"temperature={temperature}: must be a finite number >= 0 (0 = greedy)")
     if top_k < 0:
-        raise ValueError(f"{name['top_k']}={top_k}: must be >= 0 (0 = all tokens)")
+        raise ValueError(f"top_k={top_k}: must be >= 0 (0 = all tokens)")
     if not 0 < top_p <= 1:
-        raise ValueError(f"{name['top_p']}={top_p}: must be in (0, 1]")
+        raise ValueError(f"top_p={top_p}: must be in (0, 1]")
 
 
 def sample_next(
@@ -143,7 +141,7 @@ def generate_texts(
 ) -> list[str]:
     """Continuations of several prompts (each prompt included), generated ``batch_size`` at a time."""
     if batch_size < 1:
-        raise ValueError(f"--batch-size={batch_size}: must be >= 1")
+        raise ValueError(f"batch_size={batch_size}: must be >= 1")
     encoded = [run.tokenizer.encode(p) for p in prompts]
     for i, ids in enumerate(encoded):
         if not ids:
@@ -168,5 +166,5 @@ def generate_text(
 ) -> str:
     """Decode the continuation of ``prompt`` (the prompt itself included)."""
     if not run.tokenizer.encode(prompt):
-        raise ValueError("--prompt is empty after tokenisation: give at least one character")
+        raise ValueError(f"prompt={prompt!r}: empty after tokenisation; give at least one character")
     return generate_texts(run, [prompt], max_new_tokens, temperature, top_k, top_p, seed)[0]

@@ -35,15 +35,15 @@ class OffloadOptions:
 
     def __post_init__(self) -> None:
         choices = {
-            "--policy": (self.policy, tuple(POLICIES)),
-            "--prefetch": (self.prefetch, PREFETCH_MODES),
-            "--expert-format": (self.expert_format, ("fp", *QUANT_FORMATS)),
+            "policy": (self.policy, tuple(POLICIES)),
+            "prefetch": (self.prefetch, PREFETCH_MODES),
+            "expert_format": (self.expert_format, ("fp", *QUANT_FORMATS)),
         }
-        for flag, (value, allowed) in choices.items():
+        for name, (value, allowed) in choices.items():
             if value not in allowed:
-                raise ValueError(f"{flag}={value!r}: choose from {', '.join(allowed)}")
+                raise ValueError(f"{name}={value!r}: choose from {', '.join(allowed)}")
         if self.memory_budget <= 0:
-            raise ValueError(f"--memory-budget={self.memory_budget}: must be > 0")
+            raise ValueError(f"memory_budget={self.memory_budget}: must be > 0")
         if not 0 <= self.prefetch_min_precision <= 1:
             raise ValueError(f"prefetch_min_precision={self.prefetch_min_precision}: must be in [0, 1]")
         if self.record_trace < 0:
@@ -121,12 +121,12 @@ def build_offloaded(
         store.close()
     if budget < resident:
         raise ValueError(
-            f"--memory-budget={format_bytes(budget)} is smaller than the non-expert weights "
+            f"memory_budget={format_bytes(budget)} is smaller than the non-expert weights "
             f"({format_bytes(resident)}), which stay resident"
         )
     if slots < 1:
         raise ValueError(
-            f"--memory-budget={format_bytes(budget)} leaves {format_bytes(budget - resident)} for experts "
+            f"memory_budget={format_bytes(budget)} leaves {format_bytes(budget - resident)} for experts "
             f"after the non-expert weights ({format_bytes(resident)}): "
             f"less than one expert ({format_bytes(store.slot_bytes)})"
         )

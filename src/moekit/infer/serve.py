@@ -57,7 +57,7 @@ def parse_request(body: bytes) -> tuple[list[str], dict[str, Any]]:
                 raise BadRequest(f"'{name}'={value!r}: must be {' or '.join(t.__name__ for t in allowed)}")
             options[name] = value
     try:
-        check_sampling(options["max_new_tokens"], options["temperature"], options["top_k"], options["top_p"], "")
+        check_sampling(options["max_new_tokens"], options["temperature"], options["top_k"], options["top_p"])
     except ValueError as err:
         raise BadRequest(str(err)) from None
     return prompts, options
