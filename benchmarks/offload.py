@@ -35,8 +35,10 @@ from moekit.experts.grouped import apply_activation
 from moekit.infer.cache import POLICIES, replay
 from moekit.infer.expert_store import ExpertStore, aligned_empty
 from moekit.infer.generate import generate, left_pad
-from moekit.infer.offload import READERS, OffloadOptions, format_bytes, model_bytes, parse_bytes
+from moekit.infer.loaders import READERS
+from moekit.infer.offload import OffloadOptions, model_bytes
 from moekit.infer.quant import matmul, roles
+from moekit.infer.units import format_bytes, parse_bytes
 from moekit.model import Transformer
 from moekit.run.checkpoint import save_checkpoint
 from moekit.run.load import load_run
@@ -175,7 +177,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     run_dir = build_run(args.cache_dir / "run")
-    budget = parse_bytes(args.budget)
+    budget = parse_bytes(args.budget, "--budget")
     cfg = runconfig.from_json(run_dir / "config.json")
     weights = next(run_dir.glob("checkpoints/step_*")) / "model.safetensors"
     runs: dict[tuple[str, int], list[dict]] = {}

@@ -33,7 +33,8 @@ from torch import Tensor
 
 import moekit
 from moekit.infer.generate import generate
-from moekit.infer.offload import OffloadOptions, format_bytes, parse_bytes
+from moekit.infer.offload import OffloadOptions
+from moekit.infer.units import format_bytes, parse_bytes
 from moekit.layer import MoE
 from moekit.model import Transformer
 from moekit.routing import RouterOutput
@@ -221,7 +222,7 @@ def main() -> None:
     args = parser.parse_args()
     if not args.data.is_file():
         parser.error(f"--data: no such file: {args.data}")
-    args.budget = parse_bytes(args.budget)
+    args.budget = parse_bytes(args.budget, "--budget")
     if args.threads:
         torch.set_num_threads(args.threads)
     runs = {seed: trained_run(args.cache_dir, args.data, args.steps, seed, args.threads) for seed in args.seeds}

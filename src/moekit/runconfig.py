@@ -70,7 +70,7 @@ def load_preset(name: str) -> dict[str, dict[str, Any]]:
     else:
         if name not in preset_names():
             raise ValueError(
-                f"--preset: unknown preset {name!r} (choose from {', '.join(preset_names())}, or a .toml file)"
+                f"preset: unknown preset {name!r} (choose from {', '.join(preset_names())}, or a .toml file)"
             )
         text = resources.files("moekit.configs").joinpath(f"{name}.toml").read_text()
     try:

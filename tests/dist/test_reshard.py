@@ -149,7 +149,7 @@ def test_damaged_checkpoint_is_named_and_fallback_resumes(sharded_run: Path, nam
     tmp = sharded_run
     run = _damaged(tmp, name, damage)
     cfg = _cfg(tmp / "corpus.txt", tmp / "cache")
-    with pytest.raises(CheckpointError, match=message + r".*--fallback"):
+    with pytest.raises(CheckpointError, match=message + r".*fallback=True"):
         train(cfg, run, resume=True, progress=False)
     if name != "no-latest-target":
         with pytest.raises(CheckpointError, match=message):

@@ -64,6 +64,11 @@ CASES = [
     ("nan-temperature", ["generate", "{run}", "--temperature", "nan"], None, "--temperature"),
     ("not-a-run", ["generate", "{tmp}"], None, "config.json"),
     ("export-format", ["export", "{run}", "--out", "{new}", "--format", "onnx"], None, "--format"),
+    # library errors name the argument (batch_size=0, init=..., out=...); the CLI names the flag typed
+    ("batch-size", ["generate", "{run}", "--batch-size", "0"], None, "--batch-size=0"),
+    ("budget-small", ["generate", "{run}", "--memory-budget", "10KB"], None, "--memory-budget=10.0 KB"),
+    ("init-resume", ["train", "--init", "{run}", "--resume", "--run-dir", "{new}"], None, "combined with --resume"),
+    ("export-onto-run", ["export", "{run}", "--out", "{run}"], None, "--out="),
 ]
 
 EDITS = {
@@ -110,3 +115,30 @@ def test_bad_input_is_one_clear_line_and_loses_nothing(pristine_run, tmp_path, a
     assert named in lines[0], lines[0]
     assert _snapshot(run) == before, "the run directory changed"
     assert not new.exists(), "a run directory was created"
+
+
+def test_library_option_names_become_the_commands_flags() -> None:
+    """``in_flag_words`` maps each argument a library message names to the flag of this command that
+    set it; config fields keep their dotted names (a value may come from a file), unknown names stay."""
+    from moekit.cli import build_parser
+    from moekit.cli.common import in_flag_words
+
+    parser = build_parser()
+    train = parser.parse_args(["train"]).command_parser
+    generate = parser.parse_args(["generate", "run"]).command_parser
+    cases = [
+        (
+            train,
+            "run_dir=r: holds a run; pass resume=True, or another",
+            "--run-dir=r: holds a run; pass --resume, or another",
+        ),
+        (train, "nnodes=2: needs rdzv_endpoint=HOST:PORT", "--nnodes=2: needs --rdzv-endpoint=HOST:PORT"),
+        (train, "preset: unknown preset 'x'", "--preset: unknown preset 'x'"),
+        (train, "train.lr=nan: must be finite; model.d_ff=3", "train.lr=nan: must be finite; model.d_ff=3"),
+        (train, "memory_budget=1: a flag of generate only", "memory_budget=1: a flag of generate only"),
+        (generate, "offload: r is a dense model", "--memory-budget: r is a dense model"),
+        (generate, "top_k=-3: must be >= 0; policy='top_k=1'", "--top-k=-3: must be >= 0; --policy='top_k=1'"),
+        (generate, "the offload: of r", "the offload: of r"),
+    ]
+    for command, library, cli in cases:
+        assert in_flag_words(library, command) == cli

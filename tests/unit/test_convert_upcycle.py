@@ -80,7 +80,7 @@ def test_finer_experts_equal_dense_on_the_dense_dts_start() -> None:
 
 def test_upcycle_rejects_bad_requests() -> None:
     dense = dense_model()
-    with pytest.raises(ValueError, match="--split=3: must be >= 1 and divide --experts=4"):
+    with pytest.raises(ValueError, match="split=3: must be >= 1 and divide num_experts=4"):
         upcycle(dense, 4, 2, split=3)
     with pytest.raises(ValueError, match="top_k"):
         upcycle(dense, 4, 5)

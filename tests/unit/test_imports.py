@@ -23,6 +23,16 @@ RULES = {
     "train": ("moekit.infer", "moekit.serve", "moekit.convert", "moekit.cli"),
     "infer": ("moekit.train", "moekit.serve", "moekit.convert", "moekit.cli"),
     "serve": ("moekit.train", "moekit.convert", "moekit.cli"),
+    # offloaded experts, top down: options and model building, the offloader's books, loaders moving bytes
+    "infer/offloader.py": ("moekit.infer.offload", "moekit.model", "moekit.run"),
+    "infer/loaders.py": (
+        "moekit.infer.offload",
+        "moekit.infer.offloader",
+        "moekit.model",
+        "moekit.layer",
+        "moekit.run",
+    ),
+    "infer/units.py": ("moekit",),
     "convert": ("moekit.train", "moekit.infer", "moekit.serve", "moekit.cli"),
     "run": ABOVE_RUN,
     "tokenizer.py": (*ABOVE_RUN, "moekit.run"),

@@ -13,7 +13,7 @@ import pytest
 import torch
 from helpers import budget_for
 
-from moekit.infer import offload
+from moekit.infer import offloader
 from moekit.infer.cache import LFU, LRU, ExpertCache
 from moekit.infer.expert_store import (
     ExpertStoreError,
@@ -21,7 +21,9 @@ from moekit.infer.expert_store import (
     read_safetensors_header,
 )
 from moekit.infer.generate import generate, generate_texts, left_pad
-from moekit.infer.offload import OffloadOptions, PinnedExperts, model_bytes, parse_bytes
+from moekit.infer.loaders import CudaLoader, FileLoader, PinnedExperts
+from moekit.infer.offload import OffloadOptions, model_bytes
+from moekit.infer.units import parse_bytes
 from moekit.model import Transformer
 from moekit.run.load import load_run
 
@@ -30,7 +32,8 @@ PROMPTS = [[5, 17, 99, 3, 42, 8, 1], [200, 13], [7, 7, 7, 7]]
 
 def greedy(model: Transformer, new_tokens: int = 12) -> torch.Tensor:
     ids, pad = left_pad(PROMPTS)
-    return generate(model, ids, new_tokens, temperature=0, left_pad_B=pad)
+    device = model.embed.weight.device
+    return generate(model, ids.to(device), new_tokens, temperature=0, left_pad_B=pad.to(device))
 
 
 @pytest.mark.parametrize("policy", ["lru", "lfu"])
@@ -51,6 +54,33 @@ def test_greedy_tokens_equal_resident_and_budget_holds(run_dir: Path, experts: i
             assert off.stats.reads <= 18 and cache.counters.evictions == 0
     finally:
         off.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("prefetch", ["router", "all", "off"])
+@pytest.mark.parametrize("experts", [2, 9, 18])
+def test_cuda_offloaded_tokens_equal_resident(run_dir: Path, experts: int, prefetch: str) -> None:
+    """On a GPU the experts are copied from pinned host memory on a side stream (``CudaLoader``): the
+    greedy tokens are the resident model's on the same device, with slots reused (2, 9) or not (18)."""
+    reference = greedy(load_run(run_dir, "cuda").model)
+    options = OffloadOptions(budget_for(run_dir, experts), prefetch=prefetch, prefetch_min_precision=0.0)
+    run = load_run(run_dir, "cuda", offload=options)
+    off = run.offloader
+    try:
+        assert isinstance(off.loader, CudaLoader) and off.cache.arena.is_cuda
+        assert torch.equal(greedy(run.model), reference)
+        assert off.stats.max_reads_per_step == 1 and off.stats.reads > 0
+        assert experts == 18 or off.cache.counters.evictions > 0
+    finally:
+        off.close()
+
+
+def test_cpu_offload_reads_the_file(run_dir: Path) -> None:
+    run = load_run(run_dir, offload=OffloadOptions(memory_budget=budget_for(run_dir, 2)))
+    try:
+        assert isinstance(run.offloader.loader, FileLoader) and not run.offloader.cache.arena.is_cuda
+    finally:
+        run.offloader.close()
 
 
 @pytest.mark.parametrize("prefetch", ["router", "all", "off"])
@@ -139,7 +169,7 @@ def test_router_prefetch_pauses_while_its_precision_is_low(run_dir: Path, monkey
     run = load_run(run_dir, offload=OffloadOptions(memory_budget=budget_for(run_dir, 9)))
     stats = run.offloader.stats
     stats.recent_precision = 0.1  # below the 50% gate ...
-    monkeypatch.setattr(offload, "_PRECISION_DECAY", 1.0)  # ... and held there
+    monkeypatch.setattr(offloader, "_PRECISION_DECAY", 1.0)  # ... and held there
     try:
         assert torch.equal(greedy(run.model), reference)
         assert stats.prefetch_reads == 0  # no read on a prediction this unreliable
@@ -160,7 +190,7 @@ def test_moving_precision_follows_the_predictions(run_dir: Path) -> None:
         run.offloader.close()
 
 
-_BOOKKEEPING = (offload.OffloadStats, offload.Offloader, offload.OffloadTrace, ExpertCache, LRU, LFU)
+_BOOKKEEPING = (offloader.OffloadStats, offloader.Offloader, offloader.OffloadTrace, ExpertCache, LRU, LFU)
 
 
 def _container_lengths(obj: object, name: str = "") -> dict[str, int]:
@@ -300,11 +330,11 @@ def test_a_failed_read_leaves_no_slot_pinned(run_dir: Path, tmp_path: Path, cut:
 
 
 def test_parse_bytes() -> None:
-    assert parse_bytes("512MB") == 512 * 10**6
-    assert parse_bytes("1.5GiB") == int(1.5 * 2**30)
-    assert parse_bytes("4096") == 4096
-    with pytest.raises(ValueError, match="--memory-budget='lots'"):
-        parse_bytes("lots")
+    assert parse_bytes("512MB", "budget") == 512 * 10**6
+    assert parse_bytes("1.5GiB", "budget") == int(1.5 * 2**30)
+    assert parse_bytes("4096", "budget") == 4096
+    with pytest.raises(ValueError, match="memory_budget='lots'"):
+        parse_bytes("lots", "memory_budget")
 
 
 def test_host_tier_holds_every_expert_as_the_store_reads_it(run_dir: Path) -> None:

@@ -11,7 +11,7 @@ import sys
 
 from moekit import __version__
 from moekit.cli import convert, export, generate, plan, plot, serve, train, upcycle
-from moekit.cli.common import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_USAGE, Parser
+from moekit.cli.common import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_USAGE, Parser, in_flag_words
 
 COMMANDS = (train, generate, serve, plot, plan, convert, export, upcycle)  # in --help's order
 
@@ -26,6 +26,8 @@ def build_parser() -> Parser:
     commands = parser.add_subparsers(dest="command", title="commands", metavar="COMMAND", parser_class=Parser)
     for command in COMMANDS:
         command.add_parser(commands)
+    for sub in commands.choices.values():
+        sub.set_defaults(command_parser=sub)  # its flags put library errors in the user's words
     return parser
 
 
@@ -46,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"moekit {args.command}{rank}: error: {err}", file=sys.stderr)
         exit_after_rank_failure(EXIT_FAILURE)
     except (MoekitError, ValueError, FileNotFoundError) as err:
-        print(f"moekit {args.command}{rank}: error: {err}", file=sys.stderr)
+        print(f"moekit {args.command}{rank}: error: {in_flag_words(str(err), args.command_parser)}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
         print(f"moekit {args.command}: interrupted", file=sys.stderr)

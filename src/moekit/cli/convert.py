@@ -15,7 +15,7 @@ def add_parser(commands) -> None:
     )
     convert.set_defaults(run=run)
     convert.add_argument("hf_dir", type=Path, help="a Hugging Face model directory")
-    convert.add_argument("--out", type=Path, required=True, help="the run directory to write")
+    convert.add_argument("--out", dest="run_dir", type=Path, required=True, help="the run directory to write")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -25,8 +25,9 @@ def run(args: argparse.Namespace) -> int:
     if (args.hf_dir / "checkpoints").is_dir():
         raise ValueError(f"{args.hf_dir}: is a moekit run already (convert reads Hugging Face directories)")
     model, tokenizer, cfg = load_model_source(args.hf_dir)
-    save_weights_run(args.out, cfg.to_json(), model, tokenizer, f"converted from {args.hf_dir}")
+    out = args.run_dir
+    save_weights_run(out, cfg.to_json(), model, tokenizer, f"converted from {args.hf_dir}")
     kind = f"{len(model.moe_layers())} MoE blocks" if model.moe_layers() else "dense"
-    print(f"run directory: {args.out} ({model.num_params() / 1e6:.2f}M parameters, {kind})")
-    print(f"generate: moekit generate {args.out} --prompt '...';  train: moekit train --init {args.out} --run-dir ...")
+    print(f"run directory: {out} ({model.num_params() / 1e6:.2f}M parameters, {kind})")
+    print(f"generate: moekit generate {out} --prompt '...';  train: moekit train --init {out} --run-dir ...")
     return 0

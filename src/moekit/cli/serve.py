@@ -41,7 +41,7 @@ def add_parser(commands) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from moekit.infer.offload import parse_bytes
+    from moekit.infer.units import parse_bytes
     from moekit.serve.engine import EngineOptions
     from moekit.serve.protocol import Limits
     from moekit.serve.server import build_state, listen, serve

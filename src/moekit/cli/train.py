@@ -109,6 +109,8 @@ def run(args: argparse.Namespace) -> int:
     )
     _leave_process_group()
     if result.interrupted:
+        if global_rank() == 0:
+            print(f"continue with: moekit train --resume --run-dir {run_dir}", file=sys.stderr)
         return EXIT_INTERRUPTED
     if global_rank() == 0:  # rank 0 reports for the job
         _report(cfg, run_dir, result, resolve_device(args.device))

@@ -56,11 +56,11 @@ def upcycle(
     if cfg.moe_layers():
         raise ValueError("upcycle: the model already has MoE blocks (model.moe_every > 0); give a dense model")
     if split < 1 or num_experts % split:
-        raise ValueError(f"--split={split}: must be >= 1 and divide --experts={num_experts}")
+        raise ValueError(f"split={split}: must be >= 1 and divide num_experts={num_experts}")
     if cfg.d_ff % split:
-        raise ValueError(f"--split={split}: must divide the dense MLP width model.d_ff={cfg.d_ff}")
+        raise ValueError(f"split={split}: must divide the dense MLP width model.d_ff={cfg.d_ff}")
     if noise < 0:
-        raise ValueError(f"--noise={noise}: must be >= 0")
+        raise ValueError(f"noise={noise}: must be >= 0")
     settings = dict(moe_overrides or {}) | {"normalize_topk": True, "softmax_before_topk": True}
     moe_cfg = MoEConfig(
         d_model=cfg.d_model,

@@ -96,8 +96,7 @@ def make_policy(name: str) -> Policy:
 class Entry:
     slot: int
     pins: int = 0
-    loading: Future | None = None  # set while a background read fills the slot
-    ready: torch.cuda.Event | None = None  # GPU: recorded by the copy into the slot
+    loading: Future | None = None  # set while a load fills the slot
 
 
 @dataclass

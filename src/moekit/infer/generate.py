@@ -7,6 +7,8 @@ Legend: B batch, L length, V vocabulary.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -14,19 +16,19 @@ from torch import Tensor
 from moekit.model import KVCache, Transformer
 from moekit.run.load import LoadedRun
 
+NextLogits = Callable[[Tensor], Tensor]  # tokens so far [B, L] -> the next position's logits [B, V]
 
-def check_sampling(max_new_tokens: int, temperature: float, top_k: int, top_p: float, prefix: str = "--") -> None:
-    """ValueError naming the first out-of-range option (``prefix`` + its name: a flag or a JSON field)."""
-    dash = "-" if prefix == "--" else "_"
-    name = {k: prefix + k.replace("_", dash) for k in ("max_new_tokens", "temperature", "top_k", "top_p")}
+
+def check_sampling(max_new_tokens: int, temperature: float, top_k: int, top_p: float) -> None:
+    """ValueError naming the first out-of-range option (by its argument name, also the JSON field's)."""
     if max_new_tokens < 0:
-        raise ValueError(f"{name['max_new_tokens']}={max_new_tokens}: must be >= 0")
+        raise ValueError(f"max_new_tokens={max_new_tokens}: must be >= 0")
     if not (math.isfinite(temperature) and temperature >= 0):
-        raise ValueError(f"{name['temperature']}={temperature}: must be a finite number >= 0 (0 = greedy)")
+        raise ValueError(f"temperature={temperature}: must be a finite number >= 0 (0 = greedy)")
     if top_k < 0:
-        raise ValueError(f"{name['top_k']}={top_k}: must be >= 0 (0 = all tokens)")
+        raise ValueError(f"top_k={top_k}: must be >= 0 (0 = all tokens)")
     if not 0 < top_p <= 1:
-        raise ValueError(f"{name['top_p']}={top_p}: must be in (0, 1]")
+        raise ValueError(f"top_p={top_p}: must be in (0, 1]")
 
 
 def sample_next(
@@ -63,11 +65,31 @@ def decode_step(model: Transformer, token_B1: Tensor, cache: KVCache) -> Tensor:
     return model(token_B1, cache=cache).logits[:, -1]
 
 
-def _sampler(model: Transformer, prompt_BL: Tensor, seed: int | None) -> torch.Generator | None:
+@dataclass(frozen=True)
+class Sampling:
+    """How each next token is drawn (``sample_next``), and the seed of its draws."""
+
+    temperature: float = 1.0  # 0 = greedy
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int | None = None
+
+
+def _sample_loop(
+    model: Transformer, prompt_BL: Tensor, max_new_tokens: int, sampling: Sampling, next_logits: NextLogits
+) -> Tensor:
+    """The prompt and ``max_new_tokens`` tokens drawn one at a time from ``next_logits(tokens so far)``.
+    What the entry points share: the argument checks, the seeded generator and the sampling; each
+    brings its own way to the logits."""
     if prompt_BL.shape[1] == 0:
         raise ValueError("prompt is empty: give at least one token")
     model.eval()
-    return torch.Generator().manual_seed(seed) if seed is not None else None
+    generator = torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
+    out = prompt_BL
+    for _ in range(max_new_tokens):
+        token_B = sample_next(next_logits(out), sampling.temperature, sampling.top_k, sampling.top_p, generator)
+        out = torch.cat([out, token_B.unsqueeze(1)], dim=1)
+    return out
 
 
 @torch.no_grad()
@@ -87,41 +109,31 @@ def generate(
     last half-context is prefilled again (a sliding window). ``left_pad_B``: leading padding
     positions of each row (prompts of different lengths).
     """
-    generator = _sampler(model, prompt_BL, seed)
     ctx = model.cfg.context_length
-    out = prompt_BL
     cache: KVCache | None = None
-    for _ in range(max_new_tokens):
-        if cache is None or cache.length >= ctx:
-            window = out[:, -(max(1, ctx // 2) if cache is not None else ctx) :]
-            pad = None
-            if left_pad_B is not None:  # padding that the window cut off is gone
-                pad = (left_pad_B - (out.shape[1] - window.shape[1])).clamp_min(0)
-            logits, cache = prefill(model, window, pad)
-        else:
-            logits = decode_step(model, out[:, -1:], cache)
-        out = torch.cat([out, sample_next(logits, temperature, top_k, top_p, generator).unsqueeze(1)], dim=1)
-    return out
+
+    def next_logits(out_BL: Tensor) -> Tensor:
+        nonlocal cache
+        if cache is not None and cache.length < ctx:
+            return decode_step(model, out_BL[:, -1:], cache)
+        window = out_BL[:, -(max(1, ctx // 2) if cache is not None else ctx) :]
+        pad = None
+        if left_pad_B is not None:  # padding that the window cut off is gone
+            pad = (left_pad_B - (out_BL.shape[1] - window.shape[1])).clamp_min(0)
+        logits, cache = prefill(model, window, pad)
+        return logits
+
+    return _sample_loop(model, prompt_BL, max_new_tokens, Sampling(temperature, top_k, top_p, seed), next_logits)
 
 
 @torch.no_grad()
-def generate_uncached(
-    model: Transformer,
-    prompt_BL: Tensor,
-    max_new_tokens: int,
-    temperature: float = 1.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    seed: int | None = None,
-) -> Tensor:
+def generate_uncached(model: Transformer, prompt_BL: Tensor, max_new_tokens: int, **sampling: float | None) -> Tensor:
     """``generate`` without a cache: every step reruns the whole (cropped) sequence. The reference the
-    cached path is tested against."""
-    generator = _sampler(model, prompt_BL, seed)
-    out = prompt_BL
-    for _ in range(max_new_tokens):
-        logits = model(out[:, -model.cfg.context_length :]).logits[:, -1]
-        out = torch.cat([out, sample_next(logits, temperature, top_k, top_p, generator).unsqueeze(1)], dim=1)
-    return out
+    cached path is tested against; ``sampling``: ``generate``'s options by name (``Sampling``'s fields)."""
+    ctx = model.cfg.context_length
+    return _sample_loop(
+        model, prompt_BL, max_new_tokens, Sampling(**sampling), lambda out_BL: model(out_BL[:, -ctx:]).logits[:, -1]
+    )
 
 
 def left_pad(prompts: list[list[int]], pad_id: int = 0) -> tuple[Tensor, Tensor]:
@@ -143,7 +155,7 @@ def generate_texts(
 ) -> list[str]:
     """Continuations of several prompts (each prompt included), generated ``batch_size`` at a time."""
     if batch_size < 1:
-        raise ValueError(f"--batch-size={batch_size}: must be >= 1")
+        raise ValueError(f"batch_size={batch_size}: must be >= 1")
     encoded = [run.tokenizer.encode(p) for p in prompts]
     for i, ids in enumerate(encoded):
         if not ids:
@@ -168,5 +180,5 @@ def generate_text(
 ) -> str:
     """Decode the continuation of ``prompt`` (the prompt itself included)."""
     if not run.tokenizer.encode(prompt):
-        raise ValueError("--prompt is empty after tokenisation: give at least one character")
+        raise ValueError(f"prompt={prompt!r}: empty after tokenisation; give at least one character")
     return generate_texts(run, [prompt], max_new_tokens, temperature, top_k, top_p, seed)[0]

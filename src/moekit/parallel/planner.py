@@ -114,18 +114,18 @@ def _read_toml(kind: str, name: str) -> tuple[str, dict]:
     path = Path(name)
     if path.suffix == ".toml":
         if not path.is_file():
-            raise ValueError(f"--{kind}: no such file {name}")
+            raise ValueError(f"{kind}: no such file {name}")
         text, label = path.read_text(), path.stem
     else:
         folder = resources.files("moekit.configs").joinpath(f"{kind}s")
         names = sorted(p.name.removesuffix(".toml") for p in folder.iterdir() if p.name.endswith(".toml"))
         if name not in names:
-            raise ValueError(f"--{kind}: unknown preset {name!r} (choose from {', '.join(names)}, or a .toml file)")
+            raise ValueError(f"{kind}: unknown preset {name!r} (choose from {', '.join(names)}, or a .toml file)")
         text, label = folder.joinpath(f"{name}.toml").read_text(), name
     try:
         return label, tomllib.loads(text)
     except tomllib.TOMLDecodeError as err:
-        raise ValueError(f"--{kind} {name}: invalid TOML: {err}") from None
+        raise ValueError(f"{kind}={name!r}: invalid TOML: {err}") from None
 
 
 def _build(kind: str, label: str, cls: type, values: dict, extra: dict | None = None):

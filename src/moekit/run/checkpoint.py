@@ -105,7 +105,7 @@ def save_weights_run(run_dir: Path, config_json: str, model: nn.Module, tokenize
     """
     run_dir = Path(run_dir)
     if latest_checkpoint(run_dir) is not None:
-        raise CheckpointError(f"{run_dir} already holds a run: choose another --out")
+        raise CheckpointError(f"run_dir={run_dir}: already holds a run; choose another directory")
     run_dir.mkdir(parents=True, exist_ok=True)
     write_bytes_atomic(run_dir / CONFIG, config_json.encode())
     tokenizer.save(run_dir)

@@ -23,7 +23,7 @@ def export_run(run_dir: Path, out: Path) -> Path:
     if not (run_dir / CONFIG).is_file():
         raise CheckpointError(f"{run_dir}: not a moekit run directory (no config.json)")
     if latest_checkpoint(out) is not None or (out / CONFIG).exists():
-        raise CheckpointError(f"--out {out}: already holds a run; choose an empty directory")
+        raise CheckpointError(f"out={out}: already holds a run; choose an empty directory")
     source = latest_checkpoint(run_dir)
     if source is None:
         raise CheckpointError(f"{run_dir}: has no checkpoint yet")

@@ -35,7 +35,7 @@ class LoadedRun:
     tokenizer: Tokenizer
     config: RunConfig
     checkpoint: Path
-    offloader: Any = None  # the ``infer.offload.Offloader`` serving the experts, when they are offloaded
+    offloader: Any = None  # the ``infer.offloader.Offloader`` serving the experts, when they are offloaded
 
 
 def load_model_weights(path: Path, model: nn.Module) -> None:
@@ -78,10 +78,10 @@ def load_run(run_dir: Path, device: str = "cpu", offload: Offload | None = None)
         raise CheckpointError(f"{run_dir}: has no checkpoint yet")
     if offload is not None:
         if not cfg.is_moe:
-            raise ValueError(f"--memory-budget: {run_dir} is a dense model; it has no experts to offload")
+            raise ValueError(f"offload: {run_dir} is a dense model; it has no experts to offload")
         if is_sharded(path):
             raise CheckpointError(
-                f"--memory-budget: {path} is sharded (written by several ranks); offloaded experts are read from one "
+                f"offload: {path} is sharded (written by several ranks); offloaded experts are read from one "
                 f"file: consolidate it first with: moekit export {run_dir} --out DIR"
             )
         model, offloader = offload.build(cfg.model, cfg.moe, path, device)

@@ -181,7 +181,7 @@ class Checkpointer:
         if named is not None and named not in candidates:
             problem = f"{pointer} names {named.name}, which is missing or incomplete"
             if not fallback:
-                raise CheckpointError(problem + " (pass --fallback to resume from the newest intact checkpoint)")
+                raise CheckpointError(problem + " (pass fallback=True to resume from the newest intact checkpoint)")
             say(f"moekit: {problem}; falling back")
         elif named is not None:
             candidates = [named] + [c for c in candidates if c != named]
@@ -190,7 +190,7 @@ class Checkpointer:
             if problem is None:
                 return path
             if not fallback:
-                raise CheckpointError(problem + " (pass --fallback to resume from the previous complete checkpoint)")
+                raise CheckpointError(problem + " (pass fallback=True to resume from the previous complete checkpoint)")
             say(f"moekit: {problem}; falling back")
         raise CheckpointError(f"{checkpoint_dir(self.run_dir)}: no intact checkpoint to resume from")
 
@@ -220,7 +220,8 @@ class Checkpointer:
         manifest = load_manifest(path)
         if not (path / SHARDED).is_dir():
             raise CheckpointError(
-                f"{path}: holds weights only (a converted, upcycled or exported model): start from it with --init"
+                f"{path}: holds weights only (a converted, upcycled or exported model): "
+                f"start from it with init={self.run_dir}"
             )
         sharded.restore(path / SHARDED, model, optimizer, self.group, whole, slots)
         return manifest

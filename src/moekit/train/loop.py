@@ -77,9 +77,11 @@ def _has_checkpoint(run_dir: Path) -> bool:
 def _prepare_run_dir(run_dir: Path, resume: bool, create: bool = True) -> None:
     """Check (on every rank, before any collective) that the run directory fits the request."""
     if not resume and _has_checkpoint(run_dir):
-        raise TrainingError(f"{run_dir} already holds a trained run: pass --resume, or choose another --run-dir")
+        raise TrainingError(
+            f"run_dir={run_dir}: already holds a trained run; pass resume=True, or choose another directory"
+        )
     if resume and not _has_checkpoint(run_dir):
-        raise TrainingError(f"--resume: {run_dir} has no checkpoint to resume from")
+        raise TrainingError(f"resume=True: {run_dir} has no checkpoint to resume from")
     if create:
         run_dir.mkdir(parents=True, exist_ok=True)
 
@@ -174,7 +176,9 @@ def _setup(
     if dev.type == "cpu":
         keep_freed_memory()
     if init is not None and resume:
-        raise TrainingError("--init starts a new run from another run's weights; it cannot be combined with --resume")
+        raise TrainingError(
+            f"init={init}: starts a new run from another run's weights; it cannot be combined with resume=True"
+        )
     main = global_rank() == 0  # before the process group: rank 0 alone creates the run directory
     say = tqdm.write if progress and main else (lambda msg: print(msg, file=sys.stderr))
     resume = resume or (init is None and _elastic_restart(run_dir))
@@ -192,7 +196,7 @@ def _setup(
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=corpus.tokenizer.vocab_size))
     elif corpus.tokenizer.vocab_size > cfg.model.vocab_size:
         raise TrainingError(
-            f"--init {init}: its tokenizer has {corpus.tokenizer.vocab_size} tokens, "
+            f"init={init}: its tokenizer has {corpus.tokenizer.vocab_size} tokens, "
             f"more than model.vocab_size={cfg.model.vocab_size}"
         )
     if main:
@@ -303,7 +307,7 @@ def _steps(run: _Run, progress: bool, on_step: Callable[[dict[str, Any]], None] 
         checkpoint = saver.wait() or checkpoint
     bar.close()
     if interrupt.requested and main:
-        run.say(f"moekit: interrupted at step {step}; checkpoint {checkpoint} (continue with --resume)")
+        run.say(f"moekit: interrupted at step {step}; checkpoint {checkpoint}")
     return TrainResult(
         run.run_dir, step, losses, val_loss, checkpoint, interrupted=interrupt.requested, skipped_steps=skipped_steps
     )
@@ -414,6 +418,6 @@ def _load_init(init: Path, model: torch.nn.Module) -> None:
     """Load the latest weights of run ``init`` (checksums verified) into ``model``."""
     path = latest_checkpoint(init)
     if path is None:
-        raise CheckpointError(f"--init {init}: has no checkpoint to start from")
+        raise CheckpointError(f"init={init}: has no checkpoint to start from")
     read_manifest(path)
     load_model_weights(path, model)
