@@ -30,7 +30,6 @@ threads per process slow every step several times over.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import http.client
 import json
 import os
@@ -45,16 +44,15 @@ import urllib.request
 from pathlib import Path
 
 import torch
+from _engine_steps import decoding_engine, profile_section
 from _spread import show, spread
 
 from moekit import runconfig
-from moekit.infer.generate import decode_step, generate, left_pad, prefill
+from moekit.infer.generate import generate, left_pad
 from moekit.infer.offload import OffloadOptions, parse_bytes
 from moekit.model import Transformer
 from moekit.run.checkpoint import save_checkpoint
 from moekit.run.load import load_run
-from moekit.serve.engine import Engine, EngineOptions
-from moekit.serve.scheduler import SamplingParams, Seq
 from moekit.tokenizer import ByteTokenizer
 
 DEFAULT_TEXT = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "tinyshakespeare.txt"
@@ -173,15 +171,6 @@ def latency(records: list) -> dict[str, float]:
     }
 
 
-def decoding_engine(run, prompts: list[list[int]], max_tokens: int) -> Engine:
-    """An in-process engine whose greedy sequences have all prefilled: each step from here decodes."""
-    engine = Engine(run, EngineOptions(kv_budget=64 << 20))
-    engine.waiting.extend(Seq(p, SamplingParams(max_tokens, 0.0), lambda e: None) for p in prompts)
-    while engine.waiting or any(s.computed < len(s.prompt) for s in engine.running):
-        engine.step()
-    return engine
-
-
 @torch.no_grad()
 def decode_ms(run, hf, prompt: list[int], tokens: int) -> dict[str, float]:
     """ms per decoded token at batch 1 (prefill excluded) of the engine step, generate and transformers."""
@@ -202,37 +191,6 @@ def decode_ms(run, hf, prompt: list[int], tokens: int) -> dict[str, float]:
         t = time.perf_counter()
         call(tokens + 1)
         out[name] = (time.perf_counter() - t - one) / tokens * 1e3
-    return out
-
-
-@torch.no_grad()
-def step_ms(run, prompts: list[list[int]], steps: int, ops: dict | None = None) -> dict[str, float]:
-    """ms of one step with every prompt decoding: ``generate``'s decode step (one static batch) and the
-    engine's step with its phases; with ``ops``, each one's self CPU ms per step by torch op, added."""
-    from torch.profiler import ProfilerActivity, profile
-
-    ids, pad = left_pad(prompts)
-    logits, cache = prefill(run.model, ids, pad)
-    token = logits.argmax(-1, keepdim=True)
-    engine = decoding_engine(run, prompts, steps + 1)
-    before = dict(engine.seconds)
-    out: dict[str, float] = {}
-    calls = {
-        "generate decode step": lambda: decode_step(run.model, token, cache).argmax(-1, keepdim=True),
-        "engine step": engine.step,
-    }
-    for name, call in calls.items():
-        with profile(activities=[ProfilerActivity.CPU]) if ops is not None else contextlib.nullcontext() as prof:
-            t = time.perf_counter()
-            for _ in range(steps):
-                call()
-            out[name] = (time.perf_counter() - t) / steps * 1e3
-        if ops is not None:
-            for e in prof.key_averages():
-                table = ops.setdefault(name, {})
-                table[e.key] = table.get(e.key, 0.0) + e.self_cpu_time_total / 1e3 / steps
-    for phase in ("schedule", "forward", "emit"):
-        out[f"  engine {phase}"] = (engine.seconds[phase] - before[phase]) / steps * 1e3
     return out
 
 
@@ -385,28 +343,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(figures))
     return 0
-
-
-def profile_section(args: argparse.Namespace, run, prompts: list[str]) -> dict:
-    """One step at 16 decoding sequences, in this process: engine against ``generate``, by phase and op."""
-    encoded = [list(p.encode()) for p in prompts]
-    rows: dict[str, list[float]] = {}
-    ops: dict[str, dict[str, float]] = {}
-    for r in range(args.repeats):
-        for name, ms in step_ms(run, encoded, args.max_tokens, ops if r == 0 else None).items():
-            rows.setdefault(name, []).append(ms)
-    print(f"one step at 16 decoding sequences, ms ({args.max_tokens} steps per round, in this process)")
-    for name, values in rows.items():
-        print(f"  {name:<22} {show(values, '.2f')}")
-    print("  self CPU ms per step by torch op (first round; the 8 costliest of either):")
-    top = sorted({k for t in ops.values() for k in t}, key=lambda k: -max(t.get(k, 0.0) for t in ops.values()))[:8]
-    print(f"    {'op':<52} " + " ".join(f"{name:>22}" for name in ops))
-    for k in top:
-        print(f"    {k[:52]:<52} " + " ".join(f"{t.get(k, 0.0):>22.2f}" for t in ops.values()))
-    return {
-        "steps": {k: spread(v, 2) for k, v in rows.items()},
-        "ops_first_round": {n: {k: round(t.get(k, 0.0), 2) for k in top} for n, t in ops.items()},
-    }
 
 
 def decode_section(args: argparse.Namespace, run, prompts: list[str]) -> dict:
