@@ -11,6 +11,12 @@ real text (tinyshakespeare). Sections, each over --repeats rounds (median and mi
               own prefill (alone, batch 1) plus two decode steps of the 15 (their inter-token median)
   poisson     --requests streaming clients arriving as a Poisson process at each --rates: throughput,
               TTFT and ITL p50 / p99, for the resident model and with experts offloaded (--budget)
+  offload     benchmarks/offload.py's model (experts >= 4x --offload-budget), cold: its static batch 16
+              (``generate``, LRU + prefetch, what offload.py reports) against 16 streaming clients of a
+              fresh ``moekit serve --memory-budget`` (default flags, and the whole prefill in one step)
+  profile     (--profile) one step at 16 decoding sequences: the engine's step against ``generate``'s
+              decode step at batch 16, by phase and by torch op; the server's engine thread by phase
+              comes with ``batching`` (from /metrics)
 The server is a real subprocess (the CLI); clients are threads of this process reading the SSE stream
 with ``http.client``; the baselines run here while the server idles.
 
@@ -18,6 +24,7 @@ Torch runs on --threads threads (default 1) here and in the server: on a shared 
 threads per process slow every step several times over.
 
     python benchmarks/serve.py [--json] [--repeats 3] [--max-tokens 32] [--rates 2 4 8] [--budget 60MB] [--threads 1]
+                               [--sections decode batching poisson offload] [--profile]
 """
 
 from __future__ import annotations
@@ -33,18 +40,19 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import torch
+from _engine_steps import decoding_engine, profile_section
 from _spread import show, spread
 
 from moekit import runconfig
 from moekit.infer.generate import generate, left_pad
+from moekit.infer.offload import OffloadOptions, parse_bytes
 from moekit.model import Transformer
 from moekit.run.checkpoint import save_checkpoint
 from moekit.run.load import load_run
-from moekit.serve.engine import Engine, EngineOptions
-from moekit.serve.scheduler import SamplingParams, Seq
 from moekit.tokenizer import ByteTokenizer
 
 DEFAULT_TEXT = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "tinyshakespeare.txt"
@@ -168,11 +176,7 @@ def decode_ms(run, hf, prompt: list[int], tokens: int) -> dict[str, float]:
     """ms per decoded token at batch 1 (prefill excluded) of the engine step, generate and transformers."""
     ids = torch.tensor([prompt])
     out: dict[str, float] = {}
-    engine = Engine(run, EngineOptions(kv_budget=64 << 20))
-    engine.submit([Seq(prompt, SamplingParams(tokens + 1, 0.0), lambda e: None)])
-    engine.waiting.extend(engine._inbox)
-    engine._inbox.clear()
-    engine.step()  # admission and prefill
+    engine = decoding_engine(run, [prompt], tokens + 1)
     t = time.perf_counter()
     while engine.running:
         engine.step()
@@ -187,6 +191,18 @@ def decode_ms(run, hf, prompt: list[int], tokens: int) -> dict[str, float]:
         t = time.perf_counter()
         call(tokens + 1)
         out[name] = (time.perf_counter() - t - one) / tokens * 1e3
+    return out
+
+
+def engine_seconds(server: Server) -> dict[str, float]:
+    """The server's engine thread seconds by phase and its steps so far (``/metrics``)."""
+    text = urllib.request.urlopen(f"http://{server.host}:{server.port}/metrics", timeout=60).read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line.startswith('moekit_engine_seconds_total{phase="'):
+            out[line.split('"')[1]] = float(line.rsplit(" ", 1)[1])
+        elif line.startswith("moekit_steps_total "):
+            out["steps"] = float(line.split()[1])
     return out
 
 
@@ -245,6 +261,39 @@ def poisson(server: Server, prompts: list[str], rate: float, max_tokens: int, se
     return {"tokens_per_s": len(prompts) * max_tokens / wall, **latency(records)}
 
 
+def offloaded(args: argparse.Namespace) -> dict[str, list[float]]:
+    """tokens/s of offload.py's static batch 16 (cold, LRU + prefetch) and of 16 streaming clients of a
+    fresh server at the same budget (cold too: its expert cache starts empty, reads bypass the page
+    cache), round by round."""
+    import offload  # benchmarks/offload.py: its model, prompts and timing
+
+    run_dir = offload.build_run(args.offload_cache / "run")
+    ids, pad = offload.prompts(args.text, 16)
+    texts = [bytes(row[p:].tolist()).decode() for row, p in zip(ids, pad.tolist(), strict=True)]
+    assert all(list(t.encode()) == row[p:].tolist() for t, row, p in zip(texts, ids, pad.tolist(), strict=True))
+    n, budget = args.offload_tokens, args.offload_budget
+    servers = {"16 streams (serve)": (), "16 streams, prefill in one step": ("--prefill-chunk", "512")}
+    out: dict[str, list[float]] = {}
+    for _ in range(args.repeats):
+        opts = OffloadOptions(parse_bytes(budget), "lru", "router", drop_pages=True)
+        run = load_run(run_dir, offload=opts)
+        run.offloader.store.drop_page_cache()
+        _, seconds = offload.timed(run.model, args.text, 16, n)
+        run.offloader.close()
+        out.setdefault("static batch 16 (offload.py)", []).append(16 * n / seconds)
+        for label, flags in servers.items():
+            server = Server(run_dir, "--memory-budget", budget, *flags)
+            try:
+                _, wall = clients(server, texts, n, [0.0] * 16)
+            finally:
+                server.close()
+            out.setdefault(label, []).append(16 * n / wall)
+    return out
+
+
+SECTIONS = ("decode", "batching", "poisson", "offload")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print the figures as JSON on the last line")
@@ -254,6 +303,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1, help="torch threads, here and in the server")
     parser.add_argument("--rates", type=float, nargs="+", default=[2.0, 4.0, 8.0], help="Poisson arrival rates /s")
     parser.add_argument("--budget", default="60MB", help="--memory-budget of the offloaded server")
+    parser.add_argument("--sections", nargs="*", choices=SECTIONS, default=list(SECTIONS), help="what runs (all)")
+    parser.add_argument("--profile", action="store_true", help="also: one step at 16 sequences, by phase and op")
+    parser.add_argument("--offload-budget", default="512MB", help="memory budget of the offload section")
+    parser.add_argument("--offload-tokens", type=int, default=8, help="tokens per prompt there (offload.py's)")
+    parser.add_argument("--offload-cache", type=Path, default=Path("/tmp/moekit-offload-bench"))
     parser.add_argument("--text", type=Path, default=DEFAULT_TEXT)
     parser.add_argument("--cache", type=Path, default=Path("/tmp/moekit-bench-serve"))
     args = parser.parse_args(argv)
@@ -263,7 +317,35 @@ def main(argv: list[str] | None = None) -> int:
     run = load_run(run_dir)
     prompts = text_prompts(args.text, 16, seed=0)
     figures: dict = {"threads": torch.get_num_threads(), "max_tokens": args.max_tokens}
+    if args.profile:
+        figures["step_ms_16"] = profile_section(args, run, prompts)
+    if "decode" in args.sections:
+        figures["decode_ms_per_token_batch1"] = decode_section(args, run, prompts)
+    if "batching" in args.sections:
+        figures.update(batching_section(args, run, run_dir, prompts))
+    if "poisson" in args.sections:
+        figures["poisson"] = poisson_section(args, run_dir)
+    if "offload" in args.sections:
+        table = offloaded(args)
+        static = table["static batch 16 (offload.py)"]
+        print(
+            f"\noffloaded at --memory-budget {args.offload_budget} (offload.py's model), 16 prompts x "
+            f"{args.offload_tokens} tokens, cold, tokens/s (serve / static per round)"
+        )
+        figures["offload_tokens_per_s"] = {k: spread(v, 2) for k, v in table.items()}
+        figures["offload_serve_over_static"] = {}
+        for name, values in table.items():
+            ratio = [a / b for a, b in zip(values, static, strict=True)]
+            extra = f"   = {show(ratio, '.2f')}x static" if values is not static else ""
+            if values is not static:
+                figures["offload_serve_over_static"][name] = spread(ratio, 2)
+            print(f"  {name:<32} {show(values, '.1f')}{extra}")
+    if args.json:
+        print(json.dumps(figures))
+    return 0
 
+
+def decode_section(args: argparse.Namespace, run, prompts: list[str]) -> dict:
     from transformers import AutoModelForCausalLM
 
     from moekit.convert.hf import to_hf
@@ -274,31 +356,36 @@ def main(argv: list[str] | None = None) -> int:
     for r in range(args.repeats):  # interleaved round by round
         for name, ms in decode_ms(run, hf, list(prompts[r].encode()), args.max_tokens).items():
             decode.setdefault(name, []).append(ms)
-    figures["decode_ms_per_token_batch1"] = {k: spread(v) for k, v in decode.items()}
-    print(f"decode at batch 1, ms/token ({args.max_tokens} tokens after the prompt, greedy)")
+    print(f"\ndecode at batch 1, ms/token ({args.max_tokens} tokens after the prompt, greedy)")
     for name, values in decode.items():
         print(f"  {name:<14} {show(values, '.3f')}")
+    return {k: spread(v) for k, v in decode.items()}
 
+
+def batching_section(args: argparse.Namespace, run, run_dir: Path, prompts: list[str]) -> dict:
+    """16 streams against the static batch and one at a time; the server's engine thread by phase; the
+    late arrival's TTFT."""
     batching: dict[str, list[float]] = {}
+    phases: dict[str, list[float]] = {}
     arrivals: list[dict] = []
     server = Server(run_dir)
     try:
         for _ in range(args.repeats):
             for name, tps in static_and_sequential(run, prompts, args.max_tokens).items():
                 batching.setdefault(name, []).append(tps)
+            before = engine_seconds(server)
             _, wall = clients(server, prompts, args.max_tokens, [0.0] * 16)
+            after = engine_seconds(server)
             batching.setdefault("16 streams (serve)", []).append(16 * args.max_tokens / wall)
+            steps = after["steps"] - before["steps"]
+            phases.setdefault("steps", []).append(steps)
+            for phase in ("schedule", "forward", "emit", "idle"):
+                phases.setdefault(phase, []).append((after[phase] - before[phase]) / steps * 1e3)
+            phases.setdefault("wall / step", []).append(wall / steps * 1e3)
             arrivals.append(arrival(server, run, prompts, args.max_tokens))
-        rates = {
-            rate: [
-                poisson(server, text_prompts(args.text, args.requests, seed=r + 1), rate, args.max_tokens, r)
-                for r in range(args.repeats)
-            ]
-            for rate in args.rates
-        }
     finally:
         server.close()
-    figures["batching_tokens_per_s"] = {k: spread(v, 1) for k, v in batching.items()}
+    figures: dict = {"batching_tokens_per_s": {k: spread(v, 1) for k, v in batching.items()}}
     serve_tps = batching["16 streams (serve)"]
     ratio = {k: [s / b for s, b in zip(serve_tps, v, strict=True)] for k, v in batching.items() if "serve" not in k}
     figures["serve_over"] = {k: spread(v, 2) for k, v in ratio.items()}
@@ -306,36 +393,43 @@ def main(argv: list[str] | None = None) -> int:
     for name, values in batching.items():
         extra = f"   serve = {show(ratio[name], '.2f')}x" if name in ratio else ""
         print(f"  {name:<20} {show(values, '.1f')}{extra}")
+    figures["serve_engine_ms_per_step"] = {k: spread(v, 2) for k, v in phases.items()}
+    print("  the server's engine thread during the 16 streams, ms per step (steps: a count)")
+    for name, values in phases.items():
+        print(f"    {name:<12} {show(values, '.2f')}")
     figures["arrival"] = {k: spread([a[k] for a in arrivals]) for k in arrivals[0]}
     print("\na request arriving while 15 decode: TTFT vs its prefill alone + 2 decode steps (s)")
     for key in ("ttft", "bound", "prefill", "step"):
         print(f"  {key:<8} {show([a[key] for a in arrivals], '.4f')}")
+    return figures
 
-    offloaded = Server(run_dir, "--memory-budget", args.budget)
-    try:
-        rates_off = {
-            rate: [
-                poisson(offloaded, text_prompts(args.text, args.requests, seed=r + 1), rate, args.max_tokens, r)
-                for r in range(args.repeats)
-            ]
-            for rate in args.rates
-        }
-    finally:
-        offloaded.close()
+
+def poisson_section(args: argparse.Namespace, run_dir: Path) -> list[dict]:
+    tables = {}
+    for label, flags in (("resident", ()), (f"offl {args.budget}", ("--memory-budget", args.budget))):
+        server = Server(run_dir, *flags)
+        try:
+            tables[label] = {
+                rate: [
+                    poisson(server, text_prompts(args.text, args.requests, seed=r + 1), rate, args.max_tokens, r)
+                    for r in range(args.repeats)
+                ]
+                for rate in args.rates
+            }
+        finally:
+            server.close()
     print(f"\nPoisson arrivals, {args.requests} requests x {args.max_tokens} tokens (ms; median and min-max)")
     heads = ("tokens/s", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99")
     print(f"  {'model':<10} {'rate/s':>6} " + " ".join(f"{h:>24}" for h in heads))
-    figures["poisson"] = []
-    for label, table in (("resident", rates), (f"offl {args.budget}", rates_off)):
+    out = []
+    for label, table in tables.items():
         for rate, runs in table.items():
             row = {k: [r[k] for r in runs] for k in runs[0]}
             ms = {k: [v * 1e3 for v in row[k]] for k in row if k != "tokens_per_s"}
             cells = [show(row["tokens_per_s"], ".1f")] + [show(ms[k], ".1f") for k in ms]
             print(f"  {label:<10} {rate:>6.1f} " + " ".join(f"{c:>24}" for c in cells))
-            figures["poisson"].append({"model": label, "rate": rate, **{k: spread(v, 4) for k, v in row.items()}})
-    if args.json:
-        print(json.dumps(figures))
-    return 0
+            out.append({"model": label, "rate": rate, **{k: spread(v, 4) for k, v in row.items()}})
+    return out
 
 
 if __name__ == "__main__":

@@ -98,6 +98,8 @@ class Engine:
         self._stopping = False
         self._thread: threading.Thread | None = None
         self.steps = 0
+        # Seconds of the engine thread by phase since the start (read by /metrics): where a step goes.
+        self.seconds = dict.fromkeys(("schedule", "forward", "emit", "idle"), 0.0)
         # Tokens routed to each expert, per MoE layer, since the start (read by /metrics).
         self.moe_layers = model.moe_layers()
         self.expert_load = [torch.zeros(moe.cfg.num_experts, dtype=torch.long) for moe in self.moe_layers]
@@ -150,14 +152,17 @@ class Engine:
                     self._finish(seq, "error", message)
                 stepped = True
             if not stepped:
+                t = time.perf_counter()
                 with self._cond:
                     self._cond.wait(0.01)
+                self.seconds["idle"] += time.perf_counter() - t
         for seq in [*self.running, *self.waiting, *self._inbox]:
             self._finish(seq, "cancelled", "the server stopped")
 
     @torch.no_grad()
     def step(self) -> bool:
         """Retire cancelled and late sequences, admit, run one step and sample; False if nothing ran."""
+        t0 = time.perf_counter()
         now = time.monotonic()
         for seq in [*self.running, *self.waiting]:
             if seq.cancelled or now > seq.deadline:
@@ -185,6 +190,7 @@ class Engine:
         hooks = []
         if any(seq.params.return_routing for _, seq in sampling):  # hooks only on the steps that record
             hooks = [moe.router.register_forward_hook(self._keep_routing(i)) for i, moe in enumerate(self.moe_layers)]
+        t1 = time.perf_counter()
         try:
             out = self.run.model(torch.tensor([ids], device=self.device), cache=step)
         finally:
@@ -195,10 +201,17 @@ class Engine:
         for load, stats in zip(self.expert_load, out.moe_stats, strict=True):
             load += stats.tokens_per_expert.cpu()
         self.steps += 1
+        t2 = time.perf_counter()
         if sampling:
             rows = torch.tensor([i for i, _ in sampling], device=self.device)
             self._emit(sampling, out.logits[0, rows])
+        self._account(t0, t1, t2)
         return True
+
+    def _account(self, t0: float, t1: float, t2: float) -> None:
+        self.seconds["schedule"] += t1 - t0
+        self.seconds["forward"] += t2 - t1
+        self.seconds["emit"] += time.perf_counter() - t2
 
     def _emit(self, sampling: list[tuple[int, Seq]], logits_RV: Tensor) -> None:
         seqs = [seq for _, seq in sampling]

@@ -6,8 +6,9 @@ One step packs every scheduled sequence's new tokens into one row ``[1, T]`` (th
 layers work token by token); attention alone regroups them: queries into ``[B, H, Lq, d]`` and each
 sequence's cached keys gathered into ``[B, G, S, d]``, masked per sequence.
 
-Legend: T tokens this step, B sequences this step, Lq most new tokens of one sequence, S longest
-sequence, G key/value heads, H query heads, d head dim, N blocks, P block size (positions).
+Legend: T tokens this step, B sequences this step, Lq most new tokens of one sequence, S keys gathered
+per sequence (whole blocks covering the longest), G key/value heads, H query heads, d head dim, N blocks,
+P block size (positions).
 """
 
 from __future__ import annotations
@@ -81,25 +82,25 @@ class PagedStep:
         self.pool = pool
         lengths = [c.num_tokens for c in chunks]
         ends = [c.start + c.num_tokens for c in chunks]
-        longest, most_new = max(ends), max(lengths)
+        most_new = max(lengths)
         assert all(len(c.blocks) * P >= end for c, end in zip(chunks, ends, strict=True)), "blocks reserved up front"
         positions = [p for c in chunks for p in range(c.start, c.start + c.num_tokens)]
-        # Slots in the flat pool: slot = block * P + offset, for every position of every sequence.
-        width = pool.blocks_for(longest)
+        # Each sequence's first W blocks (block 0 past its own, masked), gathered whole: S = W * P keys.
+        width = pool.blocks_for(max(ends))
         table_BW = torch.tensor([c.blocks[:width] + [0] * (width - len(c.blocks[:width])) for c in chunks])
-        pos_S = torch.arange(longest)
-        gather_BS = table_BW[:, pos_S // P] * P + pos_S % P
-        self.positions_T = torch.tensor(positions, device=device)
+        self.blocks = table_BW.flatten().to(device)
+        self.shape = (len(chunks), most_new, width * P)
+        # Slots in the flat pool of the step's new positions: slot = block * P + offset.
         seq_T = torch.repeat_interleave(torch.arange(len(chunks)), torch.tensor(lengths))
-        self.slots_T = gather_BS[seq_T, torch.tensor(positions)].to(device)
-        self.gather_BS = gather_BS.to(device)
+        pos_T = torch.tensor(positions)
+        self.positions_T = pos_T.to(device)
+        self.slots_T = (table_BW[seq_T, pos_T // P] * P + pos_T % P).to(device)
         self.decode_only = most_new == 1
         # Query slot of each packed token in the padded [B, Lq] view (decode-only steps need none).
         offsets = torch.tensor([0, *lengths[:-1]]).cumsum(0)
         self.query_T = (seq_T * most_new + torch.arange(len(positions)) - offsets[seq_T]).to(device)
-        self.shape = (len(chunks), most_new)
         query_pos_BL = torch.tensor([c.start for c in chunks]).view(-1, 1) + torch.arange(most_new)
-        key_pos = pos_S.view(1, 1, -1)
+        key_pos = torch.arange(width * P).view(1, 1, -1)
         mask = (key_pos <= query_pos_BL.unsqueeze(-1)) & (key_pos < torch.tensor(ends).view(-1, 1, 1))
         # NOTE: a padding query (beyond its sequence's new tokens) still sees its sequence's keys, so
         # its softmax stays finite; its output is dropped.
@@ -113,8 +114,7 @@ class PagedStep:
         keys, values = self.pool.keys[layer], self.pool.values[layer]
         keys.index_copy_(0, self.slots_T, k_1GTd[0].transpose(0, 1))
         values.index_copy_(0, self.slots_T, v_1GTd[0].transpose(0, 1))
-        k_BGSd = keys[self.gather_BS].transpose(1, 2)
-        v_BGSd = values[self.gather_BS].transpose(1, 2)
+        k_BGSd, v_BGSd = self._gather(keys), self._gather(values)
         q_BHLd = self._pad(q_1HTd)
         gqa = q_BHLd.shape[1] != k_BGSd.shape[1]
         y_BHLd = F.scaled_dot_product_attention(q_BHLd, k_BGSd, v_BGSd, attn_mask=self.mask, enable_gqa=gqa)
@@ -123,10 +123,18 @@ class PagedStep:
     def advance(self, num_tokens: int) -> None:
         pass  # the scheduler keeps each sequence's position
 
+    def _gather(self, flat: Tensor) -> Tensor:
+        """The step's sequences' blocks of one layer's ``[N * P, G, d]`` keys or values, as ``[B, G, S, d]``:
+        one copy of whole blocks (a per-position index costs several times more on the CPU)."""
+        B, _, S = self.shape
+        P, (G, d) = self.pool.block_size, flat.shape[1:]
+        blocks = flat.view(-1, P, G, d).index_select(0, self.blocks)
+        return blocks.view(B, S, G, d).transpose(1, 2)
+
     def _pad(self, q_1HTd: Tensor) -> Tensor:
         if self.decode_only:
             return q_1HTd.transpose(0, 2)  # [B, H, 1, d]
-        B, Lq = self.shape
+        B, Lq, _ = self.shape
         _, H, T, d = q_1HTd.shape
         q = q_1HTd.new_zeros(B * Lq, H, d).index_copy_(0, self.query_T, q_1HTd[0].transpose(0, 1))
         return q.view(B, Lq, H, d).transpose(1, 2)

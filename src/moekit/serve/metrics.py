@@ -65,6 +65,10 @@ class _EngineCollector(Collector):
         used = 1 - e.pool.free_blocks / e.pool.num_blocks
         yield GaugeMetricFamily("moekit_kv_cache_usage", "share of KV blocks reserved", value=used)
         yield CounterMetricFamily("moekit_steps", "scheduler steps run", value=e.steps)
+        phases = CounterMetricFamily("moekit_engine_seconds", "engine thread time by phase", labels=["phase"])
+        for phase, seconds in e.seconds.items():
+            phases.add_metric([phase], seconds)
+        yield phases
         load = CounterMetricFamily("moekit_expert_tokens", "tokens routed to each expert", labels=["layer", "expert"])
         for layer, counts in enumerate(e.expert_load):
             for expert, n in enumerate(counts.tolist()):
