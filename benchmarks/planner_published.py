@@ -129,9 +129,10 @@ def fit(rows: list[Row]) -> dict:
     return best
 
 
-def rank(row: Row, constants: dict) -> tuple[int, int, planner.Candidate]:
-    """(rank of the published layout, layouts enumerated that fit, the planner's pick): layouts are
-    distinct (tp, cp, pp, vp, ep, etp, micro-batches), each at its fastest variant."""
+def rank(row: Row, constants: dict) -> tuple[int, int, float, planner.Candidate]:
+    """(rank of the published layout, layouts enumerated that fit, its predicted step time over the
+    planner's pick's, the pick): layouts are distinct (tp, cp, pp, vp, ep, etp, micro-batches), each at
+    its fastest variant, enumerated for the run's global batch, sequence length and GPU count."""
     spec, cluster, tech = _setup(row)
     cluster = dataclasses.replace(cluster, **constants)
     best: dict[tuple, float] = {}
@@ -141,7 +142,8 @@ def rank(row: Row, constants: dict) -> tuple[int, int, planner.Candidate]:
     mine = predict(row, constants)[0]
     if mine.candidate.layout not in best:
         best[mine.candidate.layout] = mine.step_s  # not enumerated or not fitting: ranked by its own estimate
-    return 1 + sum(s < best[mine.candidate.layout] for s in best.values()), len(best), ranked[0].candidate
+    gap = best[mine.candidate.layout] / min(best.values())
+    return 1 + sum(s < best[mine.candidate.layout] for s in best.values()), len(best), gap, ranked[0].candidate
 
 
 def main() -> None:
@@ -151,8 +153,8 @@ def main() -> None:
     constants = fit([r for r in ROWS if r.fit])
     print("fitted on the FIT rows:", ", ".join(f"{k}={v:g}" for k, v in constants.items()))
     head = f"{'run':<24} {'set':<4} {'prec':<4} {'GPUs':>4} {'tp':>2} {'pp':>2} {'vp':>2} {'ep':>2} {'mbs':>3} "
-    head += f"{'recomp':>9}"
-    head += f" {'mem GB':>6} {'tok/s pred':>10} {'pub':>6} {'ratio':>5} {'TFLOP/s pred':>12} {'pub':>4} {'rank':>9}"
+    head += f"{'recomp':>9} {'mem GB':>6} {'tok/s pred':>10} {'pub':>6} {'ratio':>5} {'TFLOP/s pred':>12} {'pub':>4} "
+    head += f"{'rank':>9} {'gap':>5}"
     print(head)
     out = []
     for row in ROWS:
@@ -160,7 +162,7 @@ def main() -> None:
         est, tokens = predict(row, constants)
         published = _published_tokens(row, spec)
         tflops = tokens * planner.model_flops_per_token(spec, **dict(row.count)) / 1e12
-        place, total, pick = rank(row, constants)
+        place, total, gap, pick = rank(row, constants)
         ratio = tokens / published
         rec = {
             "run": row.label, "source": row.source, "version": row.version, "fit": row.fit, "note": row.note,
@@ -169,6 +171,7 @@ def main() -> None:
             "recompute": est.candidate.recompute, "memory_gb": est.memory_gb, "fits": est.fits,
             "tokens_pred": tokens, "tokens_pub": published, "tokens_derived": row.tokens is None,
             "tflops_pred": tflops, "tflops_pub": row.tflops, "ratio": ratio, "rank": place, "layouts": total,
+            "gap": gap,
             "pick": dataclasses.asdict(pick),
         }  # fmt: skip
         out.append(rec)
@@ -177,7 +180,7 @@ def main() -> None:
             f"{row.pp:>2} "
             f"{row.vp:>2} {row.ep:>2} {row.mbs:>3} {est.candidate.recompute:>9} {est.memory_gb:>6.1f} {tokens:>10.0f} "
             f"{published:>6.0f}{'*' if row.tokens is None else ' '}{ratio:>5.2f} {tflops:>12.0f} {row.tflops:>4.0f} "
-            f"{place:>4}/{total:<4}"
+            f"{place:>4}/{total:<4} {gap - 1:>5.1%}"
         )
     held = [r["ratio"] for r in out if not r["fit"]]
     fitted = [r["ratio"] for r in out if r["fit"]]
@@ -189,6 +192,7 @@ def main() -> None:
         "top5": sum(r["rank"] <= 5 for r in out),
     }
     print("* derived from the published TFLOP/s under the source's FLOP count")
+    print("gap: the published layout's predicted step time over the planner's pick's, minus 1")
     print(
         f"fit rows: median |error| {summary['fit_abs_err_median']:.0%}; held-out rows: median |error| "
         f"{summary['held_abs_err_median']:.0%}, {summary['held_within_30pct']} of {len(held)} within 30%; "

@@ -12,8 +12,10 @@ from moekit.parallel.planner import (
     Cluster,
     ModelSpec,
     Workload,
+    block_activation_bytes,
     estimate,
     gradient_sync_time,
+    in_flight,
     layer_flops,
     load_model,
     memory_bytes,
@@ -110,3 +112,56 @@ def test_parse_techniques() -> None:
     assert parse_techniques("fp8, interleave").names() == ["interleave", "fp8"]
     with pytest.raises(ValueError, match="unknown nope"):
         parse_techniques("nope")
+
+
+def test_block_activations_follow_korthikanti() -> None:
+    """Kept bytes per token of one block (D 32, q 32, K + V 64, experts F 64 SwiGLU top-2, 4-byte values):
+    attention 4 (D + D + q + q + kv) = 768, the MoE layer 4 (D + D) + 2 x 4 (D + 2F + F + D) = 2304."""
+    spec = _tiny()
+    base = Candidate(4, 1, 1, 1, 1)
+    assert block_activation_bytes(spec, base, True) == pytest.approx(768 + 2304)
+    sp = Candidate(2, 1, 2, 1, 1, sp=True)  # everything split over tp
+    assert block_activation_bytes(spec, sp, True) == pytest.approx((768 + 2304) / 2)
+    tp = dataclasses.replace(sp, sp=False)  # norms' tensors and routed rows repeated on both tp ranks
+    assert block_activation_bytes(spec, tp, True) == pytest.approx(256 + 512 / 2 + 2304)
+    # fp8: the kept GEMM inputs (norm outputs, attention output, permuted rows, activation outputs) at 1 byte.
+    fp8 = dataclasses.replace(base, fp8=True)
+    assert block_activation_bytes(spec, fp8, True) == pytest.approx((128 + 32 + 32 + 384) + 160 + 2 * 736)
+    sel = dataclasses.replace(base, recompute="selective")  # no norm outputs, no expert activation outputs
+    assert block_activation_bytes(spec, sel, True) == pytest.approx((128 + 128 + 384) + 128 + 2 * 768)
+    assert block_activation_bytes(spec, dataclasses.replace(base, recompute="experts"), True) == pytest.approx(
+        768 + 256 + 2 * 128
+    )
+    assert block_activation_bytes(spec, dataclasses.replace(base, recompute="full"), True) == pytest.approx(128)
+    # Korthikanti's GPT block (GELU FFN of 4D, 2-byte values): sbh(34 + 5as/h) less the s^2 terms flash
+    # attention drops and the two dropout masks, 32 sbh; with tp alone 8 sbh repeated and 24 sbh / t.
+    cfg = runconfig.resolve("tiny", {"model.mlp_activation": "gelu", "model.d_ff": "128"})
+    gpt = ModelSpec("gpt", cfg.model, cfg.moe, Workload(global_batch=16, dtype_bytes=2))
+    assert block_activation_bytes(gpt, base, False) == pytest.approx(32 * 32)
+    assert block_activation_bytes(gpt, tp, False) == pytest.approx((8 + 24 / 2) * 32)
+
+
+def test_pipeline_ranks_in_flight() -> None:
+    """1F1B: the first rank holds pp micro-batches, the last 1; interleaved, Korthikanti's pp (1 + (pp - 1) /
+    (pp vp)) on the first."""
+    assert in_flight(Candidate(2, 1, 1, 1, 4)) == (1.0, 1.0)
+    assert in_flight(Candidate(2, 1, 1, 4, 8)) == (4.0, 1.0)
+    assert in_flight(Candidate(2, 1, 1, 4, 8, vp=2)) == (4 * (1 + 3 / 8), 5 / 2)
+    assert in_flight(Candidate(2, 1, 1, 4, 1)) == (1.0, 1.0)  # fewer micro-batches than stages
+
+
+def test_distributed_optimizer_memory_per_pipeline_rank() -> None:
+    """pp 2, dp 2 on 4 ranks, tied embedding on the first rank: 4-byte weights and 4-byte grads kept,
+    12 bytes over 2 data ranks; the first rank holds 2 micro-batches of 2 blocks, the last 1 and the
+    fp32 logits of 128 tokens x 256 entries."""
+    spec = _tiny()
+    cand = Candidate(2, 1, 1, 2, 2, grad_sync="overlapped")
+    dense, experts = param_counts(spec)
+    body = (dense - 256 * 32) / 2
+    routed = experts / 2 * (8 + 12 / 2)
+    first = (body + 256 * 32) * (8 + 12 / 2) + routed + 2 * 3072 * 128 * 2
+    last = body * (8 + 12 / 2) + routed + 2 * 3072 * 128 + 128 * 256 * 4
+    assert memory_bytes(spec, cand) == pytest.approx(max(first, last))
+    one = Candidate(4, 1, 1, 1, 1, grad_sync="overlapped")  # one stage holds everything
+    state = (dense + experts) * (8 + 12 / 4)
+    assert memory_bytes(spec, one) == pytest.approx(state + 4 * 3072 * 128 + 128 * 256 * 4)

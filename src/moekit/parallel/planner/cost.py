@@ -81,43 +81,94 @@ def micro_tokens(spec: ModelSpec, cand: Candidate) -> float:
     return spec.workload.global_batch * spec.seq_len / (cand.dp * cand.micro)
 
 
+def block_activation_bytes(spec: ModelSpec, cand: Candidate, moe_layer: bool, load_imbalance: float = 1.0) -> float:
+    """Bytes one block keeps on a rank for its backward, per token of the rank's micro-batch, after
+    Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models", section 4:
+    ``sbh(34 + 5as/h)`` bytes for a GPT block, ``/ t`` with tensor and sequence parallelism,
+    ``sbh(10 + 24/t + 5as/ht)`` with tensor parallelism alone (the norms and the GEMMs' inputs outside
+    the tp regions repeated on every tp rank). Generalised to flash attention (Q, K, V and its output
+    kept, no ``as/h`` score terms), no dropout, grouped-query widths and gated FFNs, each kept tensor named:
+
+    - attention: the norm's input and output (the QKV GEMM's input), then inside the tp region Q, K, V
+      and the attention output (the output projection's input): ``D + D | q + kv + q`` values;
+    - dense FFN: the norm's input and output | the first GEMM's outputs and the activation's output
+      (the second GEMM's input): ``D + D | (mult - 1) F + F``;
+    - MoE FFN: the norm's input and output (the router's input), shared experts as a dense FFN, and per
+      routed copy (``top_k``, times the busiest rank's load) the permuted row, the first GEMM's outputs,
+      the activation's output and the expert output the weighted combine keeps: ``D + (mult - 1) F + F
+      + D`` (``F / etp``); without sequence parallelism every tp rank routes every token.
+
+    GEMM inputs are kept at 1 byte under fp8 (Transformer Engine keeps the quantised input for the
+    weight-gradient GEMM), the rest at ``dtype_bytes``. Recomputation as Megatron's modules: ``selective``
+    (layernorm, moe_act) drops the norms' outputs and the experts' activation outputs, ``experts`` the
+    routed experts' tensors but the permuted rows, ``full`` all but the block's input."""
+    m, e, dt = spec.model, spec.moe, spec.workload.dtype_bytes
+    D, a, tp = m.d_model, attention_dims(spec), cand.tp
+    gin = 1 if cand.fp8 else dt  # bytes of a kept GEMM input
+    rep = 1 / tp if cand.sp else 1.0  # the share of the tensors outside the tp regions a rank keeps
+    if cand.recompute == "full":
+        return dt * D * rep
+    norms = dt * D + (0 if cand.recompute == "selective" else gin * D)  # a norm's input and output
+    attn = norms * rep + (gin * a["q"] + dt * (a["q"] + a["kv_act"])) / tp
+    mult = 3 if (e.activation if moe_layer else m.mlp_activation) == "swiglu" else 2
+    ffn = (dt * (mult - 1) + gin) * (e.shared_hidden if moe_layer else m.d_ff) / tp
+    if not moe_layer:
+        return attn + norms * rep + ffn
+    k, F = e.top_k * load_imbalance, e.d_ff / cand.etp
+    routed = {
+        "none": gin * D + dt * (mult - 1) * F + gin * F + dt * D,
+        "selective": gin * D + dt * (mult - 1) * F + dt * D,
+        "experts": gin * D,
+    }[cand.recompute]
+    return attn + (norms + k * routed) * rep + ffn
+
+
+def in_flight(cand: Candidate) -> tuple[float, float]:
+    """Micro-batches of its blocks the (first, last) pipeline rank holds at its peak under 1F1B: the
+    first ``pp``, the last 1; interleaved, the first rank's ``2 (pp - 1) + (vp - 1) pp + 1`` warm-up
+    chunks and the last's ``(vp - 1) pp + 1``, each ``1 / vp`` of the stage (Megatron-Core's schedule;
+    Korthikanti et al. 2022, section 4.2.3: ``pp (1 + (pp - 1) / (pp vp))`` on the first)."""
+    if cand.pp == 1:
+        return 1.0, 1.0
+    if cand.vp == 1:
+        return float(min(cand.micro, cand.pp)), 1.0
+    chunks = cand.micro * cand.vp
+    first = min(chunks, 2 * (cand.pp - 1) + (cand.vp - 1) * cand.pp + 1)
+    return first / cand.vp, min(chunks, (cand.vp - 1) * cand.pp + 1) / cand.vp
+
+
 def memory_bytes(spec: ModelSpec, cand: Candidate, load_imbalance: float = 1.0) -> float:
-    """Peak bytes per device: training state, FSDP's two gathered blocks, the activations of the
-    micro-batches in flight on the first pipeline rank, and the fp32 logits."""
-    m, e, w = spec.model, spec.moe, spec.workload
-    D, a = m.d_model, attention_dims(spec)
+    """Peak bytes per device, the larger of the first and the last pipeline rank's: training state,
+    FSDP's two gathered blocks, the activations of the micro-batches in flight
+    (``block_activation_bytes``, ``in_flight``) and, on the last rank, the fp32 logits the
+    vocab-parallel cross-entropy keeps for its backward.
+
+    Distributed optimizer (Megatron's, its documented ``6 + 12 / d`` bytes a parameter): bf16 weights
+    (and an fp8 copy under fp8) and fp32 gradients whole on each rank, fp32 master weights and Adam's
+    moments over the data ranks; the first rank holds the embedding, the last the output head."""
+    m, w = spec.model, spec.workload
     dense, experts = param_counts(spec)
     world = cand.dp * cand.cp * cand.tp * cand.pp
     if cand.grad_sync == "fsdp":
         state = dense * w.state_bytes / world + experts * w.state_bytes / (cand.pp * cand.dp * cand.cp * cand.etp)
-        gathered = 2 * dense / m.n_layers / cand.tp * w.dtype_bytes  # the block running and the next
-    else:  # distributed optimizer: weights and fp32 grads whole per model shard, the rest over data ranks
+        states = [state + 2 * dense / m.n_layers / cand.tp * w.dtype_bytes]  # the block running and the next
+    else:
+        embed = m.vocab_size * m.d_model
+        head = 0 if m.tie_embeddings else embed
+        body = (dense - embed - head) / cand.pp  # one stage's blocks, non-expert weights
+        owned = [body + embed + head] if cand.pp == 1 else [body + embed, body + head]
         kept, sharded = w.dtype_bytes + 4 + cand.fp8, w.state_bytes - 4
         edp = world // (cand.pp * cand.ep * cand.etp)
-        state = dense / (cand.tp * cand.pp) * (kept + sharded / (cand.dp * cand.cp))
-        state += experts / (cand.ep * cand.etp * cand.pp) * (kept + sharded / edp)
-        gathered = 0.0
-    sp = cand.tp if cand.sp else 1
-    act = w.dtype_bytes  # bytes per activation value
-    norms = 0 if cand.recompute == "selective" else 2 * D
-    attn = act * (D + norms + (2 * a["q"] + a["kv_act"]) / cand.tp) if cand.recompute != "full" else 0.0
-    k, F = e.top_k * load_imbalance, e.d_ff
-    moe = {"none": k * (2 * D + 3 * F), "selective": k * (2 * D + 2 * F), "experts": k * D}.get(cand.recompute, 0)
-    moe = act * (D + moe + (3 * e.shared_hidden if cand.recompute != "full" else 0))
-    mlp = act * (D + (3 * m.d_ff if cand.recompute != "full" else 0) / cand.tp)
+        routed = experts / (cand.ep * cand.etp * cand.pp) * (kept + sharded / edp)
+        states = [p / cand.tp * (kept + sharded / (cand.dp * cand.cp)) + routed for p in owned]
     blocks, n_moe = stage_blocks(spec, cand)
-    per_token = (blocks * attn + n_moe * moe + (blocks - n_moe) * mlp) / sp
-    if cand.recompute == "full":
-        per_token = blocks * act * D / sp
+    per_token = n_moe * block_activation_bytes(spec, cand, True, load_imbalance)
+    per_token += (blocks - n_moe) * block_activation_bytes(spec, cand, False, load_imbalance)
     tokens = micro_tokens(spec, cand) / cand.cp
-    if cand.pp == 1:
-        in_flight = 1.0
-    elif cand.vp == 1:
-        in_flight = min(cand.micro, cand.pp)
-    else:  # interleaved 1F1B: the first rank's warm-up chunks, each 1/vp of the stage
-        in_flight = min(cand.micro * cand.vp, 2 * (cand.pp - 1) + (cand.vp - 1) * cand.pp + 1) / cand.vp
-    logits = tokens * m.vocab_size * 4 / cand.tp  # fp32 logits for the loss
-    return state + gathered + per_token * tokens * in_flight + logits
+    first, last = in_flight(cand)
+    logits = tokens * m.vocab_size * 4 / cand.tp
+    peaks = [states[0] + per_token * tokens * first, states[-1] + per_token * tokens * last + logits]
+    return max(peaks) if cand.pp > 1 else peaks[1]
 
 
 def fsdp_collectives(spec: ModelSpec, cand: Candidate, c: Cluster) -> tuple[float, float]:
