@@ -49,12 +49,24 @@ def test_model_flops_follow_megatrons_count() -> None:
     assert pytest.approx(old, rel=0.005) == 153e12 / 5630
 
 
-def test_interleaving_shrinks_the_bubble() -> None:
-    spec = _tiny()  # 4 blocks: 2 a stage, 1 a virtual stage with vp=2
+def test_interleaving_shrinks_the_bubble_and_spreads_the_head() -> None:
+    """4 blocks: 2 a stage, 1 a virtual stage with vp=2; plain 1F1B puts the whole head (3 x 128 tokens x
+    2 D V FLOPs) on the busiest rank, interleaved stages an even half of it (the loss in its own chunk)."""
+    spec = _tiny()
     one, two = (Candidate(2, 1, 1, 2, 2, vp=v) for v in (1, 2))
-    assert estimate(spec, two, CLUSTER).compute_s / (2 + 1 / 2) == pytest.approx(
-        estimate(spec, one, CLUSTER).compute_s / (2 + 1)
-    )
+    head_s = 3 * 128 * 2 * 32 * 256 / 1e12
+    slot_one = estimate(spec, one, CLUSTER).compute_s / (2 + 1)
+    assert estimate(spec, two, CLUSTER).compute_s / (2 + 1 / 2) == pytest.approx(slot_one - head_s / 2)
+
+
+def test_tp_exchanges_stay_exposed() -> None:
+    """Sequence-parallel tp exchanges are not hidden whatever the overlap: 2 a block each pass, 4 blocks,
+    an all-reduce's 2 ring passes of 2 ranks in the node over 256 tokens x 32 x 4 bytes (dp 1: no FSDP)."""
+    spec = _tiny()
+    cand = Candidate(1, 1, 2, 1, 2, sp=True)
+    tp_s = 2 * 2 * 4 * 2 * (10e-6 + 256 * 32 * 4 / 2 / 10e9)
+    for overlap in (0.0, 1.0):
+        assert estimate(spec, cand, dataclasses.replace(CLUSTER, overlap=overlap)).sync_s == pytest.approx(2 * tp_s)
 
 
 def test_recomputation_adds_forward_flops() -> None:
@@ -93,6 +105,11 @@ def test_overlapped_gradients_once_a_step() -> None:
     assert exposed == pytest.approx(2 * ring)  # overlap 0: all of it
     hidden = estimate(spec, cand, dataclasses.replace(CLUSTER, overlap=1.0, peak_tflops=1e-6)).sync_s
     assert hidden == pytest.approx(0.0, abs=1e-12)  # slow compute beside it hides all
+    # bf16 gradient buffers: the reduce-scatter moves half the bytes, the all-gather the same.
+    half = dataclasses.replace(spec, workload=dataclasses.replace(spec.workload, grad_bytes=2))
+    rs = sum(15 * 100e-6 + p * 2 * 15 / 16 / 1e9 for p in (dense_p, expert_p))
+    assert gradient_sync_time(half, cand, CLUSTER) == pytest.approx(ring + rs)
+    assert memory_bytes(spec, cand) - memory_bytes(half, cand) == pytest.approx(2 * (dense_p + expert_p))
     # Distributed optimizer memory: bf16 weights + fp32 grads whole, fp32 master and moments over 16.
     state = (dense_p + expert_p) * (4 + 4 + 12 / 16)
     assert memory_bytes(spec, cand) - memory_bytes(spec, dataclasses.replace(cand, grad_sync="fsdp")) == pytest.approx(

@@ -5,7 +5,7 @@ of one micro-batch through the busiest stage, plus the exposed part of the once-
 synchronisation. A micro-batch's time is its GEMMs (fp8 ones faster by ``fp8_speedup``; attention
 scores in bf16), the elementwise work between them (bytes over HBM bandwidth), recomputation, and the
 exchanges left exposed: tp all-reduces (or sequence-parallel all-gather + reduce-scatter, the same
-bytes), the expert all-to-alls, expert-tp gathers, context-parallel KV rings, pipeline sends, and
+bytes, never hidden), the expert all-to-alls, expert-tp gathers, context-parallel KV rings, pipeline sends, and
 moekit's FSDP, which gathers every unit every micro-batch. An overlappable exchange hides
 ``cluster.overlap`` of itself, at most the compute that runs beside it.
 
@@ -144,8 +144,9 @@ def memory_bytes(spec: ModelSpec, cand: Candidate, load_imbalance: float = 1.0) 
     vocab-parallel cross-entropy keeps for its backward.
 
     Distributed optimizer (Megatron's, its documented ``6 + 12 / d`` bytes a parameter): bf16 weights
-    (and an fp8 copy under fp8) and fp32 gradients whole on each rank, fp32 master weights and Adam's
-    moments over the data ranks; the first rank holds the embedding, the last the output head."""
+    (and an fp8 copy under fp8) and the gradient buffer (``grad_bytes``) whole on each rank, fp32 master
+    weights and Adam's moments over the data ranks; the first rank holds the embedding, the last the
+    output head."""
     m, w = spec.model, spec.workload
     dense, experts = param_counts(spec)
     world = cand.dp * cand.cp * cand.tp * cand.pp
@@ -157,7 +158,7 @@ def memory_bytes(spec: ModelSpec, cand: Candidate, load_imbalance: float = 1.0) 
         head = 0 if m.tie_embeddings else embed
         body = (dense - embed - head) / cand.pp  # one stage's blocks, non-expert weights
         owned = [body + embed + head] if cand.pp == 1 else [body + embed, body + head]
-        kept, sharded = w.dtype_bytes + 4 + cand.fp8, w.state_bytes - 4
+        kept, sharded = w.dtype_bytes + w.grad_bytes + cand.fp8, w.state_bytes - 4
         edp = world // (cand.pp * cand.ep * cand.etp)
         routed = experts / (cand.ep * cand.etp * cand.pp) * (kept + sharded / edp)
         states = [p / cand.tp * (kept + sharded / (cand.dp * cand.cp)) + routed for p in owned]
@@ -202,9 +203,22 @@ def gradient_sync_time(spec: ModelSpec, cand: Candidate, c: Cluster) -> float:
     dense_p, expert_p = param_counts(spec)
     world = cand.dp * cand.cp * cand.tp * cand.pp
     edp = world // (cand.pp * cand.ep * cand.etp)
-    dense = ring_time(dense_p / (cand.tp * cand.pp) * w.dtype_bytes, cand.dp * cand.cp, cand.tp, c, passes=1)
-    experts = ring_time(expert_p / (cand.ep * cand.etp * cand.pp) * w.dtype_bytes, edp, cand.ep * cand.etp, c, 1)
-    return 2 * (dense + experts)
+    seconds = 0.0
+    for nbytes in (w.grad_bytes, w.dtype_bytes):  # gradients reduce-scattered in their buffer, weights gathered
+        seconds += ring_time(dense_p / (cand.tp * cand.pp) * nbytes, cand.dp * cand.cp, cand.tp, c, passes=1)
+        seconds += ring_time(expert_p / (cand.ep * cand.etp * cand.pp) * nbytes, edp, cand.ep * cand.etp, c, 1)
+    return seconds
+
+
+def with_head(blocks_s: float, head_s: float, blocks: int, spec: ModelSpec, cand: Candidate) -> float:
+    """The busiest rank's time for one micro-batch with the output head: the head on top of the blocks,
+    except with interleaved stages, where the loss gets a chunk of its own and blocks move off the
+    last rank (Megatron's ``pipeline_model_parallel_layout``, e.g. ``Et|(tt|)*30mL`` in Megatron-Bridge's
+    DeepSeek-V3 H100 recipe, or ``account_for_loss_in_pipeline_split``): the larger of the rank's own
+    blocks and an even share of all blocks and the head."""
+    if cand.pp == 1 or cand.vp == 1:
+        return blocks_s + head_s
+    return max(blocks_s, (blocks_s * _blocks(spec)[0] / blocks + head_s) / cand.pp)
 
 
 def _size_factor(rows: float, c: Cluster) -> float:
@@ -234,17 +248,16 @@ def estimate(spec: ModelSpec, cand: Candidate, c: Cluster, load_imbalance: float
     core = tokens * blocks * moe_f["core"] / cand.tp
     dense = tokens * (n_moe * moe_f["dense"] + (blocks - n_moe) * dense_f["dense"]) / cand.tp
     experts = rows * n_moe * moe_f["experts"] * load_imbalance
-    # NOTE: the output head sits on the last pipeline rank whole: deep pipelines of small stages wait on it.
     head = tokens * 2 * D * m.vocab_size * (1 + spec.shape.mtp_layers) / cand.tp
     dense_rate = gemm_rate * _size_factor(tokens, c)
     expert_rate = gemm_rate * _size_factor(rows * cand.ep * e.top_k / e.num_experts, c)  # rows per local expert
     gemm_s = (3 + extra_dense) * (attn + dense) / dense_rate + (3 + extra_experts) * experts / expert_rate
-    compute_s = gemm_s + (3 + extra_dense) * core / c.flops + 3 * head / c.flops
-    compute_s += blocks * c.pass_overhead_us * 1e-6
+    compute_s = gemm_s + (3 + extra_dense) * core / c.flops + blocks * c.pass_overhead_us * 1e-6
     if c.hbm_gbps:  # elementwise: norms and residuals, token permutes, activation functions; backward 2x
         per_row = dt * (8 * D + e.top_k * load_imbalance * (4 * D + 3 * e.d_ff))
         elementwise = rows * (n_moe * per_row + (blocks - n_moe) * dt * (8 * D + 3 * m.d_ff / cand.tp))
         compute_s += (3 + extra_dense) * elementwise / (c.hbm_gbps * 1e9)
+    compute_s = with_head(compute_s, 3 * head / c.flops, blocks, spec, cand)
     expert_s = (3 + extra_experts) * experts / expert_rate
 
     # Expert-parallel exchanges: dispatch and combine in the forward and again in the backward.
@@ -266,9 +279,10 @@ def estimate(spec: ModelSpec, cand: Candidate, c: Cluster, load_imbalance: float
             a2a -= _hidden(a2a, compute_s, c)
 
     sync = 0.0
-    if cand.tp > 1:  # 2 all-reduces (or all-gather + reduce-scatter) a block each pass
-        tp_s = 2 * passes * blocks * ring_time(tokens * D * dt, cand.tp, 1, c)
-        sync += tp_s - (_hidden(tp_s, gemm_s, c) if cand.sp else 0.0)
+    if cand.tp > 1:  # 2 all-reduces (or all-gather + reduce-scatter) a block each pass, on the critical path
+        # NOTE: exposed: Megatron hides them only with its userbuffer tp_comm_overlap, which the published
+        # DGX-H100 MoE recipes leave off (Megatron-Bridge's Qwen3-235B-A22B H100 config).
+        sync += 2 * passes * blocks * ring_time(tokens * D * dt, cand.tp, 1, c)
     if cand.cp > 1:  # ring attention: K, V round the ring in the forward, K, V and their grads back
         kv = tokens * attention_dims(spec)["kv_act"] / cand.tp * dt
         cp_s = (1 + extra_dense + 2) * blocks * (cand.cp - 1) * p2p_time(kv, cand.tp, c)

@@ -49,7 +49,7 @@ class Cluster:
     # small, slow grouped GEMMs; 0 leaves it out (fitted).
     gemm_half_rows: float = 0.0
     # Fraction of an overlappable exchange (gradient reduce-scatter / all-gather, all-to-all with both
-    # passes overlapped, tp and cp exchanges) hidden under the compute that runs beside it (fitted).
+    # passes overlapped, cp exchanges) hidden under the compute that runs beside it (fitted).
     overlap: float = 0.0
 
     @property
@@ -68,6 +68,7 @@ class Workload:
     global_batch: int  # sequences per optimizer step, over all data ranks
     dtype_bytes: int = 2  # activations, communicated tokens and gathered weights (bf16: 2, fp32: 4)
     state_bytes: int = 16  # per parameter: fp32 master 4 + grad 4 + AdamW moments 8
+    grad_bytes: int = 4  # the distributed optimizer's gradient buffer, reduced in it: fp32 4, bf16 2
     precision: str = "bf16"  # GEMM precision: bf16 | fp8 (fp8 GEMMs at cluster.fp8_speedup, if switched on)
     seq_len: int = 0  # tokens per sequence; 0 = model.context_length
 
