@@ -3,9 +3,11 @@
 For each published run: predict tokens/s/GPU and model TFLOP/s/GPU for its layout (the planner's
 step time with all techniques on, the run's precision), print them beside the published figures and
 their ratio, then where the planner ranks the published layout among all the layouts it enumerates
-for that model, global batch and cluster size. The cluster's calibration constants (GEMM efficiency,
-fp8 speedup, overlap fraction, rows at which a GEMM runs at half rate) are fitted here on the FIT rows only (least
-squares on log tokens/s), and the error on the other rows is reported separately.
+for that model, global batch, sequence length and cluster size, with the gap between their predicted
+step times (a rank among layouts within a few percent of each other means little). The cluster's
+calibration constants (GEMM efficiency, fp8 speedup, overlap fraction, rows at which a GEMM runs at half
+rate) are fitted here on the FIT rows only (least squares on log tokens/s), and the error on the other
+rows is reported separately.
 
 Model TFLOP/s follow each source's own count (planner.model_flops_per_token's flags): a published
 TFLOP/s figure is tokens/s times that count. Megatron-Core's Mixtral figure gives TFLOP/s only; its
