@@ -94,12 +94,11 @@ def _setup(row: Row) -> tuple[planner.ModelSpec, planner.Cluster, planner.Techni
 
 
 def published_candidate(row: Row, spec: planner.ModelSpec) -> planner.Candidate:
-    """The run's layout with all techniques on (overlapped gradients and all-to-all, sp with tp, uneven
-    stages)."""
+    """The run's layout with all techniques on (overlapped gradients and all-to-all, sp with tp)."""
     dp = row.gpus // (row.tp * row.cp * row.pp)
     return planner.Candidate(
         dp, row.ep, row.tp, row.pp, row.gbs // (dp * row.mbs), "flat", "both", cp=row.cp, vp=row.vp,
-        grad_sync="overlapped", sp=row.tp > 1, fp8=row.precision == "fp8", uneven=True,
+        grad_sync="overlapped", sp=row.tp > 1, fp8=row.precision == "fp8",
     )  # fmt: skip
 
 

@@ -50,10 +50,10 @@ def test_model_flops_follow_megatrons_count() -> None:
 
 
 def test_interleaving_shrinks_the_bubble_and_spreads_the_head() -> None:
-    """4 blocks: 2 a stage, 1 a virtual stage with vp=2; even stages put the whole head (3 x 128 tokens x
-    2 D V FLOPs) on the busiest rank, uneven ones an even half of it (the loss in its own chunk)."""
+    """4 blocks: 2 a stage, 1 a virtual stage with vp=2; plain 1F1B puts the whole head (3 x 128 tokens x
+    2 D V FLOPs) on the busiest rank, interleaved stages an even half of it (the loss in its own chunk)."""
     spec = _tiny()
-    one, two = Candidate(2, 1, 1, 2, 2), Candidate(2, 1, 1, 2, 2, vp=2, uneven=True)
+    one, two = (Candidate(2, 1, 1, 2, 2, vp=v) for v in (1, 2))
     head_s = 3 * 128 * 2 * 32 * 256 / 1e12
     slot_one = estimate(spec, one, CLUSTER).compute_s / (2 + 1)
     assert estimate(spec, two, CLUSTER).compute_s / (2 + 1 / 2) == pytest.approx(slot_one - head_s / 2)

@@ -47,7 +47,6 @@ class Candidate:
     recompute: str = "none"  # none | selective (norms, activation functions) | experts (expert FFNs) | full
     sp: bool = False  # sequence parallel with tp (activations split over tp between the tp regions)
     fp8: bool = False  # fp8 GEMMs
-    uneven: bool = False  # uneven pipeline stages: the loss in a stage of its own, blocks moved off the last rank
 
     @property
     def layout(self) -> tuple[int, ...]:
@@ -213,11 +212,11 @@ def gradient_sync_time(spec: ModelSpec, cand: Candidate, c: Cluster) -> float:
 
 def with_head(blocks_s: float, head_s: float, blocks: int, spec: ModelSpec, cand: Candidate) -> float:
     """The busiest rank's time for one micro-batch with the output head: the head on top of the blocks,
-    except with uneven stages, where the loss gets a (virtual) stage of its own and blocks move off the
+    except with interleaved stages, where the loss gets a chunk of its own and blocks move off the
     last rank (Megatron's ``pipeline_model_parallel_layout``, e.g. ``Et|(tt|)*30mL`` in Megatron-Bridge's
     DeepSeek-V3 H100 recipe, or ``account_for_loss_in_pipeline_split``): the larger of the rank's own
     blocks and an even share of all blocks and the head."""
-    if cand.pp == 1 or not cand.uneven:
+    if cand.pp == 1 or cand.vp == 1:
         return blocks_s + head_s
     return max(blocks_s, (blocks_s * _blocks(spec)[0] / blocks + head_s) / cand.pp)
 

@@ -98,7 +98,7 @@ def candidates(spec: ModelSpec, c: Cluster, tech: Techniques = MOEKIT) -> list[C
                     out.append(
                         Candidate(
                             dp, ep, tp, pp, micro, form, overlap, cp=cp, etp=etp, vp=vp,
-                            grad_sync="overlapped" if tech.overlapped_grads else "fsdp", uneven=tech.interleave,
+                            grad_sync="overlapped" if tech.overlapped_grads else "fsdp",
                             sp=tech.sequence_parallel and tp > 1,
                             fp8=tech.fp8 and w.precision == "fp8",
                         )
