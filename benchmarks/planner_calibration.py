@@ -125,7 +125,7 @@ def _calibrate(rank: int, world: int, overrides: dict[str, str]) -> planner.Clus
         inter_latency_us=latency * 1e6,
         pass_overhead_us=overhead * 1e6,
     )
-    wire, collectives = planner.fsdp_collectives(spec, planner.Candidate(world, 1, 1, 1, 1, "flat", False), cluster)
+    wire, collectives = planner.fsdp_collectives(spec, planner.Candidate(world, 1, 1, 1, 1, "flat", "none"), cluster)
     return dataclasses.replace(cluster, fsdp_overhead_us=max(s1 - t1 - wire, 0.0) / collectives * 1e6)
 
 
@@ -134,14 +134,14 @@ def _calibrate(rank: int, world: int, overrides: dict[str, str]) -> planner.Clus
 
 def overrides_for(cand: planner.Candidate) -> dict[str, str]:
     """The run flags of one planned layout (micro-batches: pipeline ones, or gradient accumulation)."""
-    per_rank = GLOBAL_BATCH // (cand.dp * cand.ep)
+    per_rank = GLOBAL_BATCH // cand.dp
     flags = {
-        "parallel.dp": str(cand.dp),
+        "parallel.dp": str(cand.dp // cand.ep),  # moekit's dp excludes the ep ranks
         "parallel.ep": str(cand.ep),
         "parallel.tp": str(cand.tp),
         "parallel.pp": str(cand.pp),
         "parallel.all_to_all": cand.all_to_all,
-        "parallel.overlap_chunks": str(planner.OVERLAP_CHUNKS) if cand.overlap else "1",
+        "parallel.overlap_chunks": str(planner.OVERLAP_CHUNKS) if cand.overlap == "forward" else "1",
     }
     if cand.pp > 1:
         return flags | {"parallel.pp_microbatches": str(cand.micro), "train.batch_size": str(per_rank)}
@@ -149,9 +149,10 @@ def overrides_for(cand: planner.Candidate) -> dict[str, str]:
 
 
 def label(cand: planner.Candidate) -> str:
-    parts = [f"{name}{getattr(cand, name)}" for name in ("dp", "ep", "tp", "pp") if getattr(cand, name) > 1]
+    sizes = {"dp": cand.dp // cand.ep, "ep": cand.ep, "tp": cand.tp, "pp": cand.pp}
+    parts = [f"{name}{size}" for name, size in sizes.items() if size > 1]
     two_level = "-2level" if cand.all_to_all == "two_level" else ""
-    return "x".join(parts or ["1"]) + f"-mb{cand.micro}" + two_level + ("-overlap" if cand.overlap else "")
+    return "x".join(parts or ["1"]) + f"-mb{cand.micro}" + two_level + ("-overlap" if cand.overlap == "forward" else "")
 
 
 def _measure(

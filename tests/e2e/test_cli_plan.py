@@ -10,7 +10,8 @@ from moekit.cli import main
 def test_plan_cli(capsys, tmp_path) -> None:
     assert main(["plan", "--model", "deepseek-moe-16b", "--cluster", "h100-ib-32", "--top", "3"]) == 0
     out = capsys.readouterr().out
-    assert "step s" in out and len(out.strip().splitlines()) == 5
+    assert "step s" in out and "tok/s/GPU" in out and "global batch 1024" in out
+    assert len(out.strip().splitlines()) == 6
     assert main(["plan", "--model", "nope", "--cluster", "h100x8"]) == 2
     assert "--model: unknown preset 'nope'" in capsys.readouterr().err
     bad = tmp_path / "c.toml"

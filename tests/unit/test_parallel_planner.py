@@ -52,7 +52,8 @@ def test_param_counts_equal_the_built_model(overrides: dict[str, str]) -> None:
 def test_layer_flops_hand_computed() -> None:
     spec = _tiny()  # D=32, 2 heads of 16, ctx 32, 4 experts of F=64 (SwiGLU), top-2
     f = layer_flops(spec, moe_layer=True)
-    assert f["attention"] == 2 * 32 * 16 * 6 + 2 * 32 * 32 + 2 * 32 * 32
+    assert f["attention"] == 2 * 32 * 16 * 6 + 2 * 32 * 32
+    assert f["core"] == 2 * (32 + 32) * 16  # QK^T and AV over 32 query dims, causal: 16 keys on average
     assert f["experts"] == 2 * (2 * 3 * 32 * 64)
     assert f["dense"] == 2 * 32 * 4  # the router
 
@@ -74,9 +75,9 @@ def test_collective_times_hand_computed() -> None:
 
 def test_imbalance_slows_the_step_and_overlap_hides_exchanges() -> None:
     spec, c = _tiny(), CLUSTER
-    ep4 = Candidate(1, 4, 1, 1, 1, "flat", False)
+    ep4 = Candidate(4, 4, 1, 1, 1, "flat", "none")
     assert estimate(spec, ep4, c, 2.0).step_s > estimate(spec, ep4, c).step_s
-    overlapped = Candidate(1, 4, 1, 1, 1, "flat", True)
+    overlapped = Candidate(4, 4, 1, 1, 1, "flat", "forward")
     # Latency-bound exchanges: chunks only add messages.
     assert estimate(spec, overlapped, c).a2a_s > estimate(spec, ep4, c).a2a_s
     # Bandwidth-bound exchanges beside slow GEMMs: half of the shorter one is hidden.
@@ -93,7 +94,7 @@ def test_overlap_hides_only_the_forward_exchanges_hand_computed() -> None:
     # per exchange; each overlap chunk sends half. One rank's expert FLOPs, forward and backward:
     # 128 tokens * 3 * 2 blocks * 2 picks * (2 * 3 * 32 * 64).
     expert_flops = 128 * 3 * 2 * 2 * (2 * 3 * 32 * 64)
-    flat, ovl = Candidate(1, 4, 1, 1, 1, "flat", False), Candidate(1, 4, 1, 1, 1, "flat", True)
+    flat, ovl = Candidate(4, 4, 1, 1, 1, "flat", "none"), Candidate(4, 4, 1, 1, 1, "flat", "forward")
     # Within one node of 4: 3 messages of 10 us and 3/4 of the bytes at 10 GB/s; 2 blocks x 2 chunks.
     chunked = 2 * 2 * (3 * 10e-6 + 0.75 * 16384 / 10e9)  # the 2 blocks' dispatches (or combines), in chunks
     whole = 2 * (3 * 10e-6 + 0.75 * 32768 / 10e9)
@@ -118,7 +119,7 @@ def test_pass_overhead_and_fsdp_are_paid_per_micro_batch() -> None:
     spec, c = _tiny(), CLUSTER  # 2 blocks, both MoE
     with_overhead = dataclasses.replace(c, pass_overhead_us=100.0)
     for micro in (1, 4):
-        dp4 = Candidate(4, 1, 1, 1, micro, "flat", False)
+        dp4 = Candidate(4, 1, 1, 1, micro, "flat", "none")
         added = estimate(spec, dp4, with_overhead).step_s - estimate(spec, dp4, c).step_s
         assert added == pytest.approx(micro * 2 * 100e-6)
     # FSDP over 4 ranks of one node: 3 collectives per unit (2 blocks + the root) and per MoE
@@ -126,11 +127,11 @@ def test_pass_overhead_and_fsdp_are_paid_per_micro_batch() -> None:
     dense_p, expert_p = param_counts(spec)
     one = 3 * 3 * ring_time(dense_p * 4 / 3, 4, 1, c, passes=1) + 3 * 2 * ring_time(expert_p * 4 / 2, 4, 1, c, passes=1)
     for micro in (1, 4):
-        assert estimate(spec, Candidate(4, 1, 1, 1, micro, "flat", False), c).sync_s == pytest.approx(micro * one)
+        assert estimate(spec, Candidate(4, 1, 1, 1, micro, "flat", "none"), c).sync_s == pytest.approx(micro * one)
     # Overlapped dispatch computes the experts chunk by chunk inside one call: FSDP's collectives are
     # the same as without overlap (tests/dist/test_parity.py counts them on real ranks).
-    assert fsdp_collectives(spec, Candidate(4, 1, 1, 1, 1, "flat", True), c) == fsdp_collectives(
-        spec, Candidate(4, 1, 1, 1, 1, "flat", False), c
+    assert fsdp_collectives(spec, Candidate(4, 1, 1, 1, 1, "flat", "forward"), c) == fsdp_collectives(
+        spec, Candidate(4, 1, 1, 1, 1, "flat", "none"), c
     )
 
 
@@ -138,7 +139,7 @@ def test_enumeration_and_memory_rejection() -> None:
     spec = load_model("mixtral-8x7b")
     h100 = load_cluster("h100x8")
     every = candidates(spec, h100)
-    assert every and all(c.dp * c.ep * c.tp * c.pp == 8 and 8 % c.ep == 0 for c in every)
+    assert every and all(c.dp * c.tp * c.pp == 8 and c.dp % c.ep == 0 for c in every)
     assert not any(estimate(spec, c, h100).fits for c in every), "46.7B parameters x 16 bytes > 8 x 80 GB"
     assert plan(spec, h100) == []
     rows = plan(spec, load_cluster("h100-ib-32"), top=5)
@@ -148,11 +149,11 @@ def test_enumeration_and_memory_rejection() -> None:
 
 def test_rescore_with_skewed_loads_prefers_placement() -> None:
     spec, c = _tiny(), CLUSTER
-    rows = [estimate(spec, Candidate(1, 4, 1, 1, 1, "flat", False), c)]
+    rows = [estimate(spec, Candidate(4, 4, 1, 1, 1, "flat", "none"), c)]
     skewed = [[70.0, 20.0, 8.0, 2.0]] * 2
     (r,) = rescore(spec, c, rows, skewed, remaining_steps=100)
     assert r.placed.step_s <= r.estimate.step_s
     # ep=4 over 4 experts: every rank has one expert whatever the placement, so nothing to gain.
     assert r.placed.step_s == pytest.approx(r.estimate.step_s) and not r.switch
-    ep2 = rescore(spec, c, [estimate(spec, Candidate(2, 2, 1, 1, 1, "flat", False), c)], skewed, 100)[0]
+    ep2 = rescore(spec, c, [estimate(spec, Candidate(4, 2, 1, 1, 1, "flat", "none"), c)], skewed, 100)[0]
     assert ep2.placed.step_s < ep2.estimate.step_s

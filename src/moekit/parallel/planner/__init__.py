@@ -1,0 +1,89 @@
+"""The auto-parallel planner (SmartMoE's two stages): a cost model over numbers only, no process group.
+
+Stage one (``search``) enumerates dp x ep x etp x tp x cp x pp x vp x micro-batches x all-to-all form x
+overlap for a cluster, with the techniques switched on (``Techniques``), drops the layouts that do not
+fit in memory and ranks the rest by predicted step time (``cost``). Stage two (``rescore``) re-scores
+candidates with measured expert loads, with and without load-aware placement, and says whether
+switching pays. ``presets`` reads clusters and models, ``flops`` counts FLOPs and parameters,
+``comm`` times collectives.
+"""
+
+from moekit.parallel.planner.comm import all_to_all_time, members_per_node, p2p_time, ring_time
+from moekit.parallel.planner.cost import (
+    MEMORY_USABLE,
+    OVERLAP_CHUNKS,
+    Candidate,
+    Estimate,
+    block_activation_bytes,
+    estimate,
+    fsdp_collectives,
+    gradient_sync_time,
+    in_flight,
+    memory_bytes,
+    micro_tokens,
+    stage_blocks,
+)
+from moekit.parallel.planner.flops import (
+    attention_dims,
+    layer_flops,
+    model_flops_per_token,
+    param_counts,
+    training_flops_per_token,
+)
+from moekit.parallel.planner.presets import Cluster, ModelSpec, Shape, Workload, load_cluster, load_model
+from moekit.parallel.planner.rescore import Rescored, layout_imbalance, rescore
+from moekit.parallel.planner.search import (
+    ALL,
+    MOEKIT,
+    Techniques,
+    Throughput,
+    candidates,
+    format_table,
+    least_recompute,
+    parse_techniques,
+    plan,
+    throughput,
+)
+
+__all__ = [
+    "ALL",
+    "MEMORY_USABLE",
+    "MOEKIT",
+    "OVERLAP_CHUNKS",
+    "Candidate",
+    "Cluster",
+    "Estimate",
+    "ModelSpec",
+    "Rescored",
+    "Shape",
+    "Techniques",
+    "Throughput",
+    "Workload",
+    "all_to_all_time",
+    "attention_dims",
+    "block_activation_bytes",
+    "candidates",
+    "estimate",
+    "format_table",
+    "fsdp_collectives",
+    "gradient_sync_time",
+    "in_flight",
+    "layer_flops",
+    "layout_imbalance",
+    "least_recompute",
+    "load_cluster",
+    "load_model",
+    "members_per_node",
+    "memory_bytes",
+    "micro_tokens",
+    "model_flops_per_token",
+    "p2p_time",
+    "param_counts",
+    "parse_techniques",
+    "plan",
+    "rescore",
+    "ring_time",
+    "stage_blocks",
+    "throughput",
+    "training_flops_per_token",
+]

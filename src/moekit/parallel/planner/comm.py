@@ -1,0 +1,47 @@
+"""Collective times, alpha-beta: a latency per message plus bytes over the link's bandwidth, with the
+slower (inter-node) link for traffic that leaves the node.
+
+Ranks follow a mesh with the given group's members ``stride`` ranks apart, so a group of ``n`` ranks
+has ``min(n, G // stride)`` members per node of ``G`` devices.
+"""
+
+from __future__ import annotations
+
+from moekit.parallel.planner.presets import Cluster
+
+
+def members_per_node(size: int, stride: int, gpus_per_node: int) -> int:
+    """How many ranks of a mesh group (``size`` ranks, ``stride`` apart) share a node."""
+    return 1 if stride >= gpus_per_node else max(1, min(size, gpus_per_node // stride))
+
+
+def all_to_all_time(nbytes: float, size: int, stride: int, c: Cluster, two_level: bool = False) -> float:
+    """One exchange in which each rank holds ``nbytes`` spread evenly over the ``size`` ranks."""
+    if size == 1:
+        return 0.0
+    local = members_per_node(size, stride, c.gpus_per_node)
+    a_in, a_out = c.intra_latency_us * 1e-6, c.inter_latency_us * 1e-6
+    b_in, b_out = c.intra_gbps * 1e9, c.inter_gbps * 1e9
+    if two_level and 1 < local < size:
+        nodes = size // local
+        within = (local - 1) * a_in + nbytes * (local - 1) / local / b_in
+        across = (nodes - 1) * a_out + nbytes * (nodes - 1) / nodes / b_out
+        return within + across
+    latency = (local - 1) * a_in + (size - local) * a_out
+    return latency + max(nbytes * (local - 1) / size / b_in, nbytes * (size - local) / size / b_out)
+
+
+def ring_time(nbytes: float, size: int, stride: int, c: Cluster, passes: float = 2.0) -> float:
+    """A ring collective over ``nbytes``: all-reduce is 2 passes, reduce-scatter or all-gather 1."""
+    if size == 1:
+        return 0.0
+    local = members_per_node(size, stride, c.gpus_per_node)
+    alpha, bw = (c.intra_latency_us, c.intra_gbps) if local == size else (c.inter_latency_us, c.inter_gbps)
+    return passes * ((size - 1) * alpha * 1e-6 + nbytes * (size - 1) / size / (bw * 1e9))
+
+
+def p2p_time(nbytes: float, stride: int, c: Cluster) -> float:
+    """One pipeline send to the next stage (``stride`` ranks away)."""
+    same_node = stride < c.gpus_per_node
+    alpha, bw = (c.intra_latency_us, c.intra_gbps) if same_node else (c.inter_latency_us, c.inter_gbps)
+    return alpha * 1e-6 + nbytes / (bw * 1e9)

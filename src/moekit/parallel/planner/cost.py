@@ -1,0 +1,309 @@
+"""The cost model: predicted step time and peak memory of one layout, as a sum of named terms.
+
+One step is ``micro + (pp - 1) / vp`` pipeline slots (the interleaved bubble; ``vp`` 1 is plain 1F1B)
+of one micro-batch through the busiest stage, plus the exposed part of the once-per-step gradient
+synchronisation. A micro-batch's time is its GEMMs (fp8 ones faster by ``fp8_speedup``; attention
+scores in bf16), the elementwise work between them (bytes over HBM bandwidth), recomputation, and the
+exchanges left exposed: tp all-reduces (or sequence-parallel all-gather + reduce-scatter, the same
+bytes, never hidden), the expert all-to-alls, expert-tp gathers, context-parallel KV rings, pipeline sends, and
+moekit's FSDP, which gathers every unit every micro-batch. An overlappable exchange hides
+``cluster.overlap`` of itself, at most the compute that runs beside it.
+
+Techniques each have a switch in ``Candidate`` (all off is moekit's own runtime, what
+``benchmarks/planner_calibration.py`` measures).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from moekit.parallel.planner.comm import all_to_all_time, p2p_time, ring_time
+from moekit.parallel.planner.flops import _blocks, attention_dims, layer_flops, param_counts
+from moekit.parallel.planner.presets import Cluster, ModelSpec
+
+MEMORY_USABLE = 0.9  # NOTE: workspace, fragmentation and the allocator's caches take the rest
+OVERLAP_CHUNKS = 2  # chunks of an overlapped dispatch (parallel.overlap_chunks)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One layout and the techniques it uses. ``dp`` is the data-parallel degree (world / (tp cp pp)):
+    moekit's mesh carves ep out of it (ep divides dp, experts replicated over tp); with sequence
+    parallelism the tp and cp ranks hold different tokens and join the expert groups too (Megatron's
+    expert mesh: ep * etp divides dp * cp * tp, etp innermost)."""
+
+    dp: int
+    ep: int
+    tp: int
+    pp: int
+    micro: int  # micro-batches per step on each data rank (pipeline micro-batches or gradient accumulation)
+    all_to_all: str = "flat"  # flat | two_level
+    overlap: str = "none"  # all-to-all overlap: none | forward (moekit's chunked dispatch) | both (both passes)
+    cp: int = 1  # context parallel: each sequence split over cp ranks, keys and values passed round a ring
+    etp: int = 1  # expert tensor parallel: each expert's FFN split over etp ranks (needs sp)
+    vp: int = 1  # virtual stages per pipeline rank (interleaved 1F1B)
+    grad_sync: str = "fsdp"  # fsdp: gather/reduce every micro-batch | overlapped: once a step, beside compute
+    recompute: str = "none"  # none | selective (norms, activation functions) | experts (expert FFNs) | full
+    sp: bool = False  # sequence parallel with tp (activations split over tp between the tp regions)
+    fp8: bool = False  # fp8 GEMMs
+
+    @property
+    def layout(self) -> tuple[int, ...]:
+        """What a run's parallel settings fix: (tp, cp, pp, vp, ep, etp, micro)."""
+        return (self.tp, self.cp, self.pp, self.vp, self.ep, self.etp, self.micro)
+
+
+@dataclass(frozen=True)
+class Estimate:
+    candidate: Candidate
+    step_s: float
+    compute_s: float  # GEMMs, elementwise work and recomputation, with the pipeline bubble
+    a2a_s: float  # expert-parallel exchanges on the critical path
+    sync_s: float  # gradient and FSDP collectives, tp, cp and pipeline exchanges left exposed
+    memory_gb: float  # peak per device
+    fits: bool
+
+
+RECOMPUTE_GEMMS = {"none": (0, 0), "selective": (0, 0), "experts": (0, 1), "full": (1, 1)}  # (dense, experts)
+
+
+def stage_blocks(spec: ModelSpec, cand: Candidate) -> tuple[int, float]:
+    """(blocks of the busiest pipeline rank, MoE blocks among them): ``pp * vp`` chunks of
+    ceil(blocks / (pp vp)) blocks, the MTP blocks included."""
+    n_blocks, n_moe = _blocks(spec)
+    blocks = math.ceil(n_blocks / (cand.pp * cand.vp)) * cand.vp
+    return blocks, blocks * n_moe / n_blocks
+
+
+def micro_tokens(spec: ModelSpec, cand: Candidate) -> float:
+    """Tokens one data rank's micro-batch holds (a cp group shares them)."""
+    return spec.workload.global_batch * spec.seq_len / (cand.dp * cand.micro)
+
+
+def block_activation_bytes(spec: ModelSpec, cand: Candidate, moe_layer: bool, load_imbalance: float = 1.0) -> float:
+    """Bytes one block keeps on a rank for its backward, per token of the rank's micro-batch, after
+    Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models", section 4:
+    ``sbh(34 + 5as/h)`` bytes for a GPT block, ``/ t`` with tensor and sequence parallelism,
+    ``sbh(10 + 24/t + 5as/ht)`` with tensor parallelism alone (the norms and the GEMMs' inputs outside
+    the tp regions repeated on every tp rank). Generalised to flash attention (Q, K, V and its output
+    kept, no ``as/h`` score terms), no dropout, grouped-query widths and gated FFNs, each kept tensor named:
+
+    - attention: the norm's input and output (the QKV GEMM's input), then inside the tp region Q, K, V
+      and the attention output (the output projection's input): ``D + D | q + kv + q`` values;
+    - dense FFN: the norm's input and output | the first GEMM's outputs and the activation's output
+      (the second GEMM's input): ``D + D | (mult - 1) F + F``;
+    - MoE FFN: the norm's input and output (the router's input), shared experts as a dense FFN, and per
+      routed copy (``top_k``, times the busiest rank's load) the permuted row, the first GEMM's outputs,
+      the activation's output and the expert output the weighted combine keeps: ``D + (mult - 1) F + F
+      + D`` (``F / etp``); without sequence parallelism every tp rank routes every token.
+
+    GEMM inputs are kept at 1 byte under fp8 (Transformer Engine keeps the quantised input for the
+    weight-gradient GEMM), the rest at ``dtype_bytes``. Recomputation as Megatron's modules: ``selective``
+    (layernorm, moe_act) drops the norms' outputs and the experts' activation outputs, ``experts`` the
+    routed experts' tensors but the permuted rows, ``full`` all but the block's input."""
+    m, e, dt = spec.model, spec.moe, spec.workload.dtype_bytes
+    D, a, tp = m.d_model, attention_dims(spec), cand.tp
+    gin = 1 if cand.fp8 else dt  # bytes of a kept GEMM input
+    rep = 1 / tp if cand.sp else 1.0  # the share of the tensors outside the tp regions a rank keeps
+    if cand.recompute == "full":
+        return dt * D * rep
+    norms = dt * D + (0 if cand.recompute == "selective" else gin * D)  # a norm's input and output
+    attn = norms * rep + (gin * a["q"] + dt * (a["q"] + a["kv_act"])) / tp
+    mult = 3 if (e.activation if moe_layer else m.mlp_activation) == "swiglu" else 2
+    ffn = (dt * (mult - 1) + gin) * (e.shared_hidden if moe_layer else m.d_ff) / tp
+    if not moe_layer:
+        return attn + norms * rep + ffn
+    k, F = e.top_k * load_imbalance, e.d_ff / cand.etp
+    routed = {
+        "none": gin * D + dt * (mult - 1) * F + gin * F + dt * D,
+        "selective": gin * D + dt * (mult - 1) * F + dt * D,
+        "experts": gin * D,
+    }[cand.recompute]
+    return attn + (norms + k * routed) * rep + ffn
+
+
+def in_flight(cand: Candidate) -> tuple[float, float]:
+    """Micro-batches of its blocks the (first, last) pipeline rank holds at its peak under 1F1B: the
+    first ``pp``, the last 1; interleaved, the first rank's ``2 (pp - 1) + (vp - 1) pp + 1`` warm-up
+    chunks and the last's ``(vp - 1) pp + 1``, each ``1 / vp`` of the stage (Megatron-Core's schedule;
+    Korthikanti et al. 2022, section 4.2.3: ``pp (1 + (pp - 1) / (pp vp))`` on the first)."""
+    if cand.pp == 1:
+        return 1.0, 1.0
+    if cand.vp == 1:
+        return float(min(cand.micro, cand.pp)), 1.0
+    chunks = cand.micro * cand.vp
+    first = min(chunks, 2 * (cand.pp - 1) + (cand.vp - 1) * cand.pp + 1)
+    return first / cand.vp, min(chunks, (cand.vp - 1) * cand.pp + 1) / cand.vp
+
+
+def memory_bytes(spec: ModelSpec, cand: Candidate, load_imbalance: float = 1.0) -> float:
+    """Peak bytes per device, the larger of the first and the last pipeline rank's: training state,
+    FSDP's two gathered blocks, the activations of the micro-batches in flight
+    (``block_activation_bytes``, ``in_flight``) and, on the last rank, the fp32 logits the
+    vocab-parallel cross-entropy keeps for its backward.
+
+    Distributed optimizer (Megatron's, its documented ``6 + 12 / d`` bytes a parameter): bf16 weights
+    (and an fp8 copy under fp8) and the gradient buffer (``grad_bytes``) whole on each rank, fp32 master
+    weights and Adam's moments over the data ranks; the first rank holds the embedding, the last the
+    output head."""
+    m, w = spec.model, spec.workload
+    dense, experts = param_counts(spec)
+    world = cand.dp * cand.cp * cand.tp * cand.pp
+    if cand.grad_sync == "fsdp":
+        state = dense * w.state_bytes / world + experts * w.state_bytes / (cand.pp * cand.dp * cand.cp * cand.etp)
+        states = [state + 2 * dense / m.n_layers / cand.tp * w.dtype_bytes]  # the block running and the next
+    else:
+        embed = m.vocab_size * m.d_model
+        head = 0 if m.tie_embeddings else embed
+        body = (dense - embed - head) / cand.pp  # one stage's blocks, non-expert weights
+        owned = [body + embed + head] if cand.pp == 1 else [body + embed, body + head]
+        kept, sharded = w.dtype_bytes + w.grad_bytes + cand.fp8, w.state_bytes - 4
+        edp = world // (cand.pp * cand.ep * cand.etp)
+        routed = experts / (cand.ep * cand.etp * cand.pp) * (kept + sharded / edp)
+        states = [p / cand.tp * (kept + sharded / (cand.dp * cand.cp)) + routed for p in owned]
+    blocks, n_moe = stage_blocks(spec, cand)
+    per_token = n_moe * block_activation_bytes(spec, cand, True, load_imbalance)
+    per_token += (blocks - n_moe) * block_activation_bytes(spec, cand, False, load_imbalance)
+    tokens = micro_tokens(spec, cand) / cand.cp
+    first, last = in_flight(cand)
+    logits = tokens * m.vocab_size * 4 / cand.tp
+    peaks = [states[0] + per_token * tokens * first, states[-1] + per_token * tokens * last + logits]
+    return max(peaks) if cand.pp > 1 else peaks[1]
+
+
+def fsdp_collectives(spec: ModelSpec, cand: Candidate, c: Cluster) -> tuple[float, float]:
+    """moekit's FSDP on one micro-batch of a pipeline stage: (alpha-beta seconds, number of collectives).
+
+    Every micro-batch, each unit (a block, and the root) all-gathers its shard before the forward
+    and again before the backward, then reduce-scatters its gradient; sharded experts do the same
+    over the dp / ep ranks that hold the same experts, once per MoE layer even when overlapped
+    dispatch computes them chunk by chunk."""
+    m, w = spec.model, spec.workload
+    dense_p, expert_p = param_counts(spec)
+    n_moe = len(m.moe_layers())
+    units = m.n_layers / cand.pp + 1
+    seconds = count = 0.0
+    if cand.dp > 1:
+        unit_bytes = dense_p / (cand.tp * cand.pp) * w.dtype_bytes / units
+        seconds += 3 * units * ring_time(unit_bytes, cand.dp, cand.tp, c, passes=1)
+        count += 3 * units
+    if n_moe and cand.dp > cand.ep:
+        layer_bytes = expert_p / (cand.ep * n_moe) * w.dtype_bytes
+        seconds += 3 * n_moe / cand.pp * ring_time(layer_bytes, cand.dp // cand.ep, cand.tp * cand.ep, c, passes=1)
+        count += 3 * n_moe / cand.pp
+    return seconds, count
+
+
+def gradient_sync_time(spec: ModelSpec, cand: Candidate, c: Cluster) -> float:
+    """Distributed optimizer, once a step: reduce-scatter of the gradients and all-gather of the
+    updated weights, non-expert ones over the dp * cp ranks, expert ones over the ranks holding the
+    same experts."""
+    w = spec.workload
+    dense_p, expert_p = param_counts(spec)
+    world = cand.dp * cand.cp * cand.tp * cand.pp
+    edp = world // (cand.pp * cand.ep * cand.etp)
+    seconds = 0.0
+    for nbytes in (w.grad_bytes, w.dtype_bytes):  # gradients reduce-scattered in their buffer, weights gathered
+        seconds += ring_time(dense_p / (cand.tp * cand.pp) * nbytes, cand.dp * cand.cp, cand.tp, c, passes=1)
+        seconds += ring_time(expert_p / (cand.ep * cand.etp * cand.pp) * nbytes, edp, cand.ep * cand.etp, c, 1)
+    return seconds
+
+
+def with_head(blocks_s: float, head_s: float, blocks: int, spec: ModelSpec, cand: Candidate) -> float:
+    """The busiest rank's time for one micro-batch with the output head: the head on top of the blocks,
+    except with interleaved stages, where the loss gets a chunk of its own and blocks move off the
+    last rank (Megatron's ``pipeline_model_parallel_layout``, e.g. ``Et|(tt|)*30mL`` in Megatron-Bridge's
+    DeepSeek-V3 H100 recipe, or ``account_for_loss_in_pipeline_split``): the larger of the rank's own
+    blocks and an even share of all blocks and the head."""
+    if cand.pp == 1 or cand.vp == 1:
+        return blocks_s + head_s
+    return max(blocks_s, (blocks_s * _blocks(spec)[0] / blocks + head_s) / cand.pp)
+
+
+def _size_factor(rows: float, c: Cluster) -> float:
+    """A GEMM of ``rows`` rows runs at rows / (rows + c.gemm_half_rows) of the large-GEMM rate."""
+    return rows / (rows + c.gemm_half_rows)
+
+
+def _hidden(exchange_s: float, beside_s: float, c: Cluster) -> float:
+    """What overlap hides of an exchange: ``c.overlap`` of it, at most the compute beside it."""
+    return c.overlap * min(exchange_s, beside_s)
+
+
+def estimate(spec: ModelSpec, cand: Candidate, c: Cluster, load_imbalance: float = 1.0) -> Estimate:
+    """Predicted step time and memory of one layout; ``load_imbalance`` is the max/mean rank load of
+    the experts (1.0 balanced), which slows the busiest rank's GEMMs and exchanges."""
+    m, e, w = spec.model, spec.moe, spec.workload
+    D, dt = m.d_model, w.dtype_bytes
+    blocks, n_moe = stage_blocks(spec, cand)
+    tokens = micro_tokens(spec, cand) / cand.cp  # a rank's tokens in attention
+    sp = cand.tp if cand.sp else 1
+    rows = tokens / sp  # a rank's tokens entering the MoE layer (tp ranks repeat them without sp)
+    moe_f, dense_f = layer_flops(spec, True), layer_flops(spec, False)
+    extra_dense, extra_experts = RECOMPUTE_GEMMS[cand.recompute]
+    gemm_rate = c.flops * (c.fp8_speedup if cand.fp8 else 1.0)
+    # Forward FLOPs of one micro-batch on the busiest rank.
+    attn = tokens * blocks * moe_f["attention"] / cand.tp
+    core = tokens * blocks * moe_f["core"] / cand.tp
+    dense = tokens * (n_moe * moe_f["dense"] + (blocks - n_moe) * dense_f["dense"]) / cand.tp
+    experts = rows * n_moe * moe_f["experts"] * load_imbalance
+    head = tokens * 2 * D * m.vocab_size * (1 + spec.shape.mtp_layers) / cand.tp
+    dense_rate = gemm_rate * _size_factor(tokens, c)
+    expert_rate = gemm_rate * _size_factor(rows * cand.ep * e.top_k / e.num_experts, c)  # rows per local expert
+    gemm_s = (3 + extra_dense) * (attn + dense) / dense_rate + (3 + extra_experts) * experts / expert_rate
+    compute_s = gemm_s + (3 + extra_dense) * core / c.flops + blocks * c.pass_overhead_us * 1e-6
+    if c.hbm_gbps:  # elementwise: norms and residuals, token permutes, activation functions; backward 2x
+        per_row = dt * (8 * D + e.top_k * load_imbalance * (4 * D + 3 * e.d_ff))
+        elementwise = rows * (n_moe * per_row + (blocks - n_moe) * dt * (8 * D + 3 * m.d_ff / cand.tp))
+        compute_s += (3 + extra_dense) * elementwise / (c.hbm_gbps * 1e9)
+    compute_s = with_head(compute_s, 3 * head / c.flops, blocks, spec, cand)
+    expert_s = (3 + extra_experts) * experts / expert_rate
+
+    # Expert-parallel exchanges: dispatch and combine in the forward and again in the backward.
+    stride = cand.etp if cand.sp else cand.tp
+    rows_bytes = rows * e.top_k * D * dt * load_imbalance
+    chunks = OVERLAP_CHUNKS if cand.overlap == "forward" else 1
+    one = chunks * all_to_all_time(rows_bytes / chunks, cand.ep, stride, c, cand.all_to_all == "two_level")
+    one += 2 * ring_time(rows_bytes, cand.etp, 1, c, passes=1)  # expert tp: gather rows in, scatter out
+    forward = 2 * one * n_moe
+    passes = 2 + extra_dense  # the forward's exchanges again in a fully recomputed block
+    if cand.overlap == "forward":
+        # NOTE: moekit's dispatcher overlaps only the forward's exchanges with the forward's expert GEMMs
+        # (a third of their FLOPs); the backward's exchanges run in the autograd thread, fully exposed.
+        fwd_s = expert_s / (3 + extra_experts)
+        a2a = max(forward, fwd_s) + min(forward, fwd_s) / chunks + forward - fwd_s + (passes - 2) * forward
+    else:
+        a2a = passes * forward
+        if cand.overlap == "both":  # one micro-batch's exchanges beside another's compute, both passes
+            a2a -= _hidden(a2a, compute_s, c)
+
+    sync = 0.0
+    if cand.tp > 1:  # 2 all-reduces (or all-gather + reduce-scatter) a block each pass, on the critical path
+        # NOTE: exposed: Megatron hides them only with its userbuffer tp_comm_overlap, which the published
+        # DGX-H100 MoE recipes leave off (Megatron-Bridge's Qwen3-235B-A22B H100 config).
+        sync += 2 * passes * blocks * ring_time(tokens * D * dt, cand.tp, 1, c)
+    if cand.cp > 1:  # ring attention: K, V round the ring in the forward, K, V and their grads back
+        kv = tokens * attention_dims(spec)["kv_act"] / cand.tp * dt
+        cp_s = (1 + extra_dense + 2) * blocks * (cand.cp - 1) * p2p_time(kv, cand.tp, c)
+        sync += cp_s - _hidden(cp_s, (3 + extra_dense) * core / c.flops, c)
+    if cand.pp > 1:  # activations to the next stage, gradients back, once per virtual stage
+        sync += 2 * cand.vp * p2p_time(tokens * D * dt / sp, cand.tp * cand.cp * cand.dp, c)
+    if cand.grad_sync == "fsdp":
+        wire, collectives = fsdp_collectives(spec, cand, c)
+        sync += wire + collectives * c.fsdp_overhead_us * 1e-6
+    slots = cand.micro + (cand.pp - 1) / cand.vp
+    step_sync = 0.0
+    if cand.grad_sync == "overlapped":  # beside the first micro-batch's forward and the last one's backward
+        grads = gradient_sync_time(spec, cand, c)
+        step_sync = grads - _hidden(grads, compute_s + a2a, c)
+    mem = memory_bytes(spec, cand, load_imbalance)
+    return Estimate(
+        cand,
+        step_s=slots * (compute_s + a2a + sync) + step_sync,
+        compute_s=slots * compute_s,
+        a2a_s=slots * a2a,
+        sync_s=slots * sync + step_sync,
+        memory_gb=mem / 1e9,
+        fits=mem <= c.memory_gb * 1e9 * MEMORY_USABLE,
+    )

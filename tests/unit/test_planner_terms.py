@@ -1,0 +1,184 @@
+"""The planner's switchable terms (techniques of published runs) against hand-computed values."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from moekit import runconfig
+from moekit.parallel.planner import (
+    Candidate,
+    Cluster,
+    ModelSpec,
+    Workload,
+    block_activation_bytes,
+    estimate,
+    gradient_sync_time,
+    in_flight,
+    layer_flops,
+    load_model,
+    memory_bytes,
+    model_flops_per_token,
+    param_counts,
+    parse_techniques,
+)
+
+# 10 GB/s and 10 us inside a node of 4, 1 GB/s and 100 us across; 1 TFLOP/s at efficiency 1.
+CLUSTER = Cluster("toy", 4, 4, 1.0, 1.0, 1.0, 10.0, 10.0, 1.0, 100.0)
+
+
+def _tiny(**overrides: str) -> ModelSpec:
+    cfg = runconfig.resolve("tiny", {"model.n_layers": "4", **overrides})
+    return ModelSpec("tiny", cfg.model, cfg.moe, Workload(global_batch=16, dtype_bytes=4))
+
+
+def test_model_flops_follow_megatrons_count() -> None:
+    """Qwen3-30B-A3B: 6 x (attention projections + causal scores + 8 routed SwiGLU experts + head)
+    per block, which is what Megatron-Bridge's table divides by (121 TFLOP/s / 5275 tokens/s)."""
+    q, kv, D, s = 32 * 128, 4 * 128, 2048, 4096
+    attn = D * (q + 2 * kv) + q * D + (q + q) * s / 2
+    want = 6 * (48 * (attn + D * 3 * 8 * 768) + D * 151936)
+    assert model_flops_per_token(load_model("qwen3-30b-a3b")) == pytest.approx(want)
+    assert pytest.approx(want, rel=0.005) == 121e12 / 5275
+    # gpt-oss under Megatron-Bridge 25.11's count: no window term, two matrices per (non-SiLU) GLU.
+    oss = load_model("gpt-oss-120b")
+    q, kv, D = 64 * 64, 8 * 64, 2880
+    old = 6 * (36 * (D * (q + 2 * kv) + q * D + 2 * q * 2048 + D * 2 * 4 * 2880) + D * 201088)
+    assert model_flops_per_token(oss, windowed=False, gated=False) == pytest.approx(old)
+    assert pytest.approx(old, rel=0.005) == 153e12 / 5630
+
+
+def test_interleaving_shrinks_the_bubble_and_spreads_the_head() -> None:
+    """4 blocks: 2 a stage, 1 a virtual stage with vp=2; plain 1F1B puts the whole head (3 x 128 tokens x
+    2 D V FLOPs) on the busiest rank, interleaved stages an even half of it (the loss in its own chunk)."""
+    spec = _tiny()
+    one, two = (Candidate(2, 1, 1, 2, 2, vp=v) for v in (1, 2))
+    head_s = 3 * 128 * 2 * 32 * 256 / 1e12
+    slot_one = estimate(spec, one, CLUSTER).compute_s / (2 + 1)
+    assert estimate(spec, two, CLUSTER).compute_s / (2 + 1 / 2) == pytest.approx(slot_one - head_s / 2)
+
+
+def test_tp_exchanges_stay_exposed() -> None:
+    """Sequence-parallel tp exchanges are not hidden whatever the overlap: 2 a block each pass, 4 blocks,
+    an all-reduce's 2 ring passes of 2 ranks in the node over 256 tokens x 32 x 4 bytes (dp 1: no FSDP)."""
+    spec = _tiny()
+    cand = Candidate(1, 1, 2, 1, 2, sp=True)
+    tp_s = 2 * 2 * 4 * 2 * (10e-6 + 256 * 32 * 4 / 2 / 10e9)
+    for overlap in (0.0, 1.0):
+        assert estimate(spec, cand, dataclasses.replace(CLUSTER, overlap=overlap)).sync_s == pytest.approx(2 * tp_s)
+
+
+def test_recomputation_adds_forward_flops() -> None:
+    spec = _tiny()
+    base = Candidate(4, 1, 1, 1, 1)
+    tokens = 16 * 32 / 4
+    experts = tokens * 4 * layer_flops(spec, True)["experts"]
+    added = estimate(spec, dataclasses.replace(base, recompute="experts"), CLUSTER).compute_s
+    assert added - estimate(spec, base, CLUSTER).compute_s == pytest.approx(experts / 1e12)
+    assert estimate(spec, dataclasses.replace(base, recompute="selective"), CLUSTER).compute_s == pytest.approx(
+        estimate(spec, base, CLUSTER).compute_s
+    )
+    full = memory_bytes(spec, dataclasses.replace(base, recompute="full"))
+    assert full < memory_bytes(spec, dataclasses.replace(base, recompute="experts")) < memory_bytes(spec, base)
+
+
+def test_fp8_speeds_only_the_gemms() -> None:
+    spec = _tiny()
+    fast = dataclasses.replace(CLUSTER, fp8_speedup=2.0)
+    bf16, fp8 = Candidate(4, 1, 1, 1, 1), Candidate(4, 1, 1, 1, 1, fp8=True)
+    tokens = 16 * 32 / 4
+    moe = layer_flops(spec, True)
+    gemms = 3 * tokens * 4 * (moe["attention"] + moe["dense"] + moe["experts"])
+    saved = estimate(spec, bf16, fast).compute_s - estimate(spec, fp8, fast).compute_s
+    assert saved == pytest.approx(gemms / 1e12 / 2)
+
+
+def test_overlapped_gradients_once_a_step() -> None:
+    spec = _tiny()
+    cand = Candidate(16, 1, 1, 1, 2, grad_sync="overlapped")
+    dense_p, expert_p = param_counts(spec)
+    # 16 ranks over 4 nodes: ring of 15 inter-node steps; reduce-scatter and all-gather, dense and experts.
+    ring = sum(15 * 100e-6 + p * 4 * 15 / 16 / 1e9 for p in (dense_p, expert_p))
+    assert gradient_sync_time(spec, cand, CLUSTER) == pytest.approx(2 * ring)
+    exposed = estimate(spec, cand, CLUSTER).sync_s
+    assert exposed == pytest.approx(2 * ring)  # overlap 0: all of it
+    hidden = estimate(spec, cand, dataclasses.replace(CLUSTER, overlap=1.0, peak_tflops=1e-6)).sync_s
+    assert hidden == pytest.approx(0.0, abs=1e-12)  # slow compute beside it hides all
+    # bf16 gradient buffers: the reduce-scatter moves half the bytes, the all-gather the same.
+    half = dataclasses.replace(spec, workload=dataclasses.replace(spec.workload, grad_bytes=2))
+    rs = sum(15 * 100e-6 + p * 2 * 15 / 16 / 1e9 for p in (dense_p, expert_p))
+    assert gradient_sync_time(half, cand, CLUSTER) == pytest.approx(ring + rs)
+    assert memory_bytes(spec, cand) - memory_bytes(half, cand) == pytest.approx(2 * (dense_p + expert_p))
+    # Distributed optimizer memory: bf16 weights + fp32 grads whole, fp32 master and moments over 16.
+    state = (dense_p + expert_p) * (4 + 4 + 12 / 16)
+    assert memory_bytes(spec, cand) - memory_bytes(spec, dataclasses.replace(cand, grad_sync="fsdp")) == pytest.approx(
+        state - (dense_p + expert_p) * 16 / 16 - 2 * dense_p / 4 * 4
+    )
+
+
+def test_all_to_all_overlap_in_both_passes() -> None:
+    spec = _tiny()
+    plain, both = Candidate(4, 4, 1, 1, 1), Candidate(4, 4, 1, 1, 1, overlap="both")
+    half = dataclasses.replace(CLUSTER, overlap=0.5, peak_tflops=1e-6)  # compute far longer than the exchanges
+    assert estimate(spec, both, half).a2a_s == pytest.approx(estimate(spec, plain, half).a2a_s / 2)
+
+
+def test_parse_techniques() -> None:
+    assert parse_techniques("moekit").names() == []
+    assert parse_techniques("fp8, interleave").names() == ["interleave", "fp8"]
+    with pytest.raises(ValueError, match="unknown nope"):
+        parse_techniques("nope")
+
+
+def test_block_activations_follow_korthikanti() -> None:
+    """Kept bytes per token of one block (D 32, q 32, K + V 64, experts F 64 SwiGLU top-2, 4-byte values):
+    attention 4 (D + D + q + q + kv) = 768, the MoE layer 4 (D + D) + 2 x 4 (D + 2F + F + D) = 2304."""
+    spec = _tiny()
+    base = Candidate(4, 1, 1, 1, 1)
+    assert block_activation_bytes(spec, base, True) == pytest.approx(768 + 2304)
+    sp = Candidate(2, 1, 2, 1, 1, sp=True)  # everything split over tp
+    assert block_activation_bytes(spec, sp, True) == pytest.approx((768 + 2304) / 2)
+    tp = dataclasses.replace(sp, sp=False)  # norms' tensors and routed rows repeated on both tp ranks
+    assert block_activation_bytes(spec, tp, True) == pytest.approx(256 + 512 / 2 + 2304)
+    # fp8: the kept GEMM inputs (norm outputs, attention output, permuted rows, activation outputs) at 1 byte.
+    fp8 = dataclasses.replace(base, fp8=True)
+    assert block_activation_bytes(spec, fp8, True) == pytest.approx((128 + 32 + 32 + 384) + 160 + 2 * 736)
+    sel = dataclasses.replace(base, recompute="selective")  # no norm outputs, no expert activation outputs
+    assert block_activation_bytes(spec, sel, True) == pytest.approx((128 + 128 + 384) + 128 + 2 * 768)
+    assert block_activation_bytes(spec, dataclasses.replace(base, recompute="experts"), True) == pytest.approx(
+        768 + 256 + 2 * 128
+    )
+    assert block_activation_bytes(spec, dataclasses.replace(base, recompute="full"), True) == pytest.approx(128)
+    # Korthikanti's GPT block (GELU FFN of 4D, 2-byte values): sbh(34 + 5as/h) less the s^2 terms flash
+    # attention drops and the two dropout masks, 32 sbh; with tp alone 8 sbh repeated and 24 sbh / t.
+    cfg = runconfig.resolve("tiny", {"model.mlp_activation": "gelu", "model.d_ff": "128"})
+    gpt = ModelSpec("gpt", cfg.model, cfg.moe, Workload(global_batch=16, dtype_bytes=2))
+    assert block_activation_bytes(gpt, base, False) == pytest.approx(32 * 32)
+    assert block_activation_bytes(gpt, tp, False) == pytest.approx((8 + 24 / 2) * 32)
+
+
+def test_pipeline_ranks_in_flight() -> None:
+    """1F1B: the first rank holds pp micro-batches, the last 1; interleaved, Korthikanti's pp (1 + (pp - 1) /
+    (pp vp)) on the first."""
+    assert in_flight(Candidate(2, 1, 1, 1, 4)) == (1.0, 1.0)
+    assert in_flight(Candidate(2, 1, 1, 4, 8)) == (4.0, 1.0)
+    assert in_flight(Candidate(2, 1, 1, 4, 8, vp=2)) == (4 * (1 + 3 / 8), 5 / 2)
+    assert in_flight(Candidate(2, 1, 1, 4, 1)) == (1.0, 1.0)  # fewer micro-batches than stages
+
+
+def test_distributed_optimizer_memory_per_pipeline_rank() -> None:
+    """pp 2, dp 2 on 4 ranks, tied embedding on the first rank: 4-byte weights and 4-byte grads kept,
+    12 bytes over 2 data ranks; the first rank holds 2 micro-batches of 2 blocks, the last 1 and the
+    fp32 logits of 128 tokens x 256 entries."""
+    spec = _tiny()
+    cand = Candidate(2, 1, 1, 2, 2, grad_sync="overlapped")
+    dense, experts = param_counts(spec)
+    body = (dense - 256 * 32) / 2
+    routed = experts / 2 * (8 + 12 / 2)
+    first = (body + 256 * 32) * (8 + 12 / 2) + routed + 2 * 3072 * 128 * 2
+    last = body * (8 + 12 / 2) + routed + 2 * 3072 * 128 + 128 * 256 * 4
+    assert memory_bytes(spec, cand) == pytest.approx(max(first, last))
+    one = Candidate(4, 1, 1, 1, 1, grad_sync="overlapped")  # one stage holds everything
+    state = (dense + experts) * (8 + 12 / 4)
+    assert memory_bytes(spec, one) == pytest.approx(state + 4 * 3072 * 128 + 128 * 256 * 4)
