@@ -48,7 +48,7 @@ def parse_techniques(text: str) -> Techniques:
     names = [n.strip().replace("-", "_") for n in text.split(",") if n.strip()]
     bad = [n for n in names if n not in known]
     if bad:
-        raise ValueError(f"--techniques: unknown {', '.join(bad)} (all, moekit, or any of {', '.join(sorted(known))})")
+        raise ValueError(f"techniques: unknown {', '.join(bad)} (all, moekit, or any of {', '.join(sorted(known))})")
     return Techniques(**{n: True for n in names})
 
 
