@@ -173,16 +173,16 @@ def load_model(name: str) -> ModelSpec:
 
 
 def _mult(activation: str) -> int:
-    """Weight matrices of one FFN: SwiGLU has gate, up and down; GELU up and down."""
-    return 3 if activation == "swiglu" else 2
+    """Weight matrices of one FFN: (clamped) SwiGLU has gate, up and down; GELU up and down."""
+    return 2 if activation == "gelu" else 3
 
 
 def layer_flops(spec: ModelSpec, moe_layer: bool) -> dict[str, float]:
     """Forward FLOPs per token of one block: attention (projections + causal scores), dense MLP or
     the MoE layer's router, routed experts (k of them) and shared experts."""
     m, e = spec.model, spec.moe
-    D, hd = m.d_model, m.d_model // m.n_heads
-    attn = 2 * D * hd * (m.n_heads + 2 * m.kv_heads) + 2 * D * D + 2 * m.context_length * D
+    D, hd = m.d_model, m.head_size
+    attn = 2 * D * hd * (2 * m.n_heads + 2 * m.kv_heads) + 2 * m.context_length * D
     if not moe_layer:
         return {"attention": attn, "dense": 2 * _mult(m.mlp_activation) * D * m.d_ff, "experts": 0.0}
     ffn = 2 * _mult(e.activation) * D * e.d_ff
@@ -193,8 +193,8 @@ def layer_flops(spec: ModelSpec, moe_layer: bool) -> dict[str, float]:
 def param_counts(spec: ModelSpec) -> tuple[float, float]:
     """(non-expert parameters, routed-expert parameters) of the whole model."""
     m, e = spec.model, spec.moe
-    D, hd = m.d_model, m.d_model // m.n_heads
-    attn = D * hd * (m.n_heads + 2 * m.kv_heads) + D * D + 2 * D
+    D, hd = m.d_model, m.head_size
+    attn = D * hd * (2 * m.n_heads + 2 * m.kv_heads) + 2 * D
     moe = set(m.moe_layers())
     ffn = _mult(e.activation) * D * e.d_ff
     shared = _mult(e.activation) * D * e.shared_hidden
@@ -245,7 +245,7 @@ def p2p_time(nbytes: float, stride: int, c: Cluster) -> float:
 def memory_bytes(spec: ModelSpec, cand: Candidate, load_imbalance: float = 1.0) -> float:
     """Peak bytes per device: sharded training state, two gathered blocks and the live activations."""
     m, e, w = spec.model, spec.moe, spec.workload
-    D, hd = m.d_model, m.d_model // m.n_heads
+    D, hd = m.d_model, m.head_size
     dense, experts = param_counts(spec)
     state = dense * w.state_bytes / (cand.tp * cand.pp * cand.dp * cand.ep) + experts * w.state_bytes / (
         cand.ep * cand.pp * cand.dp
