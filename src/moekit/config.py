@@ -89,17 +89,11 @@ class MoEConfig:
             _require(self.num_shared_experts > 0, "shared_d_ff", self.shared_d_ff, "needs num_shared_experts > 0")
         _require(self.route_scale > 0, "route_scale", self.route_scale, "must be > 0")
         _require(self.swiglu_limit > 0, "swiglu_limit", self.swiglu_limit, "must be > 0")
-        if self.activation == "clamped_swiglu" and (self.num_shared_experts or self.residual):
-            _require(
-                False, "activation", self.activation, "routed experts only (shared and residual MLPs: swiglu, gelu)"
-            )
-        if self.router_bias:
-            _require(
-                self.router in ("topk", "switch", "gshard", "noisy_topk"),
-                "router_bias",
-                True,
-                "needs a token-choice router",
-            )
+        dense_mlps = self.num_shared_experts or self.residual
+        ok = self.activation != "clamped_swiglu" or not dense_mlps
+        _require(ok, "activation", self.activation, "routed experts only (shared and residual MLPs: swiglu, gelu)")
+        ok = not self.router_bias or self.router in ("topk", "switch", "gshard", "noisy_topk")
+        _require(ok, "router_bias", self.router_bias, "needs a token-choice router")
         if self.shared_expert_gate:
             _require(self.num_shared_experts > 0, "shared_expert_gate", True, "needs num_shared_experts > 0")
         _require(isinstance(self.dts_steps, int) and self.dts_steps >= 0, "dts_steps", self.dts_steps, "must be >= 0")

@@ -103,3 +103,18 @@ def test_native_model_with_sinks_exports_as_gpt_oss(tmp_path: Path) -> None:
     ids = tokens(81, (2, 24))
     with torch.no_grad():
         assert (again(ids).logits - ours(ids).logits).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("family", ["gpt_oss", "qwen3_moe"])
+def test_a_config_json_without_defaults_reads_as_transformers_fills_it(family: str) -> None:
+    """Fields a config.json leaves out mean transformers' defaults (gpt-oss: YaRN, window 128, biases)."""
+    from hf_models import hf_config
+
+    from moekit.convert.hf_config import configs_from_hf
+
+    full = hf_config(family, vocab_size=97).to_dict()
+    sizes = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers")
+    sizes += ("num_attention_heads", "num_key_value_heads", "num_local_experts", "num_experts_per_tok")
+    minimal = {k: full[k] for k in ("model_type", *sizes, "max_position_embeddings") if k in full}
+    made = type(hf_config(family))(**{k: v for k, v in minimal.items() if k != "model_type"})
+    assert configs_from_hf(minimal) == configs_from_hf(made.to_dict())

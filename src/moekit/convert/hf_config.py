@@ -46,6 +46,7 @@ def _unfit(family: Family, what: str) -> ConversionError:
 def _rope(family: Family, hf: dict[str, Any]) -> dict[str, Any]:
     """moekit's RoPE fields: the base, and YaRN's parameters as transformers reads them."""
     params = (hf.get("rope_scaling") or {}) | (hf.get("rope_parameters") or {})
+    params = params or _HF_DEFAULT_ROPE.get(family.model_type, {})
     rope_type = params.get("rope_type") or params.get("type") or "default"
     theta = float(hf.get("rope_theta") or params.get("rope_theta") or 10000.0)
     if params.get("partial_rotary_factor", 1.0) != 1.0:
@@ -169,6 +170,28 @@ def aux_coef_from_hf(router_aux_loss_coef: float, top_k: int, n_moe_layers: int)
     return router_aux_loss_coef * top_k / n_moe_layers
 
 
+# transformers' defaults that change what a model computes, for a config.json that leaves them out
+_HF_DEFAULTS: dict[str, dict[str, Any]] = {
+    "gpt_oss": {
+        "head_dim": 64,
+        "sliding_window": 128,
+        "attention_bias": True,
+        "rms_norm_eps": 1e-5,
+    },
+}
+_HF_DEFAULT_ROPE: dict[str, dict[str, Any]] = {
+    "gpt_oss": {
+        "rope_type": "yarn",
+        "rope_theta": 150000.0,
+        "factor": 32.0,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "truncate": False,
+        "original_max_position_embeddings": 4096,
+    },
+}
+
+
 def configs_from_hf(hf: dict[str, Any]) -> tuple[ModelConfig, MoEConfig | None]:
     """moekit's model and MoE configs for a Hugging Face config, built as transformers builds its model.
 
@@ -176,6 +199,7 @@ def configs_from_hf(hf: dict[str, Any]) -> tuple[ModelConfig, MoEConfig | None]:
     because it is missing, is an error in ``from_hf``.
     """
     family = family_of(hf)
+    hf = _HF_DEFAULTS.get(family.model_type, {}) | hf
     d_model, n_heads, n_layers = hf["hidden_size"], hf["num_attention_heads"], hf["num_hidden_layers"]
     if hf.get("hidden_act", "silu") != "silu":
         raise _unfit(family, f"hidden_act {hf['hidden_act']!r} (SwiGLU experts use silu)")
@@ -246,7 +270,7 @@ def configs_from_hf(hf: dict[str, Any]) -> tuple[ModelConfig, MoEConfig | None]:
 def _export_choice(model: ModelConfig, moe: MoEConfig) -> str:
     """The family a model is written as: the first whose features cover the model's."""
     gpt_oss = (model.attn_sinks, moe.activation == "clamped_swiglu", moe.expert_ffn_bias, moe.router_bias)
-    if any(gpt_oss) or model.full_attention_every:
+    if any(gpt_oss) or (model.sliding_window and model.full_attention_every):
         return "gpt_oss"
     if model.qk_head_norm:
         return "qwen3_moe"
