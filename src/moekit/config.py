@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 ROUTERS = ("topk", "switch", "gshard", "noisy_topk", "expert_choice", "hash")
 SCORE_FUNCS = ("softmax", "sigmoid")
-ACTIVATIONS = ("swiglu", "gelu")
+ACTIVATIONS = ("swiglu", "gelu", "clamped_swiglu")
 GEMM_BACKENDS = ("auto", "grouped_mm", "per_expert_mm")
 
 
@@ -37,7 +37,11 @@ class MoEConfig:
     normalize_topk: bool = True  # rescale the k picked weights to sum to 1
     route_scale: float = 1.0  # multiplier on the combine weights (DeepSeek-V3's routed scaling)
     capacity_factor: float | None = None  # None: dropless; else each expert keeps cf*T*k/E (batch-wide, not causal)
-    activation: str = "swiglu"  # expert FFN: swiglu (gated SiLU) or gelu
+    activation: str = "swiglu"  # expert FFN: swiglu (gated SiLU), gelu, or clamped_swiglu (gpt-oss)
+    swiglu_alpha: float = 1.702  # clamped_swiglu: (up + 1) * gate * sigmoid(alpha * gate)
+    swiglu_limit: float = 7.0  # clamped_swiglu: gate clamped above at limit, up to [-limit, limit]
+    expert_ffn_bias: bool = False  # biases on each routed expert's input and output projections (gpt-oss)
+    router_bias: bool = False  # a learned bias on the router logits, in selection and weights (gpt-oss)
     num_shared_experts: int = 0  # always-on experts of width shared_d_ff each (DeepSeek-MoE)
     shared_d_ff: int | None = None  # hidden width of each shared expert; None = d_ff (Qwen2-MoE sets its own)
     residual: bool = False  # add a dense MLP mixed with the MoE by a learned gate (DeepSpeed PR-MoE)
@@ -84,6 +88,12 @@ class MoEConfig:
             _require(ok, "shared_d_ff", self.shared_d_ff, "must be a positive integer (or None: d_ff)")
             _require(self.num_shared_experts > 0, "shared_d_ff", self.shared_d_ff, "needs num_shared_experts > 0")
         _require(self.route_scale > 0, "route_scale", self.route_scale, "must be > 0")
+        _require(self.swiglu_limit > 0, "swiglu_limit", self.swiglu_limit, "must be > 0")
+        dense_mlps = self.num_shared_experts or self.residual
+        ok = self.activation != "clamped_swiglu" or not dense_mlps
+        _require(ok, "activation", self.activation, "routed experts only (shared and residual MLPs: swiglu, gelu)")
+        ok = not self.router_bias or self.router in ("topk", "switch", "gshard", "noisy_topk")
+        _require(ok, "router_bias", self.router_bias, "needs a token-choice router")
         if self.shared_expert_gate:
             _require(self.num_shared_experts > 0, "shared_expert_gate", True, "needs num_shared_experts > 0")
         _require(isinstance(self.dts_steps, int) and self.dts_steps >= 0, "dts_steps", self.dts_steps, "must be >= 0")
@@ -187,7 +197,8 @@ class DataConfig:
         _require(0 < self.val_fraction < 1, "data.val_fraction", self.val_fraction, "must be in (0, 1)")
 
 
-MLP_ACTIVATIONS = ACTIVATIONS
+MLP_ACTIVATIONS = ("swiglu", "gelu")
+ROPE_SCALINGS = ("none", "yarn")
 NORMS = ("rmsnorm", "layernorm")
 DTYPES = ("fp32", "bf16")
 
@@ -201,6 +212,7 @@ class ModelConfig:
     n_layers: int = 4  # transformer blocks
     n_heads: int = 4  # attention query heads
     n_kv_heads: int | None = None  # key/value heads (fewer than n_heads: grouped-query attention); None = n_heads
+    head_dim: int | None = None  # width of each attention head; None = d_model / n_heads (Qwen3, gpt-oss set theirs)
     d_model: int = 256  # residual stream width
     d_ff: int = 768  # hidden width of dense MLPs (and of each expert unless moe.d_ff is set)
     mlp_activation: str = "swiglu"  # dense MLP: swiglu or gelu
@@ -211,6 +223,18 @@ class ModelConfig:
     norm_eps: float | None = None  # epsilon of every norm; None: torch's default (imported checkpoints set theirs)
     qkv_bias: bool = False  # biases on the query, key and value projections (Qwen2)
     qk_norm: bool = False  # RMSNorm over the whole query and key projections before RoPE (OLMoE)
+    qk_head_norm: bool = False  # RMSNorm over each query and key head (one weight of head_dim) before RoPE (Qwen3)
+    attn_out_bias: bool = False  # a bias on the attention output projection (gpt-oss)
+    attn_sinks: bool = False  # a learned logit per head in each softmax denominator: may attend to nothing (gpt-oss)
+    sliding_window: int = 0  # >0: windowed blocks attend to this many most recent tokens (their own included)
+    full_attention_every: int = 0  # with sliding_window: blocks n-1, 2n-1, ... attend to all tokens; 0 = none
+    rope_scaling: str = "none"  # none | yarn (NTK-by-parts frequencies and attention scale, Peng et al. 2023)
+    rope_factor: float = 1.0  # yarn: context extension factor
+    rope_original_context: int = 0  # yarn: context length the RoPE frequencies were trained at
+    rope_beta_fast: float = 32.0  # yarn: rotations above which a frequency is kept (extrapolated)
+    rope_beta_slow: float = 1.0  # yarn: rotations below which a frequency is divided by rope_factor
+    rope_truncate: bool = True  # yarn: round the ramp's ends to whole dimensions
+    rope_attention_factor: float | None = None  # yarn: scale on cos/sin; None = 0.1 * ln(rope_factor) + 1
     init_std: float = 0.02  # std of weight init; residual output projections get 1/sqrt(2*n_layers) of it
     moe_every: int = 1  # every n-th block (after first_dense_layers) is MoE; 0 = a dense model
     first_dense_layers: int = 0  # leading blocks kept dense (DeepSeek-MoE)
@@ -220,10 +244,23 @@ class ModelConfig:
         for name in ("vocab_size", "context_length", "n_layers", "n_heads", "d_model", "d_ff"):
             value = getattr(self, name)
             _require(isinstance(value, int) and value > 0, f"model.{name}", value, "must be a positive integer")
-        _require(self.d_model % self.n_heads == 0, "model.n_heads", self.n_heads, f"must divide d_model={self.d_model}")
-        _require(
-            (self.d_model // self.n_heads) % 2 == 0, "model.n_heads", self.n_heads, "head size must be even (RoPE)"
-        )
+        if self.head_dim is None:
+            ok = self.d_model % self.n_heads == 0
+            _require(ok, "model.n_heads", self.n_heads, f"must divide d_model={self.d_model} (or set model.head_dim)")
+        else:
+            _require(
+                isinstance(self.head_dim, int) and self.head_dim > 0, "model.head_dim", self.head_dim, "must be > 0"
+            )
+        _require(self.head_size % 2 == 0, "model.head_dim", self.head_size, "head size must be even (RoPE)")
+        _require(not (self.qk_norm and self.qk_head_norm), "model.qk_head_norm", True, "excludes model.qk_norm")
+        for name in ("sliding_window", "full_attention_every"):
+            value = getattr(self, name)
+            _require(isinstance(value, int) and value >= 0, f"model.{name}", value, "must be an integer >= 0")
+        _one_of("model.rope_scaling", self.rope_scaling, ROPE_SCALINGS)
+        if self.rope_scaling == "yarn":
+            _require(self.rope_factor >= 1, "model.rope_factor", self.rope_factor, "must be >= 1")
+            ok = self.rope_original_context > 0
+            _require(ok, "model.rope_original_context", self.rope_original_context, "yarn needs it > 0")
         kv = self.kv_heads
         _require(kv > 0 and self.n_heads % kv == 0, "model.n_kv_heads", self.n_kv_heads, "must divide n_heads")
         _one_of("model.mlp_activation", self.mlp_activation, MLP_ACTIVATIONS)
@@ -246,6 +283,16 @@ class ModelConfig:
     @property
     def kv_heads(self) -> int:
         return self.n_kv_heads if self.n_kv_heads is not None else self.n_heads
+
+    @property
+    def head_size(self) -> int:
+        return self.head_dim if self.head_dim is not None else self.d_model // self.n_heads
+
+    def window(self, layer: int) -> int:
+        """Keys block ``layer`` attends over: the sliding window, or 0 for all of them."""
+        if not self.sliding_window or (self.full_attention_every and (layer + 1) % self.full_attention_every == 0):
+            return 0
+        return self.sliding_window
 
     def moe_layers(self) -> list[int]:
         """Indices of the blocks whose FFN is an MoE layer."""

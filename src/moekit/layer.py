@@ -12,6 +12,7 @@ from moekit.config import MoEConfig
 from moekit.dispatch import LocalDispatcher
 from moekit.dispatch.base import Dispatcher
 from moekit.experts import DenseFFN, GroupedExperts
+from moekit.experts.grouped import Activation
 from moekit.routing import RouterOutput, build_router, router_z_loss, switch_aux_loss
 from moekit.stats import MoEStats
 
@@ -31,7 +32,10 @@ class MoE(nn.Module):
         self.dispatcher: Dispatcher = LocalDispatcher(
             cfg.num_experts, cfg.capacity_factor if cfg.router != "expert_choice" else None
         )
-        self.experts = GroupedExperts(cfg.num_experts, cfg.d_model, cfg.d_ff, cfg.activation, cfg.gemm)
+        activation = Activation(cfg.activation, cfg.swiglu_alpha, cfg.swiglu_limit)
+        self.experts = GroupedExperts(
+            cfg.num_experts, cfg.d_model, cfg.d_ff, activation, cfg.gemm, bias=cfg.expert_ffn_bias
+        )
         self.shared = DenseFFN(cfg.d_model, cfg.shared_hidden, cfg.activation) if cfg.num_shared_experts else None
         # Qwen2-MoE: the shared experts' output is scaled per token by sigmoid(x @ w_gate).
         self.shared_gate = nn.Linear(cfg.d_model, 1, bias=False) if cfg.shared_expert_gate else None

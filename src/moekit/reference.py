@@ -10,14 +10,15 @@ import math
 import torch
 from torch import Tensor
 
-from moekit.experts.grouped import apply_activation
+from moekit.experts.grouped import ExpertCompute
 from moekit.layer import MoE
 
 
 def expert_ffn_one_token(moe: MoE, expert: int, x_D: Tensor) -> Tensor:
     """One routed expert applied to one token."""
     experts = moe.experts
-    return apply_activation(x_D @ experts.w_in[expert], experts.activation) @ experts.w_out[expert]
+    compute = ExpertCompute(experts.activation, experts.w_in_bias, experts.w_out_bias)
+    return compute(x_D, lambda x: x @ experts.w_in[expert], lambda h: h @ experts.w_out[expert], expert)
 
 
 def moe_per_token(moe: MoE, x: Tensor, token_ids: Tensor | None = None) -> tuple[Tensor, int]:

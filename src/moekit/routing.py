@@ -52,6 +52,7 @@ class TopKRouterConfig:
     bias_update_rate: float = 0.0
     dts_steps: int = 0
     dts_temperature: float = 2.0
+    router_bias: bool = False
 
 
 @dataclass(frozen=True)
@@ -125,11 +126,11 @@ def dts_schedule(step: int, num_experts: int, top_k: int, steps: int, temperatur
 # Routers.
 
 
-def _fp32_logits(x_TD: Tensor, weight_ED: Tensor) -> Tensor:
+def _fp32_logits(x_TD: Tensor, weight_ED: Tensor, bias_E: Tensor | None = None) -> Tensor:
     # NOTE: router logits and softmax stay in fp32 even under bf16 autocast (Switch Transformer):
     # small logit differences decide the routing, and bf16 rounds them away.
     with torch.autocast(device_type=x_TD.device.type, enabled=False):
-        return F.linear(x_TD.float(), weight_ED.float())
+        return F.linear(x_TD.float(), weight_ED.float(), bias_E.float() if bias_E is not None else None)
 
 
 def _k_major(values_TK: Tensor) -> Tensor:
@@ -149,7 +150,7 @@ class TopKRouter(nn.Module):
     def __init__(self, cfg: TopKRouterConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.gate = nn.Linear(cfg.d_model, cfg.num_experts, bias=False)
+        self.gate = nn.Linear(cfg.d_model, cfg.num_experts, bias=cfg.router_bias)
         self.noise = nn.Linear(cfg.d_model, cfg.num_experts, bias=False) if cfg.router == "noisy_topk" else None
         self.register_buffer("expert_bias", torch.zeros(cfg.num_experts), persistent=True)
         self.step: int | None = None  # optimizer step, for the DTS schedule; None: schedule finished
@@ -157,13 +158,15 @@ class TopKRouter(nn.Module):
 
     def reset_parameters(self) -> None:
         nn.init.normal_(self.gate.weight, std=self.cfg.d_model**-0.5)
+        if self.gate.bias is not None:
+            nn.init.zeros_(self.gate.bias)
         if self.noise is not None:
             nn.init.zeros_(self.noise.weight)
 
     def forward(self, x_TD: Tensor, token_ids: Tensor | None = None) -> RouterOutput:
         cfg = self.cfg
         num_tokens = x_TD.shape[0]
-        logits = _fp32_logits(x_TD, self.gate.weight)
+        logits = _fp32_logits(x_TD, self.gate.weight, self.gate.bias)
         top_k, temperature = cfg.top_k, 1.0
         if cfg.dts_steps and self.step is not None:
             top_k, temperature = dts_schedule(self.step, cfg.num_experts, cfg.top_k, cfg.dts_steps, cfg.dts_temperature)

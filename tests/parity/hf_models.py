@@ -32,6 +32,32 @@ def hf_config(family: str, **overrides):
             dict(moe_intermediate_size=24, shared_expert_intermediate_size=48, norm_topk_prob=False, **moe),
         ),
         "olmoe": (tf.OlmoeConfig, moe),
+        # Awkward shapes: 6 experts, a head size apart from hidden / heads, a dense first block.
+        "qwen3_moe": (
+            tf.Qwen3MoeConfig,
+            dict(moe, num_experts=6, moe_intermediate_size=24, head_dim=12, mlp_only_layers=[0], norm_topk_prob=True),
+        ),
+        # 6 experts, head size 12, windowed and full layers, YaRN, a clamp the activations reach.
+        "gpt_oss": (
+            tf.GptOssConfig,
+            dict(
+                num_local_experts=6,
+                num_experts_per_tok=2,
+                intermediate_size=24,
+                head_dim=12,
+                sliding_window=5,
+                swiglu_limit=0.5,
+                rope_parameters=dict(
+                    rope_type="yarn",
+                    rope_theta=150000.0,
+                    factor=4.0,
+                    beta_fast=32.0,
+                    beta_slow=1.0,
+                    truncate=False,
+                    original_max_position_embeddings=16,
+                ),
+            ),
+        ),
         "llama": (tf.LlamaConfig, {}),
         "mistral": (tf.MistralConfig, dict(sliding_window=None)),
         "qwen2": (tf.Qwen2Config, {}),
@@ -51,7 +77,7 @@ def randomize(model: torch.nn.Module, seed: int = 0, router_scale: float = 1.0) 
         for name, p in model.named_parameters():
             noise = torch.randn(p.shape, generator=generator)
             p.copy_(1 + 0.2 * noise if "norm" in name else 0.15 * noise)
-            if name.endswith(".gate.weight"):  # a router (the shared expert's gate ends "_gate.weight")
+            if name.endswith((".gate.weight", ".router.weight")):  # a router (not a shared expert's "_gate")
                 p.mul_(router_scale)
 
 

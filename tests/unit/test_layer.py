@@ -26,6 +26,9 @@ ROUTER_CASES = {
     "capacity": dict(router="topk", capacity_factor=0.75),
     "shared+gelu": dict(num_shared_experts=2, activation="gelu"),
     "residual": dict(residual=True),
+    "gpt-oss": dict(
+        softmax_before_topk=False, activation="clamped_swiglu", swiglu_limit=0.8, expert_ffn_bias=True, router_bias=True
+    ),
 }
 
 
@@ -35,6 +38,9 @@ def build(seed: int = 0, **overrides) -> MoE:
     moe = MoE(MoEConfig(**cfg))
     if moe.router.__class__.__name__ == "TopKRouter" and moe.router.noise is not None:
         torch.nn.init.normal_(moe.router.noise.weight, std=0.3)  # make the noise matter
+    for name, p in moe.named_parameters():
+        if name.endswith("bias"):  # zero-initialised biases would test nothing
+            torch.nn.init.normal_(p, std=0.5)
     return moe
 
 

@@ -11,7 +11,7 @@ def add_parser(commands) -> None:
         "convert",
         help="convert a Hugging Face model directory into a moekit run",
         description="Convert a local Hugging Face directory (config.json, safetensors, tokenizer.json) of "
-        "Mixtral, Qwen2-MoE, OLMoE, Llama, Mistral or Qwen2 into a moekit run directory.",
+        "Mixtral, Qwen2-MoE, OLMoE, Qwen3-MoE, gpt-oss, Llama, Mistral or Qwen2 into a moekit run directory.",
     )
     convert.set_defaults(run=run)
     convert.add_argument("hf_dir", type=Path, help="a Hugging Face model directory")

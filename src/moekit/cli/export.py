@@ -17,7 +17,8 @@ def add_parser(commands) -> None:
         choices=sorted(EXPORTERS),
         default="safetensors",
         help="safetensors: a run directory whose checkpoint is one model.safetensors, consolidated from any "
-        "layout's shards one block at a time (default); hf: a Hugging Face directory (Mixtral or Qwen2-MoE)",
+        "layout's shards one block at a time (default); hf: a Hugging Face directory "
+        "(Mixtral, Qwen2-MoE, Qwen3-MoE or gpt-oss)",
     )
     export.add_argument("--out", type=Path, required=True, help="the directory to write")
 

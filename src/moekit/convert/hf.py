@@ -1,8 +1,10 @@
 """Hugging Face checkpoints in and out: configs mapped (``hf_config``), tensors joined or split (``keymap``).
 
-Families read: Mixtral, Qwen2-MoE (shared expert with its own sigmoid gate) and OLMoE (q/k norm),
-and the dense Llama, Mistral and Qwen2 (for upcycling). Written: Mixtral, or Qwen2-MoE when the
-model has shared experts, dense blocks or q/k/v biases.
+Families read: Mixtral, Qwen2-MoE (shared expert with its own sigmoid gate), OLMoE (q/k norm),
+Qwen3-MoE (per-head q/k norm, own head size, dense blocks), gpt-oss (sinks, sliding windows, biases,
+clamped SwiGLU, YaRN), and the dense Llama, Mistral and Qwen2 (for upcycling). Written: Mixtral, or
+Qwen2-MoE when the model has shared experts, dense blocks or q/k/v biases, Qwen3-MoE for per-head
+q/k norms, gpt-oss for its features (``export_family``).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch
 from torch import Tensor
 
 from moekit.config import ModelConfig, MoEConfig
+from moekit.convert.export_fill import fill_for_family
 from moekit.convert.hf_config import (
     ConversionError,
     configs_from_hf,
@@ -89,6 +92,8 @@ def to_hf(model: Transformer, out: Path) -> Family:
     state = {k: v.detach().float() for k, v in model.state_dict().items()}
     if family.model_type == "qwen2_moe":
         state, model_cfg, moe_cfg = _as_qwen2_moe(state, model_cfg, moe_cfg)
+    if family.model_type in ("qwen3_moe", "gpt_oss"):
+        state, model_cfg, moe_cfg = fill_for_family(family.model_type, state, model_cfg, moe_cfg)
     tensors: dict[str, Tensor] = {}
     for rule in rules(family, model_cfg, moe_cfg):
         tensors.update(split(rule, state[rule.native]))
@@ -105,7 +110,7 @@ def _as_qwen2_moe(
 ) -> tuple[dict[str, Tensor], ModelConfig, MoEConfig]:
     """The same function with the q/k/v biases and shared-expert gate Qwen2-MoE always has."""
     state = dict(state)
-    head_dim = model.d_model // model.n_heads
+    head_dim = model.head_size
     for i in range(model.n_layers):
         if not model.qkv_bias:
             state[f"blocks.{i}.attn.qkv.bias"] = torch.zeros((model.n_heads + 2 * model.kv_heads) * head_dim)

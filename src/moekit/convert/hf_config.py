@@ -6,6 +6,7 @@ Anything a config sets that moekit's model cannot express is a ``ConversionError
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -42,13 +43,87 @@ def _unfit(family: Family, what: str) -> ConversionError:
     return ConversionError(f"{family.model_type}: {what} does not fit moekit's model")
 
 
-def _rope_theta(family: Family, hf: dict[str, Any]) -> float:
-    params = hf.get("rope_parameters") or {}
-    scaling = hf.get("rope_scaling") or {}
-    rope_type = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
-    if rope_type != "default":
-        raise _unfit(family, f"rope_type {rope_type!r} (only plain RoPE)")
-    return float(hf.get("rope_theta") or params.get("rope_theta") or 10000.0)
+def _rope(family: Family, hf: dict[str, Any]) -> dict[str, Any]:
+    """moekit's RoPE fields: the base, and YaRN's parameters as transformers reads them."""
+    params = (hf.get("rope_scaling") or {}) | (hf.get("rope_parameters") or {})
+    params = params or _HF_DEFAULT_ROPE.get(family.model_type, {})
+    rope_type = params.get("rope_type") or params.get("type") or "default"
+    theta = float(hf.get("rope_theta") or params.get("rope_theta") or 10000.0)
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise _unfit(family, f"partial_rotary_factor {params['partial_rotary_factor']}")
+    if rope_type == "default":
+        return dict(rope_theta=theta)
+    if rope_type != "yarn":
+        raise _unfit(family, f"rope_type {rope_type!r} (moekit has plain RoPE and YaRN)")
+    original = params["original_max_position_embeddings"]
+    factor = params.get("factor") or hf["max_position_embeddings"] / original
+    attention = params.get("attention_factor")
+    mscale, mscale_all = params.get("mscale"), params.get("mscale_all_dim")
+    if attention is None and mscale and mscale_all:  # DeepSeek's form; transformers' get_mscale
+
+        def scale(m: float) -> float:
+            return 0.1 * m * math.log(factor) + 1.0 if factor > 1 else 1.0
+
+        attention = scale(mscale) / scale(mscale_all)
+    return dict(
+        rope_theta=theta,
+        rope_scaling="yarn",
+        rope_factor=float(factor),
+        rope_original_context=int(original),
+        rope_beta_fast=float(params.get("beta_fast") or 32.0),
+        rope_beta_slow=float(params.get("beta_slow") or 1.0),
+        rope_truncate=bool(params.get("truncate", True)),
+        rope_attention_factor=None if attention is None else float(attention),
+    )
+
+
+def rope_to_hf(model: ModelConfig) -> dict[str, Any]:
+    """transformers' ``rope_parameters`` for moekit's RoPE fields (inverse of ``_rope``)."""
+    if model.rope_scaling == "none":
+        return {"rope_type": "default", "rope_theta": model.rope_theta}
+    return {
+        "rope_type": "yarn",
+        "rope_theta": model.rope_theta,
+        "factor": model.rope_factor,
+        "original_max_position_embeddings": model.rope_original_context,
+        "beta_fast": model.rope_beta_fast,
+        "beta_slow": model.rope_beta_slow,
+        "truncate": model.rope_truncate,
+        "attention_factor": model.rope_attention_factor,
+    }
+
+
+def _full_attention_every(family: Family, layer_types: list[str]) -> int:
+    """moekit's ``full_attention_every`` for a list of per-layer "sliding_attention"/"full_attention"."""
+    for every in range(len(layer_types) + 1):
+        if layer_types == layer_types_of(len(layer_types), every):
+            return every
+    raise _unfit(family, f"layer_types {layer_types} (moekit makes every n-th block full attention)")
+
+
+def layer_types_of(n_layers: int, full_attention_every: int) -> list[str]:
+    full = [bool(full_attention_every) and (i + 1) % full_attention_every == 0 for i in range(n_layers)]
+    return ["full_attention" if f else "sliding_attention" for f in full]
+
+
+def _gpt_oss_fields(family: Family, hf: dict[str, Any], model: dict[str, Any], moe: dict[str, Any]) -> None:
+    """gpt-oss: sinks, windowed and full layers, biased attention; clamped SwiGLU experts with biases,
+    routed by a softmax over the top-k biased logits."""
+    n_layers = hf["num_hidden_layers"]
+    layer_types = hf.get("layer_types") or layer_types_of(n_layers, 2)
+    window = hf.get("sliding_window") or 0
+    if window and "sliding_attention" in layer_types:
+        model.update(sliding_window=window, full_attention_every=_full_attention_every(family, layer_types))
+    model.update(attn_sinks=True)
+    moe.update(
+        activation="clamped_swiglu",
+        swiglu_alpha=float(hf.get("swiglu_alpha", 1.702)),
+        swiglu_limit=float(hf.get("swiglu_limit", 7.0)),
+        expert_ffn_bias=True,
+        router_bias=True,
+        softmax_before_topk=False,
+        normalize_topk=True,
+    )
 
 
 def _moe_pattern(family: Family, n_layers: int, moe_layers: list[int]) -> tuple[int, int]:
@@ -63,6 +138,8 @@ def _moe_pattern(family: Family, n_layers: int, moe_layers: list[int]) -> tuple[
 
 def _qkv_bias(family: Family, hf: dict[str, Any]) -> bool:
     """Whether transformers builds this config's query/key/value projections with biases."""
+    if family.model_type in ("qwen3_moe", "gpt_oss"):
+        return bool(hf.get("attention_bias"))  # with the output projection's (attn_out_bias)
     if family.model_type in ("llama", "olmoe") and hf.get("attention_bias"):
         raise _unfit(family, "attention_bias=True (it also biases o_proj, which moekit's attention lacks)")
     if family.model_type == "qwen2_moe":
@@ -71,7 +148,7 @@ def _qkv_bias(family: Family, hf: dict[str, Any]) -> bool:
 
 
 # transformers' router_aux_loss_coef when config.json leaves it out
-_HF_AUX_COEF = {"mixtral": 0.001, "qwen2_moe": 0.001, "olmoe": 0.01}
+_HF_AUX_COEF = {"mixtral": 0.001, "qwen2_moe": 0.001, "olmoe": 0.01, "qwen3_moe": 0.001, "gpt_oss": 0.001}
 
 
 def aux_coef_to_hf(aux_loss_coef: float, top_k: int, n_moe_layers: int) -> float:
@@ -93,6 +170,28 @@ def aux_coef_from_hf(router_aux_loss_coef: float, top_k: int, n_moe_layers: int)
     return router_aux_loss_coef * top_k / n_moe_layers
 
 
+# transformers' defaults that change what a model computes, for a config.json that leaves them out
+_HF_DEFAULTS: dict[str, dict[str, Any]] = {
+    "gpt_oss": {
+        "head_dim": 64,
+        "sliding_window": 128,
+        "attention_bias": True,
+        "rms_norm_eps": 1e-5,
+    },
+}
+_HF_DEFAULT_ROPE: dict[str, dict[str, Any]] = {
+    "gpt_oss": {
+        "rope_type": "yarn",
+        "rope_theta": 150000.0,
+        "factor": 32.0,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "truncate": False,
+        "original_max_position_embeddings": 4096,
+    },
+}
+
+
 def configs_from_hf(hf: dict[str, Any]) -> tuple[ModelConfig, MoEConfig | None]:
     """moekit's model and MoE configs for a Hugging Face config, built as transformers builds its model.
 
@@ -100,16 +199,21 @@ def configs_from_hf(hf: dict[str, Any]) -> tuple[ModelConfig, MoEConfig | None]:
     because it is missing, is an error in ``from_hf``.
     """
     family = family_of(hf)
+    hf = _HF_DEFAULTS.get(family.model_type, {}) | hf
     d_model, n_heads, n_layers = hf["hidden_size"], hf["num_attention_heads"], hf["num_hidden_layers"]
     if hf.get("hidden_act", "silu") != "silu":
         raise _unfit(family, f"hidden_act {hf['hidden_act']!r} (SwiGLU experts use silu)")
-    if hf.get("head_dim") not in (None, d_model // n_heads):
-        raise _unfit(family, f"head_dim {hf['head_dim']} != hidden_size / num_attention_heads")
+    head_dim = hf.get("head_dim")
+    if head_dim == d_model // n_heads and d_model % n_heads == 0:
+        head_dim = None
     if hf.get("clip_qkv") is not None:
         raise _unfit(family, f"clip_qkv {hf['clip_qkv']}")
     context = hf.get("max_position_embeddings", 2048)
     windowed = hf.get("use_sliding_window", family.model_type in ("mistral", "mixtral"))
     window = hf.get("sliding_window") if windowed else None
+    layer_window = 0
+    if window and family.model_type == "qwen3_moe":  # every block windowed, exactly
+        layer_window, window = window, None
     if window:  # attention over a window equals full attention on sequences no longer than it
         context = min(context, window)
     model = dict(
@@ -118,14 +222,18 @@ def configs_from_hf(hf: dict[str, Any]) -> tuple[ModelConfig, MoEConfig | None]:
         n_layers=n_layers,
         n_heads=n_heads,
         n_kv_heads=hf.get("num_key_value_heads") or n_heads,
+        head_dim=head_dim,
         d_model=d_model,
         d_ff=hf["intermediate_size"],
         norm_eps=hf.get("rms_norm_eps", 1e-6),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        rope_theta=_rope_theta(family, hf),
         qkv_bias=_qkv_bias(family, hf),
+        attn_out_bias=bool(hf.get("attention_bias")) and family.model_type in ("qwen3_moe", "gpt_oss"),
         qk_norm=family.model_type == "olmoe",
+        qk_head_norm=family.model_type == "qwen3_moe",
+        sliding_window=layer_window,
         moe_every=0,
+        **_rope(family, hf),
     )
     if not family.moe:
         return ModelConfig(**model), None
@@ -134,12 +242,16 @@ def configs_from_hf(hf: dict[str, Any]) -> tuple[ModelConfig, MoEConfig | None]:
     normalize = bool(hf.get("norm_topk_prob", family.model_type == "mixtral"))
     if top_k == 1 and normalize:
         raise _unfit(family, "top-1 routing with a renormalised weight of 1 (moekit keeps the router's probability)")
-    d_ff = hf["moe_intermediate_size"] if family.model_type == "qwen2_moe" else hf["intermediate_size"]
+    qwen = family.model_type in ("qwen2_moe", "qwen3_moe")
+    d_ff = hf["moe_intermediate_size"] if qwen else hf["intermediate_size"]
     moe = dict(d_model=d_model, d_ff=d_ff, num_experts=num_experts, top_k=top_k, normalize_topk=normalize)
     moe_layers = list(range(n_layers))
-    if family.model_type == "qwen2_moe":
+    if family.model_type == "gpt_oss":
+        _gpt_oss_fields(family, hf, model, moe)
+    if qwen:
         step, dense = hf.get("decoder_sparse_step", 1), set(hf.get("mlp_only_layers") or [])
         moe_layers = [i for i in moe_layers if i not in dense and (i + 1) % step == 0]
+    if family.model_type == "qwen2_moe":
         shared = hf["shared_expert_intermediate_size"]
         if not isinstance(shared, int) or shared < 0:
             raise _unfit(family, f"shared_expert_intermediate_size {shared!r} (must be an integer >= 0)")
@@ -155,19 +267,32 @@ def configs_from_hf(hf: dict[str, Any]) -> tuple[ModelConfig, MoEConfig | None]:
     return ModelConfig(**model), MoEConfig(**moe)
 
 
-def export_family(model: ModelConfig, moe: MoEConfig | None) -> Family:
-    """Mixtral, or Qwen2-MoE for shared experts or dense blocks; an error names what does not fit."""
-    if moe is None or not model.moe_layers():
-        raise ConversionError(
-            "model.moe_every=0: a dense model fits no MoE family (export writes Mixtral or Qwen2-MoE)"
-        )
+def _export_choice(model: ModelConfig, moe: MoEConfig) -> str:
+    """The family a model is written as: the first whose features cover the model's."""
+    gpt_oss = (model.attn_sinks, moe.activation == "clamped_swiglu", moe.expert_ffn_bias, moe.router_bias)
+    if any(gpt_oss) or (model.sliding_window and model.full_attention_every):
+        return "gpt_oss"
+    if model.qk_head_norm:
+        return "qwen3_moe"
     # Mixtral has no q/k/v biases (transformers would drop them), no shared experts and no dense blocks.
     needs_qwen = model.qkv_bias or moe.num_shared_experts or model.first_dense_layers or model.moe_every != 1
-    family = FAMILIES["qwen2_moe" if needs_qwen else "mixtral"]
+    return "qwen2_moe" if needs_qwen else "mixtral"
+
+
+def export_family(model: ModelConfig, moe: MoEConfig | None) -> Family:
+    """Mixtral, Qwen2-MoE (shared experts, dense blocks), Qwen3-MoE (per-head q/k norms) or gpt-oss
+    (sinks, clamped SwiGLU, expert and router biases); an error names what does not fit."""
+    if moe is None or not model.moe_layers():
+        raise ConversionError(
+            "model.moe_every=0: a dense model fits no MoE family "
+            "(export writes Mixtral, Qwen2-MoE, Qwen3-MoE or gpt-oss)"
+        )
+    family = FAMILIES[_export_choice(model, moe)]
+    oss, qwen3 = family.model_type == "gpt_oss", family.model_type == "qwen3_moe"
     misfits = {
         "model.norm": (model.norm, "rmsnorm"),
         "model.mlp_activation": (model.mlp_activation, "swiglu"),
-        "moe.activation": (moe.activation, "swiglu"),
+        "moe.activation": (moe.activation, "clamped_swiglu" if oss else "swiglu"),
         "moe.router": (moe.router, "topk"),
         "moe.score_func": (moe.score_func, "softmax"),
         "moe.route_scale": (moe.route_scale, 1.0),
@@ -176,7 +301,19 @@ def export_family(model: ModelConfig, moe: MoEConfig | None) -> Family:
         "moe.bias_update_rate": (moe.bias_update_rate, 0.0),
         "model.experts_per_layer": (model.experts_per_layer, None),
         "model.qk_norm": (model.qk_norm, False),
+        "model.qk_head_norm": (model.qk_head_norm, qwen3),
+        "model.attn_out_bias": (model.attn_out_bias, model.attn_out_bias and (oss or qwen3)),
+        "model.sliding_window": (model.sliding_window, model.sliding_window if oss or qwen3 else 0),
+        "model.full_attention_every": (model.full_attention_every, model.full_attention_every if oss else 0),
     }
+    if oss or qwen3:
+        misfits["moe.num_shared_experts"] = (moe.num_shared_experts, 0)
+    if oss:
+        misfits |= {
+            "moe.softmax_before_topk": (moe.softmax_before_topk, False),
+            "model.first_dense_layers": (model.first_dense_layers, 0),
+            "model.moe_every": (model.moe_every, 1),
+        }
     for field, (value, needed) in misfits.items():
         if value != needed:
             raise ConversionError(f"{family.architecture}: {field}={value!r} does not fit (it needs {needed!r})")
@@ -198,12 +335,12 @@ def hf_config(family: Family, model: ModelConfig, moe: MoEConfig) -> dict[str, A
         "num_hidden_layers": model.n_layers,
         "num_attention_heads": model.n_heads,
         "num_key_value_heads": model.kv_heads,
-        "head_dim": model.d_model // model.n_heads,
+        "head_dim": model.head_size,
         "hidden_act": "silu",
         "max_position_embeddings": model.context_length,
         "rms_norm_eps": eps,
         "rope_theta": model.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": model.rope_theta},
+        "rope_parameters": rope_to_hf(model),
         "tie_word_embeddings": model.tie_embeddings,
         "num_experts_per_tok": moe.top_k,
         "router_aux_loss_coef": aux_coef_to_hf(moe.aux_loss_coef, moe.top_k, len(model.moe_layers())),
@@ -216,7 +353,28 @@ def hf_config(family: Family, model: ModelConfig, moe: MoEConfig) -> dict[str, A
     if family.model_type == "mixtral":
         # Mixtral has no dense blocks: its intermediate_size is the width of each expert.
         return config | {"num_local_experts": moe.num_experts, "intermediate_size": moe.d_ff, "sliding_window": None}
+    if family.model_type == "gpt_oss":
+        return config | {
+            "num_local_experts": moe.num_experts,
+            "intermediate_size": moe.d_ff,
+            "attention_bias": True,
+            "sliding_window": model.sliding_window or None,
+            "layer_types": layer_types_of(model.n_layers, model.full_attention_every if model.sliding_window else 1),
+            "swiglu_alpha": moe.swiglu_alpha,
+            "swiglu_limit": moe.swiglu_limit,
+        }
     dense = [i for i in range(model.n_layers) if i not in model.moe_layers()]
+    if family.model_type == "qwen3_moe":
+        return config | {
+            "num_experts": moe.num_experts,
+            "moe_intermediate_size": moe.d_ff,
+            "norm_topk_prob": moe.normalize_topk or not moe.softmax_before_topk,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": dense,
+            "attention_bias": model.qkv_bias,
+            "use_sliding_window": bool(model.sliding_window),
+            "sliding_window": model.sliding_window or None,
+        }
     return config | {
         "num_experts": moe.num_experts,
         "moe_intermediate_size": moe.d_ff,

@@ -26,7 +26,7 @@ class Family:
     architecture: str  # config.json "architectures"[0]
     moe: bool  # routed experts (else a dense model, read for upcycling)
     mlp: str  # module holding each block's MLP or MoE
-    expert: tuple[str, str, str]  # names of an expert's gate, up and down projections
+    expert: tuple[str, str, str]  # names of an expert's gate, up and down projections ("": fused, gpt-oss)
 
 
 _PROJ = ("gate_proj", "up_proj", "down_proj")
@@ -36,6 +36,8 @@ FAMILIES = {
         Family("mixtral", "MixtralForCausalLM", True, "block_sparse_moe", ("w1", "w3", "w2")),
         Family("qwen2_moe", "Qwen2MoeForCausalLM", True, "mlp", _PROJ),
         Family("olmoe", "OlmoeForCausalLM", True, "mlp", _PROJ),
+        Family("qwen3_moe", "Qwen3MoeForCausalLM", True, "mlp", _PROJ),
+        Family("gpt_oss", "GptOssForCausalLM", True, "mlp", ("", "", "")),
         Family("llama", "LlamaForCausalLM", False, "mlp", _PROJ),
         Family("mistral", "MistralForCausalLM", False, "mlp", _PROJ),
         Family("qwen2", "Qwen2ForCausalLM", False, "mlp", _PROJ),
@@ -56,6 +58,7 @@ class Rule:
     parts: tuple[Part, ...]  # concatenated along rows
     experts: int = 0  # >0: one [out, in] matrix per expert, transposed and stacked to [E, in, out]
     groups: int = 0  # >0: the parts interleave in this many row groups (moekit's per-kv-group qkv)
+    gate_up: bool = False  # the one part's last dim alternates gate and up (gpt-oss); moekit's has gates first
 
 
 def interleave_rope(w: Tensor, heads: int) -> Tensor:
@@ -85,7 +88,7 @@ def _moe_at(model: ModelConfig, moe: MoEConfig | None, layer: int) -> MoEConfig 
 
 def rules(family: Family, model: ModelConfig, moe: MoEConfig | None) -> list[Rule]:
     """Every native tensor of ``Transformer(model, moe)`` and the Hugging Face tensors it is made of."""
-    head_dim = model.d_model // model.n_heads
+    head_dim = model.head_size
     q_rows, kv_rows = model.n_heads * head_dim, model.kv_heads * head_dim
     table = [Rule("embed.weight", (Part("model.embed_tokens.weight", model.vocab_size),))]
     for i in range(model.n_layers):
@@ -99,19 +102,31 @@ def rules(family: Family, model: ModelConfig, moe: MoEConfig | None) -> list[Rul
             v = Part(f"{attn}v_proj.{kind}", kv_rows)
             table.append(Rule(f"{n}attn.qkv.{kind}", (q, k, v), groups=model.kv_heads))
         table.append(Rule(n + "attn.out.weight", (Part(attn + "o_proj.weight", model.d_model),)))
-        if model.qk_norm:
-            table.append(Rule(n + "attn.qk_norm.q.weight", (Part(attn + "q_norm.weight", q_rows, model.n_heads),)))
-            table.append(Rule(n + "attn.qk_norm.k.weight", (Part(attn + "k_norm.weight", kv_rows, model.kv_heads),)))
+        if model.attn_out_bias:
+            table.append(Rule(n + "attn.out.bias", (Part(attn + "o_proj.bias", model.d_model),)))
+        if model.attn_sinks:
+            table.append(Rule(n + "attn.sinks", (Part(attn + "sinks", model.n_heads),)))
+        if model.qk_norm or model.qk_head_norm:  # one head's weight when per head (its RoPE order too)
+            q_width, k_width = (head_dim, head_dim) if model.qk_head_norm else (q_rows, kv_rows)
+            q_heads, k_heads = (1, 1) if model.qk_head_norm else (model.n_heads, model.kv_heads)
+            table.append(Rule(n + "attn.qk_norm.q.weight", (Part(attn + "q_norm.weight", q_width, q_heads),)))
+            table.append(Rule(n + "attn.qk_norm.k.weight", (Part(attn + "k_norm.weight", k_width, k_heads),)))
         layer_moe = _moe_at(model, moe, i)
         mlp = h + family.mlp + "."
         if layer_moe is None:
             table += _ffn_rules(n + "ffn.", mlp, _PROJ, model.d_ff, model.d_model)
             continue
-        gate, up, down = (f"{mlp}experts.{{e}}.{name}.weight" for name in family.expert)
         f, e = layer_moe.d_ff, layer_moe.num_experts
-        table.append(Rule(n + "ffn.router.gate.weight", (Part(mlp + "gate.weight", e),)))
-        table.append(Rule(n + "ffn.experts.w_in", (Part(gate, f), Part(up, f)), experts=e))
-        table.append(Rule(n + "ffn.experts.w_out", (Part(down, model.d_model),), experts=e))
+        router = mlp + ("router." if family.model_type == "gpt_oss" else "gate.")
+        table.append(Rule(n + "ffn.router.gate.weight", (Part(router + "weight", e),)))
+        if layer_moe.router_bias:
+            table.append(Rule(n + "ffn.router.gate.bias", (Part(router + "bias", e),)))
+        if family.model_type == "gpt_oss":
+            table += _fused_expert_rules(n + "ffn.experts.", mlp + "experts.", e)
+        else:
+            gate, up, down = (f"{mlp}experts.{{e}}.{name}.weight" for name in family.expert)
+            table.append(Rule(n + "ffn.experts.w_in", (Part(gate, f), Part(up, f)), experts=e))
+            table.append(Rule(n + "ffn.experts.w_out", (Part(down, model.d_model),), experts=e))
         if layer_moe.num_shared_experts:
             shared_ff = layer_moe.shared_hidden
             table += _ffn_rules(n + "ffn.shared.", mlp + "shared_expert.", _PROJ, shared_ff, model.d_model)
@@ -121,6 +136,16 @@ def rules(family: Family, model: ModelConfig, moe: MoEConfig | None) -> list[Rul
     if not model.tie_embeddings:
         table.append(Rule("lm_head.weight", (Part("lm_head.weight", model.vocab_size),)))
     return table
+
+
+def _fused_expert_rules(native: str, hf: str, num_experts: int) -> list[Rule]:
+    """gpt-oss's experts: stacked ``[E, in, out]`` already, gate and up interleaved, with biases."""
+    return [
+        Rule(native + "w_in", (Part(hf + "gate_up_proj", num_experts),), gate_up=True),
+        Rule(native + "w_in_bias", (Part(hf + "gate_up_proj_bias", num_experts),), gate_up=True),
+        Rule(native + "w_out", (Part(hf + "down_proj", num_experts),)),
+        Rule(native + "w_out_bias", (Part(hf + "down_proj_bias", num_experts),)),
+    ]
 
 
 def _ffn_rules(native: str, hf: str, names: tuple[str, str, str], d_ff: int, d_model: int) -> list[Rule]:
@@ -165,6 +190,9 @@ def join(rule: Rule, read: Callable[[str], Tensor]) -> Tensor:
             return torch.cat([p.unflatten(0, (rule.groups, -1)) for p in parts], dim=1).flatten(0, 1)
         return torch.cat(parts) if len(parts) > 1 else parts[0]
 
+    if rule.gate_up:
+        t = matrix(0)
+        return torch.cat([t[..., 0::2], t[..., 1::2]], dim=-1)
     if not rule.experts:
         return matrix(0)
     return torch.stack([matrix(e).t() for e in range(rule.experts)])
@@ -172,6 +200,9 @@ def join(rule: Rule, read: Callable[[str], Tensor]) -> Tensor:
 
 def split(rule: Rule, tensor: Tensor) -> dict[str, Tensor]:
     """The Hugging Face tensors of ``rule`` cut from its native tensor (the inverse of ``join``)."""
+    if rule.gate_up:
+        gate, up = tensor.chunk(2, dim=-1)
+        return {rule.parts[0].key: torch.stack([gate, up], dim=-1).flatten(-2).contiguous()}
     out: dict[str, Tensor] = {}
     for expert in range(rule.experts or 1):
         matrix = tensor[expert].t() if rule.experts else tensor

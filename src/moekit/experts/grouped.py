@@ -6,6 +6,7 @@ Legend: R rows sorted by expert, D model dim, F expert hidden dim, E experts.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -56,15 +57,74 @@ class _SwiGLU(torch.autograd.Function):
         return d_h
 
 
-def apply_activation(h_RX: Tensor, activation: str) -> Tensor:
-    """SwiGLU: silu(gate) * up, with gate and up fused side by side in one GEMM output; or GELU."""
-    if activation == "swiglu":
-        return _SwiGLU.apply(h_RX)
-    return F.gelu(h_RX)
+def clamped_swiglu(h_RX: Tensor, alpha: float, limit: float) -> Tensor:
+    """gpt-oss's expert activation over a fused ``[..., 2F]`` input (gate first): the gate clamped
+    above at ``limit``, up to ``[-limit, limit]``, then ``(up + 1) * gate * sigmoid(alpha * gate)``."""
+    gate, up = h_RX.chunk(2, dim=-1)
+    gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+    return (up + 1) * gate * torch.sigmoid(alpha * gate)
+
+
+@dataclass(frozen=True)
+class Activation:
+    """An expert FFN's nonlinearity: swiglu (gated SiLU), gelu, or clamped_swiglu with its constants."""
+
+    name: str = "swiglu"
+    alpha: float = 1.702  # clamped_swiglu only
+    limit: float = 7.0  # clamped_swiglu only
+
+    @property
+    def gated(self) -> bool:
+        """Whether the input projection holds a gate and an up half (``2F`` wide)."""
+        return self.name != "gelu"
+
+    def __call__(self, h_RX: Tensor) -> Tensor:
+        if self.name == "swiglu":
+            return _SwiGLU.apply(h_RX)
+        if self.name == "clamped_swiglu":
+            return clamped_swiglu(h_RX, self.alpha, self.limit)
+        return F.gelu(h_RX)
+
+
+def apply_activation(h_RX: Tensor, activation: Activation) -> Tensor:
+    """SwiGLU: silu(gate) * up, with gate and up fused side by side in one GEMM output; GELU; or gpt-oss's."""
+    return activation(h_RX)
+
+
+@dataclass(frozen=True)
+class ExpertCompute:
+    """What an expert computes around its two matmuls: ``act(x @ w_in + b_in) @ w_out + b_out``.
+
+    The matmuls are given, so the grouped resident path, the per-token reference and the offloaded
+    path (matmuls of a cached, maybe quantized, expert) share the rest of the arithmetic.
+    """
+
+    activation: Activation
+    bias_in: Tensor | None = None  # [E, 2F or F]
+    bias_out: Tensor | None = None  # [E, D]
+
+    def __call__(
+        self, x_RD: Tensor, matmul_in: Callable[[Tensor], Tensor], matmul_out: Callable[[Tensor], Tensor], experts
+    ) -> Tensor:
+        """``experts``: the expert of all rows (an int), or rows per expert ``[E]`` (rows grouped by expert)."""
+        h = matmul_in(x_RD)
+        if self.bias_in is not None:
+            h = h + _per_row(self.bias_in, experts, h)
+        y = matmul_out(self.activation(h))
+        if self.bias_out is not None:
+            y = y + _per_row(self.bias_out, experts, y)
+        return y
+
+
+def _per_row(bias_EX: Tensor, experts: int | Tensor, like_RX: Tensor) -> Tensor:
+    if isinstance(experts, int):
+        return bias_EX[experts].to(like_RX.dtype)
+    return bias_EX.to(like_RX.dtype).repeat_interleave(experts, dim=0, output_size=like_RX.shape[0])
 
 
 class GroupedExperts(nn.Module):
-    """E expert FFNs stored as ``w_in [E, D, F or 2F]`` and ``w_out [E, F, D]``.
+    """E expert FFNs stored as ``w_in [E, D, F or 2F]`` and ``w_out [E, F, D]`` (with ``bias``, also
+    ``w_in_bias [E, F or 2F]`` and ``w_out_bias [E, D]``).
 
     Weights are laid out [in, out] so each expert's matmul is ``x @ w[e]``, the layout
     ``torch._grouped_mm`` takes. For SwiGLU the gate and up projections are fused in ``w_in``
@@ -72,19 +132,30 @@ class GroupedExperts(nn.Module):
     """
 
     def __init__(
-        self, num_experts: int, d_model: int, d_ff: int, activation: str = "swiglu", gemm: str = "auto"
+        self,
+        num_experts: int,
+        d_model: int,
+        d_ff: int,
+        activation: Activation | str = "swiglu",
+        gemm: str = "auto",
+        bias: bool = False,
     ) -> None:
         super().__init__()
-        self.activation = activation
+        self.activation = Activation(activation) if isinstance(activation, str) else activation
         self.gemm = gemm
-        width_in = 2 * d_ff if activation == "swiglu" else d_ff
+        width_in = 2 * d_ff if self.activation.gated else d_ff
         self.w_in = nn.Parameter(torch.empty(num_experts, d_model, width_in))
         self.w_out = nn.Parameter(torch.empty(num_experts, d_ff, d_model))
+        self.w_in_bias = nn.Parameter(torch.zeros(num_experts, width_in)) if bias else None
+        self.w_out_bias = nn.Parameter(torch.zeros(num_experts, d_model)) if bias else None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
         nn.init.normal_(self.w_in, std=self.w_in.shape[1] ** -0.5)
         nn.init.normal_(self.w_out, std=self.w_out.shape[1] ** -0.5)
+        for bias in (self.w_in_bias, self.w_out_bias):
+            if bias is not None:
+                nn.init.zeros_(bias)
 
     @property
     def num_experts(self) -> int:
@@ -99,9 +170,10 @@ class GroupedExperts(nn.Module):
         chunk inside this one call, so that FSDP gathers sharded experts once per pass, not per chunk.
         """
         w_in, w_out = local_tensor(self.w_in), local_tensor(self.w_out)
+        biases = [local_tensor(b) if b is not None else None for b in (self.w_in_bias, self.w_out_bias)]
 
         def ffn(rows_RD: Tensor, counts_E: Tensor) -> Tensor:
-            return expert_ffn(rows_RD, w_in, w_out, counts_E, self.activation, self.gemm)
+            return expert_ffn(rows_RD, w_in, w_out, counts_E, self.activation, self.gemm, *biases)
 
         if schedule is not None:
             return schedule(x_RD, ffn)
@@ -110,12 +182,24 @@ class GroupedExperts(nn.Module):
 
 
 def expert_ffn(
-    x_RD: Tensor, w_in: Tensor, w_out: Tensor, tokens_per_expert: Tensor, activation: str, gemm: str
+    x_RD: Tensor,
+    w_in: Tensor,
+    w_out: Tensor,
+    tokens_per_expert: Tensor,
+    activation: Activation,
+    gemm: str,
+    bias_in: Tensor | None = None,
+    bias_out: Tensor | None = None,
 ) -> Tensor:
     """The FFN of stacked experts over rows grouped by expert (also run on replicated shadow experts)."""
     dtype = compute_dtype(x_RD)
-    h = grouped_matmul(x_RD.to(dtype), w_in.to(dtype), tokens_per_expert, gemm)
-    return grouped_matmul(apply_activation(h, activation), w_out.to(dtype), tokens_per_expert, gemm)
+    w_in, w_out = w_in.to(dtype), w_out.to(dtype)
+    return ExpertCompute(activation, bias_in, bias_out)(
+        x_RD.to(dtype),
+        lambda x: grouped_matmul(x, w_in, tokens_per_expert, gemm),
+        lambda h: grouped_matmul(h, w_out, tokens_per_expert, gemm),
+        tokens_per_expert,
+    )
 
 
 class DenseFFN(nn.Module):

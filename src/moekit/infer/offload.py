@@ -89,18 +89,17 @@ def build_offloaded(
     """
     from safetensors import safe_open
 
-    from moekit.model.transformer import rope_frequencies
+    from moekit.model.rope import rope_table
 
     with torch.device("meta"):
         model = Transformer(model_cfg, moe_cfg)
     layers = {i: b.ffn for i, b in enumerate(model.blocks) if isinstance(b.ffn, MoE)}
-    for moe in layers.values():
-        del moe.experts  # replaced below, once the offloader exists
+    for block, moe in layers.items():
+        moe.experts = OffloadedExperts(moe.cfg, block)  # the offloader is set below, once it exists
     model.to_empty(device=device)
     if model_cfg.tie_embeddings:  # allocating meta tensors one module at a time unties shared ones
         model.lm_head.weight = model.embed.weight
-    head_dim = model_cfg.d_model // model_cfg.n_heads
-    model.rope_freqs = rope_frequencies(head_dim, model_cfg.context_length, model_cfg.rope_theta).to(device)
+    model.rope_freqs = rope_table(model_cfg).to(device)
     store = open_store(Path(checkpoint), {b: m.cfg.num_experts for b, m in layers.items()}, options)
     wanted = model.state_dict()
     state = {}
@@ -140,6 +139,6 @@ def build_offloaded(
         options.prefetch_min_precision,
         options.record_trace,
     )
-    for block, moe in layers.items():
-        moe.experts = OffloadedExperts(offloader, block, moe.cfg.activation)
+    for moe in layers.values():
+        moe.experts.offloader = offloader
     return model.eval(), offloader

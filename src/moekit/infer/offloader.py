@@ -36,7 +36,8 @@ from functools import partial
 import torch
 from torch import Tensor, nn
 
-from moekit.experts.grouped import apply_activation, compute_dtype
+from moekit.config import MoEConfig
+from moekit.experts.grouped import Activation, ExpertCompute, compute_dtype
 from moekit.infer.cache import Entry, ExpertCache
 from moekit.infer.expert_store import ExpertStore, Key
 from moekit.infer.loaders import make_loader
@@ -248,18 +249,18 @@ class Offloader:
 
     # --- one layer -----------------------------------------------------------------------------
 
-    def run_layer(self, block: int, x_RD: Tensor, tokens_per_expert: Tensor, activation: str) -> Tensor:
+    def run_layer(self, block: int, x_RD: Tensor, tokens_per_expert: Tensor, compute: ExpertCompute) -> Tensor:
         """The experts' outputs [R, D] for rows sorted by expert, loading weights as needed.
 
         A failed read raises (``ExpertStoreError`` naming the file and the expert) with no slot left pinned.
         """
         try:
-            return self._run_layer(block, x_RD, tokens_per_expert, activation)
+            return self._run_layer(block, x_RD, tokens_per_expert, compute)
         except BaseException:
             self._abandon_prefetches()
             raise
 
-    def _run_layer(self, block: int, x_RD: Tensor, tokens_per_expert: Tensor, activation: str) -> Tensor:
+    def _run_layer(self, block: int, x_RD: Tensor, tokens_per_expert: Tensor, compute: ExpertCompute) -> Tensor:
         if block == self.blocks[0]:
             self._start_step()
         counts = tokens_per_expert.tolist()
@@ -295,7 +296,7 @@ class Offloader:
         if not missing:
             self._prefetch_for(block, x_RD)
         for e, entry in ready:  # resident experts compute while the misses are read
-            self._compute((block, e), entry, x_RD, y_RD, starts, activation)
+            self._compute((block, e), entry, x_RD, y_RD, starts, compute)
         for n, (e, entry) in enumerate(reading):
             try:
                 self._wait((block, e), entry)
@@ -305,11 +306,11 @@ class Offloader:
                         self._wait((block, later), other)
                         self.cache.drop((block, later))
                 raise
-            self._compute((block, e), entry, x_RD, y_RD, starts, activation)
+            self._compute((block, e), entry, x_RD, y_RD, starts, compute)
         for e in missing:  # the budget holds fewer experts than this layer needs: one at a time
             entry = self._load_now((block, e))
             assert entry is not None, "a layer's own experts are unpinned once computed"
-            self._compute((block, e), entry, x_RD, y_RD, starts, activation)
+            self._compute((block, e), entry, x_RD, y_RD, starts, compute)
         return y_RD
 
     def _start_step(self) -> None:
@@ -318,13 +319,15 @@ class Offloader:
             for step in [s for s in self._step_reads if s < self.stats.steps]:  # their reads were settled
                 del self._step_reads[step]
 
-    def _compute(self, key: Key, entry: Entry, x_RD: Tensor, y_RD: Tensor, starts: list[int], act: str) -> None:
+    def _compute(
+        self, key: Key, entry: Entry, x_RD: Tensor, y_RD: Tensor, starts: list[int], compute: ExpertCompute
+    ) -> None:
         e = key[1]
         rows = slice(starts[e], starts[e + 1])
         self.loader.before_compute(entry)
         views = self.store.views(key, self.cache.slot(entry))
-        h = apply_activation(matmul(self.fmt, views, "w_in", x_RD[rows]), act)
-        y_RD[rows] = matmul(self.fmt, views, "w_out", h)
+        w_in, w_out = (lambda x, role=role: matmul(self.fmt, views, role, x) for role in ("w_in", "w_out"))
+        y_RD[rows] = compute(x_RD[rows], w_in, w_out, e)
         self.loader.after_compute(entry)  # before the unpin that lets the slot be loaded into again
         self.cache.unpin(entry)
 
@@ -343,11 +346,19 @@ class Offloader:
 
 
 class OffloadedExperts(nn.Module):
-    """Drop-in for ``GroupedExperts`` at inference: same call, weights fetched from the offloader."""
+    """Drop-in for ``GroupedExperts`` at inference: same call, weights fetched from the offloader
+    (set once it exists); the experts' biases, if any, are small and stay resident here."""
 
-    def __init__(self, offloader: Offloader, block: int, activation: str) -> None:
+    def __init__(self, cfg: MoEConfig, block: int) -> None:
         super().__init__()
-        self.offloader, self.block, self.activation = offloader, block, activation
+        self.offloader: Offloader | None = None
+        self.block, self.activation = block, Activation(cfg.activation, cfg.swiglu_alpha, cfg.swiglu_limit)
+        width_in = cfg.d_ff * (2 if self.activation.gated else 1)
+        bias = cfg.expert_ffn_bias
+        self.w_in_bias = nn.Parameter(torch.zeros(cfg.num_experts, width_in)) if bias else None
+        self.w_out_bias = nn.Parameter(torch.zeros(cfg.num_experts, cfg.d_model)) if bias else None
 
     def forward(self, x_RD: Tensor, tokens_per_expert: Tensor) -> Tensor:
-        return self.offloader.run_layer(self.block, x_RD, tokens_per_expert, self.activation)
+        assert self.offloader is not None, "build_offloaded sets the offloader"
+        compute = ExpertCompute(self.activation, self.w_in_bias, self.w_out_bias)
+        return self.offloader.run_layer(self.block, x_RD, tokens_per_expert, compute)

@@ -1,6 +1,6 @@
-"""A GPT-style decoder: token embedding, RoPE, RMSNorm (or LayerNorm), causal SDPA attention (GQA),
-and per block either a dense MLP or the MoE layer. Written for one device; parallelism is applied
-from outside.
+"""A GPT-style decoder: token embedding, RoPE, RMSNorm (or LayerNorm), causal SDPA attention (GQA,
+optional q/k norms, sinks and sliding windows), and per block either a dense MLP or the MoE layer.
+Written for one device; parallelism is applied from outside.
 
 Legend: B batch, L sequence length, D model dim, H query heads, G key/value heads, S cached length.
 """
@@ -18,6 +18,8 @@ from torch import Tensor, nn
 from moekit.config import ModelConfig, MoEConfig
 from moekit.experts import DenseFFN
 from moekit.layer import MoE
+from moekit.model.rope import apply_rope, rope_table
+from moekit.model.sdpa import attend, causal_mask
 from moekit.stats import MoEStats
 
 
@@ -36,7 +38,9 @@ class Cache(Protocol):
 
     def rope(self, freqs_Sd2: Tensor, num_tokens: int) -> Tensor: ...
 
-    def attend(self, layer: int, q_BHLd: Tensor, k_BGLd: Tensor, v_BGLd: Tensor) -> Tensor: ...
+    def attend(
+        self, layer: int, q_BHLd: Tensor, k_BGLd: Tensor, v_BGLd: Tensor, window: int, sinks_H: Tensor | None
+    ) -> Tensor: ...
 
     def advance(self, num_tokens: int) -> None: ...
 
@@ -57,25 +61,15 @@ class KVCache:
         dtype: torch.dtype,
         left_pad_B: Tensor | None = None,
     ) -> None:
-        head_dim = cfg.d_model // cfg.n_heads
-        shape = (batch_size, cfg.kv_heads, cfg.context_length, head_dim)
+        shape = (batch_size, cfg.kv_heads, cfg.context_length, cfg.head_size)
         self.keys = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layers)]
         self.values = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layers)]
         self.length = 0  # tokens cached
         self.left_pad = left_pad_B if left_pad_B is not None and bool(left_pad_B.any()) else None
 
-    def attention_mask(self, num_queries: int, num_keys: int, device: torch.device) -> Tensor | None:
+    def attention_mask(self, num_queries: int, num_keys: int, device: torch.device, window: int = 0) -> Tensor | None:
         """``[B or 1, 1, L, S]`` boolean mask for queries at positions length.. (None: plain causal)."""
-        if self.length == 0 and self.left_pad is None:
-            return None
-        key_pos = torch.arange(num_keys, device=device)
-        query_pos = (self.length + torch.arange(num_queries, device=device)).unsqueeze(1)
-        mask = key_pos <= query_pos  # [L, S]
-        if self.left_pad is None:
-            return mask
-        # NOTE: a padding query still sees itself, so its row stays finite (no 0/0 softmax).
-        real = key_pos >= self.left_pad.view(-1, 1, 1, 1)
-        return mask & (real | (key_pos == query_pos))
+        return causal_mask(self.length, num_queries, num_keys, window, self.left_pad, device)
 
     def append(self, layer: int, k_BGLd: Tensor, v_BGLd: Tensor) -> tuple[Tensor, Tensor]:
         """Store this step's keys/values at positions [length, length+L); return all cached so far."""
@@ -91,54 +85,38 @@ class KVCache:
             raise ValueError(f"sequence of {end} tokens exceeds model.context_length={freqs_Sd2.shape[0]}")
         return freqs_Sd2[self.length : end]
 
-    def attend(self, layer: int, q_BHLd: Tensor, k_BGLd: Tensor, v_BGLd: Tensor) -> Tensor:
+    def attend(
+        self, layer: int, q_BHLd: Tensor, k_BGLd: Tensor, v_BGLd: Tensor, window: int, sinks_H: Tensor | None
+    ) -> Tensor:
         """Cache this step's keys/values, then attend the queries to every cached (real) key up to their
-        own position: ``[B, H, L, d]``."""
+        own position (within ``window`` when > 0): ``[B, H, L, d]``."""
         k, v = self.append(layer, k_BGLd, v_BGLd)
-        mask = self.attention_mask(q_BHLd.shape[2], k.shape[2], q_BHLd.device)
-        gqa = q_BHLd.shape[1] != k.shape[1]
-        if mask is None:
-            return F.scaled_dot_product_attention(q_BHLd, k, v, is_causal=True, enable_gqa=gqa)
-        return F.scaled_dot_product_attention(q_BHLd, k, v, attn_mask=mask, enable_gqa=gqa)
+        mask = self.attention_mask(q_BHLd.shape[2], k.shape[2], q_BHLd.device, window)
+        return attend(q_BHLd, k, v, mask, sinks_H, 0.0)
 
     def advance(self, num_tokens: int) -> None:
         """Every layer has cached this step's ``num_tokens`` positions."""
         self.length += num_tokens
 
 
-def rope_frequencies(head_dim: int, max_len: int, theta: float) -> Tensor:
-    """``e^(i * position * theta^(-2j/head_dim))`` as complex64 ``[max_len, head_dim / 2]``."""
-    freqs = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
-    angles = torch.outer(torch.arange(max_len, dtype=torch.float32), freqs)
-    return torch.polar(torch.ones_like(angles), angles)
-
-
-def apply_rope(x_BLNd: Tensor, freqs_Ld2: Tensor) -> Tensor:
-    """Rotate pairs (x[2j], x[2j+1]) by position-dependent angles (Su et al. 2021); any number of
-    head dimensions may sit between L and d.
-
-    NOTE: one complex multiply instead of the cos/sin form: on small CPU batches the four real
-    multiplies and a stack, with their backward, cost three times as much.
-    """
-    pairs = torch.view_as_complex(x_BLNd.float().unflatten(-1, (-1, 2)))
-    freqs = freqs_Ld2.view(freqs_Ld2.shape[0], *[1] * (x_BLNd.dim() - 3), -1)
-    return torch.view_as_real(pairs * freqs).flatten(-2).type_as(x_BLNd)
-
-
 class QKNorm(nn.Module):
-    """RMSNorm over the whole query projection and over the whole key projection, before RoPE (OLMoE).
+    """RMSNorm of the queries and of the keys before RoPE: over the whole projection (OLMoE) or,
+    with ``model.qk_head_norm``, over each head with one weight of head_dim (Qwen3).
 
     Works on the grouped projection ``[B, L, G, Q + 2, d]`` (queries, key, value per group).
     """
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        head_dim = cfg.d_model // cfg.n_heads
-        self.q = nn.RMSNorm(cfg.n_heads * head_dim, eps=cfg.norm_eps)
-        self.k = nn.RMSNorm(cfg.kv_heads * head_dim, eps=cfg.norm_eps)
+        d = cfg.head_size
+        self.per_head = cfg.qk_head_norm
+        self.q = nn.RMSNorm(d if self.per_head else cfg.n_heads * d, eps=cfg.norm_eps)
+        self.k = nn.RMSNorm(d if self.per_head else cfg.kv_heads * d, eps=cfg.norm_eps)
 
     def forward(self, h: Tensor) -> Tensor:
         Q = h.shape[-2] - 2
+        if self.per_head:
+            return torch.cat([self.q(h[..., :Q, :]), self.k(h[..., Q : Q + 1, :]), h[..., Q + 1 :, :]], dim=-2)
         q = self.q(h[..., :Q, :].flatten(-3)).view_as(h[..., :Q, :])
         k = self.k(h[..., Q, :].flatten(-2)).view_as(h[..., Q, :])
         return torch.cat([q, k.unsqueeze(-2), h[..., Q + 1 :, :]], dim=-2)
@@ -153,15 +131,18 @@ class Attention(nn.Module):
     width, so it runs unchanged on such a piece.
     """
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, window: int = 0) -> None:
         super().__init__()
         self.q_per_group = cfg.n_heads // cfg.kv_heads
-        self.head_dim = cfg.d_model // cfg.n_heads
+        self.head_dim = cfg.head_size
+        self.window = window  # > 0: attend to this many most recent tokens
         self.qkv = nn.Linear(cfg.d_model, (cfg.n_heads + 2 * cfg.kv_heads) * self.head_dim, bias=cfg.qkv_bias)
-        if cfg.qkv_bias:
-            nn.init.zeros_(self.qkv.bias)
-        self.qk_norm = QKNorm(cfg) if cfg.qk_norm else None
-        self.out = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+        self.qk_norm = QKNorm(cfg) if cfg.qk_norm or cfg.qk_head_norm else None
+        self.out = nn.Linear(cfg.n_heads * self.head_dim, cfg.d_model, bias=cfg.attn_out_bias)
+        for linear in (self.qkv, self.out):
+            if linear.bias is not None:
+                nn.init.zeros_(linear.bias)
+        self.sinks = nn.Parameter(torch.zeros(cfg.n_heads)) if cfg.attn_sinks else None
         self.dropout = cfg.dropout
 
     @staticmethod
@@ -192,10 +173,10 @@ class Attention(nn.Module):
         q = q.reshape(B, L, -1, self.head_dim).transpose(1, 2)
         k, v = k.squeeze(-2).transpose(1, 2), v.squeeze(-2).transpose(1, 2)
         if cache is not None:
-            y = cache.attend(layer, q, k, v)
+            y = cache.attend(layer, q, k, v, self.window, self.sinks)
         else:
-            dropout = self.dropout if self.training else 0.0
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout, enable_gqa=Q > 1)
+            mask = causal_mask(0, L, L, self.window, None, q.device)
+            y = attend(q, k, v, mask, self.sinks, self.dropout if self.training else 0.0)
         return self.out(y.transpose(1, 2).reshape(B, L, -1))
 
 
@@ -206,10 +187,10 @@ def make_norm(cfg: ModelConfig) -> nn.Module:
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, moe_cfg: MoEConfig | None, moe_index: int = 0) -> None:
+    def __init__(self, cfg: ModelConfig, moe_cfg: MoEConfig | None, moe_index: int = 0, window: int = 0) -> None:
         super().__init__()
         self.attn_norm = make_norm(cfg)
-        self.attn = Attention(cfg)
+        self.attn = Attention(cfg, window)
         self.ffn_norm = make_norm(cfg)
         self.ffn = (
             MoE(moe_cfg, moe_index) if moe_cfg is not None else DenseFFN(cfg.d_model, cfg.d_ff, cfg.mlp_activation)
@@ -236,15 +217,16 @@ class Transformer(nn.Module):
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.drop = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(
-            Block(cfg, self._layer_moe(moe_cfg, experts[i]), moe_layers.index(i)) if i in experts else Block(cfg, None)
+            Block(cfg, self._layer_moe(moe_cfg, experts[i]), moe_layers.index(i), cfg.window(i))
+            if i in experts
+            else Block(cfg, None, window=cfg.window(i))
             for i in range(cfg.n_layers)
         )
         self.norm = make_norm(cfg)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
-        freqs = rope_frequencies(cfg.d_model // cfg.n_heads, cfg.context_length, cfg.rope_theta)
-        self.register_buffer("rope_freqs", freqs, persistent=False)
+        self.register_buffer("rope_freqs", rope_table(cfg), persistent=False)
         self.reset_parameters()
 
     @staticmethod
@@ -256,8 +238,8 @@ class Transformer(nn.Module):
         std = self.cfg.init_std
         out_std = std / math.sqrt(2 * self.cfg.n_layers)
         for name, p in self.named_parameters():
-            if p.dim() < 2 or "router" in name:
-                continue  # norms keep ones; routers keep their own init
+            if p.dim() < 2 or "router" in name or name.endswith("_bias"):
+                continue  # norms keep ones, biases zeros; routers keep their own init
             is_output = name.endswith(("attn.out.weight", "w_out.weight", "experts.w_out"))
             nn.init.normal_(p, std=out_std if is_output else std)
 

@@ -64,6 +64,8 @@ def resolve_layout(cfg: RunConfig, world_size: int, local_world_size: int | None
         raise LayoutError(f"parallel.ep={p.ep} must divide the experts of every MoE block (got {bad[0]})")
     if m.kv_heads % p.tp:
         raise LayoutError(f"parallel.tp={p.tp} must divide the key/value heads (model.n_kv_heads={m.kv_heads})")
+    if p.tp > 1 and m.attn_sinks:
+        raise LayoutError("parallel.tp > 1 with model.attn_sinks: splitting the sinks by head is not built")
     if p.tp > 1 and (m.d_ff % p.tp or (cfg.is_moe and cfg.moe.shared_hidden % p.tp)):
         raise LayoutError(
             f"parallel.tp={p.tp} must divide model.d_ff={m.d_ff} and the shared experts' width "
@@ -79,6 +81,8 @@ def resolve_layout(cfg: RunConfig, world_size: int, local_world_size: int | None
         raise LayoutError(
             f"parallel.pp_microbatches={microbatches(cfg)} must divide train.batch_size={cfg.train.batch_size}"
         )
+    if p.placement_every and cfg.is_moe and cfg.moe.expert_ffn_bias:
+        raise LayoutError("parallel.placement_every with moe.expert_ffn_bias: moving expert biases is not built")
     if p.placement_every and p.ep > 1:
         if p.pp > 1:
             raise LayoutError("parallel.placement_every needs parallel.pp = 1 (placement across stages is not built)")

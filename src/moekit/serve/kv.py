@@ -16,10 +16,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from moekit.config import ModelConfig
+from moekit.model.sdpa import attend
 
 
 class KVPool:
@@ -104,21 +104,31 @@ class PagedStep:
         mask = (key_pos <= query_pos_BL.unsqueeze(-1)) & (key_pos < torch.tensor(ends).view(-1, 1, 1))
         # NOTE: a padding query (beyond its sequence's new tokens) still sees its sequence's keys, so
         # its softmax stays finite; its output is dropped.
-        self.mask = None if bool(mask.all()) else mask.unsqueeze(1).to(device)  # [B, 1, Lq, S]
+        self.visible = mask.unsqueeze(1).to(device)  # [B, 1, Lq, S]
+        self.mask = None if bool(mask.all()) else self.visible
+        self.query_pos = query_pos_BL.view(len(chunks), 1, most_new, 1).to(device)
+        self.key_pos = key_pos.view(1, 1, 1, -1).to(device)
+        self._windowed: dict[int, Tensor] = {}
 
     def rope(self, freqs_Sd2: Tensor, num_tokens: int) -> Tensor:
         assert num_tokens == self.positions_T.numel(), "the step's tokens are packed into one row"
         return freqs_Sd2[self.positions_T]
 
-    def attend(self, layer: int, q_1HTd: Tensor, k_1GTd: Tensor, v_1GTd: Tensor) -> Tensor:
+    def attend(
+        self, layer: int, q_1HTd: Tensor, k_1GTd: Tensor, v_1GTd: Tensor, window: int = 0, sinks_H: Tensor | None = None
+    ) -> Tensor:
         keys, values = self.pool.keys[layer], self.pool.values[layer]
         keys.index_copy_(0, self.slots_T, k_1GTd[0].transpose(0, 1))
         values.index_copy_(0, self.slots_T, v_1GTd[0].transpose(0, 1))
         k_BGSd, v_BGSd = self._gather(keys), self._gather(values)
         q_BHLd = self._pad(q_1HTd)
-        gqa = q_BHLd.shape[1] != k_BGSd.shape[1]
-        y_BHLd = F.scaled_dot_product_attention(q_BHLd, k_BGSd, v_BGSd, attn_mask=self.mask, enable_gqa=gqa)
-        return self._unpad(y_BHLd)
+        if window:  # the same keys, each query seeing only the window most recent (built once per step)
+            if window not in self._windowed:
+                self._windowed[window] = self.visible & (self.key_pos > self.query_pos - window)
+            mask = self._windowed[window]
+        else:
+            mask = self.mask if sinks_H is None else self.visible  # with sinks, None would mean causal
+        return self._unpad(attend(q_BHLd, k_BGSd, v_BGSd, mask, sinks_H, 0.0))
 
     def advance(self, num_tokens: int) -> None:
         pass  # the scheduler keeps each sequence's position

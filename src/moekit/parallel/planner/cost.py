@@ -110,7 +110,7 @@ def block_activation_bytes(spec: ModelSpec, cand: Candidate, moe_layer: bool, lo
         return dt * D * rep
     norms = dt * D + (0 if cand.recompute == "selective" else gin * D)  # a norm's input and output
     attn = norms * rep + (gin * a["q"] + dt * (a["q"] + a["kv_act"])) / tp
-    mult = 3 if (e.activation if moe_layer else m.mlp_activation) == "swiglu" else 2
+    mult = 2 if (e.activation if moe_layer else m.mlp_activation) == "gelu" else 3
     ffn = (dt * (mult - 1) + gin) * (e.shared_hidden if moe_layer else m.d_ff) / tp
     if not moe_layer:
         return attn + norms * rep + ffn

@@ -15,8 +15,8 @@ from moekit.parallel.planner.presets import ModelSpec
 
 
 def _mult(activation: str) -> int:
-    """Weight matrices of one FFN: SwiGLU has gate, up and down; GELU up and down."""
-    return 3 if activation == "swiglu" else 2
+    """Weight matrices of one FFN: (clamped) SwiGLU has gate, up and down; GELU up and down."""
+    return 2 if activation == "gelu" else 3
 
 
 def attention_dims(spec: ModelSpec) -> dict[str, int]:
@@ -27,14 +27,14 @@ def attention_dims(spec: ModelSpec) -> dict[str, int]:
     m, s = spec.model, spec.shape
     D, heads = m.d_model, s.heads or m.n_heads
     if s.kv_lora_rank:  # MLA (DeepSeek-V2/V3)
-        nope = s.head_dim or D // heads
+        nope = s.head_dim or m.head_size
         qk = heads * (nope + s.qk_rope_dim)
         q_in = s.q_lora_rank * (D + qk) if s.q_lora_rank else D * qk
         kv_in = s.kv_lora_rank * (D + heads * (nope + s.v_head_dim)) + D * s.qk_rope_dim
         weights = q_in + kv_in + heads * s.v_head_dim * D
         v = heads * s.v_head_dim
         return {"q": qk, "kv": s.kv_lora_rank + s.qk_rope_dim, "qk": qk, "v": v, "kv_act": qk + v, "weights": weights}
-    hd = s.head_dim or D // heads
+    hd = s.head_dim or m.head_size
     kv = (s.kv_heads or m.kv_heads) * hd
     q = heads * hd
     return {"q": q, "kv": 2 * kv, "qk": q, "v": q, "kv_act": 2 * kv, "weights": D * (q + 2 * kv) + q * D}

@@ -75,7 +75,7 @@ class Workload:
 
 @dataclass(frozen=True)
 class Shape:
-    """The attention and extra layers beyond ``ModelConfig`` (which has head size d_model / n_heads):
+    """The attention and extra layers beyond ``ModelConfig`` (whose head size and head counts are the defaults):
     0 takes the model's value or leaves the feature out."""
 
     heads: int = 0  # query heads

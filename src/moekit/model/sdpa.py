@@ -1,0 +1,67 @@
+"""Causal scaled dot-product attention with what model families add to it: sliding windows, left
+padding, and attention sinks, all on ``F.scaled_dot_product_attention`` (its fused kernels, its
+backward).
+
+Legend: B batch, H query heads, G key/value heads, L queries, S keys, d head dim.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+def causal_mask(
+    start: int, num_queries: int, num_keys: int, window: int, left_pad_B: Tensor | None, device: torch.device
+) -> Tensor | None:
+    """``[B or 1, 1, L, S]`` (or ``[L, S]``) boolean mask for queries at positions ``start..`` over keys
+    at ``0..S-1``; None where plain causal attention from position 0 is the same.
+
+    ``window`` > 0: a query sees only the ``window`` most recent keys, its own included (Mistral,
+    gpt-oss). ``left_pad_B``: leading padding positions of each row, seen by no real token.
+    """
+    if start == 0 and left_pad_B is None and not window:
+        return None
+    key_pos = torch.arange(num_keys, device=device)
+    query_pos = (start + torch.arange(num_queries, device=device)).unsqueeze(1)
+    mask = key_pos <= query_pos  # [L, S]
+    if window:
+        mask = mask & (key_pos > query_pos - window)
+    if left_pad_B is None:
+        return mask
+    # NOTE: a padding query still sees itself, so its row stays finite (no 0/0 softmax).
+    real = key_pos >= left_pad_B.view(-1, 1, 1, 1)
+    return mask & (real | (key_pos == query_pos))
+
+
+def attend(
+    q_BHLd: Tensor, k_BGSd: Tensor, v_BGSd: Tensor, mask: Tensor | None, sinks_H: Tensor | None, dropout: float
+) -> Tensor:
+    """Attention output ``[B, H, L, d]``; ``mask`` None: causal, queries the last L of the S positions.
+
+    ``sinks_H``: a learned logit per head that joins each softmax's denominator and no numerator
+    (gpt-oss), so a head may put weight on nothing. It is computed as one extra key every query
+    sees, with a zero value: an extra coordinate holds ``sink / scale`` in the queries and 1 in that
+    key (0 in the real keys), so its score is exactly the sink, its gradient reaching the sinks.
+    """
+    L, S, d = q_BHLd.shape[2], k_BGSd.shape[2], q_BHLd.shape[-1]
+    scale = d**-0.5
+    gqa = q_BHLd.shape[1] != k_BGSd.shape[1]
+    if sinks_H is None:
+        if mask is None:
+            return F.scaled_dot_product_attention(
+                q_BHLd, k_BGSd, v_BGSd, is_causal=True, dropout_p=dropout, enable_gqa=gqa
+            )
+        return F.scaled_dot_product_attention(q_BHLd, k_BGSd, v_BGSd, attn_mask=mask, dropout_p=dropout, enable_gqa=gqa)
+    B, H = q_BHLd.shape[:2]
+    if mask is None:
+        mask = torch.ones(L, S, dtype=torch.bool, device=q_BHLd.device).tril(S - L)
+    sink_q = (sinks_H / scale).to(q_BHLd.dtype).view(1, H, 1, 1).expand(B, H, L, 1)
+    q = torch.cat([q_BHLd, sink_q], dim=-1)
+    sink_key = k_BGSd.new_zeros(*k_BGSd.shape[:2], 1, d + 1)
+    sink_key[..., -1] = 1
+    k = torch.cat([F.pad(k_BGSd, (0, 1)), sink_key], dim=2)
+    v = F.pad(v_BGSd, (0, 0, 0, 1))  # the sink's value: zeros
+    mask = F.pad(mask, (0, 1), value=True)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, enable_gqa=gqa, scale=scale)
