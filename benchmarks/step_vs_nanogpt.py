@@ -19,8 +19,8 @@ optimizer and leaves the models as the only difference.
 Each run builds the models afresh (seeded by the run's index) and times optimizer steps (forward,
 backward, clipping, AdamW) on one random batch, in blocks of ``--block`` consecutive steps per model,
 the models taking turns block by block for ``--rounds`` rounds (``_spread.alternate_blocks`` says why
-blocks, not single steps). A run's figure is the median of its blocks, each ratio the median of the
-per-round ratios; the table gives the median and min-max over runs.
+blocks, not single steps). The table gives each model's ms per step as the median and min-max over
+all its blocks (every round of every run), and each ratio over the per-round ratios of its blocks.
 
 ``--compile`` adds each model compiled the way it is meant to be: nanoGPT's whole model under
 ``torch.compile`` (as its ``train.py`` does), moekit's per block (``moekit.parallel.compile``, MoE
@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -198,22 +197,21 @@ def main(argv: list[str] | None = None) -> int:
     kept = not args.glibc_defaults and keep_freed_memory()
     runs = [one_run(seed, args) for seed in range(args.runs)]
     names = list(runs[0])
-    ms = {name: [statistics.median(r[name]) for r in runs] for name in names}
-    ratio = {name: [_ratio(r, name, NANOGPT + _suffix(name)) for r in runs] for name in names}
+    ms = {name: [block for r in runs for block in r[name]] for name in names}
+    ratio = {name: _ratios(runs, name, NANOGPT + _suffix(name)) for name in names}
     print("nanoGPT's model reimplemented here, not nanoGPT's code; one optimizer implementation for all")
     print(f"{'model':<37}{'ms/step median (min .. max)':>30}{'vs nanoGPT median (min .. max)':>33}")
     print("-" * 100)
     for name in names:
         print(f"{name:<37}{show(ms[name], '.2f'):>30}{show(ratio[name], '.3f'):>33}")
-    moe_vs_dense = {
-        s or "eager": [_ratio(r, MOE + s, DENSE + s) for r in runs] for s in ("", COMPILED)[: 1 + args.compile]
-    }
+    moe_vs_dense = {s or "eager": _ratios(runs, MOE + s, DENSE + s) for s in ("", COMPILED)[: 1 + args.compile]}
     for kind, values in moe_vs_dense.items():
         print(f"MoE preset / dense preset, {kind.strip()}: {show(values, '.3f')}")
     allocator = "freed memory kept" if kept else "glibc defaults"
     print(
         f"(torch threads: {torch.get_num_threads()}; {allocator}; {args.runs} runs of {args.rounds} rounds of "
-        f"{args.block}-step blocks per model, models taking turns block by block; vs nanoGPT: same compile mode)"
+        f"{args.block}-step blocks per model, models taking turns block by block; spread over blocks; vs nanoGPT: same "
+        "compile mode)"
     )
     if args.profile:
         profile_extra(args.block)
@@ -228,9 +226,9 @@ def _suffix(name: str) -> str:
     return COMPILED if name.endswith(COMPILED) else ""
 
 
-def _ratio(run: dict[str, list[float]], name: str, reference: str) -> float:
-    """Median over rounds of the block time of ``name`` over that of ``reference`` in the same round."""
-    return statistics.median(a / b for a, b in zip(run[name], run[reference], strict=True))
+def _ratios(runs: list[dict[str, list[float]]], name: str, reference: str) -> list[float]:
+    """Per round of every run: the block time of ``name`` over that of ``reference`` in the same round."""
+    return [a / b for r in runs for a, b in zip(r[name], r[reference], strict=True)]
 
 
 if __name__ == "__main__":
