@@ -321,7 +321,7 @@ class TrainConfig:
     grad_clip: float = 1.0  # clip the global gradient norm to this; 0 = off
     max_nonfinite_steps: int = 3  # stop after this many consecutive steps skipped for a NaN/inf gradient norm
     dtype: str = "fp32"  # fp32, or bf16 autocast (fp32 master weights, router kept in fp32)
-    compile: bool = False  # torch.compile the model
+    compile: bool = False  # torch.compile each block (MoE dispatch stays eager)
     seed: int = 1337  # seeds init, data order and dropout: equal seeds give equal runs on CPU
     eval_every: int = 50  # steps between validation passes (and one at the end)
     eval_iters: int = 10  # validation batches per pass

@@ -63,12 +63,17 @@ _AT = {name: i for i, name in enumerate(_COLUMNS)}
 
 
 def _row(s: MoEStats) -> Tensor:
-    head = [torch.as_tensor(value(s)).detach().float().reshape(1) for value in _COLUMNS.values()]
-    return torch.cat([*head, s.tokens_per_expert.detach().float()]).cpu()  # one copy to the host
+    device = s.tokens_per_expert.device
+    head = [torch.as_tensor(value(s), device=device).detach().float().reshape(1) for value in _COLUMNS.values()]
+    return torch.cat([*head, s.tokens_per_expert.detach().float()])
 
 
 class StepStats:
-    """One optimizer step's MoE statistics: per MoE layer one row, summed over its calls."""
+    """One optimizer step's MoE statistics: per MoE layer one row, summed over its calls.
+
+    NOTE: rows stay on the layers' device until ``record`` copies them all to the host at once: one
+    device sync per step rather than one per layer and micro-batch.
+    """
 
     def __init__(self) -> None:
         self.layers: list[Tensor] = []  # one row per MoE layer, in the model's order
@@ -93,6 +98,11 @@ class StepStats:
         """The step's MoE metrics as the logs take them (per-layer lists where the value is per layer)."""
         if not self.layers:
             return {}
+        on_host = StepStats()
+        on_host.layers = list(torch.cat(self.layers).cpu().split([len(row) for row in self.layers]))
+        return on_host._record()
+
+    def _record(self) -> dict[str, Any]:
         loads = self.loads
         mean = [load.mean() for load in loads]
         calls = self._total("calls")

@@ -2,9 +2,9 @@
 
 ``ParallelModel`` is what the training loop drives. It builds the layout from ``cfg.parallel``
 (checked before any collective), applies the parallelisms to the single-device model in one order
-(pipeline split -> tensor parallel -> expert parallel -> FSDP), and offers the few operations the
-loop needs: forward+backward of a micro-batch, evaluation, gradient finishing and clipping, reduced
-and statistics.
+(pipeline split -> tensor parallel -> expert parallel -> FSDP -> per-block torch.compile), and offers
+the few operations the loop needs: forward+backward of a micro-batch, evaluation, gradient finishing
+and clipping, reduced and statistics.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from torch import Tensor, nn
 
 from moekit.layer import MoE
 from moekit.model import Transformer
+from moekit.parallel.compile import apply_compile
 from moekit.parallel.ep import apply_ep
 from moekit.parallel.fsdp import apply_fsdp, finish_expert_grads
 from moekit.parallel.grads import clip_grad_norm
@@ -146,6 +147,8 @@ class ParallelModel:
         if self.mesh is None:
             self.ranks = Ranks()
             self.modules: list[nn.Module] = [model]
+            if cfg.train.compile:
+                apply_compile(list(model.blocks))
             return
         mesh, layout = self.mesh, self.layout
         self.ranks = Ranks(dist.get_rank(), dist.get_world_size(), mesh["batch"].get_local_rank(), layout.batch_ranks)
@@ -158,6 +161,8 @@ class ParallelModel:
             apply_ep(module, mesh, layout, cfg.parallel)
             blocks = list(module.blocks.values()) if isinstance(module.blocks, nn.ModuleDict) else list(module.blocks)
             apply_fsdp(module, blocks, mesh, layout, cfg.parallel)
+            if cfg.train.compile:
+                apply_compile(blocks)
         if layout.ep > 1:
             self.rebalancer = Rebalancer(self.moe_layers(), mesh["ep"].get_group(), cfg.parallel)
         if layout.pp > 1:
@@ -181,16 +186,14 @@ class ParallelModel:
         for module in self.modules:
             module.train(mode)
 
-    def forward_backward(
-        self, x: Tensor, y: Tensor, scale: float, forward=None
-    ) -> tuple[Tensor, Tensor, list[MoEStats]]:
+    def forward_backward(self, x: Tensor, y: Tensor, scale: float) -> tuple[Tensor, Tensor, list[MoEStats]]:
         """One micro-batch: backward of ``loss * scale``; returns (loss, lm loss, this rank's MoE stats).
 
         Under pipeline parallelism both losses are the last stage's lm loss (NaN on other stages
         until broadcast) and the stats are the local stages' merged over the schedule's micro-batches.
         """
         if self.pipeline is None:
-            out = (forward or self.modules[0])(x, y)
+            out = self.modules[0](x, y)
             (out.loss * scale).backward()
             return out.loss.detach(), out.lm_loss.detach(), out.moe_stats
         per_micro = scale / self.pipeline.microbatches
@@ -205,10 +208,10 @@ class ParallelModel:
         return lm, lm, merge_micro_batches(self.pipeline.collect_stats())
 
     @torch.no_grad()
-    def lm_loss(self, x: Tensor, y: Tensor, forward=None) -> Tensor:
+    def lm_loss(self, x: Tensor, y: Tensor) -> Tensor:
         """Validation cross-entropy of one batch (the same on every rank)."""
         if self.pipeline is None:
-            return (forward or self.modules[0])(x, y).lm_loss
+            return self.modules[0](x, y).lm_loss
         losses: list[Tensor] = []
         kwargs = {"target": y, "losses": losses} if self.pipeline.has_last else {}
         self.pipeline.loss.scale = 1.0

@@ -21,6 +21,7 @@ from tqdm.auto import tqdm
 from moekit.errors import MoekitError
 from moekit.hostmem import keep_freed_memory
 from moekit.model import Transformer
+from moekit.parallel.compile import CompileWatch
 from moekit.parallel.mesh import Layout, LayoutError
 from moekit.parallel.runtime import ParallelModel, collective_errors, global_rank, init_distributed
 from moekit.run.layout import LATEST, CheckpointError, checkpoint_dir, complete_checkpoints, latest_checkpoint
@@ -58,14 +59,14 @@ def autocast(cfg: RunConfig, device: torch.device):
 
 
 @torch.no_grad()
-def evaluate(pm: ParallelModel, forward, corpus: Corpus, cfg: RunConfig, device: torch.device) -> float:
+def evaluate(pm: ParallelModel, corpus: Corpus, cfg: RunConfig, device: torch.device) -> float:
     """Mean validation cross-entropy over the same ``eval_iters`` batches every time (on every rank)."""
     pm.train(False)
     losses = []
     for i in range(cfg.train.eval_iters):
         x, y = corpus.batch("val", i, cfg.train.batch_size, cfg.model.context_length, cfg.train.seed)
         with autocast(cfg, device):
-            losses.append(pm.lm_loss(x.to(device), y.to(device), forward).item())
+            losses.append(pm.lm_loss(x.to(device), y.to(device)).item())
     pm.train(True)
     return sum(losses) / len(losses)
 
@@ -163,7 +164,6 @@ class _Run:
     pm: ParallelModel
     local: torch.nn.Module  # this rank's model, as checkpoints hold it
     optimizer: torch.optim.Optimizer
-    forward: Callable | None  # the compiled model, when train.compile
     start_step: int
     resume_from: Path | None
     manifest: dict[str, Any]
@@ -229,7 +229,6 @@ def _setup(
         pm=pm,
         local=local,
         optimizer=optimizer,
-        forward=torch.compile(model) if cfg.train.compile and mesh is None else None,
         start_step=start_step,
         resume_from=resume_from,
         manifest=manifest,
@@ -269,14 +268,18 @@ def _steps(run: _Run, progress: bool, on_step: Callable[[dict[str, Any]], None] 
     bar = tqdm(total=tc.steps, initial=step, disable=not (progress and main), unit="step", dynamic_ncols=True)
     pm.train(True)
     logger = MetricsLogger(run.run_dir) if main else contextlib.nullcontext()
-    with logger, StopOnInterrupt() as interrupt, saver:
+    with logger, StopOnInterrupt() as interrupt, saver, CompileWatch() as compiled:
         stopping = agree(interrupt.requested, run.mesh)
         while step < tc.steps and not stopping:
             started = time.perf_counter()
-            record = _train_step(pm, run.forward, run.optimizer, run.corpus, cfg, run.dev, step, checkpoint)
+            record = _train_step(pm, run.optimizer, run.corpus, cfg, run.dev, step, checkpoint)
             step += 1
             record["tokens_per_s"] = tokens_per_step / (time.perf_counter() - started)
             record["mfu"] = run.flops_per_token * record["tokens_per_s"] / peak_flops
+            if tc.compile:
+                record.update(compiled.record())  # cumulative: a recompile after warm-up shows as a rise
+                if main and step == run.start_step + 1:
+                    run.say(f"moekit: torch.compile: {compiled.graphs} graphs compiled in {compiled.seconds:.1f}s")
             losses.append(record["loss"])
             streak = streak + 1 if record["skipped"] else 0
             skipped_steps += record["skipped"]
@@ -287,7 +290,7 @@ def _steps(run: _Run, progress: bool, on_step: Callable[[dict[str, Any]], None] 
                     f"({streak} in a row; train.max_nonfinite_steps={tc.max_nonfinite_steps})"
                 )
             if step % tc.eval_every == 0 or step == tc.steps:
-                val_loss = record["val_loss"] = evaluate(pm, run.forward, run.corpus, cfg, run.dev)
+                val_loss = record["val_loss"] = evaluate(pm, run.corpus, cfg, run.dev)
             if main:
                 logger.log(record)
             checkpoint = saver.poll() or checkpoint
@@ -301,7 +304,12 @@ def _steps(run: _Run, progress: bool, on_step: Callable[[dict[str, Any]], None] 
             if (tc.ckpt_every and step % tc.ckpt_every == 0) or step == tc.steps or stopping:
                 checkpoint = _save(run, step, record, streak, checkpoint)
             bar.update(1)
-            bar.set_postfix(loss=f"{record['loss']:.3f}", val=f"{val_loss:.3f}" if val_loss else "-", refresh=False)
+            bar.set_postfix(
+                loss=f"{record['loss']:.3f}",
+                val=f"{val_loss:.3f}" if val_loss else "-",
+                **({"compile": f"{compiled.seconds:.0f}s", "recompiles": compiled.recompiles} if tc.compile else {}),
+                refresh=False,
+            )
             if on_step is not None:
                 on_step(record)
         checkpoint = saver.wait() or checkpoint
@@ -354,7 +362,7 @@ def _prepare_corpus_once(cfg: RunConfig, main: bool, distributed: bool, init: Pa
     return corpus or prepare_corpus(cfg.data, cfg.model.context_length, tokenizer_dir=init)
 
 
-def _train_step(pm: ParallelModel, forward, optimizer, corpus, cfg: RunConfig, dev, step: int, checkpoint):
+def _train_step(pm: ParallelModel, optimizer, corpus, cfg: RunConfig, dev, step: int, checkpoint):
     """One optimizer step over ``grad_accum`` micro-batches per rank; returns the step's metrics.
 
     Rank b of the N data-reading ranks takes micro-batches b, b + N, ...: the same samples, in the
@@ -374,7 +382,7 @@ def _train_step(pm: ParallelModel, forward, optimizer, corpus, cfg: RunConfig, d
         index = (step * tc.grad_accum + micro) * ranks.batch_ranks + ranks.batch_rank
         x, y = corpus.batch("train", index, tc.batch_size, cfg.model.context_length, tc.seed)
         with autocast(cfg, dev):
-            loss, lm, moe_stats = pm.forward_backward(x.to(dev), y.to(dev), 1.0 / tc.grad_accum, forward)
+            loss, lm, moe_stats = pm.forward_backward(x.to(dev), y.to(dev), 1.0 / tc.grad_accum)
         lm_loss = lm_loss + lm.float().cpu() / tc.grad_accum
         loss_value = pm.mean_over_batch(pm.broadcast_from_last_stage(loss)).item()
         if not math.isfinite(loss_value):
