@@ -450,10 +450,15 @@ class OffloadOptions:
             raise ValueError(f"record_trace={self.record_trace}: must be >= 0 (0 = no trace)")
 
     def build(
-        self, model_cfg: ModelConfig, moe_cfg: MoEConfig, checkpoint: Path, device: str = "cpu"
+        self,
+        model_cfg: ModelConfig,
+        moe_cfg: MoEConfig,
+        checkpoint: Path,
+        device: str = "cpu",
+        dtype: torch.dtype = torch.float32,
     ) -> tuple[Transformer, Offloader]:
         """``load_run``'s hook (``run.load.Offload``): the model with its experts served under these options."""
-        return build_offloaded(model_cfg, moe_cfg, checkpoint, self, device)
+        return build_offloaded(model_cfg, moe_cfg, checkpoint, self, device, dtype)
 
 
 def open_store(checkpoint: Path, blocks: dict[int, int], options: OffloadOptions) -> ExpertStore:
@@ -477,10 +482,15 @@ def model_bytes(model: nn.Module) -> int:
 
 
 def build_offloaded(
-    model_cfg: ModelConfig, moe_cfg: MoEConfig, checkpoint: Path, options: OffloadOptions, device: str = "cpu"
+    model_cfg: ModelConfig,
+    moe_cfg: MoEConfig,
+    checkpoint: Path,
+    options: OffloadOptions,
+    device: str = "cpu",
+    dtype: torch.dtype = torch.float32,
 ) -> tuple[Transformer, Offloader]:
-    """A ``Transformer`` whose non-expert weights are loaded from the checkpoint and whose experts
-    come from a store through a cache of what the budget leaves after the non-expert weights.
+    """A ``Transformer`` whose non-expert weights are loaded (in ``dtype``) from the checkpoint and whose
+    experts come from a store through a cache of what the budget leaves after the non-expert weights.
 
     The expert tensors are never materialised: the model is built on the meta device, its experts
     swapped for ``OffloadedExperts``, then the remaining tensors allocated and loaded by name. The
@@ -489,18 +499,14 @@ def build_offloaded(
     """
     from safetensors import safe_open
 
-    from moekit.model.transformer import rope_frequencies
+    from moekit.run.load import materialise
 
     with torch.device("meta"):
         model = Transformer(model_cfg, moe_cfg)
     layers = {i: b.ffn for i, b in enumerate(model.blocks) if isinstance(b.ffn, MoE)}
     for moe in layers.values():
         del moe.experts  # replaced below, once the offloader exists
-    model.to_empty(device=device)
-    if model_cfg.tie_embeddings:  # allocating meta tensors one module at a time unties shared ones
-        model.lm_head.weight = model.embed.weight
-    head_dim = model_cfg.d_model // model_cfg.n_heads
-    model.rope_freqs = rope_frequencies(head_dim, model_cfg.context_length, model_cfg.rope_theta).to(device)
+    materialise(model, dtype, device)
     store = open_store(Path(checkpoint), {b: m.cfg.num_experts for b, m in layers.items()}, options)
     wanted = model.state_dict()
     state = {}
