@@ -36,6 +36,7 @@ def run(args: argparse.Namespace) -> int:
     kind = f"{len(checkpoint.model_cfg.moe_layers())} MoE blocks" if checkpoint.model_cfg.moe_layers() else "dense"
     size = (path / "model.safetensors").stat().st_size
     dtype = str(checkpoint.dtype).removeprefix("torch.")
-    print(f"run directory: {args.out} ({checkpoint.num_params / 1e6:.2f}M parameters, {kind}, {dtype}, {size / 1e9:.2f} GB)")
+    params = f"{checkpoint.num_params / 1e6:.2f}M parameters"
+    print(f"run directory: {args.out} ({params}, {kind}, {dtype}, {size / 1e9:.2f} GB)")
     print(f"generate: moekit generate {args.out} --prompt '...';  train: moekit train --init {args.out} --run-dir ...")
     return 0

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from moekit.config import ModelConfig, MoEConfig
-from moekit.convert.hf_config import ConversionError, export_family, hf_config
+from moekit.convert.hf_config import export_family, hf_config
 from moekit.convert.keymap import Family, inert, rules, split
 from moekit.convert.stream import HFCheckpoint, open_hf
 from moekit.fileio import write_bytes_atomic

@@ -89,7 +89,8 @@ def read_header(path: Path, check_size: bool = True) -> dict[str, Entry]:
         except (KeyError, TypeError, ValueError):
             raise bad(f"tensor {name!r} has no valid dtype, shape and data_offsets: {info!r:.120}") from None
         if end - begin != nbytes(dtype, shape):
-            raise bad(f"tensor {name!r} spans {end - begin} bytes, its shape {list(shape)} needs {nbytes(dtype, shape)}")
+            needs = nbytes(dtype, shape)
+            raise bad(f"tensor {name!r} spans {end - begin} bytes, its shape {list(shape)} needs {needs}")
         if check_size and start + end > size:
             raise CheckpointError(f"{path}: truncated: tensor {name!r} ends at byte {start + end}, the file has {size}")
         entries[name] = Entry(name, dtype, shape, start + begin, start + end)
