@@ -13,7 +13,7 @@ a 32000-word vocabulary, 9 layers: 6.8 GB. Then, each in a child process through
   generate   python -m moekit generate RUN --memory-budget B ...   tokens/s (the CLI's own), peak RSS
 
 B is the converted checkpoint's non-expert weights plus --expert-budget. Peak RSS is the operating
-system's: ``os.wait4``'s rusage (``ru_maxrss``) of that one child. Targets: convert under 2.5 GB;
+system's: the child's ``VmHWM`` (/proc/PID/status), polled until it exits. Targets: convert under 2.5 GB;
 generate under expert budget + non-expert weights + 1 GB. The weights are random, so the routers
 spread tokens evenly: a worst case for the expert cache (the hit rate is printed). The shard files may
 sit in the page cache from the build (the kernel's, not the converter's memory; generation reads
@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -101,17 +100,34 @@ def build_checkpoint(directory: Path, layers: int, shard_size: str) -> None:
     tmp.rename(directory)
 
 
+def _high_water(pid: int) -> int:
+    """``VmHWM`` of a running process (its peak resident set, in bytes), or 0 once it is gone."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return 0
+    match = re.search(r"VmHWM:\s+(\d+) kB", status)
+    return int(match[1]) * 1024 if match else 0
+
+
 def run_child(argv: list[str]) -> dict:
-    """Run ``argv``; its wall time, the OS's peak RSS of that process, exit code and output."""
+    """Run ``argv``; its wall time, its peak RSS as the OS counts it, exit code and output.
+
+    NOTE: ``VmHWM`` polled until exit, not ``ru_maxrss``: Linux starts a child's ``ru_maxrss`` at the
+    high-water mark of the process that forked it (recorded at exec), so a parent that once held a
+    large checkpoint would show in every child's figure. ``VmHWM`` is the exec'd process's own.
+    """
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         started = time.perf_counter()
         proc = subprocess.Popen(argv, stdout=out, stderr=err)
-        _, status, usage = os.wait4(proc.pid, 0)
+        peak = 0
+        while proc.poll() is None:
+            peak = max(peak, _high_water(proc.pid))
+            time.sleep(0.05)
         wall = time.perf_counter() - started
-        proc.returncode = os.waitstatus_to_exitcode(status)
         out.seek(0)
         err.seek(0)
-        result = {"wall_s": wall, "peak_rss": usage.ru_maxrss * 1024, "rc": proc.returncode}
+        result = {"wall_s": wall, "peak_rss": peak, "rc": proc.returncode}
         result |= {"stdout": out.read().decode(errors="replace"), "stderr": err.read().decode(errors="replace")}
     if result["rc"] != 0:
         raise SystemExit(f"{' '.join(argv)} failed ({result['rc']}):\n{result['stderr'][-3000:]}")
