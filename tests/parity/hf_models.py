@@ -98,3 +98,13 @@ def hf_greedy(model: torch.nn.Module, prompt: torch.Tensor, new_tokens: int) -> 
         return model.generate(
             prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0
         )
+
+
+def save_tokenizer(directory: Path) -> None:
+    """A word-level tokenizer over the tiny vocabulary, as Hugging Face's tokenizer.json."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {f"w{i}": i for i in range(TINY["vocab_size"] - 1)} | {"[UNK]": TINY["vocab_size"] - 1}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.save(str(directory / "tokenizer.json"))

@@ -9,23 +9,13 @@ import pytest
 import torch
 
 pytest.importorskip("transformers", reason="the Hugging Face parity tests need transformers: pip install -e '.[test]'")
-from hf_models import TINY, save_hf  # noqa: E402
+from hf_models import TINY, save_hf, save_tokenizer  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 from moekit.cli import main  # noqa: E402
 from moekit.run.load import load_run  # noqa: E402
 
 TOL = 1e-4
-
-
-def save_tokenizer(directory: Path) -> None:
-    """A word-level tokenizer over the tiny vocabulary, as Hugging Face's tokenizer.json."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    vocab = {f"w{i}": i for i in range(TINY["vocab_size"] - 1)} | {"[UNK]": TINY["vocab_size"] - 1}
-    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
-    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer.save(str(directory / "tokenizer.json"))
 
 
 def max_gap(hf_model: torch.nn.Module, ours: torch.nn.Module) -> float:

@@ -70,6 +70,22 @@ def positive_int(text: str) -> int:
     return value
 
 
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # --dtype values and torch's names
+
+
+def dtype_name(text: str) -> str:
+    if text in DTYPES:
+        return text
+    raise argparse.ArgumentTypeError(f"{text!r} is not a dtype (fp32, bf16 or fp16)")
+
+
+def resolve_dtype(name: str | None):
+    """A ``--dtype`` value as a torch dtype; None (the flag left out) stays None: the checkpoint's own."""
+    import torch
+
+    return None if name is None else getattr(torch, DTYPES[name])
+
+
 def resolve_device(name: str) -> str:
     """``auto`` -> cuda when available, else cpu; a CUDA device that is not here is an error."""
     import torch
@@ -112,6 +128,9 @@ def add_run_flags(parser: argparse.ArgumentParser) -> None:
     """A trained run to load, where, and its experts offloaded (models larger than memory)."""
     parser.add_argument("run_dir", type=Path, help="a run directory written by moekit train")
     parser.add_argument("--device", type=device_name, default="auto", help="cpu, cuda, cuda:N or auto")
+    parser.add_argument(
+        "--dtype", type=dtype_name, help="fp32, bf16 or fp16 weights and compute (default: the checkpoint's dtype)"
+    )
     off = parser.add_argument_group("offloaded experts (models larger than memory)")
     off.add_argument(
         "--memory-budget", help="bytes for resident weights (e.g. 512MB): non-expert weights + an expert cache"
@@ -133,4 +152,4 @@ def load_for_inference(args: argparse.Namespace):
     if args.memory_budget is not None:
         budget = parse_bytes(args.memory_budget, "--memory-budget")
         offload = OffloadOptions(budget, args.policy, args.prefetch, args.expert_format)
-    return load_run(args.run_dir, resolve_device(args.device), offload)
+    return load_run(args.run_dir, resolve_device(args.device), offload, resolve_dtype(args.dtype))

@@ -64,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
             loaded.offloader.close()
     seconds = time.perf_counter() - start
     print("\n".join(texts))
-    report = f"{len(prompts) * args.max_new_tokens / seconds:.1f} tokens/s"
+    report = f"{len(prompts) * args.max_new_tokens / seconds:.3g} tokens/s"  # 3 digits: offloaded runs can be < 0.1
     if loaded.offloader is not None:
         stats = loaded.offloader.stats
         report += f", expert cache hit rate {stats.hit_rate:.1%}, read {format_bytes(stats.bytes_read)}"

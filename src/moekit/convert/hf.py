@@ -18,61 +18,33 @@ from torch import Tensor
 
 from moekit.config import ModelConfig, MoEConfig
 from moekit.convert.export_fill import fill_for_family
-from moekit.convert.hf_config import (
-    ConversionError,
-    configs_from_hf,
-    export_family,
-    family_of,
-    hf_config,
-    read_hf_config,
-)
-from moekit.convert.keymap import Family, inert, join, rules, split
-from moekit.convert.safetensors_dir import SafetensorsDir
+from moekit.convert.hf_config import export_family, hf_config
+from moekit.convert.keymap import Family, inert, rules, split
+from moekit.convert.stream import HFCheckpoint, open_hf
 from moekit.fileio import write_bytes_atomic
 from moekit.model import Transformer
+from moekit.run.load import materialise
 
 
-def from_hf(path: Path) -> Transformer:
-    """A moekit model (fp32) holding the weights of a local Hugging Face directory.
+def from_hf(path: Path, dtype: torch.dtype | None = None) -> Transformer:
+    """A moekit model holding the weights of a local Hugging Face directory, in ``dtype`` (default: the
+    checkpoint's own).
 
     ``model.cfg`` and ``model.moe_cfg`` describe it; every checkpoint tensor must be used, so a
     feature moekit lacks (an output bias, say) is an error rather than silently dropped.
     """
-    path = Path(path)
-    hf = read_hf_config(path)
-    family = family_of(hf)
-    checkpoint = SafetensorsDir(path)
-    try:
-        model_cfg, moe_cfg = configs_from_hf(hf)
-    except KeyError as err:
-        raise ConversionError(f"{path / 'config.json'}: missing field {err}") from None
-    model = Transformer(model_cfg, moe_cfg)
-    state = model.state_dict()
-    used: set[str] = set()
+    return load_hf(open_hf(path, dtype))
 
-    def read(key: str) -> Tensor:
-        used.add(key)
-        return checkpoint.read(key)
 
-    for rule in rules(family, model_cfg, moe_cfg):
-        tensor = join(rule, read)
-        if tensor.shape != state[rule.native].shape:
-            raise ConversionError(
-                f"{path}: {rule.parts[0].key} gives {rule.native} shape {tuple(tensor.shape)}, "
-                f"the config implies {tuple(state[rule.native].shape)}"
-            )
-        state[rule.native] = tensor
-    for key, shape in inert(family, model_cfg, moe_cfg).items():
-        if key in checkpoint:
-            t = read(key)
-            if 0 in shape and tuple(t.shape) != shape:
-                raise ConversionError(f"{path}: {key} has shape {tuple(t.shape)}, the config implies {shape}")
-    if model_cfg.tie_embeddings:
-        state["lm_head.weight"] = state["embed.weight"]
-    unused = sorted(k for k in checkpoint.files if k not in used and not k.endswith("rotary_emb.inv_freq"))
-    if unused:
-        raise ConversionError(f"{path}: tensors moekit's model has no place for: {', '.join(unused[:4])}")
-    model.load_state_dict(state)
+def load_hf(checkpoint: HFCheckpoint) -> Transformer:
+    """The model of a checked checkpoint: allocated without random init, filled one tensor (one expert)
+    at a time."""
+    with torch.device("meta"):
+        model = Transformer(checkpoint.model_cfg, checkpoint.moe_cfg)
+    state = materialise(model, checkpoint.dtype, "cpu").state_dict()
+    with torch.no_grad():
+        for name, rows, piece in checkpoint.pieces():
+            state[name][rows].copy_(piece)
     return model.eval()
 
 

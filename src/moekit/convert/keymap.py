@@ -215,3 +215,10 @@ def split(rule: Rule, tensor: Tensor) -> dict[str, Tensor]:
             piece = deinterleave_rope(piece, part.rope_heads) if part.rope_heads else piece
             out[part.key.format(e=expert)] = piece.contiguous().clone()
     return out
+
+
+def expert_rule(rule: Rule, expert: int) -> Rule:
+    """The rule of expert ``expert``'s slice ``[1, in, out]`` of a stacked expert tensor: ``join`` of it
+    reads that expert's tensors only (conversion streams a layer's experts one at a time)."""
+    parts = tuple(replace(p, key=p.key.format(e=expert)) for p in rule.parts)
+    return replace(rule, parts=parts, experts=1)

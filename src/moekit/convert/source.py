@@ -4,12 +4,23 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
 from moekit.config import DataConfig
-from moekit.convert.hf import from_hf
+from moekit.convert.hf import load_hf
+from moekit.convert.stream import HFCheckpoint, open_hf
 from moekit.model import Transformer
 from moekit.run.load import load_run
 from moekit.runconfig import RunConfig, for_model
 from moekit.tokenizer import Tokenizer, load_tokenizer
+
+
+def hf_source(path: Path, dtype: torch.dtype | None = None) -> tuple[HFCheckpoint, Tokenizer, RunConfig]:
+    """(checked checkpoint, tokenizer, run config) of a Hugging Face directory; no weights read yet."""
+    checkpoint = open_hf(path, dtype)
+    # The run trains on text encoded with this tokenizer (train --init), whatever data.tokenizer says.
+    cfg = for_model(checkpoint.model_cfg, checkpoint.moe_cfg, DataConfig(tokenizer="bpe"))
+    return checkpoint, load_tokenizer(path), cfg
 
 
 def load_model_source(path: Path) -> tuple[Transformer, Tokenizer, RunConfig]:
@@ -19,6 +30,5 @@ def load_model_source(path: Path) -> tuple[Transformer, Tokenizer, RunConfig]:
     if (path / "checkpoints").is_dir():
         run = load_run(path)
         return run.model, run.tokenizer, run.config
-    model = from_hf(path)
-    # The run trains on text encoded with this tokenizer (train --init), whatever data.tokenizer says.
-    return model, load_tokenizer(path), for_model(model.cfg, model.moe_cfg, DataConfig(tokenizer="bpe"))
+    checkpoint, tokenizer, cfg = hf_source(path)
+    return load_hf(checkpoint), tokenizer, cfg

@@ -50,10 +50,15 @@ class OffloadOptions:
             raise ValueError(f"record_trace={self.record_trace}: must be >= 0 (0 = no trace)")
 
     def build(
-        self, model_cfg: ModelConfig, moe_cfg: MoEConfig, checkpoint: Path, device: str = "cpu"
+        self,
+        model_cfg: ModelConfig,
+        moe_cfg: MoEConfig,
+        checkpoint: Path,
+        device: str = "cpu",
+        dtype: torch.dtype = torch.float32,
     ) -> tuple[Transformer, Offloader]:
         """``load_run``'s hook (``run.load.Offload``): the model with its experts served under these options."""
-        return build_offloaded(model_cfg, moe_cfg, checkpoint, self, device)
+        return build_offloaded(model_cfg, moe_cfg, checkpoint, self, device, dtype)
 
 
 def open_store(checkpoint: Path, blocks: dict[int, int], options: OffloadOptions) -> ExpertStore:
@@ -77,10 +82,15 @@ def model_bytes(model: nn.Module) -> int:
 
 
 def build_offloaded(
-    model_cfg: ModelConfig, moe_cfg: MoEConfig, checkpoint: Path, options: OffloadOptions, device: str = "cpu"
+    model_cfg: ModelConfig,
+    moe_cfg: MoEConfig,
+    checkpoint: Path,
+    options: OffloadOptions,
+    device: str = "cpu",
+    dtype: torch.dtype = torch.float32,
 ) -> tuple[Transformer, Offloader]:
-    """A ``Transformer`` whose non-expert weights are loaded from the checkpoint and whose experts
-    come from a store through a cache of what the budget leaves after the non-expert weights.
+    """A ``Transformer`` whose non-expert weights are loaded (in ``dtype``) from the checkpoint and whose
+    experts come from a store through a cache of what the budget leaves after the non-expert weights.
 
     The expert tensors are never materialised: the model is built on the meta device, its experts
     swapped for ``OffloadedExperts``, then the remaining tensors allocated and loaded by name. The
@@ -89,17 +99,14 @@ def build_offloaded(
     """
     from safetensors import safe_open
 
-    from moekit.model.rope import rope_table
+    from moekit.run.load import materialise
 
     with torch.device("meta"):
         model = Transformer(model_cfg, moe_cfg)
     layers = {i: b.ffn for i, b in enumerate(model.blocks) if isinstance(b.ffn, MoE)}
     for block, moe in layers.items():
         moe.experts = OffloadedExperts(moe.cfg, block)  # the offloader is set below, once it exists
-    model.to_empty(device=device)
-    if model_cfg.tie_embeddings:  # allocating meta tensors one module at a time unties shared ones
-        model.lm_head.weight = model.embed.weight
-    model.rope_freqs = rope_table(model_cfg).to(device)
+    materialise(model, dtype, device)
     store = open_store(Path(checkpoint), {b: m.cfg.num_experts for b, m in layers.items()}, options)
     wanted = model.state_dict()
     state = {}

@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from safetensors.torch import save_model
 from torch import nn
 
-from moekit.fileio import replace_dir, write_bytes_atomic
+from moekit.errors import MoekitError
+from moekit.fileio import fsync_dir, replace_dir, write_bytes_atomic
 from moekit.run.layout import (
     CONFIG,
     LATEST,
@@ -83,25 +85,42 @@ def save_failed(run_dir: Path, step: int, err: BaseException) -> CheckpointError
     return CheckpointError(f"could not save checkpoint {final}: {reason[:300]}{kept}")
 
 
-def save_checkpoint(run_dir: Path, step: int, model: nn.Module, info: dict[str, Any], keep: int) -> Path:
+WriteWeights = Callable[[Path], tuple[int, str]]  # writes model.safetensors at the path; (bytes, SHA-256)
+
+
+def save_checkpoint(
+    run_dir: Path, step: int, weights: nn.Module | WriteWeights, info: dict[str, Any], keep: int
+) -> Path:
     """Write a weights-only checkpoint of step ``step`` atomically (what ``convert`` and ``upcycle``
-    write): one ``model.safetensors``.
+    write): one ``model.safetensors``, of a model's weights or written by ``weights(path)`` (a
+    conversion streamed tensor by tensor, which hashes what it writes).
 
     On any I/O error the partial files are removed and the previous checkpoint stays the latest.
     """
     try:
         tmp = begin_checkpoint(run_dir, step)
-        save_model(model, str(tmp / MODEL_FILE))
-        return publish_checkpoint(run_dir, tmp, step, digests(tmp, checkpoint_files(tmp)), info, keep)
+        if isinstance(weights, nn.Module):
+            save_model(weights, str(tmp / MODEL_FILE))
+            files = digests(tmp, checkpoint_files(tmp))
+        else:
+            files = {MODEL_FILE: weights(tmp / MODEL_FILE)}
+            fsync_dir(tmp)
+        return publish_checkpoint(run_dir, tmp, step, files, info, keep)
+    except MoekitError:  # the input was at fault (a conversion's source): reported as it is
+        shutil.rmtree(staging_dir(run_dir, step), ignore_errors=True)
+        raise
     except Exception as err:  # OSError from our writes; torch and safetensors wrap theirs in RuntimeError
         raise save_failed(run_dir, step, err) from None
 
 
-def save_weights_run(run_dir: Path, config_json: str, model: nn.Module, tokenizer: Any, source: str) -> Path:
+def save_weights_run(
+    run_dir: Path, config_json: str, weights: nn.Module | WriteWeights, tokenizer: Any, source: str
+) -> Path:
     """A run directory holding only weights, at step 0: what ``convert`` and ``upcycle`` write.
 
     ``config.json``, the tokenizer (anything with ``save(directory)``) and one checkpoint without
-    optimizer state; ``moekit train --init RUN_DIR`` starts training from it.
+    optimizer state (``weights``: see ``save_checkpoint``); ``moekit train --init RUN_DIR`` starts
+    training from it.
     """
     run_dir = Path(run_dir)
     if latest_checkpoint(run_dir) is not None:
@@ -109,7 +128,7 @@ def save_weights_run(run_dir: Path, config_json: str, model: nn.Module, tokenize
     run_dir.mkdir(parents=True, exist_ok=True)
     write_bytes_atomic(run_dir / CONFIG, config_json.encode())
     tokenizer.save(run_dir)
-    return save_checkpoint(run_dir, 0, model, {"source": source}, keep=1)
+    return save_checkpoint(run_dir, 0, weights, {"source": source}, keep=1)
 
 
 def _prune(root: Path, keep: int, newest: Path) -> None:

@@ -7,13 +7,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+import torch
 from safetensors.torch import load_model
 from torch import nn
 
 from moekit.config import ModelConfig, MoEConfig
 from moekit.model import Transformer
+from moekit.model.rope import rope_table
 from moekit.run.layout import CONFIG, MODEL_FILE, SHARDED, CheckpointError, is_sharded, latest_checkpoint
 from moekit.run.manifest import read_manifest
+from moekit.run.safetensors_io import read_header
 from moekit.runconfig import RunConfig, from_json
 from moekit.tokenizer import Tokenizer, load_tokenizer
 
@@ -23,7 +26,7 @@ class Offload(Protocol):
     experts it serves."""
 
     def build(
-        self, model_cfg: ModelConfig, moe_cfg: MoEConfig, checkpoint: Path, device: str
+        self, model_cfg: ModelConfig, moe_cfg: MoEConfig, checkpoint: Path, device: str, dtype: torch.dtype
     ) -> tuple[Transformer, Any]:
         """The model, its non-expert weights loaded from ``checkpoint``, and what serves its experts."""
         ...
@@ -36,6 +39,35 @@ class LoadedRun:
     config: RunConfig
     checkpoint: Path
     offloader: Any = None  # the ``infer.offloader.Offloader`` serving the experts, when they are offloaded
+
+
+def checkpoint_dtype(path: Path) -> torch.dtype:
+    """The floating dtype of a checkpoint's weights (most of their bytes): what it loads in by default.
+
+    A sharded checkpoint holds a training run's fp32 weights.
+    """
+    if is_sharded(path):
+        return torch.float32
+    held: dict[torch.dtype, int] = {}
+    for entry in read_header(Path(path) / MODEL_FILE, check_size=False).values():
+        if entry.dtype.is_floating_point:
+            held[entry.dtype] = held.get(entry.dtype, 0) + entry.end - entry.begin
+    return max(held, key=held.__getitem__) if held else torch.float32
+
+
+def materialise(model: Transformer, dtype: torch.dtype, device: str | torch.device) -> Transformer:
+    """Allocate, uninitialised, a model built on the meta device: parameters in ``dtype``, buffers in
+    their own; embeddings tied again and the RoPE table (not saved) recomputed. Loading its weights
+    then fills it, with no random init and no fp32 copy of a bf16 checkpoint.
+    """
+    for p in model.parameters():
+        p.data = p.data.to(dtype)
+    model.to_empty(device=device)
+    cfg = model.cfg
+    if cfg.tie_embeddings:  # allocating meta tensors one module at a time unties shared ones
+        model.lm_head.weight = model.embed.weight
+    model.rope_freqs = rope_table(cfg).to(device)
+    return model
 
 
 def load_model_weights(path: Path, model: nn.Module) -> None:
@@ -61,9 +93,12 @@ def load_model_weights(path: Path, model: nn.Module) -> None:
         )
 
 
-def load_run(run_dir: Path, device: str = "cpu", offload: Offload | None = None) -> LoadedRun:
+def load_run(
+    run_dir: Path, device: str = "cpu", offload: Offload | None = None, dtype: torch.dtype | None = None
+) -> LoadedRun:
     """The trained model (newest checkpoint, weights verified), its tokenizer and config.
 
+    The weights load in ``dtype``, by default the checkpoint's own (a bf16 conversion stays bf16).
     A sharded checkpoint (from a multi-rank run) is consolidated in memory.
 
     With ``offload`` (``moekit.infer.offload.OffloadOptions``) the experts stay on disk and are served
@@ -84,9 +119,11 @@ def load_run(run_dir: Path, device: str = "cpu", offload: Offload | None = None)
                 f"offload: {path} is sharded (written by several ranks); offloaded experts are read from one "
                 f"file: consolidate it first with: moekit export {run_dir} --out DIR"
             )
-        model, offloader = offload.build(cfg.model, cfg.moe, path, device)
+        model, offloader = offload.build(cfg.model, cfg.moe, path, device, dtype or checkpoint_dtype(path))
         return LoadedRun(model, load_tokenizer(run_dir), cfg, path, offloader)
     read_manifest(path)
-    model = Transformer(cfg.model, cfg.moe if cfg.is_moe else None)
+    with torch.device("meta"):
+        model = Transformer(cfg.model, cfg.moe if cfg.is_moe else None)
+    materialise(model, dtype or checkpoint_dtype(path), device)
     load_model_weights(path, model)
-    return LoadedRun(model.to(device).eval(), load_tokenizer(run_dir), cfg, path)
+    return LoadedRun(model.eval(), load_tokenizer(run_dir), cfg, path)

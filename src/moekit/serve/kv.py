@@ -31,7 +31,7 @@ class KVPool:
     ) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"KV pool of {num_blocks} blocks of {block_size} positions: both must be >= 1")
-        head_dim = cfg.d_model // cfg.n_heads
+        head_dim = cfg.head_size
         shape = (num_blocks * block_size, cfg.kv_heads, head_dim)
         self.keys = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layers)]
         self.values = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layers)]
@@ -42,7 +42,7 @@ class KVPool:
     @staticmethod
     def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
         """Bytes one block takes over all layers (keys and values)."""
-        head_dim = cfg.d_model // cfg.n_heads
+        head_dim = cfg.head_size
         return 2 * cfg.n_layers * block_size * cfg.kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
     @property
