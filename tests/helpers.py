@@ -94,3 +94,11 @@ def moekit_cli(*args: str, preexec=None, timeout: float = 600) -> subprocess.Com
     return subprocess.run(
         [sys.executable, "-m", "moekit", *args], capture_output=True, text=True, timeout=timeout, preexec_fn=preexec
     )
+
+
+def toy_cluster():
+    """A planner cluster of round numbers: nodes of 4 devices at 1 TFLOP/s and efficiency 1; 10 GB/s and
+    10 us inside a node, 1 GB/s and 100 us across."""
+    from moekit.parallel.planner import Cluster
+
+    return Cluster("toy", 4, 4, 1.0, 1.0, 1.0, 10.0, 10.0, 1.0, 100.0)

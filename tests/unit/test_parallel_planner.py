@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from helpers import toy_cluster
 
 from moekit import runconfig
 from moekit.model import Transformer
@@ -28,8 +29,7 @@ from moekit.parallel.planner import (
     ring_time,
 )
 
-# Round numbers: 10 GB/s and 10 us inside a node of 4, 1 GB/s and 100 us across.
-CLUSTER = Cluster("toy", 4, 4, 1.0, 1.0, 1.0, 10.0, 10.0, 1.0, 100.0)
+CLUSTER = toy_cluster()
 
 
 def _tiny(**overrides: str) -> ModelSpec:

@@ -5,11 +5,11 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from helpers import toy_cluster
 
 from moekit import runconfig
 from moekit.parallel.planner import (
     Candidate,
-    Cluster,
     ModelSpec,
     Workload,
     block_activation_bytes,
@@ -24,8 +24,7 @@ from moekit.parallel.planner import (
     parse_techniques,
 )
 
-# 10 GB/s and 10 us inside a node of 4, 1 GB/s and 100 us across; 1 TFLOP/s at efficiency 1.
-CLUSTER = Cluster("toy", 4, 4, 1.0, 1.0, 1.0, 10.0, 10.0, 1.0, 100.0)
+CLUSTER = toy_cluster()
 
 
 def _tiny(**overrides: str) -> ModelSpec:
