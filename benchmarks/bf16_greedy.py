@@ -101,7 +101,8 @@ def main() -> None:
             head = f"{name:<18} {r['prompt'][:24]!s:<24} {r['equal']:>6} {r['max_logit_error']:>14.4f}"
             print(f"{head} {tail}  {verdict}")
     if args.json:
-        json.dump({"steps": args.steps, "tokens": args.tokens, "runs": results}, sys.stdout)
+        trained = None if args.runs else args.steps  # given runs were trained elsewhere
+        json.dump({"steps": trained, "tokens": args.tokens, "runs": results}, sys.stdout)
         print()
 
 
