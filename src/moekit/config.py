@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 ROUTERS = ("topk", "switch", "gshard", "noisy_topk", "expert_choice", "hash")
 SCORE_FUNCS = ("softmax", "sigmoid")
+GROUP_SCORES = ("max", "top2_sum")
 ACTIVATIONS = ("swiglu", "gelu")
 GEMM_BACKENDS = ("auto", "grouped_mm", "per_expert_mm")
 
@@ -36,6 +37,9 @@ class MoEConfig:
     softmax_before_topk: bool = True  # softmax over all experts, then pick; False: over the k picked
     normalize_topk: bool = True  # rescale the k picked weights to sum to 1
     route_scale: float = 1.0  # multiplier on the combine weights (DeepSeek-V3's routed scaling)
+    n_group: int = 1  # >1: experts in this many equal groups, each token picks within its best topk_group (DeepSeek)
+    topk_group: int | None = None  # groups a token may pick from; None = all n_group
+    group_score: str = "max"  # a group's rank: its best expert (DeepSeek-V2) or its best two summed (top2_sum, V3)
     capacity_factor: float | None = None  # None: dropless; else each expert keeps cf*T*k/E (batch-wide, not causal)
     activation: str = "swiglu"  # expert FFN: swiglu (gated SiLU) or gelu
     num_shared_experts: int = 0  # always-on experts of width shared_d_ff each (DeepSeek-MoE)
@@ -55,6 +59,7 @@ class MoEConfig:
             _require(isinstance(value, int) and value > 0, name, value, "must be a positive integer")
         _one_of("router", self.router, ROUTERS)
         _one_of("score_func", self.score_func, SCORE_FUNCS)
+        _one_of("group_score", self.group_score, GROUP_SCORES)
         _one_of("activation", self.activation, ACTIVATIONS)
         _one_of("gemm", self.gemm, GEMM_BACKENDS)
         _require(
@@ -84,6 +89,7 @@ class MoEConfig:
             _require(ok, "shared_d_ff", self.shared_d_ff, "must be a positive integer (or None: d_ff)")
             _require(self.num_shared_experts > 0, "shared_d_ff", self.shared_d_ff, "needs num_shared_experts > 0")
         _require(self.route_scale > 0, "route_scale", self.route_scale, "must be > 0")
+        self._check_groups()
         if self.shared_expert_gate:
             _require(self.num_shared_experts > 0, "shared_expert_gate", True, "needs num_shared_experts > 0")
         _require(isinstance(self.dts_steps, int) and self.dts_steps >= 0, "dts_steps", self.dts_steps, "must be >= 0")
@@ -102,6 +108,31 @@ class MoEConfig:
                 self.bias_update_rate,
                 f"aux-loss-free bias needs a token-choice router, not {self.router!r}",
             )
+
+    def _check_groups(self) -> None:
+        _require(isinstance(self.n_group, int) and self.n_group > 0, "n_group", self.n_group, "must be >= 1")
+        if self.topk_group is not None:
+            ok = isinstance(self.topk_group, int) and 0 < self.topk_group <= self.n_group
+            _require(ok, "topk_group", self.topk_group, f"must be in [1, n_group={self.n_group}]")
+        if self.n_group == 1:
+            return
+        _require(
+            self.router in ("topk", "noisy_topk") and not self.dts_steps,
+            "n_group",
+            self.n_group,
+            "group-limited routing needs router = topk or noisy_topk, without dts_steps",
+        )
+        _require(
+            self.num_experts % self.n_group == 0,
+            "n_group",
+            self.n_group,
+            f"must divide num_experts={self.num_experts} (with experts_per_layer: every layer's count)",
+        )
+        per_group = self.num_experts // self.n_group
+        if self.group_score == "top2_sum":
+            _require(per_group >= 2, "group_score", "top2_sum", f"needs >= 2 experts per group, not {per_group}")
+        reachable = per_group * (self.topk_group or self.n_group)
+        _require(self.top_k <= reachable, "top_k", self.top_k, f"exceeds the {reachable} experts of topk_group groups")
 
     @property
     def shared_hidden(self) -> int:
