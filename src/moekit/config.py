@@ -220,6 +220,7 @@ class DataConfig:
 
 MLP_ACTIVATIONS = ACTIVATIONS
 NORMS = ("rmsnorm", "layernorm")
+ATTENTIONS = ("mha", "mla")
 DTYPES = ("fp32", "bf16")
 
 
@@ -239,6 +240,18 @@ class ModelConfig:
     dropout: float = 0.0  # dropout on attention and residual branches while training
     tie_embeddings: bool = True  # share the input embedding with the output projection
     rope_theta: float = 10000.0  # RoPE base frequency
+    rope_yarn_factor: float = 1.0  # >1: YaRN-extended RoPE, wavelengths stretched up to this factor (DeepSeek-V2/V3)
+    rope_yarn_original_context: int = 0  # YaRN: the context the RoPE was trained at; 0 = context_length / factor
+    rope_yarn_beta_fast: float = 32.0  # YaRN: dims rotating more than this often over that context keep their frequency
+    rope_yarn_beta_slow: float = 1.0  # YaRN: dims rotating less than this often are fully interpolated
+    rope_yarn_mscale: float = 1.0  # YaRN: strength of the log(factor) gain on the rotated query/key dims
+    rope_yarn_mscale_all_dim: float = 0.0  # YaRN, mla: >0 moves that gain onto the softmax scale (DeepSeek)
+    attention: str = "mha"  # mha (multi-head, grouped-query with n_kv_heads) | mla (DeepSeek's latent attention)
+    q_lora_rank: int = 0  # mla: rank of the compressed query; 0 = a full-rank query projection (DeepSeek-V2-Lite)
+    kv_lora_rank: int | None = None  # mla: width of the cached key/value latent per token; None = 4 * d_model / n_heads
+    qk_nope_head_dim: int | None = None  # mla: per-head query/key dims without RoPE; None = d_model / n_heads
+    qk_rope_head_dim: int | None = None  # mla: per-head dims with RoPE (one key part shared by all heads); None = half
+    v_head_dim: int | None = None  # mla: per-head value width; None = d_model / n_heads
     norm_eps: float | None = None  # epsilon of every norm; None: torch's default (imported checkpoints set theirs)
     qkv_bias: bool = False  # biases on the query, key and value projections (Qwen2)
     qk_norm: bool = False  # RMSNorm over the whole query and key projections before RoPE (OLMoE)
@@ -251,13 +264,19 @@ class ModelConfig:
         for name in ("vocab_size", "context_length", "n_layers", "n_heads", "d_model", "d_ff"):
             value = getattr(self, name)
             _require(isinstance(value, int) and value > 0, f"model.{name}", value, "must be a positive integer")
-        _require(self.d_model % self.n_heads == 0, "model.n_heads", self.n_heads, f"must divide d_model={self.d_model}")
-        _require(
-            (self.d_model // self.n_heads) % 2 == 0, "model.n_heads", self.n_heads, "head size must be even (RoPE)"
-        )
+        if self.attention != "mla":  # MLA's head widths are its own fields
+            _require(
+                self.d_model % self.n_heads == 0, "model.n_heads", self.n_heads, f"must divide d_model={self.d_model}"
+            )
+            _require(
+                (self.d_model // self.n_heads) % 2 == 0, "model.n_heads", self.n_heads, "head size must be even (RoPE)"
+            )
         kv = self.kv_heads
         _require(kv > 0 and self.n_heads % kv == 0, "model.n_kv_heads", self.n_kv_heads, "must divide n_heads")
         _one_of("model.mlp_activation", self.mlp_activation, MLP_ACTIVATIONS)
+        _one_of("model.attention", self.attention, ATTENTIONS)
+        self._check_mla()
+        self._check_yarn()
         _require(self.init_std > 0, "model.init_std", self.init_std, "must be > 0")
         _one_of("model.norm", self.norm, NORMS)
         if self.norm_eps is not None:
@@ -273,6 +292,50 @@ class ModelConfig:
                 self.experts_per_layer,
                 f"needs one entry per MoE block ({n_moe})",
             )
+
+    _MLA_DIMS = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+
+    def _check_mla(self) -> None:
+        """Fill the MLA widths left unset (DeepSeek-V2's proportions) and check them."""
+        head = max(2, self.d_model // self.n_heads // 2 * 2)
+        if self.attention != "mla":
+            for name in (*self._MLA_DIMS, "q_lora_rank"):
+                unset = getattr(self, name) in (None, 0)
+                _require(unset, f"model.{name}", getattr(self, name), "needs model.attention = mla")
+            return
+        defaults = dict(kv_lora_rank=4 * head, qk_nope_head_dim=head, qk_rope_head_dim=head // 2, v_head_dim=head)
+        for name, default in defaults.items():
+            if getattr(self, name) is None:
+                setattr(self, name, default)
+            value = getattr(self, name)
+            _require(isinstance(value, int) and value > 0, f"model.{name}", value, "must be a positive integer")
+        rope = self.qk_rope_head_dim
+        _require(rope % 2 == 0, "model.qk_rope_head_dim", rope, "must be even (RoPE rotates pairs)")
+        _require(self.q_lora_rank >= 0, "model.q_lora_rank", self.q_lora_rank, "must be >= 0")
+        _require(self.n_kv_heads in (None, self.n_heads), "model.n_kv_heads", self.n_kv_heads, "mla has no kv heads")
+        _require(not self.qkv_bias, "model.qkv_bias", True, "mla has no fused q/k/v projection")
+        _require(not self.qk_norm, "model.qk_norm", True, "mla normalises its latents instead")
+
+    def _check_yarn(self) -> None:
+        _require(self.rope_yarn_factor >= 1, "model.rope_yarn_factor", self.rope_yarn_factor, "must be >= 1")
+        _require(
+            self.rope_yarn_original_context >= 0,
+            "model.rope_yarn_original_context",
+            self.rope_yarn_original_context,
+            "must be >= 0",
+        )
+        if self.rope_yarn_mscale_all_dim:
+            _require(
+                self.attention == "mla",
+                "model.rope_yarn_mscale_all_dim",
+                self.rope_yarn_mscale_all_dim,
+                "moves YaRN's gain onto MLA's softmax scale: needs model.attention = mla",
+            )
+
+    @property
+    def rope_dim(self) -> int:
+        """Dims of each query/key head that RoPE rotates."""
+        return self.qk_rope_head_dim if self.attention == "mla" else self.d_model // self.n_heads
 
     @property
     def kv_heads(self) -> int:

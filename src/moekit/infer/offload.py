@@ -489,7 +489,7 @@ def build_offloaded(
     """
     from safetensors import safe_open
 
-    from moekit.model.transformer import rope_frequencies
+    from moekit.model.rope import model_rope
 
     with torch.device("meta"):
         model = Transformer(model_cfg, moe_cfg)
@@ -499,8 +499,7 @@ def build_offloaded(
     model.to_empty(device=device)
     if model_cfg.tie_embeddings:  # allocating meta tensors one module at a time unties shared ones
         model.lm_head.weight = model.embed.weight
-    head_dim = model_cfg.d_model // model_cfg.n_heads
-    model.rope_freqs = rope_frequencies(head_dim, model_cfg.context_length, model_cfg.rope_theta).to(device)
+    model.rope_freqs = model_rope(model_cfg).to(device)
     store = open_store(Path(checkpoint), {b: m.cfg.num_experts for b, m in layers.items()}, options)
     wanted = model.state_dict()
     state = {}

@@ -17,6 +17,8 @@ from torch import Tensor, nn
 from moekit.config import ModelConfig, MoEConfig
 from moekit.experts import DenseFFN
 from moekit.layer import MoE
+from moekit.model.mla import MLA
+from moekit.model.rope import apply_rope, model_rope
 from moekit.stats import MoEStats
 
 
@@ -34,6 +36,10 @@ class KVCache:
     ``left_pad_B`` (batched prompts of different lengths, left-aligned with padding) says how many
     leading positions of each row are padding: no real token attends to them. RoPE sees only
     relative positions, so a row shifted right by its padding computes what it would alone.
+
+    MLA (``cfg.attention == "mla"``) caches one latent per token instead, ``[B, 1, max_len,
+    kv_lora_rank + qk_rope_head_dim]`` in ``keys`` (``values`` are empty); ``mla_expanded=True``
+    caches its expanded per-head keys and values, the naive form benchmarks compare against.
     """
 
     def __init__(
@@ -43,11 +49,18 @@ class KVCache:
         device: torch.device,
         dtype: torch.dtype,
         left_pad_B: Tensor | None = None,
+        mla_expanded: bool = False,
     ) -> None:
-        head_dim = cfg.d_model // cfg.n_heads
-        shape = (batch_size, cfg.kv_heads, cfg.context_length, head_dim)
-        self.keys = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layers)]
-        self.values = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layers)]
+        k_shape = v_shape = (batch_size, cfg.kv_heads, cfg.context_length, cfg.d_model // cfg.n_heads)
+        self.mla_expanded = mla_expanded and cfg.attention == "mla"
+        if self.mla_expanded:
+            k_shape = (batch_size, cfg.n_heads, cfg.context_length, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
+            v_shape = (batch_size, cfg.n_heads, cfg.context_length, cfg.v_head_dim)
+        elif cfg.attention == "mla":
+            k_shape = (batch_size, 1, cfg.context_length, cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+            v_shape = (batch_size, 1, cfg.context_length, 0)
+        self.keys = [torch.zeros(k_shape, device=device, dtype=dtype) for _ in range(cfg.n_layers)]
+        self.values = [torch.zeros(v_shape, device=device, dtype=dtype) for _ in range(cfg.n_layers)]
         self.length = 0  # tokens cached
         self.left_pad = left_pad_B if left_pad_B is not None and bool(left_pad_B.any()) else None
 
@@ -64,31 +77,17 @@ class KVCache:
         real = key_pos >= self.left_pad.view(-1, 1, 1, 1)
         return mask & (real | (key_pos == query_pos))
 
+    def bytes_per_token(self) -> int:
+        """Cache bytes one token takes over all layers."""
+        pairs = zip(self.keys, self.values, strict=True)
+        return sum((k[0, :, 0].numel() + v[0, :, 0].numel()) * k.element_size() for k, v in pairs)
+
     def append(self, layer: int, k_BGLd: Tensor, v_BGLd: Tensor) -> tuple[Tensor, Tensor]:
         """Store this step's keys/values at positions [length, length+L); return all cached so far."""
         end = self.length + k_BGLd.shape[2]
         self.keys[layer][:, :, self.length : end] = k_BGLd
         self.values[layer][:, :, self.length : end] = v_BGLd
         return self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
-
-
-def rope_frequencies(head_dim: int, max_len: int, theta: float) -> Tensor:
-    """``e^(i * position * theta^(-2j/head_dim))`` as complex64 ``[max_len, head_dim / 2]``."""
-    freqs = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
-    angles = torch.outer(torch.arange(max_len, dtype=torch.float32), freqs)
-    return torch.polar(torch.ones_like(angles), angles)
-
-
-def apply_rope(x_BLNd: Tensor, freqs_Ld2: Tensor) -> Tensor:
-    """Rotate pairs (x[2j], x[2j+1]) by position-dependent angles (Su et al. 2021); any number of
-    head dimensions may sit between L and d.
-
-    NOTE: one complex multiply instead of the cos/sin form: on small CPU batches the four real
-    multiplies and a stack, with their backward, cost three times as much.
-    """
-    pairs = torch.view_as_complex(x_BLNd.float().unflatten(-1, (-1, 2)))
-    freqs = freqs_Ld2.view(freqs_Ld2.shape[0], *[1] * (x_BLNd.dim() - 3), -1)
-    return torch.view_as_real(pairs * freqs).flatten(-2).type_as(x_BLNd)
 
 
 class QKNorm(nn.Module):
@@ -180,7 +179,7 @@ class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, moe_cfg: MoEConfig | None, moe_index: int = 0) -> None:
         super().__init__()
         self.attn_norm = make_norm(cfg)
-        self.attn = Attention(cfg)
+        self.attn = MLA(cfg) if cfg.attention == "mla" else Attention(cfg)
         self.ffn_norm = make_norm(cfg)
         self.ffn = (
             MoE(moe_cfg, moe_index) if moe_cfg is not None else DenseFFN(cfg.d_model, cfg.d_ff, cfg.mlp_activation)
@@ -214,8 +213,7 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
-        freqs = rope_frequencies(cfg.d_model // cfg.n_heads, cfg.context_length, cfg.rope_theta)
-        self.register_buffer("rope_freqs", freqs, persistent=False)
+        self.register_buffer("rope_freqs", model_rope(cfg), persistent=False)
         self.reset_parameters()
 
     @staticmethod
