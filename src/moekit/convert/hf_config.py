@@ -6,17 +6,16 @@ Anything a config sets that moekit's model cannot express is a ``ConversionError
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from moekit.config import ModelConfig, MoEConfig
+from moekit.convert import deepseek
+from moekit.convert.errors import ConversionError
 from moekit.convert.keymap import FAMILIES, Family
-
-
-class ConversionError(ValueError):
-    """A checkpoint or model that does not fit a conversion; the message names the file or family and field."""
 
 
 def read_hf_config(path: Path) -> dict[str, Any]:
@@ -35,6 +34,8 @@ def family_of(hf: dict[str, Any]) -> Family:
     if family is None:
         known = ", ".join(FAMILIES)
         raise ConversionError(f"model_type {model_type!r} is not supported (moekit reads {known})")
+    if model_type == "deepseek_v3" and hf.get("rope_interleave") is False:
+        return replace(family, rope_halves=True)
     return family
 
 
@@ -100,6 +101,8 @@ def configs_from_hf(hf: dict[str, Any]) -> tuple[ModelConfig, MoEConfig | None]:
     because it is missing, is an error in ``from_hf``.
     """
     family = family_of(hf)
+    if family.model_type in deepseek.FAMILIES:
+        return deepseek.configs_from_hf(hf)
     d_model, n_heads, n_layers = hf["hidden_size"], hf["num_attention_heads"], hf["num_hidden_layers"]
     if hf.get("hidden_act", "silu") != "silu":
         raise _unfit(family, f"hidden_act {hf['hidden_act']!r} (SwiGLU experts use silu)")
@@ -159,8 +162,10 @@ def export_family(model: ModelConfig, moe: MoEConfig | None) -> Family:
     """Mixtral, or Qwen2-MoE for shared experts or dense blocks; an error names what does not fit."""
     if moe is None or not model.moe_layers():
         raise ConversionError(
-            "model.moe_every=0: a dense model fits no MoE family (export writes Mixtral or Qwen2-MoE)"
+            "model.moe_every=0: a dense model fits no MoE family (export writes Mixtral, Qwen2-MoE or DeepSeek)"
         )
+    if model.attention == "mla":
+        return FAMILIES[deepseek.export_family(model, moe)]
     # Mixtral has no q/k/v biases (transformers would drop them), no shared experts and no dense blocks.
     needs_qwen = model.qkv_bias or moe.num_shared_experts or model.first_dense_layers or model.moe_every != 1
     family = FAMILIES["qwen2_moe" if needs_qwen else "mixtral"]
@@ -176,6 +181,8 @@ def export_family(model: ModelConfig, moe: MoEConfig | None) -> Family:
         "moe.bias_update_rate": (moe.bias_update_rate, 0.0),
         "model.experts_per_layer": (model.experts_per_layer, None),
         "model.qk_norm": (model.qk_norm, False),
+        "moe.n_group": (moe.n_group, 1),
+        "model.rope_yarn_factor": (model.rope_yarn_factor, 1.0),
     }
     for field, (value, needed) in misfits.items():
         if value != needed:
@@ -188,6 +195,8 @@ def export_family(model: ModelConfig, moe: MoEConfig | None) -> Family:
 
 
 def hf_config(family: Family, model: ModelConfig, moe: MoEConfig) -> dict[str, Any]:
+    if family.model_type in deepseek.FAMILIES:
+        return deepseek.hf_config(family.model_type, model, moe)
     eps = model.norm_eps if model.norm_eps is not None else torch.finfo(torch.float32).eps  # nn.RMSNorm's default
     config: dict[str, Any] = {
         "architectures": [family.architecture],
