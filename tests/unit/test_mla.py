@@ -92,6 +92,27 @@ def test_generation_batched_with_padding_matches_uncached() -> None:
         assert cached[row, -12:].tolist() == alone[0, -12:].tolist()
 
 
+def test_checkpoint_and_offloaded_inference(tmp_path, write_run) -> None:
+    """A saved MLA model with group-limited routing reloads, and with its experts offloaded under a
+    two-expert budget generates the same greedy tokens as resident."""
+    from moekit.infer.offload import OffloadOptions, model_bytes
+    from moekit.run.load import load_run
+
+    run_dir = write_run(tmp_path / "run", **MLA_FLAGS, **{"model.q_lora_rank": "16"})
+    resident = load_run(run_dir).model
+    assert isinstance(resident.blocks[0].attn, MLA)
+    prompt = torch.randint(0, 256, (2, 6), generator=torch.Generator().manual_seed(4))
+    reference = generate(resident, prompt, 10, temperature=0)
+    probe = load_run(run_dir, offload=OffloadOptions(memory_budget=1 << 40))
+    budget = model_bytes(probe.model) + 2 * probe.offloader.cache.slot_bytes
+    probe.offloader.close()
+    run = load_run(run_dir, offload=OffloadOptions(memory_budget=budget))
+    try:
+        assert torch.equal(generate(run.model, prompt, 10, temperature=0), reference)
+    finally:
+        run.offloader.close()
+
+
 def test_mla_trains() -> None:
     """Gradients reach every MLA weight and a few AdamW steps lower the loss on a fixed batch."""
     model = mla_model(**{"model.q_lora_rank": "16"}).train()
