@@ -110,14 +110,20 @@ class MLA(nn.Module):
 
     def _absorbed(self, q_nope: Tensor, q_rope: Tensor, latent_BSX: Tensor, mask: Tensor | None) -> Tensor:
         """Attention over the cached latents without expanding them: ``W_UK`` folded into the query,
-        ``W_UV`` applied to the weighted latent; one key/value "head" (the latent) shared by all H."""
-        B, L = q_nope.shape[:2]
-        w_uk_HNR, w_uv_HVR = self.kv_up.weight.view(self.heads, -1, self.rank).split([self.nope, self.v_dim], dim=1)
+        ``W_UV`` applied to the weighted latent.
+
+        NOTE: the latent is one key/value "head" shared by all H query heads, so the heads ride along
+        the query axis of a single-head attention (``[B, 1, H * L, R + P]``), as in multi-query
+        attention: one pass over the cache for every head (SDPA's grouped path copies it per head).
+        """
+        B, L, H = *q_nope.shape[:2], self.heads
+        w_uk_HNR, w_uv_HVR = self.kv_up.weight.view(H, -1, self.rank).split([self.nope, self.v_dim], dim=1)
         q_latent = torch.einsum("blhn,hnr->bhlr", q_nope, w_uk_HNR)
-        q = torch.cat([q_latent, q_rope.transpose(1, 2)], dim=-1)  # [B, H, L, R + P]
+        q = torch.cat([q_latent, q_rope.transpose(1, 2)], dim=-1).reshape(B, 1, H * L, -1)
         kv = latent_BSX.unsqueeze(1)  # [B, 1, S, R + P]; values are its first R dims
-        y_BHLR = F.scaled_dot_product_attention(
-            q, kv, kv[..., : self.rank], attn_mask=mask, scale=self.scale, enable_gqa=self.heads > 1
-        )
-        y = torch.einsum("bhlr,hvr->blhv", y_BHLR, w_uv_HVR)
+        if mask is not None:  # [L, S] or [B, 1, L, S] -> the same rows for every head
+            S = mask.shape[-1]
+            mask = mask.reshape(-1, 1, L, S).expand(-1, H, L, S).reshape(-1, 1, H * L, S)
+        y = F.scaled_dot_product_attention(q, kv, kv[..., : self.rank], attn_mask=mask, scale=self.scale)
+        y = torch.einsum("bhlr,hvr->blhv", y.view(B, H, L, self.rank), w_uv_HVR)
         return self.out(y.reshape(B, L, -1))
