@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 ROUTERS = ("topk", "switch", "gshard", "noisy_topk", "expert_choice", "hash")
 SCORE_FUNCS = ("softmax", "sigmoid")
+GROUP_SCORES = ("max", "top2_sum")
 ACTIVATIONS = ("swiglu", "gelu", "clamped_swiglu")
 GEMM_BACKENDS = ("auto", "grouped_mm", "per_expert_mm")
 
@@ -36,6 +37,9 @@ class MoEConfig:
     softmax_before_topk: bool = True  # softmax over all experts, then pick; False: over the k picked
     normalize_topk: bool = True  # rescale the k picked weights to sum to 1
     route_scale: float = 1.0  # multiplier on the combine weights (DeepSeek-V3's routed scaling)
+    n_group: int = 1  # >1: experts in this many equal groups, each token picks within its best topk_group (DeepSeek)
+    topk_group: int | None = None  # groups a token may pick from; None = all n_group
+    group_score: str = "max"  # a group's rank: its best expert (DeepSeek-V2) or its best two summed (top2_sum, V3)
     capacity_factor: float | None = None  # None: dropless; else each expert keeps cf*T*k/E (batch-wide, not causal)
     activation: str = "swiglu"  # expert FFN: swiglu (gated SiLU), gelu, or clamped_swiglu (gpt-oss)
     swiglu_alpha: float = 1.702  # clamped_swiglu: (up + 1) * gate * sigmoid(alpha * gate)
@@ -59,6 +63,7 @@ class MoEConfig:
             _require(isinstance(value, int) and value > 0, name, value, "must be a positive integer")
         _one_of("router", self.router, ROUTERS)
         _one_of("score_func", self.score_func, SCORE_FUNCS)
+        _one_of("group_score", self.group_score, GROUP_SCORES)
         _one_of("activation", self.activation, ACTIVATIONS)
         _one_of("gemm", self.gemm, GEMM_BACKENDS)
         _require(
@@ -94,6 +99,7 @@ class MoEConfig:
         _require(ok, "activation", self.activation, "routed experts only (shared and residual MLPs: swiglu, gelu)")
         ok = not self.router_bias or self.router in ("topk", "switch", "gshard", "noisy_topk")
         _require(ok, "router_bias", self.router_bias, "needs a token-choice router")
+        self._check_groups()
         if self.shared_expert_gate:
             _require(self.num_shared_experts > 0, "shared_expert_gate", True, "needs num_shared_experts > 0")
         _require(isinstance(self.dts_steps, int) and self.dts_steps >= 0, "dts_steps", self.dts_steps, "must be >= 0")
@@ -112,6 +118,31 @@ class MoEConfig:
                 self.bias_update_rate,
                 f"aux-loss-free bias needs a token-choice router, not {self.router!r}",
             )
+
+    def _check_groups(self) -> None:
+        _require(isinstance(self.n_group, int) and self.n_group > 0, "n_group", self.n_group, "must be >= 1")
+        if self.topk_group is not None:
+            ok = isinstance(self.topk_group, int) and 0 < self.topk_group <= self.n_group
+            _require(ok, "topk_group", self.topk_group, f"must be in [1, n_group={self.n_group}]")
+        if self.n_group == 1:
+            return
+        _require(
+            self.router in ("topk", "noisy_topk") and not self.dts_steps,
+            "n_group",
+            self.n_group,
+            "group-limited routing needs router = topk or noisy_topk, without dts_steps",
+        )
+        _require(
+            self.num_experts % self.n_group == 0,
+            "n_group",
+            self.n_group,
+            f"must divide num_experts={self.num_experts} (with experts_per_layer: every layer's count)",
+        )
+        per_group = self.num_experts // self.n_group
+        if self.group_score == "top2_sum":
+            _require(per_group >= 2, "group_score", "top2_sum", f"needs >= 2 experts per group, not {per_group}")
+        reachable = per_group * (self.topk_group or self.n_group)
+        _require(self.top_k <= reachable, "top_k", self.top_k, f"exceeds the {reachable} experts of topk_group groups")
 
     @property
     def shared_hidden(self) -> int:
@@ -200,6 +231,7 @@ class DataConfig:
 MLP_ACTIVATIONS = ("swiglu", "gelu")
 ROPE_SCALINGS = ("none", "yarn")
 NORMS = ("rmsnorm", "layernorm")
+ATTENTIONS = ("mha", "mla")
 DTYPES = ("fp32", "bf16")
 
 
@@ -220,6 +252,12 @@ class ModelConfig:
     dropout: float = 0.0  # dropout on attention and residual branches while training
     tie_embeddings: bool = True  # share the input embedding with the output projection
     rope_theta: float = 10000.0  # RoPE base frequency
+    attention: str = "mha"  # mha (multi-head, grouped-query with n_kv_heads) | mla (DeepSeek's latent attention)
+    q_lora_rank: int = 0  # mla: rank of the compressed query; 0 = a full-rank query projection (DeepSeek-V2-Lite)
+    kv_lora_rank: int | None = None  # mla: width of the cached key/value latent per token; None = 4 * d_model / n_heads
+    qk_nope_head_dim: int | None = None  # mla: per-head query/key dims without RoPE; None = d_model / n_heads
+    qk_rope_head_dim: int | None = None  # mla: per-head dims with RoPE (one key part shared by all heads); None = half
+    v_head_dim: int | None = None  # mla: per-head value width; None = d_model / n_heads
     norm_eps: float | None = None  # epsilon of every norm; None: torch's default (imported checkpoints set theirs)
     qkv_bias: bool = False  # biases on the query, key and value projections (Qwen2)
     qk_norm: bool = False  # RMSNorm over the whole query and key projections before RoPE (OLMoE)
@@ -234,7 +272,9 @@ class ModelConfig:
     rope_beta_fast: float = 32.0  # yarn: rotations above which a frequency is kept (extrapolated)
     rope_beta_slow: float = 1.0  # yarn: rotations below which a frequency is divided by rope_factor
     rope_truncate: bool = True  # yarn: round the ramp's ends to whole dimensions
-    rope_attention_factor: float | None = None  # yarn: scale on cos/sin; None = 0.1 * ln(rope_factor) + 1
+    rope_attention_factor: float | None = None  # yarn: scale on cos/sin; None = from the two mscales below
+    rope_mscale: float = 1.0  # yarn: strength of the ln(factor) gain on the rotated query/key dims (DeepSeek)
+    rope_mscale_all_dim: float = 0.0  # yarn, mla: >0 moves this much of that gain onto the softmax scale (DeepSeek)
     init_std: float = 0.02  # std of weight init; residual output projections get 1/sqrt(2*n_layers) of it
     moe_every: int = 1  # every n-th block (after first_dense_layers) is MoE; 0 = a dense model
     first_dense_layers: int = 0  # leading blocks kept dense (DeepSeek-MoE)
@@ -244,26 +284,27 @@ class ModelConfig:
         for name in ("vocab_size", "context_length", "n_layers", "n_heads", "d_model", "d_ff"):
             value = getattr(self, name)
             _require(isinstance(value, int) and value > 0, f"model.{name}", value, "must be a positive integer")
-        if self.head_dim is None:
-            ok = self.d_model % self.n_heads == 0
-            _require(ok, "model.n_heads", self.n_heads, f"must divide d_model={self.d_model} (or set model.head_dim)")
-        else:
-            _require(
-                isinstance(self.head_dim, int) and self.head_dim > 0, "model.head_dim", self.head_dim, "must be > 0"
-            )
-        _require(self.head_size % 2 == 0, "model.head_dim", self.head_size, "head size must be even (RoPE)")
+        if self.attention != "mla":  # MLA's head widths are its own fields
+            if self.head_dim is None:
+                ok = self.d_model % self.n_heads == 0
+                _require(
+                    ok, "model.n_heads", self.n_heads, f"must divide d_model={self.d_model} (or set model.head_dim)"
+                )
+            else:
+                _require(
+                    isinstance(self.head_dim, int) and self.head_dim > 0, "model.head_dim", self.head_dim, "must be > 0"
+                )
+            _require(self.head_size % 2 == 0, "model.head_dim", self.head_size, "head size must be even (RoPE)")
         _require(not (self.qk_norm and self.qk_head_norm), "model.qk_head_norm", True, "excludes model.qk_norm")
         for name in ("sliding_window", "full_attention_every"):
             value = getattr(self, name)
             _require(isinstance(value, int) and value >= 0, f"model.{name}", value, "must be an integer >= 0")
-        _one_of("model.rope_scaling", self.rope_scaling, ROPE_SCALINGS)
-        if self.rope_scaling == "yarn":
-            _require(self.rope_factor >= 1, "model.rope_factor", self.rope_factor, "must be >= 1")
-            ok = self.rope_original_context > 0
-            _require(ok, "model.rope_original_context", self.rope_original_context, "yarn needs it > 0")
         kv = self.kv_heads
         _require(kv > 0 and self.n_heads % kv == 0, "model.n_kv_heads", self.n_kv_heads, "must divide n_heads")
         _one_of("model.mlp_activation", self.mlp_activation, MLP_ACTIVATIONS)
+        _one_of("model.attention", self.attention, ATTENTIONS)
+        self._check_mla()
+        self._check_yarn()
         _require(self.init_std > 0, "model.init_std", self.init_std, "must be > 0")
         _one_of("model.norm", self.norm, NORMS)
         if self.norm_eps is not None:
@@ -279,6 +320,52 @@ class ModelConfig:
                 self.experts_per_layer,
                 f"needs one entry per MoE block ({n_moe})",
             )
+
+    _MLA_DIMS = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+
+    def _check_mla(self) -> None:
+        """Fill the MLA widths left unset (DeepSeek-V2's proportions) and check them."""
+        head = max(2, self.d_model // self.n_heads // 2 * 2)
+        if self.attention != "mla":
+            for name in (*self._MLA_DIMS, "q_lora_rank"):
+                unset = getattr(self, name) in (None, 0)
+                _require(unset, f"model.{name}", getattr(self, name), "needs model.attention = mla")
+            return
+        defaults = dict(kv_lora_rank=4 * head, qk_nope_head_dim=head, qk_rope_head_dim=head // 2, v_head_dim=head)
+        for name, default in defaults.items():
+            if getattr(self, name) is None:
+                setattr(self, name, default)
+            value = getattr(self, name)
+            _require(isinstance(value, int) and value > 0, f"model.{name}", value, "must be a positive integer")
+        rope = self.qk_rope_head_dim
+        _require(rope % 2 == 0, "model.qk_rope_head_dim", rope, "must be even (RoPE rotates pairs)")
+        _require(self.q_lora_rank >= 0, "model.q_lora_rank", self.q_lora_rank, "must be >= 0")
+        _require(self.n_kv_heads in (None, self.n_heads), "model.n_kv_heads", self.n_kv_heads, "mla has no kv heads")
+        _require(not self.qkv_bias, "model.qkv_bias", True, "mla has no fused q/k/v projection")
+        _require(not self.qk_norm, "model.qk_norm", True, "mla normalises its latents instead")
+        _require(not self.qk_head_norm, "model.qk_head_norm", True, "mla normalises its latents instead")
+        _require(self.head_dim is None, "model.head_dim", self.head_dim, "mla sets qk_nope/qk_rope/v_head_dim")
+        for name in ("attn_out_bias", "attn_sinks", "sliding_window"):
+            _require(not getattr(self, name), f"model.{name}", getattr(self, name), "not supported with mla")
+
+    def _check_yarn(self) -> None:
+        _one_of("model.rope_scaling", self.rope_scaling, ROPE_SCALINGS)
+        if self.rope_scaling == "yarn":
+            _require(self.rope_factor >= 1, "model.rope_factor", self.rope_factor, "must be >= 1")
+            ok = self.rope_original_context > 0
+            _require(ok, "model.rope_original_context", self.rope_original_context, "yarn needs it > 0")
+        if self.rope_mscale_all_dim:
+            _require(
+                self.attention == "mla",
+                "model.rope_mscale_all_dim",
+                self.rope_mscale_all_dim,
+                "moves YaRN's gain onto MLA's softmax scale: needs model.attention = mla",
+            )
+
+    @property
+    def rope_dim(self) -> int:
+        """Dims of each query/key head that RoPE rotates."""
+        return self.qk_rope_head_dim if self.attention == "mla" else self.head_size
 
     @property
     def kv_heads(self) -> int:

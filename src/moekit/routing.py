@@ -49,6 +49,9 @@ class TopKRouterConfig:
     softmax_before_topk: bool = True
     normalize_topk: bool = True
     route_scale: float = 1.0
+    n_group: int = 1
+    topk_group: int | None = None
+    group_score: str = "max"
     bias_update_rate: float = 0.0
     dts_steps: int = 0
     dts_temperature: float = 2.0
@@ -122,6 +125,22 @@ def dts_schedule(step: int, num_experts: int, top_k: int, steps: int, temperatur
     return max(top_k, round(num_experts - (num_experts - top_k) * done)), temperature ** (1.0 - done)
 
 
+def limit_to_groups(scores_TE: Tensor, n_group: int, topk_group: int, group_score: str) -> Tensor:
+    """Group-limited routing (DeepSeek-V2/V3): keep each token's ``topk_group`` best expert groups.
+
+    The E experts form ``n_group`` contiguous groups; a group ranks by its best score (``max``,
+    DeepSeek-V2) or its best two summed (``top2_sum``, DeepSeek-V3). Scores outside a token's kept
+    groups become -inf, so a later top-k picks only within them: with groups mapped to devices, a
+    token's experts live on at most ``topk_group`` of them.
+    """
+    grouped_TGe = scores_TE.unflatten(-1, (n_group, -1))
+    top = 1 if group_score == "max" else 2
+    rank_TG = grouped_TGe.topk(top, dim=-1).values.sum(dim=-1)
+    kept_TG = rank_TG.topk(topk_group, dim=-1).indices
+    dropped_TG = torch.ones_like(rank_TG, dtype=torch.bool).scatter_(1, kept_TG, False)
+    return grouped_TGe.masked_fill(dropped_TG.unsqueeze(-1), float("-inf")).flatten(-2)
+
+
 # ---------------------------------------------------------------------------------------------
 # Routers.
 
@@ -142,8 +161,8 @@ class TopKRouter(nn.Module):
     """Token-choice routing: each token picks k experts.
 
     Covers plain top-k (softmax or sigmoid scores), Switch top-1, GShard top-2 with random
-    second-expert dispatch, and noisy top-k (Shazeer et al. 2017). An optional per-expert bias
-    (aux-loss-free balancing) shifts selection only. With ``dts_steps`` the training loop tells the
+    second-expert dispatch, noisy top-k (Shazeer et al. 2017) and DeepSeek's group-limited top-k.
+    A per-expert bias (aux-loss-free balancing) shifts selection only. With ``dts_steps`` the training loop tells the
     router its step (``step``); left unset, as at inference, the DTS gate is taken as annealed.
     """
 
@@ -200,8 +219,16 @@ class TopKRouter(nn.Module):
         return RouterOutput(token_idx, expert_idx, weights, logits, probs, num_tokens, num_tokens * top_k)
 
     def _select(self, scores_TE: Tensor, top_k: int) -> tuple[Tensor, Tensor]:
-        """Top-k over scores plus the balancing bias; returns the picked *unbiased* scores."""
-        biased = scores_TE + self.expert_bias if self.cfg.bias_update_rate > 0 else scores_TE
+        """Top-k over scores plus the balancing bias, within the kept groups; returns the picked
+        *unbiased* scores (DeepSeek-V3: the bias steers selection only, never the weights).
+
+        NOTE: the bias is added whether or not this run updates it: a checkpoint trained with one
+        (or converted from DeepSeek-V3's ``e_score_correction_bias``) keeps selecting as it did.
+        """
+        cfg = self.cfg
+        biased = scores_TE + self.expert_bias
+        if cfg.n_group > 1:
+            biased = limit_to_groups(biased, cfg.n_group, cfg.topk_group or cfg.n_group, cfg.group_score)
         experts_TK = biased.topk(top_k, dim=-1).indices
         return scores_TE.gather(1, experts_TK), experts_TK
 

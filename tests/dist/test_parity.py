@@ -11,7 +11,7 @@ rank.
 The matrix: expert_sharding (shard | replicate) x ep x dp for every ep * dp <= 4, tp alone, with ep
 and with replicated experts over dp, overlapped dispatch (with dp > 1 both ways), two-level
 all-to-all with and without overlap, live placement and shadow experts with dp > 1, capacity, every
-pipeline schedule and pp x ep. Layouts that cannot run fail with a ``LayoutError`` before any
+pipeline schedule and pp x ep, and ep x dp for latent attention with group-limited sigmoid routing. Layouts that cannot run fail with a ``LayoutError`` before any
 collective (the last test).
 """
 
@@ -53,6 +53,20 @@ BASE = {
     "train.warmup_steps": "1",
 }
 STEPS = 10
+# DeepSeek-V3's shape: latent attention with a query bottleneck, a dense first block, sigmoid routing
+# limited to one of two expert groups (with ep=2: each token's experts on one rank), scaled weights.
+MLA_GROUPS = {
+    "model.attention": "mla",
+    "model.q_lora_rank": "12",
+    "model.kv_lora_rank": "16",
+    "model.n_layers": "3",
+    "model.first_dense_layers": "1",
+    "moe.score_func": "sigmoid",
+    "moe.n_group": "2",
+    "moe.topk_group": "1",
+    "moe.group_score": "top2_sum",
+    "moe.route_scale": "2.5",
+}
 GRAD_TOL = 1e-5  # gradients, gradient norm and loss of the first step
 LOSS_TOL = 1e-4  # losses of steps 2..STEPS
 
@@ -91,6 +105,7 @@ def _matrix() -> dict[str, tuple[int, dict[str, str]]]:
             },
         ),
         "ep2xpp2": (4, {"parallel.ep": "2", "parallel.pp": "2"}),
+        "ep2xdp2-mla-groups": (4, {**ep2dp2, **MLA_GROUPS}),
     }
     for schedule in ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs"):
         layers = "4" if schedule in ("interleaved_1f1b", "looped_bfs") else "2"  # two stages per rank
@@ -293,6 +308,7 @@ def test_layouts_match_single_process(world: int, tmp_path) -> None:
         (4, {"parallel.ep": "2", "parallel.dp": "2", "parallel.placement_every": "2"}, "parallel.expert_sharding"),
         (4, {"parallel.ep": "2", "parallel.pp": "2", "parallel.placement_every": "2"}, "parallel.pp"),
         (3, {"parallel.ep": "3"}, "parallel.ep"),
+        (2, {"parallel.tp": "2", "model.attention": "mla"}, "parallel.tp=2: tensor parallelism does not shard MLA"),
         (4, {"parallel.ep": "2", "parallel.dp": "1"}, "dp*ep*tp*pp"),
         (2, {"parallel.ep": "2", "parallel.all_to_all": "two_level", "parallel.node_size": "4"}, "parallel.node_size"),
     ],

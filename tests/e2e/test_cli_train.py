@@ -36,7 +36,7 @@ def test_exploded_weights_stop_after_max_nonfinite_steps(corpus_file: Path, tmp_
 def test_help_lists_presets_and_fields() -> None:
     out = subprocess.run([sys.executable, "-m", "moekit", "train", "--help"], capture_output=True, text=True).stdout
     assert "--moe.num_experts" in out and "routed experts in the layer" in out
-    assert "--model.n_layers" in out and "presets: default" in out
+    assert "--model.n_layers" in out and "presets: " in out and "default, " in out.split("presets: ")[1]
     top = subprocess.run([sys.executable, "-m", "moekit", "--help"], capture_output=True, text=True).stdout
     for command in ("train", "generate", "plot"):
         assert command in top

@@ -148,3 +148,13 @@ def test_serve_flags_are_checked(write_run, tmp_path: Path, flag: str, capsys) -
     run_dir = write_run(tmp_path / "run")
     assert main(["serve", str(run_dir), flag, "--port=0" if "port" not in flag else flag]) == 2
     assert flag.split("=")[0] in capsys.readouterr().err
+
+
+def test_serve_refuses_mla_by_name(write_run, tmp_path: Path, capsys) -> None:
+    from moekit.cli import main
+
+    mla = {"model.attention": "mla", "model.n_heads": "2", "model.d_model": "32"}
+    run_dir = write_run(tmp_path / "run", **mla)
+    assert main(["serve", str(run_dir), "--port=0"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "model.attention='mla'" in err

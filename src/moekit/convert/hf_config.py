@@ -6,18 +6,17 @@ Anything a config sets that moekit's model cannot express is a ``ConversionError
 from __future__ import annotations
 
 import json
-import math
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from moekit.config import ModelConfig, MoEConfig
+from moekit.convert import deepseek
+from moekit.convert.errors import ConversionError
+from moekit.convert.hf_rope import rope_from_hf, rope_to_hf
 from moekit.convert.keymap import FAMILIES, Family
-
-
-class ConversionError(ValueError):
-    """A checkpoint or model that does not fit a conversion; the message names the file or family and field."""
 
 
 def read_hf_config(path: Path) -> dict[str, Any]:
@@ -36,61 +35,13 @@ def family_of(hf: dict[str, Any]) -> Family:
     if family is None:
         known = ", ".join(FAMILIES)
         raise ConversionError(f"model_type {model_type!r} is not supported (moekit reads {known})")
+    if model_type == "deepseek_v3" and hf.get("rope_interleave") is False:
+        return replace(family, rope_halves=True)
     return family
 
 
 def _unfit(family: Family, what: str) -> ConversionError:
     return ConversionError(f"{family.model_type}: {what} does not fit moekit's model")
-
-
-def _rope(family: Family, hf: dict[str, Any]) -> dict[str, Any]:
-    """moekit's RoPE fields: the base, and YaRN's parameters as transformers reads them."""
-    params = (hf.get("rope_scaling") or {}) | (hf.get("rope_parameters") or {})
-    params = params or _HF_DEFAULT_ROPE.get(family.model_type, {})
-    rope_type = params.get("rope_type") or params.get("type") or "default"
-    theta = float(hf.get("rope_theta") or params.get("rope_theta") or 10000.0)
-    if params.get("partial_rotary_factor", 1.0) != 1.0:
-        raise _unfit(family, f"partial_rotary_factor {params['partial_rotary_factor']}")
-    if rope_type == "default":
-        return dict(rope_theta=theta)
-    if rope_type != "yarn":
-        raise _unfit(family, f"rope_type {rope_type!r} (moekit has plain RoPE and YaRN)")
-    original = params["original_max_position_embeddings"]
-    factor = params.get("factor") or hf["max_position_embeddings"] / original
-    attention = params.get("attention_factor")
-    mscale, mscale_all = params.get("mscale"), params.get("mscale_all_dim")
-    if attention is None and mscale and mscale_all:  # DeepSeek's form; transformers' get_mscale
-
-        def scale(m: float) -> float:
-            return 0.1 * m * math.log(factor) + 1.0 if factor > 1 else 1.0
-
-        attention = scale(mscale) / scale(mscale_all)
-    return dict(
-        rope_theta=theta,
-        rope_scaling="yarn",
-        rope_factor=float(factor),
-        rope_original_context=int(original),
-        rope_beta_fast=float(params.get("beta_fast") or 32.0),
-        rope_beta_slow=float(params.get("beta_slow") or 1.0),
-        rope_truncate=bool(params.get("truncate", True)),
-        rope_attention_factor=None if attention is None else float(attention),
-    )
-
-
-def rope_to_hf(model: ModelConfig) -> dict[str, Any]:
-    """transformers' ``rope_parameters`` for moekit's RoPE fields (inverse of ``_rope``)."""
-    if model.rope_scaling == "none":
-        return {"rope_type": "default", "rope_theta": model.rope_theta}
-    return {
-        "rope_type": "yarn",
-        "rope_theta": model.rope_theta,
-        "factor": model.rope_factor,
-        "original_max_position_embeddings": model.rope_original_context,
-        "beta_fast": model.rope_beta_fast,
-        "beta_slow": model.rope_beta_slow,
-        "truncate": model.rope_truncate,
-        "attention_factor": model.rope_attention_factor,
-    }
 
 
 def _full_attention_every(family: Family, layer_types: list[str]) -> int:
@@ -199,6 +150,8 @@ def configs_from_hf(hf: dict[str, Any]) -> tuple[ModelConfig, MoEConfig | None]:
     because it is missing, is an error in ``from_hf``.
     """
     family = family_of(hf)
+    if family.model_type in deepseek.FAMILIES:
+        return deepseek.configs_from_hf(hf)
     hf = _HF_DEFAULTS.get(family.model_type, {}) | hf
     d_model, n_heads, n_layers = hf["hidden_size"], hf["num_attention_heads"], hf["num_hidden_layers"]
     if hf.get("hidden_act", "silu") != "silu":
@@ -233,7 +186,7 @@ def configs_from_hf(hf: dict[str, Any]) -> tuple[ModelConfig, MoEConfig | None]:
         qk_head_norm=family.model_type == "qwen3_moe",
         sliding_window=layer_window,
         moe_every=0,
-        **_rope(family, hf),
+        **rope_from_hf(hf, _HF_DEFAULT_ROPE.get(family.model_type)),
     )
     if not family.moe:
         return ModelConfig(**model), None
@@ -280,13 +233,16 @@ def _export_choice(model: ModelConfig, moe: MoEConfig) -> str:
 
 
 def export_family(model: ModelConfig, moe: MoEConfig | None) -> Family:
-    """Mixtral, Qwen2-MoE (shared experts, dense blocks), Qwen3-MoE (per-head q/k norms) or gpt-oss
-    (sinks, clamped SwiGLU, expert and router biases); an error names what does not fit."""
+    """Mixtral, Qwen2-MoE (shared experts, dense blocks), Qwen3-MoE (per-head q/k norms), gpt-oss
+    (sinks, clamped SwiGLU, expert and router biases) or, for MLA, DeepSeek; an error names what does
+    not fit."""
     if moe is None or not model.moe_layers():
         raise ConversionError(
             "model.moe_every=0: a dense model fits no MoE family "
-            "(export writes Mixtral, Qwen2-MoE, Qwen3-MoE or gpt-oss)"
+            "(export writes Mixtral, Qwen2-MoE, Qwen3-MoE, gpt-oss or DeepSeek)"
         )
+    if model.attention == "mla":
+        return FAMILIES[deepseek.export_family(model, moe)]
     family = FAMILIES[_export_choice(model, moe)]
     oss, qwen3 = family.model_type == "gpt_oss", family.model_type == "qwen3_moe"
     misfits = {
@@ -305,6 +261,8 @@ def export_family(model: ModelConfig, moe: MoEConfig | None) -> Family:
         "model.attn_out_bias": (model.attn_out_bias, model.attn_out_bias and (oss or qwen3)),
         "model.sliding_window": (model.sliding_window, model.sliding_window if oss or qwen3 else 0),
         "model.full_attention_every": (model.full_attention_every, model.full_attention_every if oss else 0),
+        "moe.n_group": (moe.n_group, 1),
+        "model.rope_mscale": (model.rope_mscale, 1.0),
     }
     if oss or qwen3:
         misfits["moe.num_shared_experts"] = (moe.num_shared_experts, 0)
@@ -325,6 +283,8 @@ def export_family(model: ModelConfig, moe: MoEConfig | None) -> Family:
 
 
 def hf_config(family: Family, model: ModelConfig, moe: MoEConfig) -> dict[str, Any]:
+    if family.model_type in deepseek.FAMILIES:
+        return deepseek.hf_config(family.model_type, model, moe)
     eps = model.norm_eps if model.norm_eps is not None else torch.finfo(torch.float32).eps  # nn.RMSNorm's default
     config: dict[str, Any] = {
         "architectures": [family.architecture],

@@ -27,6 +27,9 @@ class Family:
     moe: bool  # routed experts (else a dense model, read for upcycling)
     mlp: str  # module holding each block's MLP or MoE
     expert: tuple[str, str, str]  # names of an expert's gate, up and down projections ("": fused, gpt-oss)
+    shared: str = "shared_expert"  # module holding the shared experts (under ``mlp``)
+    expert_bias: bool = False  # the router's selection bias is stored (DeepSeek-V3's e_score_correction_bias)
+    rope_halves: bool = False  # MLA's RoPE dims pair (x[j], x[j + d/2]) (DeepSeek-V3 with rope_interleave false)
 
 
 _PROJ = ("gate_proj", "up_proj", "down_proj")
@@ -38,6 +41,8 @@ FAMILIES = {
         Family("olmoe", "OlmoeForCausalLM", True, "mlp", _PROJ),
         Family("qwen3_moe", "Qwen3MoeForCausalLM", True, "mlp", _PROJ),
         Family("gpt_oss", "GptOssForCausalLM", True, "mlp", ("", "", "")),
+        Family("deepseek_v2", "DeepseekV2ForCausalLM", True, "mlp", _PROJ, "shared_experts"),
+        Family("deepseek_v3", "DeepseekV3ForCausalLM", True, "mlp", _PROJ, "shared_experts", expert_bias=True),
         Family("llama", "LlamaForCausalLM", False, "mlp", _PROJ),
         Family("mistral", "MistralForCausalLM", False, "mlp", _PROJ),
         Family("qwen2", "Qwen2ForCausalLM", False, "mlp", _PROJ),
@@ -50,6 +55,7 @@ class Part:
     key: str  # Hugging Face tensor name; "{e}" stands for the expert index
     rows: int  # rows it fills in the (per-expert, [out, in]) native tensor
     rope_heads: int = 0  # >0: query/key rows of this many heads, reordered for RoPE
+    rope_tail: int = 0  # >0: only the last this many rows of each head are reordered (MLA's RoPE dims)
 
 
 @dataclass(frozen=True)
@@ -61,19 +67,27 @@ class Rule:
     gate_up: bool = False  # the one part's last dim alternates gate and up (gpt-oss); moekit's has gates first
 
 
-def interleave_rope(w: Tensor, heads: int) -> Tensor:
+def interleave_rope(w: Tensor, heads: int, tail: int = 0) -> Tensor:
     """Per head, rows (a_0..a_{h/2-1}, b_0..b_{h/2-1}) -> (a_0, b_0, a_1, b_1, ...).
 
     Hugging Face rotates the pair (x[j], x[j + h/2]) ("rotate_half"), moekit the pair (x[2j], x[2j+1])
     (complex RoPE); both by the angle of frequency j, so reordering the query and key rows makes
     the two compute the same attention scores (as gpt-fast's Llama conversion does, reversed).
+    ``tail`` > 0 reorders only each head's last ``tail`` rows (MLA rotates those alone).
     """
-    return w.reshape(heads, 2, -1, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+    return _reorder_rope(w, heads, tail, (2, -1))
 
 
-def deinterleave_rope(w: Tensor, heads: int) -> Tensor:
+def deinterleave_rope(w: Tensor, heads: int, tail: int = 0) -> Tensor:
     """The inverse of ``interleave_rope``: moekit's row order back to Hugging Face's."""
-    return w.reshape(heads, -1, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+    return _reorder_rope(w, heads, tail, (-1, 2))
+
+
+def _reorder_rope(w: Tensor, heads: int, tail: int, split: tuple[int, int]) -> Tensor:
+    per_head = w.reshape(heads, -1, *w.shape[1:])
+    rest, rope = per_head.split([per_head.shape[1] - tail, tail] if tail else [0, per_head.shape[1]], dim=1)
+    rope = rope.unflatten(1, split).transpose(1, 2).flatten(1, 2)
+    return torch.cat([rest, rope], dim=1).reshape(w.shape)
 
 
 def _moe_at(model: ModelConfig, moe: MoEConfig | None, layer: int) -> MoEConfig | None:
@@ -96,7 +110,9 @@ def rules(family: Family, model: ModelConfig, moe: MoEConfig | None) -> list[Rul
         attn = h + "self_attn."
         table.append(Rule(n + "attn_norm.weight", (Part(h + "input_layernorm.weight", model.d_model),)))
         table.append(Rule(n + "ffn_norm.weight", (Part(h + "post_attention_layernorm.weight", model.d_model),)))
-        for kind in ("weight", "bias") if model.qkv_bias else ("weight",):
+        if model.attention == "mla":
+            table += _mla_rules(n + "attn.", attn, model, family.rope_halves)
+        for kind in ("weight", "bias") if model.qkv_bias else ("weight",) * (model.attention == "mha"):
             q = Part(f"{attn}q_proj.{kind}", q_rows, model.n_heads)
             k = Part(f"{attn}k_proj.{kind}", kv_rows, model.kv_heads)
             v = Part(f"{attn}v_proj.{kind}", kv_rows)
@@ -121,6 +137,8 @@ def rules(family: Family, model: ModelConfig, moe: MoEConfig | None) -> list[Rul
         table.append(Rule(n + "ffn.router.gate.weight", (Part(router + "weight", e),)))
         if layer_moe.router_bias:
             table.append(Rule(n + "ffn.router.gate.bias", (Part(router + "bias", e),)))
+        if family.expert_bias:
+            table.append(Rule(n + "ffn.router.expert_bias", (Part(mlp + "gate.e_score_correction_bias", e),)))
         if family.model_type == "gpt_oss":
             table += _fused_expert_rules(n + "ffn.experts.", mlp + "experts.", e)
         else:
@@ -129,7 +147,7 @@ def rules(family: Family, model: ModelConfig, moe: MoEConfig | None) -> list[Rul
             table.append(Rule(n + "ffn.experts.w_out", (Part(down, model.d_model),), experts=e))
         if layer_moe.num_shared_experts:
             shared_ff = layer_moe.shared_hidden
-            table += _ffn_rules(n + "ffn.shared.", mlp + "shared_expert.", _PROJ, shared_ff, model.d_model)
+            table += _ffn_rules(n + "ffn.shared.", f"{mlp}{family.shared}.", _PROJ, shared_ff, model.d_model)
         if layer_moe.shared_expert_gate:
             table.append(Rule(n + "ffn.shared_gate.weight", (Part(mlp + "shared_expert_gate.weight", 1),)))
     table.append(Rule("norm.weight", (Part("model.norm.weight", model.d_model),)))
@@ -146,6 +164,30 @@ def _fused_expert_rules(native: str, hf: str, num_experts: int) -> list[Rule]:
         Rule(native + "w_out", (Part(hf + "down_proj", num_experts),)),
         Rule(native + "w_out_bias", (Part(hf + "down_proj_bias", num_experts),)),
     ]
+
+
+def _mla_rules(native: str, hf: str, model: ModelConfig, rope_halves: bool) -> list[Rule]:
+    """Multi-head latent attention (DeepSeek-V2/V3): the query path (low-rank or one projection), the
+    key/value latent with its shared RoPE key, and the latent's expansion into per-head keys and values."""
+    heads, rope = model.n_heads, model.qk_rope_head_dim or 0
+    q_rows = heads * ((model.qk_nope_head_dim or 0) + rope)
+    reorder = rope if rope_halves else 0  # rope dims to reorder, at the end of each head
+
+    def one(name: str, key: str, rows: int, rope_heads: int = 0) -> Rule:
+        return Rule(native + name, (Part(hf + key, rows, rope_heads if reorder else 0, reorder if rope_heads else 0),))
+
+    if model.q_lora_rank:
+        table = [one("q_down.weight", "q_a_proj.weight", model.q_lora_rank)]
+        table.append(one("q_norm.weight", "q_a_layernorm.weight", model.q_lora_rank))
+        table.append(one("q_up.weight", "q_b_proj.weight", q_rows, heads))
+    else:
+        table = [one("q_proj.weight", "q_proj.weight", q_rows, heads)]
+    rank = model.kv_lora_rank or 0
+    table.append(one("kv_down.weight", "kv_a_proj_with_mqa.weight", rank + rope, 1))
+    table.append(one("kv_norm.weight", "kv_a_layernorm.weight", rank))
+    kv_rows = heads * ((model.qk_nope_head_dim or 0) + (model.v_head_dim or 0))
+    table.append(one("kv_up.weight", "kv_b_proj.weight", kv_rows))
+    return table
 
 
 def _ffn_rules(native: str, hf: str, names: tuple[str, str, str], d_ff: int, d_model: int) -> list[Rule]:
@@ -185,7 +227,7 @@ def join(rule: Rule, read: Callable[[str], Tensor]) -> Tensor:
         parts = []
         for part in rule.parts:
             t = read(part.key.format(e=expert))
-            parts.append(interleave_rope(t, part.rope_heads) if part.rope_heads else t)
+            parts.append(interleave_rope(t, part.rope_heads, part.rope_tail) if part.rope_heads else t)
         if rule.groups:
             return torch.cat([p.unflatten(0, (rule.groups, -1)) for p in parts], dim=1).flatten(0, 1)
         return torch.cat(parts) if len(parts) > 1 else parts[0]
@@ -212,7 +254,7 @@ def split(rule: Rule, tensor: Tensor) -> dict[str, Tensor]:
         else:
             pieces = matrix.split([p.rows for p in rule.parts])
         for part, piece in zip(rule.parts, pieces, strict=True):
-            piece = deinterleave_rope(piece, part.rope_heads) if part.rope_heads else piece
+            piece = deinterleave_rope(piece, part.rope_heads, part.rope_tail) if part.rope_heads else piece
             out[part.key.format(e=expert)] = piece.contiguous().clone()
     return out
 

@@ -23,7 +23,7 @@ def yarn_inverse_frequencies(cfg: ModelConfig) -> Tensor:
     ``rope_beta_slow`` times over the original context are divided by ``rope_factor``
     (interpolated), those turning more than ``rope_beta_fast`` times are kept, a linear ramp between.
     """
-    dim, base = cfg.head_size, cfg.rope_theta
+    dim, base = cfg.rope_dim, cfg.rope_theta
 
     def dimension(rotations: float) -> float:  # the dimension that turns this many times over the context
         return dim * math.log(cfg.rope_original_context / (rotations * 2 * math.pi)) / (2 * math.log(base))
@@ -39,11 +39,19 @@ def yarn_inverse_frequencies(cfg: ModelConfig) -> Tensor:
     return kept / cfg.rope_factor * ramp + kept * (1 - ramp)
 
 
+def yarn_gain(factor: float, mscale: float) -> float:
+    """YaRN's attention gain ``0.1 * mscale * ln(factor) + 1`` (1 when nothing is stretched)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
 def yarn_attention_factor(cfg: ModelConfig) -> float:
-    """The scale YaRN puts on cos and sin (so on queries and keys alike): given, or ``0.1 ln(factor) + 1``."""
+    """The scale YaRN puts on cos and sin (so on queries and keys alike): given, or
+    ``yarn_gain(rope_mscale) / yarn_gain(rope_mscale_all_dim)``, which is ``0.1 ln(factor) + 1`` unless
+    DeepSeek's mscales are set (MLA puts the ``rope_mscale_all_dim`` gain on its softmax scale instead).
+    """
     if cfg.rope_attention_factor is not None:
         return cfg.rope_attention_factor
-    return 0.1 * math.log(cfg.rope_factor) + 1.0 if cfg.rope_factor > 1 else 1.0
+    return yarn_gain(cfg.rope_factor, cfg.rope_mscale) / yarn_gain(cfg.rope_factor, cfg.rope_mscale_all_dim)
 
 
 def rope_frequencies(head_dim: int, max_len: int, theta: float) -> Tensor:
@@ -52,11 +60,12 @@ def rope_frequencies(head_dim: int, max_len: int, theta: float) -> Tensor:
 
 
 def rope_table(cfg: ModelConfig) -> Tensor:
-    """The model's rotations ``[context_length, head_dim / 2]`` (complex64); YaRN's attention factor
-    is their magnitude, so the one complex multiply applies it."""
+    """The model's rotations ``[context_length, rope_dim / 2]`` (complex64): rope_dim is the head size,
+    or MLA's ``qk_rope_head_dim``. YaRN's attention factor is their magnitude, so the one complex
+    multiply applies it."""
     if cfg.rope_scaling == "yarn":
         return _rotations(yarn_inverse_frequencies(cfg), cfg.context_length, yarn_attention_factor(cfg))
-    return rope_frequencies(cfg.head_size, cfg.context_length, cfg.rope_theta)
+    return rope_frequencies(cfg.rope_dim, cfg.context_length, cfg.rope_theta)
 
 
 def _rotations(inv_freq: Tensor, max_len: int, magnitude: float) -> Tensor:

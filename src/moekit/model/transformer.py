@@ -18,6 +18,7 @@ from torch import Tensor, nn
 from moekit.config import ModelConfig, MoEConfig
 from moekit.experts import DenseFFN
 from moekit.layer import MoE
+from moekit.model.mla import MLA
 from moekit.model.rope import apply_rope, rope_table
 from moekit.model.sdpa import attend, causal_mask
 from moekit.stats import MoEStats
@@ -34,7 +35,8 @@ class ModelOutput:
 class Cache(Protocol):
     """What the model asks of a KV cache: the positions of this step's tokens (as RoPE frequencies),
     attention of its queries to the cached keys, and the step's end. ``KVCache`` holds one contiguous
-    block per row; ``moekit.serve.kv.PagedStep`` packs sequences at different positions into one row."""
+    block per row; ``moekit.serve.kv.PagedStep`` packs sequences at different positions into one row.
+    MLA asks for more (``moekit.model.mla.Cache``, its latent rows): only ``KVCache`` has it."""
 
     def rope(self, freqs_Sd2: Tensor, num_tokens: int) -> Tensor: ...
 
@@ -51,6 +53,10 @@ class KVCache:
     ``left_pad_B`` (batched prompts of different lengths, left-aligned with padding) says how many
     leading positions of each row are padding: no real token attends to them. RoPE sees only
     relative positions, so a row shifted right by its padding computes what it would alone.
+
+    MLA (``cfg.attention == "mla"``) caches one latent per token instead, ``[B, 1, max_len,
+    kv_lora_rank + qk_rope_head_dim]`` in ``keys`` (``values`` are empty); ``mla_expanded=True``
+    caches its expanded per-head keys and values, the naive form benchmarks compare against.
     """
 
     def __init__(
@@ -60,16 +66,29 @@ class KVCache:
         device: torch.device,
         dtype: torch.dtype,
         left_pad_B: Tensor | None = None,
+        mla_expanded: bool = False,
     ) -> None:
-        shape = (batch_size, cfg.kv_heads, cfg.context_length, cfg.head_size)
-        self.keys = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layers)]
-        self.values = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layers)]
+        k_shape = v_shape = (batch_size, cfg.kv_heads, cfg.context_length, cfg.head_size)
+        self.mla_expanded = mla_expanded and cfg.attention == "mla"
+        if self.mla_expanded:
+            k_shape = (batch_size, cfg.n_heads, cfg.context_length, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
+            v_shape = (batch_size, cfg.n_heads, cfg.context_length, cfg.v_head_dim)
+        elif cfg.attention == "mla":
+            k_shape = (batch_size, 1, cfg.context_length, cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+            v_shape = (batch_size, 1, cfg.context_length, 0)
+        self.keys = [torch.zeros(k_shape, device=device, dtype=dtype) for _ in range(cfg.n_layers)]
+        self.values = [torch.zeros(v_shape, device=device, dtype=dtype) for _ in range(cfg.n_layers)]
         self.length = 0  # tokens cached
         self.left_pad = left_pad_B if left_pad_B is not None and bool(left_pad_B.any()) else None
 
     def attention_mask(self, num_queries: int, num_keys: int, device: torch.device, window: int = 0) -> Tensor | None:
         """``[B or 1, 1, L, S]`` boolean mask for queries at positions length.. (None: plain causal)."""
         return causal_mask(self.length, num_queries, num_keys, window, self.left_pad, device)
+
+    def bytes_per_token(self) -> int:
+        """Cache bytes one token takes over all layers."""
+        pairs = zip(self.keys, self.values, strict=True)
+        return sum((k[0, :, 0].numel() + v[0, :, 0].numel()) * k.element_size() for k, v in pairs)
 
     def append(self, layer: int, k_BGLd: Tensor, v_BGLd: Tensor) -> tuple[Tensor, Tensor]:
         """Store this step's keys/values at positions [length, length+L); return all cached so far."""
@@ -190,7 +209,7 @@ class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, moe_cfg: MoEConfig | None, moe_index: int = 0, window: int = 0) -> None:
         super().__init__()
         self.attn_norm = make_norm(cfg)
-        self.attn = Attention(cfg, window)
+        self.attn = MLA(cfg) if cfg.attention == "mla" else Attention(cfg, window)
         self.ffn_norm = make_norm(cfg)
         self.ffn = (
             MoE(moe_cfg, moe_index) if moe_cfg is not None else DenseFFN(cfg.d_model, cfg.d_ff, cfg.mlp_activation)

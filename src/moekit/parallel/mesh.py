@@ -62,6 +62,8 @@ def resolve_layout(cfg: RunConfig, world_size: int, local_world_size: int | None
         raise LayoutError(f"parallel.ep={p.ep}: the model has no MoE blocks to spread")
     if bad:
         raise LayoutError(f"parallel.ep={p.ep} must divide the experts of every MoE block (got {bad[0]})")
+    if p.tp > 1 and m.attention == "mla":
+        raise LayoutError(f"parallel.tp={p.tp}: tensor parallelism does not shard MLA (model.attention=mla); use ep/dp")
     if m.kv_heads % p.tp:
         raise LayoutError(f"parallel.tp={p.tp} must divide the key/value heads (model.n_kv_heads={m.kv_heads})")
     if p.tp > 1 and m.attn_sinks:
