@@ -6,7 +6,8 @@ Layout: the tests mirror the package.
   files adds a topic (test_train_loop_nonfinite.py). test_imports.py checks the package as a whole.
 - e2e/test_cli_<command>.py drives one ``moekit`` command as a user does (``python -m moekit`` or
   ``moekit.cli.main``); e2e/test_bad_input.py is the table of bad input across commands.
-- dist/ spawns gloo ranks; parity/ compares with transformers (both named by what they check).
+- dist/ spawns gloo ranks; parity/ compares with transformers (both named by what they check; a
+  parity test may drive the CLI when its input is a transformers model).
 Helpers used by more than one file live in helpers.py, fixtures here.
 """
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 ROUTERS = ("topk", "switch", "gshard", "noisy_topk", "expert_choice", "hash")
+TOKEN_CHOICE_ROUTERS = ("topk", "switch", "gshard", "noisy_topk")  # learned, k experts per token
 SCORE_FUNCS = ("softmax", "sigmoid")
 GROUP_SCORES = ("max", "top2_sum")
 ACTIVATIONS = ("swiglu", "gelu", "clamped_swiglu")
@@ -97,7 +98,7 @@ class MoEConfig:
         dense_mlps = self.num_shared_experts or self.residual
         ok = self.activation != "clamped_swiglu" or not dense_mlps
         _require(ok, "activation", self.activation, "routed experts only (shared and residual MLPs: swiglu, gelu)")
-        ok = not self.router_bias or self.router in ("topk", "switch", "gshard", "noisy_topk")
+        ok = not self.router_bias or self.router in TOKEN_CHOICE_ROUTERS
         _require(ok, "router_bias", self.router_bias, "needs a token-choice router")
         self._check_groups()
         if self.shared_expert_gate:
@@ -113,7 +114,7 @@ class MoEConfig:
             _require(getattr(self, name) >= 0, name, getattr(self, name), "must be >= 0")
         if self.bias_update_rate > 0:
             _require(
-                self.router in ("topk", "switch", "gshard", "noisy_topk"),
+                self.router in TOKEN_CHOICE_ROUTERS,
                 "bias_update_rate",
                 self.bias_update_rate,
                 f"aux-loss-free bias needs a token-choice router, not {self.router!r}",

@@ -14,14 +14,10 @@ from typing import Any
 import torch
 
 from moekit.config import ModelConfig, MoEConfig
-from moekit.convert.errors import ConversionError
+from moekit.convert.errors import ConversionError, unfit
 from moekit.convert.hf_rope import rope_from_hf, rope_to_hf
 
 FAMILIES = ("deepseek_v2", "deepseek_v3")
-
-
-def _unfit(hf: dict[str, Any], what: str) -> ConversionError:
-    return ConversionError(f"{hf['model_type']}: {what} does not fit moekit's model")
 
 
 def _routing(hf: dict[str, Any]) -> dict[str, Any]:
@@ -30,19 +26,24 @@ def _routing(hf: dict[str, Any]) -> dict[str, Any]:
     route = {"route_scale": float(hf.get("routed_scaling_factor", 1.0)), "top_k": top_k}
     if hf["model_type"] == "deepseek_v2":
         if hf.get("norm_topk_prob"):
-            raise _unfit(hf, "norm_topk_prob=True (transformers' DeepSeek-V2 never renormalises; moekit follows it)")
+            raise unfit(
+                hf["model_type"],
+                "norm_topk_prob=True (transformers' DeepSeek-V2 never renormalises; moekit follows it)",
+            )
         method = hf.get("topk_method") or "greedy"
         if method == "greedy":
             return route | {"score_func": "softmax", "normalize_topk": False}
         if method != "group_limited_greedy":
-            raise _unfit(hf, f"topk_method {method!r} (greedy or group_limited_greedy)")
+            raise unfit(hf["model_type"], f"topk_method {method!r} (greedy or group_limited_greedy)")
         groups = {"n_group": n_group, "topk_group": topk_group, "group_score": "max"}
         return route | {"score_func": "softmax", "normalize_topk": False} | groups
     normalize = bool(hf.get("norm_topk_prob", True))
     if top_k == 1 and normalize:
-        raise _unfit(hf, "top-1 routing with a renormalised weight of 1 (moekit keeps the router's probability)")
+        raise unfit(
+            hf["model_type"], "top-1 routing with a renormalised weight of 1 (moekit keeps the router's probability)"
+        )
     if hf.get("scoring_func", "sigmoid") != "sigmoid":
-        raise _unfit(hf, f"scoring_func {hf['scoring_func']!r} (transformers' DeepSeek-V3 uses sigmoid)")
+        raise unfit(hf["model_type"], f"scoring_func {hf['scoring_func']!r} (transformers' DeepSeek-V3 uses sigmoid)")
     groups = {"n_group": n_group, "topk_group": topk_group, "group_score": "top2_sum"}
     return route | {"score_func": "sigmoid", "normalize_topk": normalize, "aux_loss_coef": 0.0} | groups
 
@@ -51,20 +52,22 @@ def configs_from_hf(hf: dict[str, Any]) -> tuple[ModelConfig, MoEConfig]:
     """moekit's model and MoE configs for a DeepSeek-V2/V3 config, built as transformers builds its model."""
     for field, needed in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)):
         if hf.get(field, needed) != needed:
-            raise _unfit(hf, f"{field}={hf[field]!r} (moekit needs {needed!r})")
+            raise unfit(hf["model_type"], f"{field}={hf[field]!r} (moekit needs {needed!r})")
     for field in ("quantization_config", "moe_layer_freq"):
         if hf.get(field) not in (None, 1):
-            raise _unfit(hf, f"{field}={hf[field]!r}")
+            raise unfit(hf["model_type"], f"{field}={hf[field]!r}")
     heads, n_layers = hf["num_attention_heads"], hf["num_hidden_layers"]
     kv_heads = hf.get("num_key_value_heads") or heads
     if kv_heads < heads:  # transformers ignores it at num_attention_heads or above (MLA has no kv heads)
-        raise _unfit(hf, f"num_key_value_heads={kv_heads} < num_attention_heads={heads} (MLA expands every head)")
+        raise unfit(
+            hf["model_type"], f"num_key_value_heads={kv_heads} < num_attention_heads={heads} (MLA expands every head)"
+        )
     shared = hf.get("n_shared_experts")
     if not isinstance(shared, int) or shared < 1:
-        raise _unfit(hf, f"n_shared_experts={shared!r} (moekit reads DeepSeek models with shared experts)")
+        raise unfit(hf["model_type"], f"n_shared_experts={shared!r} (moekit reads DeepSeek models with shared experts)")
     dense = hf.get("first_k_dense_replace") or 0
     if dense >= n_layers:
-        raise _unfit(hf, f"first_k_dense_replace={dense} (no MoE blocks left of {n_layers})")
+        raise unfit(hf["model_type"], f"first_k_dense_replace={dense} (no MoE blocks left of {n_layers})")
     model = ModelConfig(
         vocab_size=hf["vocab_size"],
         context_length=hf.get("max_position_embeddings", 2048),

@@ -14,7 +14,7 @@ import torch
 
 from moekit.config import ModelConfig, MoEConfig
 from moekit.convert import deepseek
-from moekit.convert.errors import ConversionError
+from moekit.convert.errors import ConversionError, unfit
 from moekit.convert.hf_rope import rope_from_hf, rope_to_hf
 from moekit.convert.keymap import FAMILIES, Family
 
@@ -40,16 +40,12 @@ def family_of(hf: dict[str, Any]) -> Family:
     return family
 
 
-def _unfit(family: Family, what: str) -> ConversionError:
-    return ConversionError(f"{family.model_type}: {what} does not fit moekit's model")
-
-
 def _full_attention_every(family: Family, layer_types: list[str]) -> int:
     """moekit's ``full_attention_every`` for a list of per-layer "sliding_attention"/"full_attention"."""
     for every in range(len(layer_types) + 1):
         if layer_types == layer_types_of(len(layer_types), every):
             return every
-    raise _unfit(family, f"layer_types {layer_types} (moekit makes every n-th block full attention)")
+    raise unfit(family.model_type, f"layer_types {layer_types} (moekit makes every n-th block full attention)")
 
 
 def layer_types_of(n_layers: int, full_attention_every: int) -> list[str]:
@@ -84,7 +80,7 @@ def _moe_pattern(family: Family, n_layers: int, moe_layers: list[int]) -> tuple[
             cfg_layers = [i for i in range(first, n_layers) if (i - first) % every == 0]
             if cfg_layers == moe_layers:
                 return first, every
-    raise _unfit(family, f"MoE blocks at layers {moe_layers} (moekit places them every n-th block)")
+    raise unfit(family.model_type, f"MoE blocks at layers {moe_layers} (moekit places them every n-th block)")
 
 
 def _qkv_bias(family: Family, hf: dict[str, Any]) -> bool:
@@ -92,7 +88,7 @@ def _qkv_bias(family: Family, hf: dict[str, Any]) -> bool:
     if family.model_type in ("qwen3_moe", "gpt_oss"):
         return bool(hf.get("attention_bias"))  # with the output projection's (attn_out_bias)
     if family.model_type in ("llama", "olmoe") and hf.get("attention_bias"):
-        raise _unfit(family, "attention_bias=True (it also biases o_proj, which moekit's attention lacks)")
+        raise unfit(family.model_type, "attention_bias=True (it also biases o_proj, which moekit's attention lacks)")
     if family.model_type == "qwen2_moe":
         return bool(hf.get("qkv_bias", True))  # transformers 5 reads the field; earlier versions always biased
     return family.model_type == "qwen2"
@@ -155,12 +151,12 @@ def configs_from_hf(hf: dict[str, Any]) -> tuple[ModelConfig, MoEConfig | None]:
     hf = _HF_DEFAULTS.get(family.model_type, {}) | hf
     d_model, n_heads, n_layers = hf["hidden_size"], hf["num_attention_heads"], hf["num_hidden_layers"]
     if hf.get("hidden_act", "silu") != "silu":
-        raise _unfit(family, f"hidden_act {hf['hidden_act']!r} (SwiGLU experts use silu)")
+        raise unfit(family.model_type, f"hidden_act {hf['hidden_act']!r} (SwiGLU experts use silu)")
     head_dim = hf.get("head_dim")
     if head_dim == d_model // n_heads and d_model % n_heads == 0:
         head_dim = None
     if hf.get("clip_qkv") is not None:
-        raise _unfit(family, f"clip_qkv {hf['clip_qkv']}")
+        raise unfit(family.model_type, f"clip_qkv {hf['clip_qkv']}")
     context = hf.get("max_position_embeddings", 2048)
     windowed = hf.get("use_sliding_window", family.model_type in ("mistral", "mixtral"))
     window = hf.get("sliding_window") if windowed else None
@@ -194,7 +190,9 @@ def configs_from_hf(hf: dict[str, Any]) -> tuple[ModelConfig, MoEConfig | None]:
     top_k = hf["num_experts_per_tok"]
     normalize = bool(hf.get("norm_topk_prob", family.model_type == "mixtral"))
     if top_k == 1 and normalize:
-        raise _unfit(family, "top-1 routing with a renormalised weight of 1 (moekit keeps the router's probability)")
+        raise unfit(
+            family.model_type, "top-1 routing with a renormalised weight of 1 (moekit keeps the router's probability)"
+        )
     qwen = family.model_type in ("qwen2_moe", "qwen3_moe")
     d_ff = hf["moe_intermediate_size"] if qwen else hf["intermediate_size"]
     moe = dict(d_model=d_model, d_ff=d_ff, num_experts=num_experts, top_k=top_k, normalize_topk=normalize)
@@ -207,14 +205,16 @@ def configs_from_hf(hf: dict[str, Any]) -> tuple[ModelConfig, MoEConfig | None]:
     if family.model_type == "qwen2_moe":
         shared = hf["shared_expert_intermediate_size"]
         if not isinstance(shared, int) or shared < 0:
-            raise _unfit(family, f"shared_expert_intermediate_size {shared!r} (must be an integer >= 0)")
+            raise unfit(family.model_type, f"shared_expert_intermediate_size {shared!r} (must be an integer >= 0)")
         if shared:  # one gated shared expert of its own width; 0: none (it would output zeros)
             moe.update(num_shared_experts=1, shared_d_ff=shared, shared_expert_gate=True)
     if not moe_layers:
-        raise _unfit(family, "no MoE blocks (mlp_only_layers and decoder_sparse_step leave every block dense)")
+        raise unfit(
+            family.model_type, "no MoE blocks (mlp_only_layers and decoder_sparse_step leave every block dense)"
+        )
     hf_coef = hf.get("router_aux_loss_coef", _HF_AUX_COEF[family.model_type])
     if not isinstance(hf_coef, (int, float)) or hf_coef < 0:
-        raise _unfit(family, f"router_aux_loss_coef {hf_coef!r} (must be a number >= 0)")
+        raise unfit(family.model_type, f"router_aux_loss_coef {hf_coef!r} (must be a number >= 0)")
     moe["aux_loss_coef"] = aux_coef_from_hf(hf_coef, top_k, len(moe_layers))
     model["first_dense_layers"], model["moe_every"] = _moe_pattern(family, n_layers, moe_layers)
     return ModelConfig(**model), MoEConfig(**moe)

@@ -6,12 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 from moekit.config import ModelConfig
-from moekit.convert.errors import ConversionError
+from moekit.convert.errors import unfit
 from moekit.model.rope import yarn_gain
-
-
-def _unfit(model_type: str, what: str) -> ConversionError:
-    return ConversionError(f"{model_type}: {what} does not fit moekit's model")
 
 
 def rope_from_hf(hf: dict[str, Any], default: dict[str, Any] | None = None, mla: bool = False) -> dict[str, Any]:
@@ -27,21 +23,21 @@ def rope_from_hf(hf: dict[str, Any], default: dict[str, Any] | None = None, mla:
     rope_type = params.get("rope_type") or params.get("type") or "default"
     theta = float(hf.get("rope_theta") or params.get("rope_theta") or 10000.0)
     if params.get("partial_rotary_factor", 1.0) != 1.0:
-        raise _unfit(model_type, f"partial_rotary_factor {params['partial_rotary_factor']}")
+        raise unfit(model_type, f"partial_rotary_factor {params['partial_rotary_factor']}")
     if rope_type == "default":
         return dict(rope_theta=theta)
     if rope_type != "yarn":
-        raise _unfit(model_type, f"rope_type {rope_type!r} (moekit has plain RoPE and YaRN)")
+        raise unfit(model_type, f"rope_type {rope_type!r} (moekit has plain RoPE and YaRN)")
     original = params.get("original_max_position_embeddings")
     if not original:
-        raise _unfit(model_type, "YaRN without original_max_position_embeddings")
+        raise unfit(model_type, "YaRN without original_max_position_embeddings")
     factor = params.get("factor") or hf["max_position_embeddings"] / original
     attention = params.get("attention_factor")
     mscale, mscale_all = params.get("mscale"), params.get("mscale_all_dim") or 0.0
     gains: dict[str, float] = {}
     if mla:
         if mscale_all and not mscale:
-            raise _unfit(model_type, f"rope mscale {mscale!r} with mscale_all_dim {mscale_all}")
+            raise unfit(model_type, f"rope mscale {mscale!r} with mscale_all_dim {mscale_all}")
         # transformers reads mscale only beside mscale_all_dim; alone, the gain is that of mscale 1
         gains = dict(rope_mscale=float(mscale) if mscale_all else 1.0, rope_mscale_all_dim=float(mscale_all))
     elif attention is None and mscale and mscale_all:

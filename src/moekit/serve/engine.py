@@ -91,7 +91,7 @@ class Engine:
         if num_blocks * bs < context:
             need = -(-context // bs) * KVPool.bytes_per_block(model.cfg, bs, dtype)
             raise ValueError(
-                f"--kv-budget={options.kv_budget}: holds {num_blocks * bs} positions, less than one "
+                f"kv_budget={options.kv_budget}: holds {num_blocks * bs} positions, less than one "
                 f"context of {context}: give at least {need} bytes"
             )
         self.pool = KVPool(model.cfg, num_blocks, bs, self.device, dtype)

@@ -180,7 +180,7 @@ def parse_request(
     name = "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens"
     max_tokens = _number(body, name, cap, 1, math.inf, integer=True)
     if max_tokens > cap:
-        why = f"the prompt leaves {room} of the context's {context}" if cap == room else "the server's --max-tokens"
+        why = f"the prompt leaves {room} of the context's {context}" if cap == room else "the server's limit"
         raise ApiError(400, f"'{name}'={max_tokens}: at most {cap} ({why})", name)
     if chat:
         count = _number(body, "top_logprobs", 0, 0, MAX_LOGPROBS, integer=True)

@@ -69,7 +69,7 @@ def listen(host: str, port: int) -> socket.socket:
         sock.bind((host, port))
     except OSError as err:
         sock.close()
-        raise ValueError(f"--port={port}: cannot listen on {host} ({err.strerror})") from None
+        raise ValueError(f"port={port}: cannot listen on {host} ({err.strerror})") from None
     sock.listen(2048)
     return sock
 
