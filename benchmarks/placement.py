@@ -149,7 +149,7 @@ def _run(rank: int, world: int, text: str, scenario: str, seed: int, steps: int,
                 moe.router.expert_bias.copy_(bias)
             dist.barrier()
             started = time.perf_counter()
-            record = loop._train_step(pm, None, opt, corpus, cfg, torch.device("cpu"), step, None)
+            record = loop._train_step(pm, opt, corpus, cfg, torch.device("cpu"), step, None)
             times[name].append(time.perf_counter() - started)
             rows.end_step()
             routed[name].append(sum(record["rank_load"]))

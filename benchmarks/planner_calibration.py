@@ -170,7 +170,7 @@ def _measure(
         for step in range(steps + 1):
             dist.barrier()
             started = time.perf_counter()
-            loop._train_step(pm, None, opt, corpus, cfg, torch.device("cpu"), step, None)
+            loop._train_step(pm, opt, corpus, cfg, torch.device("cpu"), step, None)
             times.append(time.perf_counter() - started)
         medians.append(statistics.median(times[1:]))
     return medians

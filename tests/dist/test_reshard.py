@@ -243,7 +243,7 @@ def _save_with_placement(rank: int, world: int, corpus_path: Path, tmp: Path) ->
         saver = Checkpointer(tmp / "placed", keep=2, background=True)  # rows staged, then written meanwhile
         losses = []
         for step in range(cfg.train.steps):
-            record = loop._train_step(pm, None, optimizer, corpus, cfg, cpu, step, None)
+            record = loop._train_step(pm, optimizer, corpus, cfg, cpu, step, None)
             losses.append(record["loss"])
             if step + 1 == save_at:
                 slots, rows = _live(pm, optimizer)

@@ -117,7 +117,7 @@ def load_run(
         if is_sharded(path):
             raise CheckpointError(
                 f"offload: {path} is sharded (written by several ranks); offloaded experts are read from one "
-                f"file: consolidate it first (moekit export)"
+                f"file: consolidate it first with moekit export"
             )
         model, offloader = offload.build(cfg.model, cfg.moe, path, device, dtype or checkpoint_dtype(path))
         return LoadedRun(model, load_tokenizer(run_dir), cfg, path, offloader)
