@@ -105,7 +105,6 @@ class PagedStep:
         # NOTE: a padding query (beyond its sequence's new tokens) still sees its sequence's keys, so
         # its softmax stays finite; its output is dropped.
         self.visible = mask.unsqueeze(1).to(device)  # [B, 1, Lq, S]
-        self.mask = None if bool(mask.all()) else self.visible
         self.query_pos = query_pos_BL.view(len(chunks), 1, most_new, 1).to(device)
         self.key_pos = key_pos.view(1, 1, 1, -1).to(device)
         self._windowed: dict[int, Tensor] = {}
@@ -126,8 +125,8 @@ class PagedStep:
             if window not in self._windowed:
                 self._windowed[window] = self.visible & (self.key_pos > self.query_pos - window)
             mask = self._windowed[window]
-        else:
-            mask = self.mask if sinks_H is None else self.visible  # with sinks, None would mean causal
+        else:  # never None: to attend, None means causal from position 0, not these keys
+            mask = self.visible
         return self._unpad(attend(q_BHLd, k_BGSd, v_BGSd, mask, sinks_H, 0.0))
 
     def advance(self, num_tokens: int) -> None:
