@@ -20,6 +20,7 @@ from test_hf_parity import assert_routing_decides, assert_same_model, tokens  # 
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 from moekit.convert import ConversionError, from_hf, to_hf  # noqa: E402
+from moekit.convert.stream import open_hf  # noqa: E402
 
 SHAPES = dict(
     vocab_size=97,
@@ -156,6 +157,30 @@ def test_v3_selection_bias_matters(tmp_path: Path) -> None:
         router.expert_bias.zero_()
         without = router(x).expert_idx
     assert not torch.equal(with_bias, without)
+
+
+def test_v3_multi_token_prediction_layers_are_left_out(tmp_path: Path) -> None:
+    """A V3 checkpoint with ``num_nextn_predict_layers`` stores its MTP module as one more block (plus
+    its own norms and projection) in a second shard, as the released checkpoints do; conversion leaves
+    exactly those tensors out, and the model is unchanged. An unknown tensor elsewhere is still an error."""
+    from safetensors.torch import load_file, save_file
+
+    hf_model = save_deepseek("deepseek_v3", tmp_path / "hf", **V3)
+    main = load_file(tmp_path / "hf" / "model.safetensors")
+    last = f"model.layers.{V3['num_hidden_layers'] - 1}."
+    mtp = {k.replace(last, "model.layers.3."): v for k, v in main.items() if k.startswith(last)}
+    mtp |= {"model.layers.3.eh_proj.weight": torch.zeros(48, 96), "model.layers.3.enorm.weight": torch.ones(48)}
+    save_file(mtp, tmp_path / "hf" / "mtp.safetensors", metadata={"format": "pt"})
+    (tmp_path / "hf" / "model.safetensors").rename(tmp_path / "hf" / "main.safetensors")
+    weight_map = {k: "main.safetensors" for k in main} | {k: "mtp.safetensors" for k in mtp}
+    (tmp_path / "hf" / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(config | {"num_nextn_predict_layers": 0}))
+    with pytest.raises(ConversionError, match="no place for: model.layers.3."):
+        from_hf(tmp_path / "hf")
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(config | {"num_nextn_predict_layers": 1}))
+    assert open_hf(tmp_path / "hf").skipped == sorted(mtp)
+    assert_same_model(hf_model, from_hf(tmp_path / "hf"))
 
 
 @pytest.mark.parametrize(

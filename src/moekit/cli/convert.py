@@ -38,6 +38,9 @@ def run(args: argparse.Namespace) -> int:
     size = (path / "model.safetensors").stat().st_size
     dtype = str(checkpoint.dtype).removeprefix("torch.")
     params = f"{checkpoint.num_params / 1e6:.2f}M parameters"
+    if checkpoint.skipped:
+        first = checkpoint.skipped[0]
+        print(f"left out {len(checkpoint.skipped)} multi-token-prediction tensors ({first}, ...): moekit has no MTP")
     print(f"run directory: {out} ({params}, {kind}, {dtype}, {size / 1e9:.2f} GB)")
     print(f"generate: moekit generate {out} --prompt '...';  train: moekit train --init {out} --run-dir ...")
     return 0

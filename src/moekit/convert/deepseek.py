@@ -48,6 +48,14 @@ def _routing(hf: dict[str, Any]) -> dict[str, Any]:
     return route | {"score_func": "sigmoid", "normalize_topk": normalize, "aux_loss_coef": 0.0} | groups
 
 
+def mtp_prefixes(hf: dict[str, Any]) -> tuple[str, ...]:
+    """Key prefixes of V3's multi-token-prediction modules (``num_nextn_predict_layers`` of them, stored as
+    blocks after the last one). They serve MTP training and speculative decoding, which moekit does not
+    do, and transformers' DeepSeek-V3 leaves them out too, so conversion skips them (and says so)."""
+    first = hf["num_hidden_layers"]
+    return tuple(f"model.layers.{first + i}." for i in range(hf.get("num_nextn_predict_layers") or 0))
+
+
 def configs_from_hf(hf: dict[str, Any]) -> tuple[ModelConfig, MoEConfig]:
     """moekit's model and MoE configs for a DeepSeek-V2/V3 config, built as transformers builds its model."""
     for field, needed in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)):
@@ -167,7 +175,8 @@ def hf_config(family: str, model: ModelConfig, moe: MoEConfig) -> dict[str, Any]
         "use_cache": True,
     }
     if family == "deepseek_v3":
-        return config | groups | {"norm_topk_prob": moe.normalize_topk, "rope_interleave": True}
+        v3 = {"norm_topk_prob": moe.normalize_topk, "rope_interleave": True, "num_nextn_predict_layers": 0}
+        return config | groups | v3  # no multi-token-prediction module is written
     if moe.n_group > 1:
         return config | groups | {"topk_method": "group_limited_greedy", "norm_topk_prob": False}
     return config | {"topk_method": "greedy", "norm_topk_prob": False}

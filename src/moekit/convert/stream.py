@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from moekit.config import ModelConfig, MoEConfig
+from moekit.convert import deepseek
 from moekit.convert.hf_config import ConversionError, configs_from_hf, family_of, read_hf_config
 from moekit.convert.keymap import Family, Rule, expert_rule, inert, join, rules
 from moekit.convert.safetensors_dir import SafetensorsDir
@@ -42,6 +43,7 @@ class HFCheckpoint:
     dtype: torch.dtype  # of the converted parameters
     entries: list[tuple[str, torch.dtype, tuple[int, ...]]]  # every native tensor, in write order
     num_params: int
+    skipped: list[str]  # checkpoint tensors left out on purpose (DeepSeek-V3's multi-token prediction)
 
     def pieces(self) -> Iterator[tuple[str, slice, Tensor]]:
         """(native name, its leading rows this piece fills, the piece), in ``entries`` order: a stacked
@@ -103,7 +105,11 @@ def open_hf(path: Path, dtype: torch.dtype | None = None) -> HFCheckpoint:
             got = tuple(shape_of(key).shape)
             if 0 in shape and got != shape:
                 raise ConversionError(f"{path}: {key} has shape {got}, the config implies {shape}")
-    unused = sorted(k for k in source.files if k not in used and not k.endswith("rotary_emb.inv_freq"))
+    mtp = deepseek.mtp_prefixes(hf) if family.model_type in deepseek.FAMILIES else ()
+    skipped = sorted(k for k in source.files if mtp and k.startswith(mtp))
+    unused = sorted(
+        k for k in source.files if k not in used and k not in skipped and not k.endswith("rotary_emb.inv_freq")
+    )
     if unused:
         raise ConversionError(f"{path}: tensors moekit's model has no place for: {', '.join(unused[:4])}")
     dtype = dtype or source.dtype()
@@ -112,4 +118,4 @@ def open_hf(path: Path, dtype: torch.dtype | None = None) -> HFCheckpoint:
     assert all(name.endswith(_ZERO_BUFFERS) for name in zeros), f"no rule makes {zeros}"
     entries = [(rule.native, dtype, tuple(state[rule.native].shape)) for rule in table]
     entries += [(name, state[name].dtype, tuple(state[name].shape)) for name in zeros]
-    return HFCheckpoint(path, family, model_cfg, moe_cfg, source, table, dtype, entries, meta.num_params())
+    return HFCheckpoint(path, family, model_cfg, moe_cfg, source, table, dtype, entries, meta.num_params(), skipped)
