@@ -61,9 +61,8 @@ def configs_from_hf(hf: dict[str, Any]) -> tuple[ModelConfig, MoEConfig]:
     for field, needed in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)):
         if hf.get(field, needed) != needed:
             raise unfit(hf["model_type"], f"{field}={hf[field]!r} (moekit needs {needed!r})")
-    for field in ("quantization_config", "moe_layer_freq"):
-        if hf.get(field) not in (None, 1):
-            raise unfit(hf["model_type"], f"{field}={hf[field]!r}")
+    if hf.get("moe_layer_freq", 1) != 1:
+        raise unfit(hf["model_type"], f"moe_layer_freq={hf['moe_layer_freq']!r}")
     heads, n_layers = hf["num_attention_heads"], hf["num_hidden_layers"]
     kv_heads = hf.get("num_key_value_heads") or heads
     if kv_heads < heads:  # transformers ignores it at num_attention_heads or above (MLA has no kv heads)

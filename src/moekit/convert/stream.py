@@ -20,6 +20,7 @@ from torch import Tensor
 
 from moekit.config import ModelConfig, MoEConfig
 from moekit.convert import deepseek
+from moekit.convert.fp8 import DequantizedDir, block_size_of
 from moekit.convert.hf_config import ConversionError, configs_from_hf, family_of, read_hf_config
 from moekit.convert.keymap import Family, Rule, expert_rule, inert, join, rules
 from moekit.convert.safetensors_dir import SafetensorsDir
@@ -78,7 +79,8 @@ def open_hf(path: Path, dtype: torch.dtype | None = None) -> HFCheckpoint:
     path = Path(path)
     hf = read_hf_config(path)
     family = family_of(hf)
-    source = SafetensorsDir(path)
+    block = block_size_of(hf)
+    source = SafetensorsDir(path) if block is None else DequantizedDir(path, block)
     try:
         model_cfg, moe_cfg = configs_from_hf(hf)
     except KeyError as err:

@@ -31,6 +31,8 @@ DTYPES = {
     "F32": torch.float32,
     "F16": torch.float16,
     "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
     "I64": torch.int64,
     "I32": torch.int32,
     "I16": torch.int16,
