@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from moekit.dispatch.all_to_all import EPGroups, Exchange, exchange
+from moekit.dispatch.all_to_all import EPGroups, Exchange, ExpertPlacement, exchange
 from moekit.dispatch.base import ScheduledExperts
 from moekit.dispatch.local import DispatchMeta
 from moekit.experts.grouped import ExpertsFn
@@ -47,6 +47,7 @@ class DedupDispatcher:
         self.local_experts = num_experts // self.world
         self.rank = dist.get_rank(groups.ep)
         self.groups = groups
+        self.placement = ExpertPlacement.identity(num_experts)  # fixed; read by the rebalancer's load metrics
 
     def apply(self, x_TD: Tensor, routing: RouterOutput, experts: ScheduledExperts) -> tuple[Tensor, DispatchMeta]:
         """y [T, D] = sum over each token's assignments of weight x expert(x), one row per (token, rank) each way."""
