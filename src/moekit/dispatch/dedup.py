@@ -65,7 +65,8 @@ class DedupDispatcher:
         payload = torch.cat([x_TD.index_select(0, token_P), w_PK.to(x_TD.dtype)], dim=1)
         y_PD = experts(payload, schedule=functools.partial(self._remote, plan, ids_PK, D))
         y_TD = y_PD.new_zeros(T, D).index_add(0, token_P, y_PD)
-        routed = torch.bincount(routing.expert_idx, minlength=self.num_experts)
+        routed = torch.bincount(routing.expert_idx, minlength=self.num_experts)  # dropless: kept = routed
+        # NOTE: rows are not sorted here, so the meta carries the router's order; the layer reads only its counts.
         return y_TD, DispatchMeta(routing.token_idx, routing.weights, T, routed, routed)
 
     def _plan(self, pairs_W: Tensor, slot_R: Tensor) -> tuple[Exchange, int]:
