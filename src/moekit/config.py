@@ -167,6 +167,7 @@ class ParallelConfig:
     all_to_all: str = "flat"  # flat | two_level (within a node, then across nodes: Tutel 2DH)
     node_size: int = 0  # ep ranks per node for the two-level all-to-all; 0 = ranks on this host / tp
     overlap_chunks: int = 1  # >1: split each dispatch so one chunk's all-to-all overlaps another's GEMM
+    dispatch_dedup: bool = False  # send a token once per ep rank holding any of its experts, not once per expert
     expert_sharding: str = "shard"  # expert weights over dp: shard (FSDP) | replicate (all-reduced grads)
     pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b | looped_bfs
     pp_microbatches: int = 0  # micro-batches per pipeline step; 0 = 2 * pp (must divide train.batch_size)

@@ -10,7 +10,8 @@ rank.
 
 The matrix: expert_sharding (shard | replicate) x ep x dp for every ep * dp <= 4, tp alone, with ep
 and with replicated experts over dp, overlapped dispatch (with dp > 1 both ways), two-level
-all-to-all with and without overlap, live placement and shadow experts with dp > 1, capacity, every
+all-to-all with and without overlap, the deduplicated dispatch (two-level, and ep x dp with
+group-limited routing), live placement and shadow experts with dp > 1, capacity, every
 pipeline schedule and pp x ep, and ep x dp for latent attention with group-limited sigmoid routing. Layouts that cannot run fail with a ``LayoutError`` before any
 collective (the last test).
 """
@@ -84,6 +85,7 @@ def _matrix() -> dict[str, tuple[int, dict[str, str]]]:
     ep2dp2 = {"parallel.ep": "2", "parallel.dp": "2"}
     two_level = {"parallel.ep": "4", "parallel.all_to_all": "two_level", "parallel.node_size": "2"}
     overlap = {"parallel.overlap_chunks": "2"}
+    dedup = {"parallel.dispatch_dedup": "true"}
     out |= {
         "tp2": (2, {"parallel.tp": "2"}),
         "tp2xep2": (4, {"parallel.tp": "2", "parallel.ep": "2"}),
@@ -106,6 +108,8 @@ def _matrix() -> dict[str, tuple[int, dict[str, str]]]:
         ),
         "ep2xpp2": (4, {"parallel.ep": "2", "parallel.pp": "2"}),
         "ep2xdp2-mla-groups": (4, {**ep2dp2, **MLA_GROUPS}),
+        "ep2xdp2-mla-groups-dedup": (4, {**ep2dp2, **MLA_GROUPS, **dedup}),
+        "ep4-two-level-dedup": (4, {**two_level, **dedup}),
     }
     for schedule in ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs"):
         layers = "4" if schedule in ("interleaved_1f1b", "looped_bfs") else "2"  # two stages per rank
@@ -311,6 +315,9 @@ def test_layouts_match_single_process(world: int, tmp_path) -> None:
         (2, {"parallel.tp": "2", "model.attention": "mla"}, "parallel.tp=2: tensor parallelism does not shard MLA"),
         (4, {"parallel.ep": "2", "parallel.dp": "1"}, "dp*ep*tp*pp"),
         (2, {"parallel.ep": "2", "parallel.all_to_all": "two_level", "parallel.node_size": "4"}, "parallel.node_size"),
+        (2, {"parallel.ep": "2", "parallel.dispatch_dedup": "true", "parallel.overlap_chunks": "2"}, "overlap_chunks"),
+        (2, {"parallel.ep": "2", "parallel.dispatch_dedup": "true", "parallel.placement_every": "2"}, "placement_every"),
+        (2, {"parallel.ep": "2", "parallel.dispatch_dedup": "true", "moe.capacity_factor": "1.0"}, "capacity_factor"),
     ],
 )
 def test_unsupported_layouts_fail_before_any_collective(world, overrides, field, monkeypatch) -> None:

@@ -10,6 +10,8 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 from moekit.config import ParallelConfig
 from moekit.dispatch.all_to_all import AllToAllDispatcher, EPGroups
+from moekit.dispatch.dedup import DedupDispatcher
+from moekit.layer import MoE
 from moekit.model import Transformer
 from moekit.parallel.mesh import Layout, RunMesh
 
@@ -28,9 +30,18 @@ def apply_ep(model: Transformer, mesh: RunMesh, layout: Layout, cfg: ParallelCon
         return
     groups = ep_groups(mesh, layout, cfg)
     for moe in model.moe_layers():
-        for name, weight in list(moe.experts.named_parameters(recurse=False)):
-            sharded = distribute_tensor(weight.detach(), mesh["ep"], [Shard(0)])
-            setattr(moe.experts, name, nn.Parameter(sharded, requires_grad=weight.requires_grad))
+        shard_moe(moe, mesh, groups, cfg)
+
+
+def shard_moe(moe: MoE, mesh: RunMesh, groups: EPGroups, cfg: ParallelConfig) -> None:
+    """One MoE layer: its experts sharded over ``mesh["ep"]``, its dispatcher the all-to-all one (per
+    expert, or per rank with ``parallel.dispatch_dedup``)."""
+    for name, weight in list(moe.experts.named_parameters(recurse=False)):
+        sharded = distribute_tensor(weight.detach(), mesh["ep"], [Shard(0)])
+        setattr(moe.experts, name, nn.Parameter(sharded, requires_grad=weight.requires_grad))
+    if cfg.dispatch_dedup:
+        moe.dispatcher = DedupDispatcher(moe.cfg.num_experts, groups)
+    else:
         capacity = moe.dispatcher.capacity_factor
         moe.dispatcher = AllToAllDispatcher(moe.cfg.num_experts, groups, capacity, cfg.overlap_chunks)
 

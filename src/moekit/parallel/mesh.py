@@ -93,12 +93,34 @@ def resolve_layout(cfg: RunConfig, world_size: int, local_world_size: int | None
                 "parallel.placement_every with parallel.dp > 1 needs parallel.expert_sharding = replicate "
                 "(moving FSDP-sharded experts is not built)"
             )
+    if p.dispatch_dedup and p.ep > 1:
+        _check_dedup(cfg)
     node_size = p.ep
     if p.all_to_all == "two_level":
         node_size = p.node_size or infer_node_size(cfg, world_size, local_world_size)
         if p.ep % node_size:
             raise LayoutError(f"parallel.node_size={node_size} must divide parallel.ep={p.ep}")
     return Layout(dp, p.ep, p.tp, p.pp, node_size)
+
+
+def _check_dedup(cfg: RunConfig) -> None:
+    """The deduplicated dispatch runs each expert at its home rank, dropless, in one exchange each way."""
+    p = cfg.parallel
+    if p.overlap_chunks > 1:
+        raise LayoutError(
+            f"parallel.dispatch_dedup with parallel.overlap_chunks={p.overlap_chunks}: chunked overlap is built "
+            "for the per-expert dispatch only; set one of them"
+        )
+    if p.placement_every:
+        raise LayoutError(
+            "parallel.dispatch_dedup with parallel.placement_every: re-placed and shadow experts are built "
+            "for the per-expert dispatch only; set one of them"
+        )
+    if cfg.is_moe and cfg.moe.capacity_factor is not None and cfg.moe.router != "expert_choice":
+        raise LayoutError(
+            f"parallel.dispatch_dedup with moe.capacity_factor={cfg.moe.capacity_factor}: the deduplicated "
+            "dispatch is dropless; unset moe.capacity_factor or parallel.dispatch_dedup"
+        )
 
 
 def infer_node_size(cfg: RunConfig, world_size: int, local_world_size: int | None = None) -> int:

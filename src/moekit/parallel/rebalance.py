@@ -26,6 +26,7 @@ from torch import Tensor
 
 from moekit.config import ParallelConfig
 from moekit.dispatch.all_to_all import AllToAllDispatcher, ExpertPlacement
+from moekit.dispatch.dedup import DedupDispatcher
 from moekit.experts.grouped import expert_ffn, local_tensor
 from moekit.layer import MoE
 from moekit.parallel.placement import choose_shadows, imbalance, migration, place_experts, rank_loads
@@ -41,16 +42,22 @@ class _Layer:
 
     @property
     def dispatcher(self) -> AllToAllDispatcher:
+        """The re-placeable dispatcher (the layout refuses ``placement_every`` with the deduplicated one)."""
         assert isinstance(self.moe.dispatcher, AllToAllDispatcher)
         return self.moe.dispatcher
 
     @property
+    def placement(self) -> ExpertPlacement:
+        assert isinstance(self.moe.dispatcher, AllToAllDispatcher | DedupDispatcher)
+        return self.moe.dispatcher.placement
+
+    @property
     def slots(self) -> tuple[int, ...]:
-        return self.dispatcher.placement.expert_to_slot
+        return self.placement.expert_to_slot
 
     @property
     def shadows(self) -> tuple[int, ...]:
-        return self.dispatcher.placement.shadows
+        return self.placement.shadows
 
 
 class Rebalancer:
