@@ -318,6 +318,7 @@ def test_layouts_match_single_process(world: int, tmp_path) -> None:
         (2, {"parallel.ep": "2", "parallel.dispatch_dedup": "true", "parallel.overlap_chunks": "2"}, "overlap_chunks"),
         (2, {"parallel.ep": "2", "parallel.dispatch_dedup": "true", "parallel.placement_every": "2"}, "placement_every"),
         (2, {"parallel.ep": "2", "parallel.dispatch_dedup": "true", "moe.capacity_factor": "1.0"}, "capacity_factor"),
+        (2, {"parallel.ep": "2", "parallel.dispatch_dedup": "true", "moe.router": "hash"}, "moe.router='hash'"),
     ],
 )
 def test_unsupported_layouts_fail_before_any_collective(world, overrides, field, monkeypatch) -> None:

@@ -15,6 +15,7 @@ from datetime import timedelta
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from moekit.config import TOKEN_CHOICE_ROUTERS
 from moekit.runconfig import RunConfig
 
 
@@ -116,7 +117,12 @@ def _check_dedup(cfg: RunConfig) -> None:
             "parallel.dispatch_dedup with parallel.placement_every: re-placed and shadow experts are built "
             "for the per-expert dispatch only; set one of them"
         )
-    if cfg.is_moe and cfg.moe.capacity_factor is not None and cfg.moe.router != "expert_choice":
+    if cfg.is_moe and cfg.moe.router not in TOKEN_CHOICE_ROUTERS:
+        raise LayoutError(
+            f"parallel.dispatch_dedup with moe.router={cfg.moe.router!r}: the deduplicated dispatch is tested "
+            f"with the token-choice routers ({', '.join(TOKEN_CHOICE_ROUTERS)}) only"
+        )
+    if cfg.is_moe and cfg.moe.capacity_factor is not None:
         raise LayoutError(
             f"parallel.dispatch_dedup with moe.capacity_factor={cfg.moe.capacity_factor}: the deduplicated "
             "dispatch is dropless; unset moe.capacity_factor or parallel.dispatch_dedup"
