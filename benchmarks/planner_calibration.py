@@ -22,6 +22,7 @@ import argparse
 import dataclasses
 import json
 import math
+import os
 import random
 import statistics
 import sys
@@ -83,8 +84,11 @@ def _interleaved(fns: list, rounds: int) -> list[float]:
 def _calibrate(rank: int, world: int, overrides: dict[str, str]) -> planner.Cluster:
     """The primitives on this machine with ``world`` ranks busy at once (rank 0's figures): one model's
     forward + backward on 1 and 8 sequences (FLOP rate and fixed cost per block pass), all-to-all of
-    two sizes (latency, bandwidth), and the one-sequence pass sharded by FSDP over every rank (its
-    excess over the plain pass and the bytes' alpha-beta time, per collective: the FSDP fixed cost)."""
+    two sizes (latency, bandwidth), the one-sequence pass sharded by FSDP over every rank (its
+    excess over the plain pass and the bytes' alpha-beta time, per collective: the FSDP fixed cost),
+    and that pass with the experts over every rank, its dispatch whole and in overlap chunks (the
+    chunked one's excess over its extra messages, per extra chunk of a MoE layer: the chunk's fixed
+    cost)."""
     cpu = torch.device("cpu")
     spec = _spec(overrides)
     cfg = runconfig.resolve("tiny", {**overrides, "parallel.dp": str(world)})
@@ -93,16 +97,25 @@ def _calibrate(rank: int, world: int, overrides: dict[str, str]) -> planner.Clus
     model = Transformer(spec.model, spec.moe)
     torch.manual_seed(0)
     sharded = ParallelModel(Transformer(cfg.model, cfg.moe), cfg, cpu, layout, mesh)
+    expert_parallel = []
+    for chunks in (1, planner.OVERLAP_CHUNKS):
+        ep_flags = {"parallel.dp": "1", "parallel.ep": str(world), "parallel.overlap_chunks": str(chunks)}
+        ep_cfg = runconfig.resolve("tiny", {**overrides, **ep_flags})
+        ep_layout, ep_mesh = init_distributed(ep_cfg, cpu)
+        torch.manual_seed(0)
+        expert_parallel.append(ParallelModel(Transformer(ep_cfg.model, ep_cfg.moe), ep_cfg, cpu, ep_layout, ep_mesh))
     one = torch.randint(0, spec.model.vocab_size, (1, spec.model.context_length))
     eight = torch.randint(0, spec.model.vocab_size, (8, spec.model.context_length))
     small, big = (torch.randn(n * world) for n in (16, 1 << 18))
-    t1, t8, a_small, a_big, s1 = _interleaved(
+    t1, t8, a_small, a_big, s1, whole, chunked = _interleaved(
         [
             lambda: model(one, one).loss.backward(),
             lambda: model(eight, eight).loss.backward(),
             lambda: dist.all_to_all_single(torch.empty_like(small), small),
             lambda: dist.all_to_all_single(torch.empty_like(big), big),
             lambda: sharded.forward_backward(one, one, 1.0),
+            lambda: expert_parallel[0].forward_backward(one, one, 1.0),
+            lambda: expert_parallel[1].forward_backward(one, one, 1.0),
         ],
         rounds=15,
     )
@@ -126,7 +139,14 @@ def _calibrate(rank: int, world: int, overrides: dict[str, str]) -> planner.Clus
         pass_overhead_us=overhead * 1e6,
     )
     wire, collectives = planner.fsdp_collectives(spec, planner.Candidate(world, 1, 1, 1, 1, "flat", "none"), cluster)
-    return dataclasses.replace(cluster, fsdp_overhead_us=max(s1 - t1 - wire, 0.0) / collectives * 1e6)
+    extra = planner.OVERLAP_CHUNKS - 1  # chunks beyond the first, each 4 more exchanges a MoE layer
+    n_moe = len(spec.model.moe_layers())
+    messages = extra * 4 * n_moe * (world - 1) * latency
+    return dataclasses.replace(
+        cluster,
+        fsdp_overhead_us=max(s1 - t1 - wire, 0.0) / collectives * 1e6,
+        chunk_overhead_us=max(chunked - whole - messages, 0.0) / (extra * n_moe) * 1e6,
+    )
 
 
 # --- validation -------------------------------------------------------------------------------------
@@ -220,7 +240,8 @@ def run_once(repeat: int, args: argparse.Namespace, text: str) -> dict:
     """One fresh calibration, then every fitting layout of model B measured in a shuffled order."""
     calib_model, calib_world = (MODEL_B, args.ranks) if args.in_sample else (MODEL_A, args.calibrate_ranks)
     measured_cluster = run_ranks(_calibrate, calib_world, calib_model)
-    cluster = dataclasses.replace(measured_cluster, name=f"cpu-{args.ranks}", gpus_per_node=args.ranks)
+    cores = len(os.sched_getaffinity(0))  # the ranks share this machine's cores
+    cluster = dataclasses.replace(measured_cluster, name=f"cpu-{args.ranks}", gpus_per_node=args.ranks, cores=cores)
     spec = _spec(MODEL_B)
     enumerated = planner.candidates(spec, cluster)
     ranked = planner.plan(spec, cluster, top=len(enumerated))  # the planner's order, fastest first
@@ -235,7 +256,12 @@ def run_once(repeat: int, args: argparse.Namespace, text: str) -> dict:
         "cluster": dataclasses.asdict(measured_cluster),
         "enumerated": len(enumerated),
         "rows": [
-            {"layout": label(est.candidate), "predicted_s": est.step_s, "measured_s": m}
+            {
+                "layout": label(est.candidate),
+                "candidate": dataclasses.asdict(est.candidate),
+                "predicted_s": est.step_s,
+                "measured_s": m,
+            }
             for est, m in zip(ranked, measured, strict=True)
         ],
         "spearman": spearman(predicted, measured),
@@ -245,6 +271,13 @@ def run_once(repeat: int, args: argparse.Namespace, text: str) -> dict:
         "best": label(ranked[best].candidate),
         "measured_over_predicted": statistics.median(m / p for m, p in zip(measured, predicted, strict=True)),
     }
+
+
+def ceiling(repeats: list[dict]) -> list[float]:
+    """Spearman of each pair of repeats' measured step times, layout by layout: how well the measurements
+    rank themselves, the most any prediction can reach on this machine."""
+    measured = [{row["layout"]: row["measured_s"] for row in r["rows"]} for r in repeats]
+    return [spearman(list(a.values()), [b[k] for k in a]) for i, a in enumerate(measured) for b in measured[i + 1 :]]
 
 
 def _spread(values: list[float]) -> str:
@@ -272,6 +305,7 @@ def main() -> None:
     summary = {
         key: [r[key] for r in repeats] for key in ("spearman", "kendall_tau_b", "regret", "measured_over_predicted")
     }
+    summary["ceiling"] = ceiling(repeats)
     n = len(repeats[0]["rows"])
     print(f"{mode}; ranked: model B ({_describe(MODEL_B)}), global batch {GLOBAL_BATCH}, {args.ranks} gloo ranks")
     print(f"{n} of {repeats[0]['enumerated']} enumerated layouts fit; all {n} measured, {args.steps} steps each")
@@ -279,7 +313,8 @@ def main() -> None:
         c = r["cluster"]
         print(
             f"repeat {i}: {c['peak_tflops'] * 1e3:.1f} GFLOP/s per rank, {c['pass_overhead_us'] / 1e3:.2f} ms per "
-            f"block pass, {c['fsdp_overhead_us'] / 1e3:.2f} ms per FSDP collective, all-to-all "
+            f"block pass, {c['fsdp_overhead_us'] / 1e3:.2f} ms per FSDP collective, "
+            f"{c['chunk_overhead_us'] / 1e3:.2f} ms per overlap chunk, all-to-all "
             f"{c['intra_latency_us']:.0f} us per message, {c['intra_gbps']:.2f} GB/s | Spearman {r['spearman']:.2f} "
             f"Kendall {r['kendall_tau_b']:.2f} regret {r['regret']:.2f} (pick {r['pick']}, best {r['best']})"
         )
@@ -290,7 +325,8 @@ def main() -> None:
         pred = statistics.median(rows[row["layout"]]["predicted_s"] * 1e3 for rows in by_layout)
         spread = f"{statistics.median(ms):.1f} ({ms[0]:.1f}-{ms[-1]:.1f})"
         print(f"{row['layout']:>34} {pred:>22.1f} {spread:>24}")
-    print(" ".join(f"{k} {_spread(v)}" for k, v in summary.items()), f"(min-max over {len(repeats)} repeats)")
+    print(" ".join(f"{k} {_spread(v)}" for k, v in summary.items() if v), f"(min-max over {len(repeats)} repeats;")
+    print("ceiling: Spearman of one repeat's measured step times against another's, over each pair of repeats)")
     if args.json:
         print(json.dumps({"mode": mode, "model_b": MODEL_B, "ranks": args.ranks, "repeats": repeats, **summary}))
 

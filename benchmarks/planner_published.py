@@ -4,10 +4,12 @@ For each published run: predict tokens/s/GPU and model TFLOP/s/GPU for its layou
 step time with all techniques on, the run's precision), print them beside the published figures and
 their ratio, then where the planner ranks the published layout among all the layouts it enumerates
 for that model, global batch, sequence length and cluster size, with the gap between their predicted
-step times (a rank among layouts within a few percent of each other means little). The cluster's
-calibration constants (GEMM efficiency, fp8 speedup, overlap fraction, rows at which a GEMM runs at half
-rate) are fitted here on the FIT rows only (least squares on log tokens/s), and the error on the other
-rows is reported separately.
+step times (a rank among layouts within a few percent of each other means little), and for each
+model the planner's 5 fastest layouts beside the published one, term by term (what makes the planner
+prefer them). The cluster's calibration constants (GEMM efficiency, fp8 speedup, overlap fraction) are
+fitted here on the FIT rows only (least squares on log tokens/s), and the error on the other rows is
+reported separately; the rows at which an expert's GEMM runs at half rate are not fitted (the cluster
+preset's, from the GEMM tile).
 
 Model TFLOP/s follow each source's own count (planner.model_flops_per_token's flags): a published
 TFLOP/s figure is tokens/s times that count. Megatron-Core's Mixtral figure gives TFLOP/s only; its
@@ -79,7 +81,6 @@ GRID = {
     "efficiency": [x / 100 for x in range(30, 81, 2)],
     "fp8_speedup": [1 + x / 20 for x in range(0, 17)],
     "overlap": [x / 10 for x in range(0, 11)],
-    "gemm_half_rows": [0.0, 128.0, 256.0, 512.0, 1024.0, 2048.0],
 }
 
 
@@ -131,21 +132,40 @@ def fit(rows: list[Row]) -> dict:
     return best
 
 
-def rank(row: Row, constants: dict) -> tuple[int, int, float, planner.Candidate]:
+def rank(row: Row, constants: dict) -> tuple[int, int, float, list[planner.Estimate]]:
     """(rank of the published layout, layouts enumerated that fit, its predicted step time over the
-    planner's pick's, the pick): layouts are distinct (tp, cp, pp, vp, ep, etp, micro-batches), each at
-    its fastest variant, enumerated for the run's global batch, sequence length and GPU count."""
+    planner's pick's, the planner's 5 fastest layouts): layouts are distinct (tp, cp, pp, vp, ep, etp,
+    micro-batches), each at its fastest variant, enumerated for the run's global batch, sequence length
+    and GPU count."""
     spec, cluster, tech = _setup(row)
     cluster = dataclasses.replace(cluster, **constants)
-    best: dict[tuple, float] = {}
-    ranked = planner.plan(spec, cluster, top=None, tech=tech)
-    for est in ranked:
-        best.setdefault(est.candidate.layout, est.step_s)
+    best: dict[tuple, planner.Estimate] = {}
+    for est in planner.plan(spec, cluster, top=None, tech=tech):
+        best.setdefault(est.candidate.layout, est)
+    top = list(best.values())[:5]
     mine = predict(row, constants)[0]
     if mine.candidate.layout not in best:
-        best[mine.candidate.layout] = mine.step_s  # not enumerated or not fitting: ranked by its own estimate
-    gap = best[mine.candidate.layout] / min(best.values())
-    return 1 + sum(s < best[mine.candidate.layout] for s in best.values()), len(best), gap, ranked[0].candidate
+        best[mine.candidate.layout] = mine  # not enumerated or not fitting: ranked by its own estimate
+    step = best[mine.candidate.layout].step_s
+    gap = step / min(est.step_s for est in best.values())
+    return 1 + sum(est.step_s < step for est in best.values()), len(best), gap, top
+
+
+TERMS = ("gemm", "gemm_experts", "attention", "elementwise", "head", "a2a", "tp", "cp", "pp", "bubble", "grads")
+
+
+def explain(label: str, top: list[planner.Estimate], mine: planner.Estimate, gbs: int) -> None:
+    """The planner's 5 fastest layouts beside the published one, step time by term (seconds a step)."""
+    print(f"\n{label}: the planner's 5 fastest layouts and the published one, seconds a step by term")
+    print(f"{'':>4} {'tp':>2} {'cp':>2} {'pp':>2} {'vp':>2} {'ep':>3} {'etp':>3} {'mbs':>3} {'recomp':>9} "
+          f"{'mem GB':>6} {'step':>6} " + " ".join(f"{t[:8]:>8}" for t in TERMS))  # fmt: skip
+    for tag, est in [*((str(i), e) for i, e in enumerate(top, 1)), ("pub", mine)]:
+        k = est.candidate
+        print(
+            f"{tag:>4} {k.tp:>2} {k.cp:>2} {k.pp:>2} {k.vp:>2} {k.ep:>3} {k.etp:>3} {gbs // (k.dp * k.micro):>3} "
+            f"{k.recompute:>9} {est.memory_gb:>6.1f} {est.step_s:>6.2f} "
+            + " ".join(f"{est.terms.get(t, 0.0):>8.3f}" for t in TERMS)
+        )
 
 
 def main() -> None:
@@ -158,13 +178,16 @@ def main() -> None:
     head += f"{'recomp':>9} {'mem GB':>6} {'tok/s pred':>10} {'pub':>6} {'ratio':>5} {'TFLOP/s pred':>12} {'pub':>4} "
     head += f"{'rank':>9} {'gap':>5}"
     print(head)
-    out = []
+    out, explained = [], {}
     for row in ROWS:
         spec = _setup(row)[0]
         est, tokens = predict(row, constants)
         published = _published_tokens(row, spec)
         tflops = tokens * planner.model_flops_per_token(spec, **dict(row.count)) / 1e12
-        place, total, gap, pick = rank(row, constants)
+        place, total, gap, top = rank(row, constants)
+        pick = top[0].candidate
+        if (row.model, row.gpus) not in explained:
+            explained[(row.model, row.gpus)] = (row.label, top, est, row.gbs)
         ratio = tokens / published
         rec = {
             "run": row.label, "source": row.source, "version": row.version, "fit": row.fit, "note": row.note,
@@ -207,6 +230,8 @@ def main() -> None:
                 f"  {r['run']}: planner's pick tp{p['tp']} cp{p['cp']} pp{p['pp']} vp{p['vp']} ep{p['ep']} "
                 f"etp{p['etp']} micro{p['micro']} {p['recompute']}"
             )
+    for args_ in explained.values():
+        explain(*args_)
     if args.json:
         print(json.dumps({"constants": constants, "rows": out, **summary}))
 

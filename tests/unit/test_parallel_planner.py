@@ -81,9 +81,12 @@ def test_imbalance_slows_the_step_and_overlap_hides_exchanges() -> None:
     # Latency-bound exchanges: chunks only add messages.
     assert estimate(spec, overlapped, c).a2a_s > estimate(spec, ep4, c).a2a_s
     # Bandwidth-bound exchanges beside slow GEMMs: half of the shorter one is hidden.
-    slow = Cluster("slow", 1, 4, 1e-3, 1.0, 1.0, 0.1, 0.01, 0.1, 0.01)
+    slow = Cluster("slow", 1, 4, 1e-3, 1.0, 1.0, 0.1, 0.01, 0.1, 0.01, overlap=1.0)
     plain, hidden = estimate(spec, ep4, slow), estimate(spec, overlapped, slow)
     assert hidden.step_s < plain.step_s
+    # Where exchanges and GEMMs compete for the same cores (overlap 0), chunking hides nothing.
+    busy = dataclasses.replace(slow, overlap=0.0)
+    assert estimate(spec, overlapped, busy).a2a_s > estimate(spec, ep4, busy).a2a_s
 
 
 def test_overlap_hides_only_the_forward_exchanges_hand_computed() -> None:
@@ -100,7 +103,7 @@ def test_overlap_hides_only_the_forward_exchanges_hand_computed() -> None:
     whole = 2 * (3 * 10e-6 + 0.75 * 32768 / 10e9)
     # GEMMs much slower than exchanges (1 MFLOP/s): the forward's two exchanges are hidden but for one
     # chunk (half of them), the backward's two are paid in full.
-    slow = dataclasses.replace(CLUSTER, peak_tflops=1e-6)
+    slow = dataclasses.replace(CLUSTER, peak_tflops=1e-6, overlap=1.0)
     expert_s = expert_flops / 1e6
     got = estimate(spec, ovl, slow)
     assert got.compute_s == pytest.approx(estimate(spec, flat, slow).compute_s)  # overlap adds no FLOPs
@@ -110,9 +113,12 @@ def test_overlap_hides_only_the_forward_exchanges_hand_computed() -> None:
     # GEMMs much faster (1 PFLOP/s): the forward's GEMMs hide in its exchanges but for one chunk,
     # everything else is paid: a2a_s = (2 exchanges + forward GEMMs / 2) + 2 exchanges + backward GEMMs
     # - all expert GEMMs.
-    fast = dataclasses.replace(CLUSTER, peak_tflops=1e3)
+    fast = dataclasses.replace(CLUSTER, peak_tflops=1e3, overlap=1.0)
     forward_s = expert_flops / 1e15 / 3
     assert estimate(spec, ovl, fast).a2a_s == pytest.approx(4 * chunked - forward_s / 2)
+    # Half of it hidden (cluster.overlap 0.5): half of what full overlap hides.
+    half = dataclasses.replace(fast, overlap=0.5)
+    assert estimate(spec, ovl, half).a2a_s == pytest.approx(4 * chunked - forward_s / 4)
 
 
 def test_pass_overhead_and_fsdp_are_paid_per_micro_batch() -> None:

@@ -9,6 +9,7 @@ from helpers import toy_cluster
 
 from moekit import runconfig
 from moekit.parallel.planner import (
+    OVERLAP_CHUNKS,
     Candidate,
     ModelSpec,
     Workload,
@@ -181,3 +182,53 @@ def test_distributed_optimizer_memory_per_pipeline_rank() -> None:
     one = Candidate(4, 1, 1, 1, 1, grad_sync="overlapped")  # one stage holds everything
     state = (dense + experts) * (8 + 12 / 4)
     assert memory_bytes(spec, one) == pytest.approx(state + 4 * 3072 * 128 + 128 * 256 * 4)
+
+
+def test_terms_add_up_to_the_step() -> None:
+    """The named terms a table shows are the step, nothing left out or counted twice."""
+    spec = _tiny()
+    c = dataclasses.replace(CLUSTER, overlap=0.5, pass_overhead_us=5.0, hbm_gbps=100.0, cores=2)
+    for cand in (
+        Candidate(2, 2, 2, 2, 4, "flat", "both", vp=2, sp=True, grad_sync="overlapped"),
+        Candidate(4, 4, 1, 1, 2, "flat", "forward"),
+    ):
+        est = estimate(spec, cand, c)
+        assert sum(est.terms.values()) == pytest.approx(est.step_s)
+
+
+def test_only_the_expert_gemms_slow_down_when_small() -> None:
+    """128 tokens a rank, top-2 of 4 experts, all local: 64 rows an expert, half rate at gemm_half_rows 64;
+    the dense GEMMs (all 128 rows against the model width) keep the large-GEMM rate."""
+    spec, cand = _tiny(), Candidate(4, 1, 1, 1, 1)
+    base, small = estimate(spec, cand, CLUSTER), estimate(spec, cand, dataclasses.replace(CLUSTER, gemm_half_rows=64))
+    assert small.terms["gemm"] == pytest.approx(base.terms["gemm"])
+    assert small.terms["gemm_experts"] == pytest.approx(2 * base.terms["gemm_experts"])
+
+
+def test_interleaved_pipeline_sends_hide_plain_ones_wait() -> None:
+    """pp 2 of dp 2 in one node: 128 tokens x 32 x 4 bytes a send, one each way a virtual stage a
+    micro-batch. Interleaved, they run beside the next chunk's compute (here far longer); 1F1B waits."""
+    spec = _tiny()
+    slow = dataclasses.replace(CLUSTER, overlap=1.0, peak_tflops=1e-6)
+    send = 10e-6 + 128 * 32 * 4 / 10e9
+    assert estimate(spec, Candidate(2, 1, 1, 2, 2), slow).terms["pp"] == pytest.approx(2 * 2 * send)
+    assert estimate(spec, Candidate(2, 1, 1, 2, 2, vp=2), slow).terms["pp"] == pytest.approx(0.0, abs=1e-12)
+
+
+def test_ranks_sharing_cores_queue_and_their_bubble_is_free() -> None:
+    """4 ranks a node on 2 cores: every step takes twice as long, except that a pipeline's bubble (its
+    idle ranks give their cores away) costs nothing."""
+    spec = _tiny()
+    shared = dataclasses.replace(CLUSTER, cores=2)
+    flat = Candidate(4, 1, 1, 1, 2)
+    assert estimate(spec, flat, shared).step_s == pytest.approx(2 * estimate(spec, flat, CLUSTER).step_s)
+    piped = Candidate(2, 1, 1, 2, 2)
+    slot = estimate(spec, piped, CLUSTER).step_s / (2 + 1)  # 2 micro-batches and the bubble's one slot
+    assert estimate(spec, piped, shared).step_s == pytest.approx(2 * 2 * slot)
+
+
+def test_each_overlap_chunk_pays_its_fixed_cost() -> None:
+    spec = _tiny()  # 4 MoE blocks
+    ovl = Candidate(4, 4, 1, 1, 1, "flat", "forward")
+    added = estimate(spec, ovl, dataclasses.replace(CLUSTER, chunk_overhead_us=100.0)).a2a_s
+    assert added - estimate(spec, ovl, CLUSTER).a2a_s == pytest.approx((OVERLAP_CHUNKS - 1) * 4 * 100e-6)

@@ -3,11 +3,13 @@
 One step is ``micro + (pp - 1) / vp`` pipeline slots (the interleaved bubble; ``vp`` 1 is plain 1F1B)
 of one micro-batch through the busiest stage, plus the exposed part of the once-per-step gradient
 synchronisation. A micro-batch's time is its GEMMs (fp8 ones faster by ``fp8_speedup``; attention
-scores in bf16), the elementwise work between them (bytes over HBM bandwidth), recomputation, and the
-exchanges left exposed: tp all-reduces (or sequence-parallel all-gather + reduce-scatter, the same
-bytes, never hidden), the expert all-to-alls, expert-tp gathers, context-parallel KV rings, pipeline sends, and
-moekit's FSDP, which gathers every unit every micro-batch. An overlappable exchange hides
-``cluster.overlap`` of itself, at most the compute that runs beside it.
+scores in bf16; each expert's GEMM slower when it has few rows), the elementwise work between them
+(bytes over HBM bandwidth), recomputation, and the exchanges left exposed: tp all-reduces (or
+sequence-parallel all-gather + reduce-scatter, the same bytes, never hidden), the expert all-to-alls,
+expert-tp gathers, context-parallel KV rings, pipeline sends (hidden when interleaved), and moekit's
+FSDP, which gathers every unit every micro-batch. An overlappable exchange hides ``cluster.overlap``
+of itself, at most the compute that runs beside it. Ranks that share fewer cores than they are (CPU
+ranks) queue for them. ``Estimate.terms`` names each term's seconds a step.
 
 Techniques each have a switch in ``Candidate`` (all off is moekit's own runtime, what
 ``benchmarks/planner_calibration.py`` measures).
@@ -16,7 +18,7 @@ Techniques each have a switch in ``Candidate`` (all off is moekit's own runtime,
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from moekit.parallel.planner.comm import all_to_all_time, p2p_time, ring_time
 from moekit.parallel.planner.flops import _blocks, attention_dims, layer_flops, param_counts
@@ -63,6 +65,7 @@ class Estimate:
     sync_s: float  # gradient and FSDP collectives, tp, cp and pipeline exchanges left exposed
     memory_gb: float  # peak per device
     fits: bool
+    terms: dict[str, float] = field(default_factory=dict, compare=False)  # seconds a step of each named term
 
 
 RECOMPUTE_GEMMS = {"none": (0, 0), "selective": (0, 0), "experts": (0, 1), "full": (1, 1)}  # (dense, experts)
@@ -249,16 +252,24 @@ def estimate(spec: ModelSpec, cand: Candidate, c: Cluster, load_imbalance: float
     dense = tokens * (n_moe * moe_f["dense"] + (blocks - n_moe) * dense_f["dense"]) / cand.tp
     experts = rows * n_moe * moe_f["experts"] * load_imbalance
     head = tokens * 2 * D * m.vocab_size * (1 + spec.shape.mtp_layers) / cand.tp
-    dense_rate = gemm_rate * _size_factor(tokens, c)
+    # NOTE: the dense GEMMs (a whole micro-batch's rows, thousands, against d_model-wide weights) run at the
+    # large-GEMM rate; only the per-expert GEMMs (a few hundred rows each) are small enough to slow down.
+    dense_rate = gemm_rate
     expert_rate = gemm_rate * _size_factor(rows * cand.ep * e.top_k / e.num_experts, c)  # rows per local expert
-    gemm_s = (3 + extra_dense) * (attn + dense) / dense_rate + (3 + extra_experts) * experts / expert_rate
-    compute_s = gemm_s + (3 + extra_dense) * core / c.flops + blocks * c.pass_overhead_us * 1e-6
+    expert_s = (3 + extra_experts) * experts / expert_rate
+    terms = {
+        "gemm": (3 + extra_dense) * (attn + dense) / dense_rate,
+        "gemm_experts": expert_s,
+        "attention": (3 + extra_dense) * core / c.flops,
+        "overhead": blocks * c.pass_overhead_us * 1e-6,
+    }
     if c.hbm_gbps:  # elementwise: norms and residuals, token permutes, activation functions; backward 2x
         per_row = dt * (8 * D + e.top_k * load_imbalance * (4 * D + 3 * e.d_ff))
         elementwise = rows * (n_moe * per_row + (blocks - n_moe) * dt * (8 * D + 3 * m.d_ff / cand.tp))
-        compute_s += (3 + extra_dense) * elementwise / (c.hbm_gbps * 1e9)
-    compute_s = with_head(compute_s, 3 * head / c.flops, blocks, spec, cand)
-    expert_s = (3 + extra_experts) * experts / expert_rate
+        terms["elementwise"] = (3 + extra_dense) * elementwise / (c.hbm_gbps * 1e9)
+    blocks_s = sum(terms.values())
+    compute_s = with_head(blocks_s, 3 * head / c.flops, blocks, spec, cand)
+    terms["head"] = compute_s - blocks_s
 
     # Expert-parallel exchanges: dispatch and combine in the forward and again in the backward.
     stride = cand.etp if cand.sp else cand.tp
@@ -271,39 +282,59 @@ def estimate(spec: ModelSpec, cand: Candidate, c: Cluster, load_imbalance: float
     if cand.overlap == "forward":
         # NOTE: moekit's dispatcher overlaps only the forward's exchanges with the forward's expert GEMMs
         # (a third of their FLOPs); the backward's exchanges run in the autograd thread, fully exposed.
+        # Chunk by chunk, all but one chunk's exchange can run beside another chunk's GEMMs, and of that
+        # ``cluster.overlap`` is hidden: none where the exchange and the GEMMs compete for the same cores.
         fwd_s = expert_s / (3 + extra_experts)
-        a2a = max(forward, fwd_s) + min(forward, fwd_s) / chunks + forward - fwd_s + (passes - 2) * forward
+        a2a = passes * forward - c.overlap * min(forward, fwd_s) * (1 - 1 / chunks)
+        a2a += (chunks - 1) * n_moe * c.chunk_overhead_us * 1e-6
     else:
         a2a = passes * forward
         if cand.overlap == "both":  # one micro-batch's exchanges beside another's compute, both passes
             a2a -= _hidden(a2a, compute_s, c)
 
-    sync = 0.0
+    terms["a2a"] = a2a
+    exchanges = {}
     if cand.tp > 1:  # 2 all-reduces (or all-gather + reduce-scatter) a block each pass, on the critical path
         # NOTE: exposed: Megatron hides them only with its userbuffer tp_comm_overlap, which the published
         # DGX-H100 MoE recipes leave off (Megatron-Bridge's Qwen3-235B-A22B H100 config).
-        sync += 2 * passes * blocks * ring_time(tokens * D * dt, cand.tp, 1, c)
+        exchanges["tp"] = 2 * passes * blocks * ring_time(tokens * D * dt, cand.tp, 1, c)
     if cand.cp > 1:  # ring attention: K, V round the ring in the forward, K, V and their grads back
         kv = tokens * attention_dims(spec)["kv_act"] / cand.tp * dt
         cp_s = (1 + extra_dense + 2) * blocks * (cand.cp - 1) * p2p_time(kv, cand.tp, c)
-        sync += cp_s - _hidden(cp_s, (3 + extra_dense) * core / c.flops, c)
+        exchanges["cp"] = cp_s - _hidden(cp_s, (3 + extra_dense) * core / c.flops, c)
     if cand.pp > 1:  # activations to the next stage, gradients back, once per virtual stage
-        sync += 2 * cand.vp * p2p_time(tokens * D * dt / sp, cand.tp * cand.cp * cand.dp, c)
+        pp_s = 2 * cand.vp * p2p_time(tokens * D * dt / sp, cand.tp * cand.cp * cand.dp, c)
+        # Interleaved schedules send beside the next chunk's compute (Megatron's overlap_p2p_comm, which
+        # it supports for interleaved schedules only); plain 1F1B waits for each send.
+        exchanges["pp"] = pp_s - (_hidden(pp_s, compute_s, c) if cand.vp > 1 else 0.0)
     if cand.grad_sync == "fsdp":
         wire, collectives = fsdp_collectives(spec, cand, c)
-        sync += wire + collectives * c.fsdp_overhead_us * 1e-6
+        exchanges["fsdp"] = wire + collectives * c.fsdp_overhead_us * 1e-6
+    terms.update(exchanges)
+    sync = sum(exchanges.values())
     slots = cand.micro + (cand.pp - 1) / cand.vp
+    step_terms = {name: cand.micro * t for name, t in terms.items()}
+    step_terms["bubble"] = (slots - cand.micro) * (compute_s + a2a + sync)
     step_sync = 0.0
     if cand.grad_sync == "overlapped":  # beside the first micro-batch's forward and the last one's backward
         grads = gradient_sync_time(spec, cand, c)
         step_sync = grads - _hidden(grads, compute_s + a2a, c)
+        step_terms["grads"] = step_sync
+    queued = 0.0
+    if c.cores and c.gpus_per_node > c.cores:
+        # Ranks sharing fewer cores (CPU ranks): a rank's step is at least its share of every rank's
+        # work; a rank idle in the pipeline bubble gives its core to the others, so the bubble is free.
+        busy = cand.micro * (compute_s + a2a + sync) + step_sync
+        queued = max(0.0, c.gpus_per_node / c.cores * busy - (slots * (compute_s + a2a + sync) + step_sync))
+        step_terms["cores"] = queued
     mem = memory_bytes(spec, cand, load_imbalance)
     return Estimate(
         cand,
-        step_s=slots * (compute_s + a2a + sync) + step_sync,
-        compute_s=slots * compute_s,
+        step_s=slots * (compute_s + a2a + sync) + step_sync + queued,
+        compute_s=slots * compute_s + queued,
         a2a_s=slots * a2a,
         sync_s=slots * sync + step_sync,
         memory_gb=mem / 1e9,
         fits=mem <= c.memory_gb * 1e9 * MEMORY_USABLE,
+        terms=step_terms,
     )

@@ -40,13 +40,19 @@ class Cluster:
     pass_overhead_us: float = 0.0
     # One FSDP collective of one unit (copies into and out of its flat buffer, hooks):
     fsdp_overhead_us: float = 0.0
+    # One extra overlap chunk of one MoE layer's dispatch, forward and backward (its own expert pass,
+    # permutes and hand-offs to the exchanging thread):
+    chunk_overhead_us: float = 0.0
+    # Cores the devices of a node share, where they are CPU ranks (0: each device computes on its own);
+    # fewer cores than devices time-share them (benchmarks/planner_calibration.py sets it).
+    cores: int = 0
     # Memory bandwidth for the elementwise work between GEMMs (norms, SwiGLU, token permutes); 0 leaves
     # it out (the CPU calibration folds it into the FLOP rate).
     hbm_gbps: float = 0.0
     # FP8 GEMMs' rate over bf16 GEMMs' as reached by real layers (peak is 2x; fitted).
     fp8_speedup: float = 1.0
-    # Rows (tokens) at which one GEMM reaches half of its large-GEMM rate: a few tokens per expert make
-    # small, slow grouped GEMMs; 0 leaves it out (fitted).
+    # Rows (tokens) at which one expert's GEMM reaches half of its large-GEMM rate: a few tokens per
+    # expert make small, slow grouped GEMMs; 0 leaves it out.
     gemm_half_rows: float = 0.0
     # Fraction of an overlappable exchange (gradient reduce-scatter / all-gather, all-to-all with both
     # passes overlapped, cp exchanges) hidden under the compute that runs beside it (fitted).
