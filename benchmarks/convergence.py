@@ -3,6 +3,7 @@ parameters per token, trained side by side in this process on the same data, ove
 
     python benchmarks/convergence.py --data tinyshakespeare.txt [--json] [--iters N] [--seeds 3] [--threads 1]
                                      [--block 50] [--eval-every 100] [--compile]
+    python benchmarks/convergence.py --load OUTPUT   # the tables again, from a run's saved --json output
 
 The dense run is the ``shakespeare-dense`` preset, nanoGPT's CPU configuration (character level,
 4 layers, 4 heads, d_model 128, context 64, batch 12, 2000 iterations, lr 1e-3 -> 1e-4, no
@@ -22,6 +23,8 @@ ratio, each run's ms per step as the median (min-max) over its blocks, and the q
 wall-clock figure: the time MoE needs to reach dense's final val loss (its first evaluation at or
 below it) as a fraction of dense's whole time. Then the median and min-max over seeds; writes
 ``convergence.png`` with both loss curves per seed, and with ``--json`` one JSON object on the last line.
+Because a busy spell can land in one run's blocks and not the other's, the fraction is also given with
+each run's clock replaced by its median block (steps to reach dense's loss times the median ms ratio).
 """
 
 from __future__ import annotations
@@ -163,7 +166,7 @@ def train_side_by_side(seed: int, args: argparse.Namespace, out_dir: Path) -> di
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--data", required=True, help="the training text (tinyshakespeare.txt)")
+    parser.add_argument("--data", help="the training text (tinyshakespeare.txt); required unless --load")
     parser.add_argument("--out", type=Path, help="where runs and plots go (default: a temporary directory)")
     parser.add_argument("--iters", type=int, help="iterations of each run (default: the presets' 2000)")
     parser.add_argument("--seeds", type=int, default=3, help="seeds 0 .. N-1 (default: 3)")
@@ -173,60 +176,99 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compile", action="store_true", help="train both with train.compile")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON on the last line")
+    parser.add_argument(
+        "--load", type=Path, help="print the tables of an earlier run from its saved output (its --json last line)"
+    )
     args = parser.parse_args(argv)
-    if not Path(args.data).is_file():
+    if not args.load and not Path(args.data or "").is_file():
         parser.error(f"--data: no such file: {args.data}")
+    if args.load and not args.load.is_file():
+        parser.error(f"--load: no such file: {args.load}")
     if min(args.seeds, args.block, args.eval_every, args.iters or 1) < 1:
         parser.error("--seeds, --iters, --block and --eval-every must be >= 1")
-    torch.set_num_threads(args.threads)
-    out_dir = args.out or Path(tempfile.mkdtemp(prefix="moekit-convergence-"))
-    seeds = {seed: train_side_by_side(seed, args, out_dir / f"seed{seed}") for seed in range(args.seeds)}
+    if args.load:
+        saved = json.loads(args.load.read_text().strip().splitlines()[-1])
+        seeds = {int(seed): runs for seed, runs in saved["seeds"].items()}
+        iters, out_dir = saved["iters"], Path(seeds[min(seeds)]["dense"]["run_dir"]).parents[1]
+    else:
+        torch.set_num_threads(args.threads)
+        out_dir = args.out or Path(tempfile.mkdtemp(prefix="moekit-convergence-"))
+        seeds = {seed: train_side_by_side(seed, args, out_dir / f"seed{seed}") for seed in range(args.seeds)}
+        iters = args.iters or runconfig.resolve(RUNS["dense"], {}).train.steps
+    report(seeds, iters, args, out_dir)
+    return 0
 
-    iters = args.iters or runconfig.resolve(RUNS["dense"], {}).train.steps
-    first = seeds[0]
+
+def reach_step(target: float, evals: list[tuple[int, float]]) -> int | None:
+    return next((step for step, loss in evals if loss <= target), None)
+
+
+def report(seeds: dict[int, dict], iters: int, args: argparse.Namespace, out_dir: Path) -> None:
+    """The table per seed and the medians over seeds (and the JSON line with ``--json``)."""
+    first = seeds[min(seeds)]
     print(
         f"{iters} iterations; dense {first['dense']['active_params']:,} params; MoE {first['moe']['params']:,} params"
     )
-    print(
-        f"({first['moe']['active_params']:,} active per token); torch threads {torch.get_num_threads()}; "
-        f"{args.block} steps a turn; eval every {args.eval_every}; compile {args.compile}"
+    settings = (
+        f"from {args.load}"
+        if args.load
+        else f"torch threads {args.threads}; {args.block} steps a turn; eval every {args.eval_every}; "
+        f"compile {args.compile}"
     )
+    print(f"({first['moe']['active_params']:,} active per token); {settings}")
     header = f"{'seed':<6}{'dense val':>10}{'MoE val':>9}{'MoE-dense':>10}{'dense s':>9}{'MoE s':>8}{'ratio':>7}"
-    print(header + f"{'dense ms/step':>24}{'MoE ms/step':>24}{'MoE to dense val':>18}")
-    print("-" * 125)
+    print(header + f"{'dense ms/step':>24}{'MoE ms/step':>24}{'MoE to dense val':>18}{'at step':>9}")
+    print("-" * 134)
     for seed, r in seeds.items():
         dense, moe = r["dense"], r["moe"]
         reach = moe["reach_dense_s"]
         reach_text = f"{reach / dense['seconds']:.2f} ({reach:.0f}s)" if reach is not None else "not reached"
+        step = reach_step(dense["val_loss"], moe["evals"])
         print(
             f"{seed:<6}{dense['val_loss']:>10.4f}{moe['val_loss']:>9.4f}{moe['val_loss'] - dense['val_loss']:>+10.4f}"
             f"{dense['seconds']:>9.1f}{moe['seconds']:>8.1f}{moe['seconds'] / dense['seconds']:>6.2f}x "
-            f"{show(dense['block_ms'], '.1f'):>23}{show(moe['block_ms'], '.1f'):>24}{reach_text:>18}"
+            f"{show(dense['block_ms'], '.1f'):>23}{show(moe['block_ms'], '.1f'):>24}{reach_text:>18}{step or '-':>9}"
         )
     figures = {
         "dense_val_loss": [r["dense"]["val_loss"] for r in seeds.values()],
         "moe_val_loss": [r["moe"]["val_loss"] for r in seeds.values()],
         "moe_minus_dense": [r["moe"]["val_loss"] - r["dense"]["val_loss"] for r in seeds.values()],
         "time_ratio": [r["moe"]["seconds"] / r["dense"]["seconds"] for r in seeds.values()],
+        "step_ms_ratio": [
+            statistics.median(r["moe"]["block_ms"]) / statistics.median(r["dense"]["block_ms"]) for r in seeds.values()
+        ],
     }
     reached = [r["moe"]["reach_dense_s"] / r["dense"]["seconds"] for r in seeds.values() if r["moe"]["reach_dense_s"]]
-    print(f"median (min .. max) over {args.seeds} seeds:")
+    steps = [reach_step(r["dense"]["val_loss"], r["moe"]["evals"]) for r in seeds.values()]
+    print(f"median (min .. max) over {len(seeds)} seeds:")
     print(f"  dense val loss {show(figures['dense_val_loss'])}; MoE val loss {show(figures['moe_val_loss'])}")
     print(f"  MoE - dense val loss {show(figures['moe_minus_dense'], '+.4f')}")
     print(f"  MoE / dense training time {show(figures['time_ratio'], '.2f')}")
+    print(f"  MoE / dense median ms per step over blocks {show(figures['step_ms_ratio'], '.2f')}")
     if reached:
         figures["moe_time_to_dense_val"] = reached
         print(
             f"  MoE's time to dense's final val loss / dense's time {show(reached, '.2f')} "
-            f"({len(reached)} of {args.seeds} seeds reached it)"
+            f"({len(reached)} of {len(seeds)} seeds reached it)"
         )
-    else:
+    if all(steps):
+        # The same fraction with each run's clock replaced by its median block: robust to the machine's
+        # drift when one run's blocks happen to meet a busy spell the other's do not.
+        figures["moe_steps_to_dense_val"] = [step / iters for step in steps]
+        figures["moe_time_to_dense_val_at_median_step"] = [
+            step / iters * ratio for step, ratio in zip(steps, figures["step_ms_ratio"], strict=True)
+        ]
+        at_median = figures["moe_time_to_dense_val_at_median_step"]
+        print(
+            f"  MoE's steps to dense's final val loss / dense's steps {show(figures['moe_steps_to_dense_val'], '.2f')};"
+            f" at each run's median ms per step, its time {show(at_median, '.2f')}"
+        )
+    if not reached:
         print("  MoE did not reach dense's final val loss in any seed")
     print(f"plots: {out_dir}/seed*/convergence.png")
     if args.json:
         summary = {name: spread(values) for name, values in figures.items()}
         print(json.dumps({"iters": iters, "seeds": {str(k): v for k, v in seeds.items()}, **summary}))
-    return 0
 
 
 if __name__ == "__main__":
