@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from moekit import runconfig
@@ -17,14 +18,23 @@ from moekit.serve.scheduler import Budget, SamplingParams, Seq, plan_step
 from moekit.serve.text import TextStream
 from moekit.tokenizer import ByteTokenizer
 
+GQA = {"model.n_heads": "4", "model.n_kv_heads": "2"}
+MLA = {"model.attention": "mla", "model.n_heads": "2", "model.d_model": "32", "model.q_lora_rank": "8"}
 
-def test_paged_steps_of_mixed_chunks_equal_whole_sequences() -> None:
-    """Two sequences (GQA) fed in chunks of different sizes, decode beside prefill: every position's
-    logits equal the model run on the whole sequence at once (reference: no cache), to fp32 rounding."""
-    cfg = runconfig.resolve("tiny", {"model.n_heads": "4", "model.n_kv_heads": "2", "model.context_length": "48"})
+
+@pytest.mark.parametrize("attention", [GQA, MLA], ids=["gqa", "mla"])
+def test_paged_steps_of_mixed_chunks_equal_whole_sequences(attention: dict[str, str]) -> None:
+    """Two sequences fed in chunks of different sizes, decode beside prefill: every position's logits
+    equal the model run on the whole sequence at once (reference: no cache), to fp32 rounding. MLA's
+    blocks hold its latents alone (kv_lora_rank + qk_rope_head_dim per position), its later chunks
+    attend in the absorbed form."""
+    cfg = runconfig.resolve("tiny", {**attention, "model.context_length": "48"})
     torch.manual_seed(0)
     model = Transformer(cfg.model, cfg.moe).eval()
     pool = KVPool(cfg.model, 12, 4, torch.device("cpu"), torch.float32)
+    if cfg.model.attention == "mla":
+        assert pool.keys[0].shape[1:] == (1, cfg.model.kv_lora_rank + cfg.model.qk_rope_head_dim)
+        assert pool.values[0].numel() == 0
     a, b = torch.randint(0, 256, (14,)), torch.randint(0, 256, (9,))
     blocks_a, blocks_b = pool.allocate(4), pool.allocate(3)
     steps = [[(0, 0, 5), (1, 0, 7)], [(1, 7, 1), (0, 5, 8)], [(1, 8, 1), (0, 13, 1)]]  # (seq, start, tokens)

@@ -78,11 +78,6 @@ class Engine:
         self.run, self.options, self.metrics = run, options, metrics
         self.stop_tokens = stop_tokens
         model = run.model.eval()
-        if model.cfg.attention != "mha":  # the paged pool holds per-head keys and values, not MLA's latents
-            raise ValueError(
-                f"model.attention={model.cfg.attention!r}: moekit serve's paged KV cache holds multi-head "
-                "attention only (moekit generate runs this model)"
-            )
         self.device = model.embed.weight.device
         dtype = model.embed.weight.dtype
         bs = options.block_size
