@@ -1,7 +1,7 @@
 """The server over real loopback sockets with the official ``openai`` client: completions, chat,
 streaming, n > 1, stop strings, logprobs, routing traces, 16 concurrent streams, latent attention
-(MLA) resident and offloaded, and a table of bad requests. Greedy and seeded outputs are compared
-with ``moekit.infer.generate.generate`` (tokens equal: fp32, no tolerance)."""
+(MLA) resident and offloaded, sliding windows with sinks, and a table of bad requests. Greedy and
+seeded outputs are compared with ``moekit.infer.generate.generate`` (tokens equal: fp32, no tolerance)."""
 
 from __future__ import annotations
 
@@ -228,6 +228,33 @@ def test_latent_attention_serves_staggered_requests_resident_and_offloaded(
             s.close()
     assert offloaded.offloader.cache.counters.evictions > 0  # the experts did not all fit
     offloaded.offloader.close()
+
+
+WINDOWED = {"model.sliding_window": "5", "model.full_attention_every": "2", "model.attn_sinks": "true"}
+
+
+def test_sliding_windows_and_sinks_serve_staggered_requests_past_the_window(write_run, tmp_path: Path) -> None:
+    """Windowed blocks (5 positions, across 4-position KV blocks) beside full ones, every head with a
+    sink: staggered greedy and seeded requests, each longer than the window, equal ``generate``'s."""
+    run = load_run(write_run(tmp_path / "run", **RUN, **WINDOWED))
+    with torch.no_grad():
+        for name, p in run.model.named_parameters():
+            if name.endswith("sinks"):  # zero-initialised, they would test nothing
+                p.normal_(std=1.0)
+    words = "the king and queen of the castle walked along the river to see the ships"
+    requests = [
+        dict(prompt=words[: 2 + 5 * i], max_tokens=6 + 2 * i, temperature=0.0 if i % 2 else 0.9, seed=3 + i)
+        for i in range(6)
+    ]
+    assert all(len(r["prompt"]) + r["max_tokens"] > run.model.cfg.sliding_window for r in requests)
+    want = [expected(run, r["prompt"], r["max_tokens"], r["temperature"], r["seed"]) for r in requests]
+    s = Served(run, tmp_path / "run")
+    try:
+        texts = staggered(s, requests)
+        assert [texts[i] for i in range(len(requests))] == want
+        assert s.state.engine.pool.free_blocks == s.state.engine.pool.num_blocks
+    finally:
+        s.close()
 
 
 BAD = [
