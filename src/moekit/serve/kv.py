@@ -95,7 +95,7 @@ class PagedStep:
         lengths = [c.num_tokens for c in chunks]
         ends = [c.start + c.num_tokens for c in chunks]
         most_new = max(lengths)
-        assert all(len(c.blocks) * P >= end for c, end in zip(chunks, ends, strict=True)), "blocks reserved up front"
+        assert all(len(c.blocks) * P >= end for c, end in zip(chunks, ends, strict=True)), "blocks allocated first"
         positions = [p for c in chunks for p in range(c.start, c.start + c.num_tokens)]
         # Each sequence's first W blocks (block 0 past its own, masked), gathered whole: S = W * P keys.
         width = pool.blocks_for(max(ends))
