@@ -188,10 +188,12 @@ class Engine:
             self.running.append(seq)
         if not plan.chunks:
             return False
-        for seq, n in plan.chunks:  # a decode crossing into a new block
-            grown = self.pool.allocate(self.pool.blocks_for(seq.computed + n) - len(seq.blocks))
-            assert grown is not None, "plan_step preempts until the decodes fit"
-            seq.blocks += grown
+        for seq, n in plan.chunks:
+            missing = self.pool.blocks_for(seq.computed + n) - len(seq.blocks)
+            if missing > 0:  # a decode crossing into a new block
+                grown = self.pool.allocate(missing)
+                assert grown is not None, "plan_step preempts until the decodes fit"
+                seq.blocks += grown
         ids: list[int] = []
         sampling: list[tuple[int, Seq]] = []  # (packed index of its last token, sequence)
         for seq, n in plan.chunks:

@@ -100,7 +100,8 @@ def blocks_for(positions: int, block_size: int) -> int:
 
 def plan_step(running: Sequence[Seq], waiting: Sequence[Seq], free_blocks: int, block_size: int, b: Budget) -> Plan:
     """The next step's preemptions, admissions and chunks; mutates nothing. A running sequence holds
-    the blocks of its computed positions and of its prompt (an admission takes those of its tokens)."""
+    the blocks of the tokens it was admitted with and of every position computed since, so only a
+    decode may need one more."""
     chunks: list[tuple[Seq, int]] = []
     left = b.max_step_tokens
     kept = list(running)
