@@ -1,14 +1,15 @@
-"""MLA's latent KV cache against the naive cache of expanded keys and values: bytes per token and
-decode tokens/s of the same model.
+"""MLA's latent KV cache (contiguous, and the paged one ``moekit serve`` allocates) against the naive
+cache of expanded keys and values: bytes per token and decode tokens/s of the same model.
 
     python benchmarks/mla_cache.py [--json] [--rounds 5] [--context 256 1024] [--batch 1 8] [--steps 16] [--threads 1]
 
 Bytes per token are read off the allocated caches (``KVCache.bytes_per_token``), for the benchmark
 model and for models with DeepSeek-V2's and V3's attention shapes (built with a context of 8 tokens,
-so the naive cache fits). Decode: a dense model (so only attention differs) with DeepSeek's head
-proportions prefills a random prompt of ``context`` tokens, then ``steps`` greedy decode steps are
-timed from a copy of the prefilled cache; the latent cache decodes in the absorbed form, the naive
-one attends over expanded keys and values. The two run interleaved round by round in one process
+so the naive cache fits), and off a serving pool (``moekit.serve.kv.KVPool``) of the same model.
+Decode: a dense model (so only attention differs) with DeepSeek's head proportions prefills a random
+prompt of ``context`` tokens, then ``steps`` greedy decode steps are timed from a copy of the prefilled
+cache; the latent cache decodes in the absorbed form, the naive one attends over expanded keys and
+values. The two run interleaved round by round in one process
 (median and min-max over rounds).
 Prints a table; with ``--json`` one JSON object on the last line.
 """
@@ -29,6 +30,7 @@ from _spread import show, spread  # noqa: E402
 
 from moekit.config import ModelConfig  # noqa: E402
 from moekit.model import KVCache, Transformer  # noqa: E402
+from moekit.serve.kv import KVPool  # noqa: E402
 
 # Attention shapes of published configs (config.json of deepseek-ai/DeepSeek-V2 and DeepSeek-V3).
 PUBLISHED = {
@@ -53,11 +55,14 @@ BENCH = dict(
 )
 
 
-def cache_bytes(cfg: ModelConfig) -> tuple[int, int]:
-    """(latent, expanded) cache bytes per token, fp32, of allocated caches."""
+def cache_bytes(cfg: ModelConfig) -> tuple[int, int, int]:
+    """(latent, paged latent, expanded) cache bytes per token, fp32, of allocated caches: the paged one is
+    a serving pool of 4 blocks of 16 positions, its bytes over its positions."""
     cpu = torch.device("cpu")
     latent = KVCache(cfg, 1, cpu, torch.float32).bytes_per_token()
-    return latent, KVCache(cfg, 1, cpu, torch.float32, mla_expanded=True).bytes_per_token()
+    pool = KVPool(cfg, 4, 16, cpu, torch.float32)
+    paged = sum(t.nbytes for t in (*pool.keys, *pool.values)) // (pool.num_blocks * pool.block_size)
+    return latent, paged, KVCache(cfg, 1, cpu, torch.float32, mla_expanded=True).bytes_per_token()
 
 
 @torch.no_grad()
@@ -91,11 +96,12 @@ def main() -> None:
     sizes = []
     for name, shape in {"bench model": BENCH, **PUBLISHED}.items():
         fields = shape if name == "bench model" else dict(shape, attention="mla", context_length=8, **DEEPSEEK_HEADS)
-        latent, expanded = cache_bytes(ModelConfig(**{**fields, "context_length": 8}))
-        sizes.append({"model": name, "latent": latent, "expanded": expanded, "saved": 1 - latent / expanded})
-    print(f"{'cache bytes/token (fp32)':<26} {'latent':>10} {'expanded':>12} {'smaller by':>10}")
+        latent, paged, expanded = cache_bytes(ModelConfig(**{**fields, "context_length": 8}))
+        saved = 1 - latent / expanded
+        sizes.append({"model": name, "latent": latent, "paged": paged, "expanded": expanded, "saved": saved})
+    print(f"{'cache bytes/token (fp32)':<26} {'latent':>10} {'paged latent':>12} {'expanded':>12} {'smaller by':>10}")
     for s in sizes:
-        print(f"{s['model']:<26} {s['latent']:>10,} {s['expanded']:>12,} {s['saved']:>10.1%}")
+        print(f"{s['model']:<26} {s['latent']:>10,} {s['paged']:>12,} {s['expanded']:>12,} {s['saved']:>10.1%}")
 
     rows = []
     for context in args.context:

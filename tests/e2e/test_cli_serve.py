@@ -1,5 +1,5 @@
 """``moekit serve`` as a user runs it: the real process draining on SIGTERM, its flags checked, and a
-model it cannot serve refused by name."""
+run ``moekit train`` made of the DeepSeek preset served with its experts offloaded."""
 
 from __future__ import annotations
 
@@ -12,7 +12,13 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+import openai
 import pytest
+import torch
+from helpers import budget_for
+
+from moekit.infer.generate import generate
+from moekit.run.load import load_run
 
 
 def _call(url: str, body: dict | None = None) -> tuple[int, dict]:
@@ -24,16 +30,24 @@ def _call(url: str, body: dict | None = None) -> tuple[int, dict]:
         return err.code, json.loads(err.read())
 
 
+ENV = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2] / "src")}
+
+
+def start_serve(run_dir: Path, *flags: str) -> tuple[subprocess.Popen, str]:
+    """``moekit serve RUN_DIR FLAGS`` on a free port: the process and its URL, once it listens."""
+    cmd = [sys.executable, "-m", "moekit", "serve", str(run_dir), "--port", "0", "--device", "cpu", *flags]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+    line = proc.stdout.readline()
+    assert " on " in line, line + proc.stderr.read()
+    return proc, line.split(" on ")[1].split("/v1")[0]
+
+
 def test_sigterm_drains_the_real_server(write_run, tmp_path: Path) -> None:
     """``moekit serve`` as a subprocess: a stream is running when SIGTERM arrives; health says draining,
     a new request gets 503, the stream still completes, then the process exits 0."""
     run_dir = write_run(tmp_path / "run", **{"model.tie_embeddings": "false", "model.context_length": "512"})
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2] / "src")}
-    cmd = [sys.executable, "-m", "moekit", "serve", str(run_dir), "--port", "0", "--device", "cpu"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    proc, url = start_serve(run_dir)
     try:
-        line = proc.stdout.readline()
-        url = line.split(" on ")[1].split("/v1")[0]
         body = json.dumps({"prompt": "a", "max_tokens": 400, "stream": True}).encode()
         request = urllib.request.Request(url + "/v1/completions", body, {"Content-Type": "application/json"})
         with urllib.request.urlopen(request, timeout=60) as stream:
@@ -60,11 +74,26 @@ def test_serve_flags_are_checked(write_run, tmp_path: Path, flag: str, capsys) -
     assert flag.split("=")[0] in capsys.readouterr().err
 
 
-def test_serve_refuses_mla_by_name(write_run, tmp_path: Path, capsys) -> None:
-    from moekit.cli import main
-
-    mla = {"model.attention": "mla", "model.n_heads": "2", "model.d_model": "32"}
-    run_dir = write_run(tmp_path / "run", **mla)
-    assert main(["serve", str(run_dir), "--port=0"]) == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "model.attention='mla'" in err
+def test_a_trained_deepseek_run_serves_with_offloaded_experts(corpus_file: Path, tmp_path: Path) -> None:
+    """``moekit train --preset deepseek-tiny`` (latent attention, group-limited routing) for a few steps,
+    then ``moekit serve --memory-budget`` with room for 2 experts: the ``openai`` client's greedy
+    completion equals ``generate`` on the resident run."""
+    run = tmp_path / "run"
+    args = ["train", "--preset", "deepseek-tiny", "--data", str(corpus_file), "--run-dir", str(run), "--quiet"]
+    args += ["--data.cache_dir", str(tmp_path / "cache"), "--train.steps", "3", "--train.ckpt_every", "3"]
+    train = subprocess.run([sys.executable, "-m", "moekit", *args], capture_output=True, text=True, env=ENV)
+    assert train.returncode == 0, train.stderr
+    resident = load_run(run)
+    ids = torch.tensor([resident.tokenizer.encode("the king")])
+    want = resident.tokenizer.decode(generate(resident.model, ids, 8, 0.0)[0, ids.shape[1] :].tolist())
+    proc, url = start_serve(run, f"--memory-budget={budget_for(run, 2)}")
+    try:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        reply = client.completions.create(model="run", prompt="the king", max_tokens=8, temperature=0)
+        assert reply.choices[0].text == want and reply.usage.completion_tokens == 8
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()

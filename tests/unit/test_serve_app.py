@@ -1,7 +1,7 @@
 """The server over real loopback sockets with the official ``openai`` client: completions, chat,
-streaming, n > 1, stop strings, logprobs, routing traces, 16 concurrent streams, and a table of bad
-requests. Greedy and seeded outputs are compared with ``moekit.infer.generate.generate`` (tokens
-equal: fp32, no tolerance)."""
+streaming, n > 1, stop strings, logprobs, routing traces, 16 concurrent streams, latent attention
+(MLA) resident and offloaded, sliding windows with sinks, and a table of bad requests. Greedy and
+seeded outputs are compared with ``moekit.infer.generate.generate`` (tokens equal: fp32, no tolerance)."""
 
 from __future__ import annotations
 
@@ -17,8 +17,10 @@ from pathlib import Path
 import openai
 import pytest
 import torch
+from helpers import budget_for
 
 from moekit.infer.generate import generate
+from moekit.infer.offload import OffloadOptions
 from moekit.run.load import LoadedRun, load_run
 from moekit.serve.engine import EngineOptions
 from moekit.serve.protocol import Limits
@@ -165,29 +167,92 @@ def test_logprobs_and_routing(served: Served, run: LoadedRun) -> None:
     assert [len(t.top_logprobs) for t in chat.choices[0].logprobs.content] == [2, 2, 2]
 
 
-def test_sixteen_staggered_streams_each_equal_their_single_request(run: LoadedRun, run_dir: Path) -> None:
-    s = Served(run, run_dir, EngineOptions(kv_budget=1 << 20, block_size=4, max_running=16, prefill_chunk=8))
-    prompts = [f"{i}: the king and queen walked along the river"[: 5 + 3 * i] for i in range(16)]
+def staggered(s: Served, requests: list[dict]) -> dict[int, str]:
+    """Each request (``completions.create`` arguments) streamed by a thread of its own, 10 ms after the
+    one before: the texts, by request index, each checked to use its whole ``max_tokens``."""
     texts: dict[int, str] = {}
 
     def client(i: int) -> None:
         time.sleep(0.01 * i)
-        stream = s.client.completions.create(
-            model="run", prompt=prompts[i], max_tokens=12, temperature=0.8, seed=100 + i, stream=True
-        )
-        chunks = list(stream)
-        assert chunks[-1].usage.completion_tokens == 12
+        chunks = list(s.client.completions.create(model="run", stream=True, **requests[i]))
+        assert chunks[-1].usage.completion_tokens == requests[i]["max_tokens"]
         texts[i] = "".join(c.choices[0].text for c in chunks if c.choices)
 
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(len(requests))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(texts) == list(range(len(requests)))
+    return texts
+
+
+def test_sixteen_staggered_streams_each_equal_their_single_request(run: LoadedRun, run_dir: Path) -> None:
+    s = Served(run, run_dir, EngineOptions(kv_budget=1 << 20, block_size=4, max_running=16, prefill_chunk=8))
+    prompts = [f"{i}: the king and queen walked along the river"[: 5 + 3 * i] for i in range(16)]
     try:
-        threads = [threading.Thread(target=client, args=(i,)) for i in range(16)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        assert sorted(texts) == list(range(16))
+        requests = [dict(prompt=p, max_tokens=12, temperature=0.8, seed=100 + i) for i, p in enumerate(prompts)]
+        texts = staggered(s, requests)
         assert all(texts[i] == expected(run, prompts[i], 12, 0.8, 100 + i) for i in range(16))
         assert s.state.engine.pool.free_blocks == s.state.engine.pool.num_blocks  # every block given back
+    finally:
+        s.close()
+
+
+MLA = {"model.attention": "mla", "model.n_heads": "2", "model.d_model": "32", "model.qk_rope_head_dim": "4"}
+
+
+@pytest.mark.parametrize("q_lora_rank", ["0", "16"], ids=["no-q-lora", "q-lora"])
+def test_latent_attention_serves_staggered_requests_resident_and_offloaded(
+    write_run, tmp_path: Path, q_lora_rank: str
+) -> None:
+    """MLA through the paged latent cache: staggered greedy and seeded requests of different lengths
+    (prompts of 1 to 7 blocks, several prefill chunks) equal ``generate``'s on the resident model,
+    served resident and with experts offloaded under a budget of 3 expert slots; every block freed."""
+    run_dir = write_run(tmp_path / "run", **RUN, **MLA, **{"model.q_lora_rank": q_lora_rank})
+    resident = load_run(run_dir)
+    offloaded = load_run(run_dir, offload=OffloadOptions(memory_budget=budget_for(run_dir, 3), prefetch="off"))
+    words = "the king and queen of the castle walked along the river to see the ships"
+    requests = [
+        dict(prompt=words[: 3 + 5 * i], max_tokens=4 + 3 * i, temperature=0.0 if i % 2 else 0.9, seed=7 + i)
+        for i in range(6)
+    ]
+    want = [expected(resident, r["prompt"], r["max_tokens"], r["temperature"], r["seed"]) for r in requests]
+    for run in (resident, offloaded):
+        s = Served(run, run_dir)
+        try:
+            texts = staggered(s, requests)
+            assert [texts[i] for i in range(len(requests))] == want
+            assert s.state.engine.pool.free_blocks == s.state.engine.pool.num_blocks
+        finally:
+            s.close()
+    assert offloaded.offloader.cache.counters.evictions > 0  # the experts did not all fit
+    offloaded.offloader.close()
+
+
+WINDOWED = {"model.sliding_window": "5", "model.full_attention_every": "2", "model.attn_sinks": "true"}
+
+
+def test_sliding_windows_and_sinks_serve_staggered_requests_past_the_window(write_run, tmp_path: Path) -> None:
+    """Windowed blocks (5 positions, across 4-position KV blocks) beside full ones, every head with a
+    sink: staggered greedy and seeded requests, each longer than the window, equal ``generate``'s."""
+    run = load_run(write_run(tmp_path / "run", **RUN, **WINDOWED))
+    with torch.no_grad():
+        for name, p in run.model.named_parameters():
+            if name.endswith("sinks"):  # zero-initialised, they would test nothing
+                p.normal_(std=1.0)
+    words = "the king and queen of the castle walked along the river to see the ships"
+    requests = [
+        dict(prompt=words[: 2 + 5 * i], max_tokens=6 + 2 * i, temperature=0.0 if i % 2 else 0.9, seed=3 + i)
+        for i in range(6)
+    ]
+    assert all(len(r["prompt"]) + r["max_tokens"] > run.model.cfg.sliding_window for r in requests)
+    want = [expected(run, r["prompt"], r["max_tokens"], r["temperature"], r["seed"]) for r in requests]
+    s = Served(run, tmp_path / "run")
+    try:
+        texts = staggered(s, requests)
+        assert [texts[i] for i in range(len(requests))] == want
+        assert s.state.engine.pool.free_blocks == s.state.engine.pool.num_blocks
     finally:
         s.close()
 

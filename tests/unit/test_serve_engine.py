@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from moekit import runconfig
@@ -17,14 +18,23 @@ from moekit.serve.scheduler import Budget, SamplingParams, Seq, plan_step
 from moekit.serve.text import TextStream
 from moekit.tokenizer import ByteTokenizer
 
+GQA = {"model.n_heads": "4", "model.n_kv_heads": "2"}
+MLA = {"model.attention": "mla", "model.n_heads": "2", "model.d_model": "32", "model.q_lora_rank": "8"}
 
-def test_paged_steps_of_mixed_chunks_equal_whole_sequences() -> None:
-    """Two sequences (GQA) fed in chunks of different sizes, decode beside prefill: every position's
-    logits equal the model run on the whole sequence at once (reference: no cache), to fp32 rounding."""
-    cfg = runconfig.resolve("tiny", {"model.n_heads": "4", "model.n_kv_heads": "2", "model.context_length": "48"})
+
+@pytest.mark.parametrize("attention", [GQA, MLA], ids=["gqa", "mla"])
+def test_paged_steps_of_mixed_chunks_equal_whole_sequences(attention: dict[str, str]) -> None:
+    """Two sequences fed in chunks of different sizes, decode beside prefill: every position's logits
+    equal the model run on the whole sequence at once (reference: no cache), to fp32 rounding. MLA's
+    blocks hold its latents alone (kv_lora_rank + qk_rope_head_dim per position), its later chunks
+    attend in the absorbed form."""
+    cfg = runconfig.resolve("tiny", {**attention, "model.context_length": "48"})
     torch.manual_seed(0)
     model = Transformer(cfg.model, cfg.moe).eval()
     pool = KVPool(cfg.model, 12, 4, torch.device("cpu"), torch.float32)
+    if cfg.model.attention == "mla":
+        assert pool.keys[0].shape[1:] == (1, cfg.model.kv_lora_rank + cfg.model.qk_rope_head_dim)
+        assert pool.values[0].numel() == 0
     a, b = torch.randint(0, 256, (14,)), torch.randint(0, 256, (9,))
     blocks_a, blocks_b = pool.allocate(4), pool.allocate(3)
     steps = [[(0, 0, 5), (1, 0, 7)], [(1, 7, 1), (0, 5, 8)], [(1, 8, 1), (0, 13, 1)]]  # (seq, start, tokens)
@@ -53,12 +63,36 @@ def test_plan_decodes_first_then_chunks_prompts_then_admits_in_order() -> None:
     waiting = [seq(30), seq(2), seq(2)]
     plan = plan_step([decoding, prefilling], waiting, free_blocks=100, block_size=4, b=Budget(4, 20, 8))
     assert [(s, n) for s, n in plan.chunks] == [(decoding, 1), (prefilling, 8), (waiting[0], 8), (waiting[1], 2)]
-    assert plan.admit == waiting[:2]  # the step's 20 tokens are spent
-    # Admission reserves prompt + max_tokens in blocks, and never lets a later request overtake the head.
-    plan = plan_step([], [seq(30, max_tokens=10), seq(1)], free_blocks=9, block_size=4, b=Budget(4, 64, 64))
+    assert plan.admit == waiting[:2] and plan.preempt == []  # the step's 20 tokens are spent
+    # Admission takes the blocks of the tokens a sequence holds (not of max_tokens), and never lets a
+    # later request overtake the head.
+    plan = plan_step([], [seq(30, max_tokens=10), seq(1)], free_blocks=7, block_size=4, b=Budget(4, 64, 64))
     assert plan.admit == [] and plan.chunks == []
+    plan = plan_step([], [seq(30, max_tokens=10), seq(1)], free_blocks=9, block_size=4, b=Budget(4, 64, 64))
+    assert [len(s.prompt) for s in plan.admit] == [30, 1]
     plan = plan_step([decoding] * 2, [seq(1)], free_blocks=9, block_size=4, b=Budget(2, 64, 64))
     assert plan.admit == []  # the batch is full
+
+
+def held(prompt_len: int, generated: int) -> Seq:
+    """A decoding sequence holding the blocks (of 4) of its computed positions."""
+    s = seq(prompt_len, computed=prompt_len + generated - 1, generated=generated)
+    s.blocks = list(range(-(-s.computed // 4)))
+    return s
+
+
+def test_a_decode_without_a_free_block_preempts_the_newest() -> None:
+    """``old`` crosses into a new block with none free: ``new`` (admitted last) gives its blocks back and
+    nobody is admitted; the newest preempts itself when nothing newer holds blocks."""
+    old, mid, new = held(8, 1), held(3, 1), held(5, 1)  # old needs a third block; mid and new have room
+    plan = plan_step([old, mid, new], [seq(1)], free_blocks=0, block_size=4, b=Budget(8, 64, 64))
+    assert plan.preempt == [new] and plan.admit == [] and plan.chunks == [(old, 1), (mid, 1)]
+    alone = held(8, 1)
+    plan = plan_step([mid, alone], [], free_blocks=0, block_size=4, b=Budget(8, 64, 64))
+    assert plan.preempt == [alone] and plan.chunks == [(mid, 1)]
+    back = seq(8, generated=3)  # preempted: its prompt and generated tokens are prefilled again
+    plan = plan_step([], [back], free_blocks=3, block_size=4, b=Budget(8, 64, 4))
+    assert plan.admit == [back] and plan.chunks == [(back, 4)]
 
 
 def test_text_stream_holds_back_split_characters_and_stop_prefixes() -> None:
@@ -94,3 +128,32 @@ def test_offloaded_experts_serve_the_whole_batch_in_each_layer(write_run, tmp_pa
     assert sum(isinstance(e, Finish) for e in events) == 4
     assert run.offloader.stats.max_reads_per_step == 1 and engine.steps < 4 * 6
     run.offloader.close()
+
+
+@pytest.mark.parametrize("attention", [{}, MLA], ids=["gqa", "mla"])
+def test_preempted_sequences_recompute_to_generates_tokens(write_run, tmp_path: Path, attention) -> None:
+    """A KV pool of one context (12 blocks of 4) for five requests that need more: the newest running
+    ones are preempted and recomputed, and every greedy output still equals ``generate``'s; the
+    preemptions are counted (and exported in /metrics), and every block comes back."""
+    from moekit.serve.engine import Engine, EngineOptions, Finish, Token
+    from moekit.serve.metrics import Metrics
+
+    run = load_run(write_run(tmp_path / "run", **{"model.tie_embeddings": "false", **attention}))
+    per_block = KVPool.bytes_per_block(run.model.cfg, 4, torch.float32)
+    engine = Engine(run, EngineOptions(kv_budget=12 * per_block, block_size=4, prefill_chunk=8))
+    metrics = Metrics()
+    metrics.watch(engine)
+    events: list = []
+    prompts = ["the king and queen", "ab", "hello there", "x", "walked along the"]
+    engine.waiting.extend(
+        Seq(list(p.encode()), SamplingParams(14, 0.0), events.append, i) for i, p in enumerate(prompts)
+    )
+    while engine.running or engine.waiting:
+        engine.step()
+    for i, p in enumerate(prompts):
+        ids = torch.tensor([list(p.encode())])
+        want = generate(run.model, ids, 14, 0.0)[0, ids.shape[1] :].tolist()
+        assert [e.token for e in events if isinstance(e, Token) and e.choice == i] == want
+    assert sorted(e.choice for e in events if isinstance(e, Finish)) == list(range(5))
+    assert engine.preemptions > 0 and engine.pool.free_blocks == engine.pool.num_blocks
+    assert f"moekit_preemptions_total {float(engine.preemptions)}" in metrics.render().decode()

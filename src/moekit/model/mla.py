@@ -28,12 +28,24 @@ from moekit.model.rope import apply_rope, yarn_gain
 LATENT_NORM_EPS = 1e-6  # DeepSeek's latent norms keep their own eps whatever the model's norms use
 
 
-class Cache(Protocol):
-    """What MLA needs of ``KVCache``: the latent (or, expanded, per-head) rows of each layer."""
+class LatentAttention(Protocol):
+    """MLA's attention of queries ``[B, L, H, N + P]`` over latents ``[B, S, R + P]`` under ``mask``
+    (None: causal), before the output projection: ``[B, L, H * V]``. ``fresh``: nothing was cached
+    before these queries' keys (expanding them then costs less than absorbing)."""
 
-    length: int
+    def __call__(self, q_BLHx: Tensor, latent_BSX: Tensor, mask: Tensor | None, fresh: bool) -> Tensor: ...
+
+
+class Cache(Protocol):
+    """What MLA needs of a cache: its latent rows (``KVCache``, or the paged ``moekit.serve.kv.PagedStep``),
+    or, ``mla_expanded``, the per-head keys and values of ``KVCache``."""
+
     mla_expanded: bool
 
+    def attend_latent(self, layer: int, q_BLHx: Tensor, latent_BLX: Tensor, attention: LatentAttention) -> Tensor:
+        """Cache the step's latents ``[B, L, R + P]``, then ``attention`` over every latent each query sees."""
+
+    # The expanded form's (``KVCache`` alone):
     def append(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]: ...
 
     def attention_mask(self, num_queries: int, num_keys: int, device: torch.device) -> Tensor | None: ...
@@ -74,18 +86,21 @@ class MLA(nn.Module):
         latent_BLX = torch.cat([self.kv_norm(c_BLR), apply_rope(k_rope, freqs)], dim=-1)  # [B, L, R + P]
         q_rope = apply_rope(q_rope, freqs)
         if cache is None:
-            return self._naive(q_nope, q_rope, latent_BLX, None)
+            return self.out(self._naive(q_nope, q_rope, latent_BLX, None))
         if cache.mla_expanded:
             k, v = self._expand(latent_BLX)
             k_all, v_all = cache.append(layer, k.transpose(1, 2), v.transpose(1, 2))
             mask = cache.attention_mask(L, k_all.shape[2], x_BLD.device)
-            return self._attend(q_nope, q_rope, k_all, v_all, mask)
-        start = cache.length
-        cached, _ = cache.append(layer, latent_BLX.unsqueeze(1), latent_BLX[..., :0].unsqueeze(1))
-        mask = cache.attention_mask(L, cached.shape[2], x_BLD.device)
-        if start == 0:  # prefill: expanding the L new latents costs less than absorbing into L queries
-            return self._naive(q_nope, q_rope, latent_BLX, mask)
-        return self._absorbed(q_nope, q_rope, cached.squeeze(1), mask)
+            return self.out(self._attend(q_nope, q_rope, k_all, v_all, mask))
+        q_BLHx = torch.cat([q_nope, q_rope], dim=-1)
+        return self.out(cache.attend_latent(layer, q_BLHx, latent_BLX, self._over_latents))
+
+    def _over_latents(self, q_BLHx: Tensor, latent_BSX: Tensor, mask: Tensor | None, fresh: bool) -> Tensor:
+        """``LatentAttention``: the naive form for a prefill from nothing, else the absorbed one."""
+        q_nope, q_rope = q_BLHx.split([self.nope, self.rope], dim=-1)
+        if fresh:  # expanding the new latents costs less than absorbing into as many queries
+            return self._naive(q_nope, q_rope, latent_BSX, mask)
+        return self._absorbed(q_nope, q_rope, latent_BSX, mask)
 
     def _expand(self, latent_BSX: Tensor) -> tuple[Tensor, Tensor]:
         """Per-head keys ``[B, S, H, N + P]`` and values ``[B, S, H, V]`` from the latents."""
@@ -107,7 +122,7 @@ class MLA(nn.Module):
         y = F.scaled_dot_product_attention(
             q, k_BHSd, v_BHSV, attn_mask=mask, is_causal=causal, dropout_p=dropout, scale=self.scale
         )
-        return self.out(y.transpose(1, 2).reshape(B, L, -1))
+        return y.transpose(1, 2).reshape(B, L, -1)
 
     def _absorbed(self, q_nope: Tensor, q_rope: Tensor, latent_BSX: Tensor, mask: Tensor | None) -> Tensor:
         """Attention over the cached latents without expanding them: ``W_UK`` folded into the query,
@@ -127,4 +142,4 @@ class MLA(nn.Module):
             mask = mask.reshape(-1, 1, L, S).expand(-1, H, L, S).reshape(-1, 1, H * L, S)
         y = F.scaled_dot_product_attention(q, kv, kv[..., : self.rank], attn_mask=mask, scale=self.scale)
         y = torch.einsum("bhlr,hvr->blhv", y.view(B, H, L, self.rank), w_uv_HVR)
-        return self.out(y.reshape(B, L, -1))
+        return y.reshape(B, L, -1)

@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from moekit.config import ModelConfig, MoEConfig
 from moekit.experts import DenseFFN
 from moekit.layer import MoE
-from moekit.model.mla import MLA
+from moekit.model.mla import MLA, LatentAttention
 from moekit.model.rope import apply_rope, rope_table
 from moekit.model.sdpa import attend, causal_mask
 from moekit.stats import MoEStats
@@ -36,7 +36,7 @@ class Cache(Protocol):
     """What the model asks of a KV cache: the positions of this step's tokens (as RoPE frequencies),
     attention of its queries to the cached keys, and the step's end. ``KVCache`` holds one contiguous
     block per row; ``moekit.serve.kv.PagedStep`` packs sequences at different positions into one row.
-    MLA asks for more (``moekit.model.mla.Cache``, its latent rows): only ``KVCache`` has it."""
+    MLA asks for its latent rows instead (``moekit.model.mla.Cache``): both have them."""
 
     def rope(self, freqs_Sd2: Tensor, num_tokens: int) -> Tensor: ...
 
@@ -96,6 +96,13 @@ class KVCache:
         self.keys[layer][:, :, self.length : end] = k_BGLd
         self.values[layer][:, :, self.length : end] = v_BGLd
         return self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
+
+    def attend_latent(self, layer: int, q_BLHx: Tensor, latent_BLX: Tensor, attention: LatentAttention) -> Tensor:
+        """MLA: cache this step's latents, then ``attention`` over every cached one (``moekit.model.mla.Cache``)."""
+        fresh = self.length == 0
+        cached, _ = self.append(layer, latent_BLX.unsqueeze(1), latent_BLX[..., :0].unsqueeze(1))
+        mask = self.attention_mask(latent_BLX.shape[1], cached.shape[2], latent_BLX.device)
+        return attention(q_BLHx, cached.squeeze(1), mask, fresh)
 
     def rope(self, freqs_Sd2: Tensor, num_tokens: int) -> Tensor:
         """The rotary frequencies of the next ``num_tokens`` positions (the same for every row)."""

@@ -78,11 +78,6 @@ class Engine:
         self.run, self.options, self.metrics = run, options, metrics
         self.stop_tokens = stop_tokens
         model = run.model.eval()
-        if model.cfg.attention != "mha":  # the paged pool holds per-head keys and values, not MLA's latents
-            raise ValueError(
-                f"model.attention={model.cfg.attention!r}: moekit serve's paged KV cache holds multi-head "
-                "attention only (moekit generate runs this model)"
-            )
         self.device = model.embed.weight.device
         dtype = model.embed.weight.dtype
         bs = options.block_size
@@ -103,6 +98,7 @@ class Engine:
         self._stopping = False
         self._thread: threading.Thread | None = None
         self.steps = 0
+        self.preemptions = 0  # running sequences sent back to the queue for want of KV blocks
         # Seconds of the engine thread by phase since the start (read by /metrics): where a step goes.
         self.seconds = dict.fromkeys(("schedule", "forward", "emit", "idle"), 0.0)
         # Tokens routed to each expert, per MoE layer, since the start (read by /metrics).
@@ -173,18 +169,31 @@ class Engine:
             if seq.cancelled or now > seq.deadline:
                 self._finish(seq, "cancelled" if seq.cancelled else "timeout", "")
         plan = plan_step(self.running, self.waiting, self.pool.free_blocks, self.pool.block_size, self.budget)
+        for seq in plan.preempt:  # newest first: the oldest of them ends up at the front of the queue
+            self.running.remove(seq)
+            self.pool.release(seq.blocks)
+            seq.blocks, seq.computed = [], 0
+            self.waiting.appendleft(seq)
+        self.preemptions += len(plan.preempt)
         for seq in plan.admit:
             assert self.waiting[0] is seq, "admission is first come first served"
             self.waiting.popleft()
-            blocks = self.pool.allocate(self.pool.blocks_for(seq.reserved_positions))
+            blocks = self.pool.allocate(self.pool.blocks_for(len(seq.tokens)))
             assert blocks is not None, "plan_step admits only what fits"
             seq.blocks = blocks
-            seq.state = TextStream(self.run.tokenizer, seq.params.stop)
-            seed = seq.params.seed if seq.params.seed is not None else secrets.randbits(63)
-            seq.generator = torch.Generator().manual_seed(seed) if seq.params.temperature > 0 else None
+            if seq.state is None:  # not a preempted sequence coming back (its text and sampling go on)
+                seq.state = TextStream(self.run.tokenizer, seq.params.stop)
+                seed = seq.params.seed if seq.params.seed is not None else secrets.randbits(63)
+                seq.generator = torch.Generator().manual_seed(seed) if seq.params.temperature > 0 else None
             self.running.append(seq)
         if not plan.chunks:
             return False
+        for seq, n in plan.chunks:
+            missing = self.pool.blocks_for(seq.computed + n) - len(seq.blocks)
+            if missing > 0:  # a decode crossing into a new block
+                grown = self.pool.allocate(missing)
+                assert grown is not None, "plan_step preempts until the decodes fit"
+                seq.blocks += grown
         ids: list[int] = []
         sampling: list[tuple[int, Seq]] = []  # (packed index of its last token, sequence)
         for seq, n in plan.chunks:

@@ -4,7 +4,9 @@ without fragmentation and a finished one frees its blocks at once.
 
 One step packs every scheduled sequence's new tokens into one row ``[1, T]`` (the model's other
 layers work token by token); attention alone regroups them: queries into ``[B, H, Lq, d]`` and each
-sequence's cached keys gathered into ``[B, G, S, d]``, masked per sequence.
+sequence's cached keys gathered into ``[B, G, S, d]``, masked per sequence. Multi-head latent attention
+(MLA) caches one latent per position instead (``G = 1``, ``d = kv_lora_rank + qk_rope_head_dim``, no
+values): the per-head keys and values it stands for are never stored.
 
 Legend: T tokens this step, B sequences this step, Lq most new tokens of one sequence, S keys gathered
 per sequence (whole blocks covering the longest), G key/value heads, H query heads, d head dim, N blocks,
@@ -19,31 +21,41 @@ import torch
 from torch import Tensor
 
 from moekit.config import ModelConfig
+from moekit.model.mla import LatentAttention
 from moekit.model.sdpa import attend
 
 
+def row_shapes(cfg: ModelConfig) -> tuple[tuple[int, int], tuple[int, int]]:
+    """What one position caches per layer, as (key, value) ``(heads, width)``: every key/value head's
+    key and value, or for MLA one latent ``kv_lora_rank + qk_rope_head_dim`` wide and no value (its
+    values are the latent's first dims)."""
+    if cfg.attention == "mla":
+        return (1, cfg.kv_lora_rank + cfg.qk_rope_head_dim), (1, 0)
+    return (cfg.kv_heads, cfg.head_size), (cfg.kv_heads, cfg.head_size)
+
+
 class KVPool:
-    """Keys and values of ``num_blocks`` blocks of ``block_size`` positions, per layer ``[N * P, G, d]``,
-    and the free list of blocks."""
+    """Keys and values (MLA: latents) of ``num_blocks`` blocks of ``block_size`` positions, per layer
+    ``[N * P, G, d]``, and the free list of blocks."""
 
     def __init__(
         self, cfg: ModelConfig, num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype
     ) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"KV pool of {num_blocks} blocks of {block_size} positions: both must be >= 1")
-        head_dim = cfg.head_size
-        shape = (num_blocks * block_size, cfg.kv_heads, head_dim)
-        self.keys = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layers)]
-        self.values = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layers)]
+        k_row, v_row = row_shapes(cfg)
+        positions = num_blocks * block_size
+        self.keys = [torch.zeros(positions, *k_row, device=device, dtype=dtype) for _ in range(cfg.n_layers)]
+        self.values = [torch.zeros(positions, *v_row, device=device, dtype=dtype) for _ in range(cfg.n_layers)]
         self.block_size = block_size
         self.num_blocks = num_blocks
         self._free = list(range(num_blocks - 1, -1, -1))  # popped from the end: low blocks first
 
     @staticmethod
     def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-        """Bytes one block takes over all layers (keys and values)."""
-        head_dim = cfg.head_size
-        return 2 * cfg.n_layers * block_size * cfg.kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+        """Bytes one block takes over all layers (keys and values, or latents)."""
+        (kh, kw), (vh, vw) = row_shapes(cfg)
+        return cfg.n_layers * block_size * (kh * kw + vh * vw) * torch.empty((), dtype=dtype).element_size()
 
     @property
     def free_blocks(self) -> int:
@@ -83,7 +95,7 @@ class PagedStep:
         lengths = [c.num_tokens for c in chunks]
         ends = [c.start + c.num_tokens for c in chunks]
         most_new = max(lengths)
-        assert all(len(c.blocks) * P >= end for c, end in zip(chunks, ends, strict=True)), "blocks reserved up front"
+        assert all(len(c.blocks) * P >= end for c, end in zip(chunks, ends, strict=True)), "blocks allocated first"
         positions = [p for c in chunks for p in range(c.start, c.start + c.num_tokens)]
         # Each sequence's first W blocks (block 0 past its own, masked), gathered whole: S = W * P keys.
         width = pool.blocks_for(max(ends))
@@ -96,6 +108,8 @@ class PagedStep:
         self.positions_T = pos_T.to(device)
         self.slots_T = (table_BW[seq_T, pos_T // P] * P + pos_T % P).to(device)
         self.decode_only = most_new == 1
+        self.fresh = all(c.start == 0 for c in chunks)  # nothing cached before: MLA expands its latents
+        self.mla_expanded = False  # MLA caches its latents here
         # Query slot of each packed token in the padded [B, Lq] view (decode-only steps need none).
         offsets = torch.tensor([0, *lengths[:-1]]).cumsum(0)
         self.query_T = (seq_T * most_new + torch.arange(len(positions)) - offsets[seq_T]).to(device)
@@ -128,6 +142,16 @@ class PagedStep:
         else:  # never None: to attend, None means causal from position 0, not these keys
             mask = self.visible
         return self._unpad(attend(q_BHLd, k_BGSd, v_BGSd, mask, sinks_H, 0.0))
+
+    def attend_latent(self, layer: int, q_1THx: Tensor, latent_1TX: Tensor, attention: LatentAttention) -> Tensor:
+        """MLA (``moekit.model.mla.Cache``): the step's latents into their slots, then ``attention`` of
+        the padded queries ``[B, Lq, H, x]`` over each sequence's gathered latents ``[B, S, R + P]``."""
+        latents = self.pool.keys[layer]
+        latents.index_copy_(0, self.slots_T, latent_1TX[0].unsqueeze(1))
+        latent_BSX = self._gather(latents).squeeze(1)
+        q_BLHx = self._pad(q_1THx.transpose(1, 2)).transpose(1, 2)
+        y_BLY = attention(q_BLHx, latent_BSX, self.visible, self.fresh)
+        return self._unpad(y_BLY.unsqueeze(1)).squeeze(1)  # [1, T, H * V]
 
     def advance(self, num_tokens: int) -> None:
         pass  # the scheduler keeps each sequence's position

@@ -65,6 +65,9 @@ class _EngineCollector(Collector):
         used = 1 - e.pool.free_blocks / e.pool.num_blocks
         yield GaugeMetricFamily("moekit_kv_cache_usage", "share of KV blocks reserved", value=used)
         yield CounterMetricFamily("moekit_steps", "scheduler steps run", value=e.steps)
+        yield CounterMetricFamily(
+            "moekit_preemptions", "running sequences sent back to the queue for want of KV blocks", value=e.preemptions
+        )
         phases = CounterMetricFamily("moekit_engine_seconds", "engine thread time by phase", labels=["phase"])
         for phase, seconds in e.seconds.items():
             phases.add_metric([phase], seconds)

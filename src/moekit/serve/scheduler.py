@@ -4,9 +4,14 @@ the running batch this step, and how many of its tokens each scheduled sequence 
 Every step, in order: each running sequence past its prompt decodes one token (decodes are never
 stalled); sequences still in their prompt prefill a chunk of it (at most ``prefill_chunk`` tokens,
 within what is left of the step's token budget); then waiting sequences are admitted first come first
-served while their KV blocks (prompt plus ``max_tokens``, reserved whole so a running sequence never
-runs out) and a running slot are free. The head of the queue is never overtaken, so a long request
-is not starved by short ones behind it.
+served while a running slot and the KV blocks of the tokens they hold now are free. The head of the
+queue is never overtaken, so a long request is not starved by short ones behind it.
+
+A decode that crosses into a new block and finds none free preempts (vLLM's recompute): the most
+recently admitted running sequence gives all its blocks back and returns to the front of the queue
+with its tokens, to be prefilled again (prompt and generated tokens) when readmitted. The oldest
+running sequence is never preempted, so it always finishes. No sequence is admitted in a step that
+preempts.
 """
 
 from __future__ import annotations
@@ -60,8 +65,10 @@ class Seq:
         return len(self.tokens) - len(self.prompt)
 
     @property
-    def reserved_positions(self) -> int:
-        return len(self.prompt) + self.params.max_tokens
+    def pending(self) -> int:
+        """Tokens to feed before it samples again: 1 when decoding; a prompt, or after a preemption
+        the prompt and generated tokens, to prefill."""
+        return len(self.tokens) - self.computed
 
 
 @dataclass(frozen=True)
@@ -79,33 +86,54 @@ class Budget:
 
 @dataclass(frozen=True)
 class Plan:
-    """One step: the waiting sequences to admit (in order), and (sequence, tokens to feed) to run."""
+    """One step: the running sequences to preempt (newest first), the waiting sequences to admit (in
+    order), and (sequence, tokens to feed) to run."""
 
+    preempt: list[Seq]
     admit: list[Seq]
     chunks: list[tuple[Seq, int]]
 
 
+def blocks_for(positions: int, block_size: int) -> int:
+    return -(-positions // block_size)
+
+
 def plan_step(running: Sequence[Seq], waiting: Sequence[Seq], free_blocks: int, block_size: int, b: Budget) -> Plan:
-    """The next step's admissions and chunks; mutates nothing."""
+    """The next step's preemptions, admissions and chunks; mutates nothing. A running sequence holds
+    the blocks of the tokens it was admitted with and of every position computed since, so only a
+    decode may need one more."""
     chunks: list[tuple[Seq, int]] = []
     left = b.max_step_tokens
-    for seq in running:  # decodes first: one token each
-        if seq.computed >= len(seq.prompt) and left > 0:
-            chunks.append((seq, 1))
-            left -= 1
-    for seq in running:  # then the prompts under way
-        if seq.computed < len(seq.prompt) and left > 0:
-            n = min(b.prefill_chunk, len(seq.prompt) - seq.computed, left)
+    kept = list(running)
+    preempt: list[Seq] = []
+    for seq in running:  # decodes first: one token each, a block more where it crosses into one
+        if seq in preempt or seq.pending != 1 or left <= 0:
+            continue
+        need = blocks_for(seq.computed + 1, block_size) - len(seq.blocks)
+        while need > free_blocks and kept[-1] is not seq:
+            victim = kept.pop()  # the newest (its decode, after this one's, is not planned yet)
+            preempt.append(victim)
+            free_blocks += len(victim.blocks)
+        if need > free_blocks:  # it is the newest itself
+            preempt.append(kept.pop())
+            free_blocks += len(seq.blocks)
+            continue
+        free_blocks -= need
+        chunks.append((seq, 1))
+        left -= 1
+    for seq in kept:  # then the prompts under way (their blocks are held since admission)
+        if seq.pending > 1 and left > 0:
+            n = min(b.prefill_chunk, seq.pending, left)
             chunks.append((seq, n))
             left -= n
     admit: list[Seq] = []
-    for seq in waiting:
-        need = -(-seq.reserved_positions // block_size)
+    for seq in waiting if not preempt else ():
+        need = blocks_for(len(seq.tokens), block_size)
         if left <= 0 or len(running) + len(admit) >= b.max_running or need > free_blocks:
             break
         free_blocks -= need
         admit.append(seq)
-        n = min(b.prefill_chunk, len(seq.prompt), left)
+        n = min(b.prefill_chunk, len(seq.tokens), left)
         chunks.append((seq, n))
         left -= n
-    return Plan(admit, chunks)
+    return Plan(preempt, admit, chunks)
