@@ -131,8 +131,8 @@ def add_run_flags(parser: argparse.ArgumentParser) -> None:
         type=Path,
         help="a run directory written by moekit train, or a Hugging Face model directory, read in place: "
         "converted in memory, or with --memory-budget its experts read by byte range from its safetensors "
-        "files; no copy of it is written (gpt-oss's interleaved experts and --expert-format int8/int4 "
-        "need moekit convert first)",
+        "files; no copy of it is written. gpt-oss (experts interleaved in one tensor) and --expert-format "
+        "int8/int4 need moekit convert first, which writes a full copy (as large as the checkpoint in its dtype)",
     )
     parser.add_argument("--device", type=device_name, default="auto", help="cpu, cuda, cuda:N or auto")
     parser.add_argument(

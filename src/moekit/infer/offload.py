@@ -77,6 +77,26 @@ def open_store(checkpoint: Path, blocks: dict[int, int], options: OffloadOptions
     return ExpertStore(path, blocks, roles(options.expert_format), options.drop_pages, options.direct_io)
 
 
+Tensors = Callable[[Collection[str]], Iterator[tuple[str, Tensor]]]  # names wanted -> (name, tensor), one at a time
+
+
+def _fill(model: Transformer, resident: Tensors, source: Path) -> None:
+    """Copy the tensors ``resident`` yields into the model's allocated state, each checked by name and shape."""
+    wanted = model.state_dict()
+    loaded: set[int] = set()
+    with torch.no_grad():
+        for name, tensor in resident(wanted.keys()):
+            if name in wanted:
+                if tuple(tensor.shape) != tuple(wanted[name].shape):
+                    shape, want = list(tensor.shape), list(wanted[name].shape)
+                    raise ExpertStoreError(f"{source}: {name} is {shape}, the model's {want}")
+                wanted[name].copy_(tensor)
+                loaded.add(wanted[name].data_ptr())
+    missing = [n for n, t in wanted.items() if t.data_ptr() not in loaded]
+    if missing:
+        raise ExpertStoreError(f"{source}: does not fit this model (missing {sorted(missing)[:3]})")
+
+
 def model_bytes(model: nn.Module) -> int:
     """Bytes of a model's parameters and buffers (shared tensors counted once)."""
     seen: dict[int, int] = {}
@@ -118,7 +138,7 @@ def build_offloaded(
 def offloaded_model(
     model_cfg: ModelConfig,
     moe_cfg: MoEConfig,
-    resident: Callable[[Collection[str]], Iterator[tuple[str, Tensor]]],
+    resident: Tensors,
     open_experts: Callable[[dict[int, int]], Store],
     source: Path,
     options: OffloadOptions,
@@ -141,20 +161,12 @@ def offloaded_model(
     for block, moe in layers.items():
         moe.experts = OffloadedExperts(moe.cfg, block)  # the offloader is set below, once it exists
     materialise(model, dtype, device)
-    wanted = model.state_dict()
-    loaded: set[int] = set()
-    with torch.no_grad():
-        for name, tensor in resident(wanted.keys()):
-            if name in wanted:
-                if tuple(tensor.shape) != tuple(wanted[name].shape):
-                    shape, want = list(tensor.shape), list(wanted[name].shape)
-                    raise ExpertStoreError(f"{source}: {name} is {shape}, the model's {want}")
-                wanted[name].copy_(tensor)
-                loaded.add(wanted[name].data_ptr())
-    missing = [n for n, t in wanted.items() if t.data_ptr() not in loaded]
-    if missing:
-        raise ExpertStoreError(f"{source}: does not fit this model (missing {sorted(missing)[:3]})")
-    store = open_experts({b: m.cfg.num_experts for b, m in layers.items()})
+    store = open_experts({b: m.cfg.num_experts for b, m in layers.items()})  # first: a cut file names an expert
+    try:
+        _fill(model, resident, source)
+    except BaseException:
+        store.close()
+        raise
     budget, resident_bytes = options.memory_budget, model_bytes(model)
     slots = min((budget - resident_bytes) // store.slot_bytes, len(store.pieces))
     if slots < 1:
