@@ -158,7 +158,8 @@ def read_speeds(hf: Path, experts: int, rounds: int) -> dict[str, list[float]]:
     with RangeStore({k: ranges[k] for k in keys}) as store:
         slot = aligned_empty(store.slot_bytes)
         scratch = aligned_empty(store.slot_bytes + 4096 * 4)
-        fds = {path: os.open(path, os.O_RDONLY | os.O_DIRECT) for path in store._fds}
+        files = {p.path for key in keys for p in store.pieces[key]}
+        fds = {path: os.open(path, os.O_RDONLY | os.O_DIRECT) for path in files}
         try:
             for _ in range(rounds):
                 store.drop_page_cache()
