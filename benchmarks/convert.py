@@ -14,7 +14,8 @@ a 32000-word vocabulary, 9 layers: 6.8 GB. Then, each in a child process through
   convert    python -m moekit convert HF --out RUN                 wall time, bytes written, peak RSS
   generate   python -m moekit generate RUN --memory-budget B ...   tokens/s (the CLI's own), peak RSS
   gen-hf     python -m moekit generate HF --memory-budget B ...    the same, experts read in place from the
-                                                                   Hugging Face shards (no converted copy)
+                                                                   Hugging Face shards (no converted copy),
+                                                                   shards evicted from the page cache first
   reads      in this process: a sample of experts read cold from the shards, by plain pread of their exact
              ranges (what gen-hf does) and by O_DIRECT reads of the 4 KiB-aligned supersets plus the copy
              that puts each matrix in place; GB/s, interleaved round by round
@@ -188,6 +189,16 @@ def non_expert_bytes(weights: Path) -> int:
     return sum(e.end - e.begin for name, e in read_header(weights).items() if ".ffn.experts." not in name)
 
 
+def _drop_pages(files: list[Path]) -> None:
+    """Evict ``files`` from the OS page cache (convert has just read them)."""
+    import os
+
+    for file in files:
+        fd = os.open(file, os.O_RDONLY)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+
+
 def _generate(argv: list[str]) -> dict:
     """A ``moekit generate`` child: its wall time, peak RSS and the tokens/s, hit rate and bytes it reports."""
     gen = run_child(argv)
@@ -209,7 +220,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
 
-    from moekit.infer.offload import parse_bytes
+    from moekit.infer.units import parse_bytes
 
     hf = args.root / f"hf-mixtral-{args.layers}l"
     if not hf.is_dir():
@@ -234,6 +245,7 @@ def main() -> None:
         argv += ["--temperature", "0", "--max-new-tokens", str(args.new_tokens), "--prompt", prompt]
         generate.append(_generate(argv) | {"budget": budget, "non_expert": resident})
         argv[4] = str(hf)  # the same generation, its experts read in place from the Hugging Face shards
+        _drop_pages(shards)  # cold, as the converted run's O_DIRECT reads are
         generate_hf.append(_generate(argv))
         assert generate_hf[-1]["stdout"] == generate[-1]["stdout"], "the same greedy tokens"
     shutil.rmtree(run, ignore_errors=True)

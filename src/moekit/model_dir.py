@@ -73,7 +73,9 @@ def load_for_inference(
         expected = {(b, e) for b, n in blocks.items() for e in range(n)}
         if set(ranges) != expected:
             raise ExpertStoreError(f"{path}: its experts {sorted(set(ranges) ^ expected)[:3]} do not fit the model")
-        return RangeStore(ranges, offload.drop_pages)
+        # NOTE: the ranges cannot be read direct (see infer.range_store); evicting each from the page
+        # cache after reading keeps direct_io's promise: no cached expert pages beside the budget.
+        return RangeStore(ranges, offload.drop_pages or offload.direct_io)
 
     model, offloader = offloaded_model(
         checkpoint.model_cfg, checkpoint.moe_cfg, resident, open_experts, path, offload, device, checkpoint.dtype

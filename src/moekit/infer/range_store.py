@@ -7,8 +7,9 @@ is its transpose ``[D, 2F]``: a view, so there is no transform after the read, a
 converted store's ``x @ w``. The ranges start anywhere in the files (after a JSON header of any
 length), so reads are plain ``pread`` of exactly the tensor's bytes, not direct: a direct read of the
 4 KiB-aligned superset would land each matrix at its own skew and need a copy to put gate and up side
-by side (``benchmarks/convert.py --hf-direct`` measures both). ``drop_pages`` evicts each range from
-the OS page cache after reading it, as ``ExpertStore`` does.
+by side (the reads row of ``benchmarks/convert.py`` measures both: plain pread was the faster).
+``drop_pages`` evicts each range from the OS page cache after reading it, as ``ExpertStore`` does; the
+offloaded model sets it when direct reads were asked for, so no cached expert pages sit beside the budget.
 
 Legend: D model dim, F expert hidden dim.
 """
