@@ -52,4 +52,4 @@ def training_rank(cfg, rank: int):
     corpus = loop._prepare_corpus_once(cfg, rank == 0, True, None)
     torch.manual_seed(cfg.train.seed)
     pm = ParallelModel(Transformer(cfg.model, cfg.moe), cfg, cpu, layout, mesh)
-    return pm, build_optimizer(pm.parameters(), cfg.train), corpus
+    return pm, build_optimizer(pm.named_parameters(), cfg.train), corpus

@@ -41,7 +41,7 @@ def _rank(rank: int, world: int, steps: int, root: str) -> dict[str, float] | No
     model = Transformer(cfg.model, cfg.moe)
     pm = ParallelModel(model, cfg, dev, layout, mesh)
     local = local_model(pm.modules)
-    optimizer = build_optimizer(pm.parameters(), cfg.train)
+    optimizer = build_optimizer(pm.named_parameters(), cfg.train)
     g = torch.Generator().manual_seed(rank)
     x = torch.randint(0, 256, (cfg.train.batch_size, cfg.model.context_length + 1), generator=g)
 

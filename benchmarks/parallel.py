@@ -104,7 +104,7 @@ def _train(rank: int, world: int, overrides: dict, steps: int, device: str, give
     model = Transformer(cfg.model, cfg.moe).to(dev)
     layout, mesh = init_distributed(cfg, dev)
     pm = ParallelModel(model, cfg, dev, layout, mesh)
-    opt = build_optimizer(pm.parameters(), cfg.train)
+    opt = build_optimizer(pm.named_parameters(), cfg.train)
     g = torch.Generator().manual_seed(rank)
     times, counted = [], []
     for step in range(steps + 2):

@@ -113,7 +113,7 @@ class NanoGPT(nn.Module):
 
 def make_step(model: nn.Module, loss: Callable[[], torch.Tensor], cfg: TrainConfig) -> Callable[[], None]:
     """One optimizer step of ``model`` on ``loss()``, with the optimizer and clipping moekit trains with."""
-    opt = build_optimizer(model.parameters(), cfg)
+    opt = build_optimizer(model.named_parameters(), cfg)
 
     def step() -> None:
         loss().backward()

@@ -404,7 +404,7 @@ class TrainConfig:
     lr: float = 1e-3  # peak learning rate (AdamW)
     min_lr: float = 1e-4  # learning rate at the end of the cosine decay
     warmup_steps: int = 30  # linear warmup from 0 to lr
-    weight_decay: float = 0.1  # AdamW decay on matrices (not on norms, biases or router biases)
+    weight_decay: float = 0.1  # AdamW decay on weights by role: not on biases (expert ones included), norms or sinks
     beta1: float = 0.9  # AdamW first-moment decay
     beta2: float = 0.95  # AdamW second-moment decay
     grad_clip: float = 1.0  # clip the global gradient norm to this; 0 = off

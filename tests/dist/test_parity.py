@@ -157,7 +157,7 @@ def _reference(cfg, n_ranks: int, micro: int) -> Reference:
     if key in _REFERENCES:
         return _REFERENCES[key]
     ref = _model(cfg)
-    opt = build_optimizer(ref.parameters(), cfg.train)
+    opt = build_optimizer(ref.named_parameters(), cfg.train)
     xs, ys = _batches(cfg, n_ranks, STEPS)
     with torch.no_grad():
         logits = torch.stack([ref(x).logits for x in xs[0]])
@@ -222,7 +222,7 @@ def _check(rank: int, world: int, name: str) -> dict[str, float]:
     b = pm.ranks.batch_rank
     where = f"[{name}] rank {rank}"
     # NOTE: before any forward: FSDP swaps unsharded parameters in while a forward's are gathered.
-    opt = build_optimizer(pm.parameters(), cfg.train)
+    opt = build_optimizer(pm.named_parameters(), cfg.train)
     if cfg.parallel.placement_every:
         _place_away(pm)
 

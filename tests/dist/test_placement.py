@@ -50,7 +50,7 @@ def _run(cfg, corpus, model: Transformer) -> tuple[list[dict], dict[str, torch.T
     """``STEPS`` real training steps (the loop's own step function); records and the final weights."""
     layout, mesh = init_distributed(cfg, torch.device("cpu"))
     pm = ParallelModel(model, cfg, torch.device("cpu"), layout, mesh)
-    opt = build_optimizer(pm.parameters(), cfg.train)
+    opt = build_optimizer(pm.named_parameters(), cfg.train)
     records = [loop._train_step(pm, opt, corpus, cfg, torch.device("cpu"), s, None) for s in range(STEPS)]
     weights = _full({n: p.detach() for n, p in pm.full_model.named_parameters()})
     for name, slots in pm.expert_slots().items():  # re-placed experts' rows back in expert order

@@ -239,7 +239,7 @@ def _save_with_placement(rank: int, world: int, corpus_path: Path, tmp: Path) ->
         for moe in model.moe_layers():
             moe.router.expert_bias.copy_(SKEW)
         pm = ParallelModel(model, cfg, cpu, layout, mesh)
-        optimizer = build_optimizer(pm.parameters(), cfg.train)
+        optimizer = build_optimizer(pm.named_parameters(), cfg.train)
         saver = Checkpointer(tmp / "placed", keep=2, background=True)  # rows staged, then written meanwhile
         losses = []
         for step in range(cfg.train.steps):

@@ -126,7 +126,14 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
 
 def add_run_flags(parser: argparse.ArgumentParser) -> None:
     """A trained run to load, where, and its experts offloaded (models larger than memory)."""
-    parser.add_argument("run_dir", type=Path, help="a run directory written by moekit train")
+    parser.add_argument(
+        "run_dir",
+        type=Path,
+        help="a run directory written by moekit train, or a Hugging Face model directory, read in place: "
+        "converted in memory, or with --memory-budget its experts read by byte range from its safetensors "
+        "files; no copy of it is written. gpt-oss (experts interleaved in one tensor) and --expert-format "
+        "int8/int4 need moekit convert first, which writes a full copy (as large as the checkpoint in its dtype)",
+    )
     parser.add_argument("--device", type=device_name, default="auto", help="cpu, cuda, cuda:N or auto")
     parser.add_argument(
         "--dtype", type=dtype_name, help="fp32, bf16 or fp16 weights and compute (default: the checkpoint's dtype)"
@@ -143,13 +150,19 @@ def add_run_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def load_for_inference(args: argparse.Namespace):
-    """The run of ``add_run_flags``, its experts offloaded when --memory-budget is given."""
+    """The run or Hugging Face directory of ``add_run_flags``, its experts offloaded when --memory-budget
+    is given; a Hugging Face directory read in place says so (and that nothing is written) on stderr."""
+    import sys
+
     from moekit.infer.offload import OffloadOptions
     from moekit.infer.units import parse_bytes
-    from moekit.run.load import load_run
+    from moekit.model_dir import load_for_inference as load
 
     offload = None
     if args.memory_budget is not None:
         budget = parse_bytes(args.memory_budget, "--memory-budget")
         offload = OffloadOptions(budget, args.policy, args.prefetch, args.expert_format)
-    return load_run(args.run_dir, resolve_device(args.device), offload, resolve_dtype(args.dtype))
+    loaded, in_place = load(args.run_dir, resolve_device(args.device), offload, resolve_dtype(args.dtype))
+    if in_place is not None:
+        print(in_place.describe(args.run_dir), file=sys.stderr)
+    return loaded

@@ -1,4 +1,4 @@
-"""``moekit generate``: text from a trained run, its experts resident or offloaded."""
+"""``moekit generate``: text from a trained run or a Hugging Face directory, its experts resident or offloaded."""
 
 from __future__ import annotations
 
@@ -12,7 +12,9 @@ from moekit.cli.common import add_run_flags, load_for_inference
 
 def add_parser(commands) -> None:
     gen = commands.add_parser(
-        "generate", help="generate text from a trained run", description="Generate text from a trained run."
+        "generate",
+        help="generate text from a trained run or a Hugging Face directory",
+        description="Generate text from a trained run or a Hugging Face directory (read in place, no copy written).",
     )
     gen.set_defaults(run=run)
     gen.add_argument("--prompt", default="\n", help="text to continue (default: a newline)")

@@ -11,11 +11,10 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from moekit.config import ModelConfig, MoEConfig
 from moekit.convert.errors import ConversionError, unfit
-from moekit.convert.hf_rope import rope_from_hf, rope_to_hf
+from moekit.convert.hf_fields import common_fields
+from moekit.convert.hf_rope import rope_from_hf
 
 FAMILIES = ("deepseek_v2", "deepseek_v3")
 
@@ -138,21 +137,14 @@ def export_family(model: ModelConfig, moe: MoEConfig) -> str:
 
 def hf_config(family: str, model: ModelConfig, moe: MoEConfig) -> dict[str, Any]:
     """The ``config.json`` transformers builds the same model from."""
-    eps = model.norm_eps if model.norm_eps is not None else torch.finfo(torch.float32).eps  # nn.RMSNorm's default
     groups = {"n_group": moe.n_group, "topk_group": moe.topk_group or moe.n_group}
-    config: dict[str, Any] = {
+    config: dict[str, Any] = common_fields(model, moe) | {
         "architectures": ["DeepseekV3ForCausalLM" if family == "deepseek_v3" else "DeepseekV2ForCausalLM"],
         "model_type": family,
-        "vocab_size": model.vocab_size,
-        "hidden_size": model.d_model,
-        "intermediate_size": model.d_ff,
         "moe_intermediate_size": moe.d_ff,
-        "num_hidden_layers": model.n_layers,
-        "num_attention_heads": model.n_heads,
         "num_key_value_heads": model.n_heads,
         "n_routed_experts": moe.num_experts,
         "n_shared_experts": moe.shared_hidden // moe.d_ff,
-        "num_experts_per_tok": moe.top_k,
         "routed_scaling_factor": moe.route_scale,
         "first_k_dense_replace": model.first_dense_layers,
         "q_lora_rank": model.q_lora_rank or None,
@@ -160,18 +152,7 @@ def hf_config(family: str, model: ModelConfig, moe: MoEConfig) -> dict[str, Any]
         "qk_nope_head_dim": model.qk_nope_head_dim,
         "qk_rope_head_dim": model.qk_rope_head_dim,
         "v_head_dim": model.v_head_dim,
-        "hidden_act": "silu",
-        "max_position_embeddings": model.context_length,
-        "rms_norm_eps": eps,
-        "rope_theta": model.rope_theta,
-        "rope_parameters": rope_to_hf(model),
-        "tie_word_embeddings": model.tie_embeddings,
         "attention_bias": False,
-        "attention_dropout": 0.0,
-        "bos_token_id": None,
-        "eos_token_id": None,
-        "torch_dtype": "float32",
-        "use_cache": True,
     }
     if family == "deepseek_v3":
         v3 = {"norm_topk_prob": moe.normalize_topk, "rope_interleave": True, "num_nextn_predict_layers": 0}

@@ -10,12 +10,11 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from moekit.config import ModelConfig, MoEConfig
 from moekit.convert import deepseek
 from moekit.convert.errors import ConversionError, unfit
-from moekit.convert.hf_rope import rope_from_hf, rope_to_hf
+from moekit.convert.hf_fields import common_fields
+from moekit.convert.hf_rope import rope_from_hf
 from moekit.convert.keymap import FAMILIES, Family
 
 
@@ -285,30 +284,12 @@ def export_family(model: ModelConfig, moe: MoEConfig | None) -> Family:
 def hf_config(family: Family, model: ModelConfig, moe: MoEConfig) -> dict[str, Any]:
     if family.model_type in deepseek.FAMILIES:
         return deepseek.hf_config(family.model_type, model, moe)
-    eps = model.norm_eps if model.norm_eps is not None else torch.finfo(torch.float32).eps  # nn.RMSNorm's default
-    config: dict[str, Any] = {
+    config: dict[str, Any] = common_fields(model, moe) | {
         "architectures": [family.architecture],
         "model_type": family.model_type,
-        "vocab_size": model.vocab_size,
-        "hidden_size": model.d_model,
-        "intermediate_size": model.d_ff,
-        "num_hidden_layers": model.n_layers,
-        "num_attention_heads": model.n_heads,
         "num_key_value_heads": model.kv_heads,
         "head_dim": model.head_size,
-        "hidden_act": "silu",
-        "max_position_embeddings": model.context_length,
-        "rms_norm_eps": eps,
-        "rope_theta": model.rope_theta,
-        "rope_parameters": rope_to_hf(model),
-        "tie_word_embeddings": model.tie_embeddings,
-        "num_experts_per_tok": moe.top_k,
         "router_aux_loss_coef": aux_coef_to_hf(moe.aux_loss_coef, moe.top_k, len(model.moe_layers())),
-        "attention_dropout": 0.0,
-        "bos_token_id": None,
-        "eos_token_id": None,
-        "torch_dtype": "float32",
-        "use_cache": True,
     }
     if family.model_type == "mixtral":
         # Mixtral has no dense blocks: its intermediate_size is the width of each expert.

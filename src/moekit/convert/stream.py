@@ -46,10 +46,12 @@ class HFCheckpoint:
     num_params: int
     skipped: list[str]  # checkpoint tensors left out on purpose (DeepSeek-V3's multi-token prediction)
 
-    def pieces(self) -> Iterator[tuple[str, slice, Tensor]]:
+    def pieces(self, experts: bool = True) -> Iterator[tuple[str, slice, Tensor]]:
         """(native name, its leading rows this piece fills, the piece), in ``entries`` order: a stacked
-        expert tensor one expert at a time, every other tensor whole."""
+        expert tensor one expert at a time (none when ``experts`` is False), every other tensor whole."""
         for rule in self.rules:
+            if rule.experts and not experts:
+                continue
             if not rule.experts:
                 yield rule.native, slice(None), join(rule, self.source.read).to(self.dtype)
                 continue

@@ -4,20 +4,24 @@ model built under them, its non-expert weights resident and its experts served b
 
 from __future__ import annotations
 
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from moekit.config import ModelConfig, MoEConfig
 from moekit.infer.cache import POLICIES, ExpertCache, make_policy
 from moekit.infer.expert_store import ExpertStore, ExpertStoreError
 from moekit.infer.offloader import PREFETCH_MODES, OffloadedExperts, Offloader
 from moekit.infer.quant import QUANT_FORMATS, roles, write_quantized_store
+from moekit.infer.range_store import RangeStore
 from moekit.infer.units import format_bytes
 from moekit.layer import MoE
 from moekit.model import Transformer
+
+Store = ExpertStore | RangeStore  # a run's own file (or quantized copy), or another checkpoint's files in place
 
 
 @dataclass(frozen=True)
@@ -73,6 +77,26 @@ def open_store(checkpoint: Path, blocks: dict[int, int], options: OffloadOptions
     return ExpertStore(path, blocks, roles(options.expert_format), options.drop_pages, options.direct_io)
 
 
+Tensors = Callable[[Collection[str]], Iterator[tuple[str, Tensor]]]  # names wanted -> (name, tensor), one at a time
+
+
+def _fill(model: Transformer, resident: Tensors, source: Path) -> None:
+    """Copy the tensors ``resident`` yields into the model's allocated state, each checked by name and shape."""
+    wanted = model.state_dict()
+    loaded: set[int] = set()
+    with torch.no_grad():
+        for name, tensor in resident(wanted.keys()):
+            if name in wanted:
+                if tuple(tensor.shape) != tuple(wanted[name].shape):
+                    shape, want = list(tensor.shape), list(wanted[name].shape)
+                    raise ExpertStoreError(f"{source}: {name} is {shape}, the model's {want}")
+                wanted[name].copy_(tensor)
+                loaded.add(wanted[name].data_ptr())
+    missing = [n for n, t in wanted.items() if t.data_ptr() not in loaded]
+    if missing:
+        raise ExpertStoreError(f"{source}: does not fit this model (missing {sorted(missing)[:3]})")
+
+
 def model_bytes(model: nn.Module) -> int:
     """Bytes of a model's parameters and buffers (shared tensors counted once)."""
     seen: dict[int, int] = {}
@@ -89,16 +113,46 @@ def build_offloaded(
     device: str = "cpu",
     dtype: torch.dtype = torch.float32,
 ) -> tuple[Transformer, Offloader]:
-    """A ``Transformer`` whose non-expert weights are loaded (in ``dtype``) from the checkpoint and whose
-    experts come from a store through a cache of what the budget leaves after the non-expert weights.
+    """A ``Transformer`` whose non-expert weights are loaded (in ``dtype``) from a run's checkpoint and
+    whose experts come from its file (or quantized copy) through a cache of what the budget leaves.
 
-    The expert tensors are never materialised: the model is built on the meta device, its experts
-    swapped for ``OffloadedExperts``, then the remaining tensors allocated and loaded by name. The
-    checkpoint's checksum is not recomputed (that would read every expert); a truncated file is
+    The checkpoint's checksum is not recomputed (that would read every expert); a truncated file is
     still caught, by the store, naming the first expert it cuts.
     """
     from safetensors import safe_open
 
+    weights = Path(checkpoint) / "model.safetensors"
+
+    def resident(wanted: Collection[str]) -> Iterator[tuple[str, Tensor]]:
+        with safe_open(str(weights), "pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
+                if name in wanted:
+                    yield name, f.get_tensor(name)
+
+    def store(blocks: dict[int, int]) -> Store:
+        return open_store(Path(checkpoint), blocks, options)
+
+    return offloaded_model(model_cfg, moe_cfg, resident, store, weights, options, device, dtype)
+
+
+def offloaded_model(
+    model_cfg: ModelConfig,
+    moe_cfg: MoEConfig,
+    resident: Tensors,
+    open_experts: Callable[[dict[int, int]], Store],
+    source: Path,
+    options: OffloadOptions,
+    device: str = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> tuple[Transformer, Offloader]:
+    """A ``Transformer`` whose non-expert weights come from ``resident`` (given the names wanted, it
+    yields (name, tensor) one at a time, copied in ``dtype`` into place) and whose experts come from the
+    store ``open_experts`` opens for the MoE blocks ({block: experts}), through a cache of what the
+    budget leaves after the non-expert weights. ``source`` names the weights in errors.
+
+    The expert tensors are never materialised: the model is built on the meta device, its experts
+    swapped for ``OffloadedExperts``, then the remaining tensors allocated and filled by name.
+    """
     from moekit.run.load import materialise
 
     with torch.device("meta"):
@@ -107,33 +161,25 @@ def build_offloaded(
     for block, moe in layers.items():
         moe.experts = OffloadedExperts(moe.cfg, block)  # the offloader is set below, once it exists
     materialise(model, dtype, device)
-    store = open_store(Path(checkpoint), {b: m.cfg.num_experts for b, m in layers.items()}, options)
-    wanted = model.state_dict()
-    state = {}
-    weights = Path(checkpoint) / "model.safetensors"
-    with safe_open(str(weights), "pt", device="cpu") as f:
-        for name in f.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
-            if name in wanted:
-                state[name] = f.get_tensor(name)
-    model.load_state_dict(state, strict=False)
-    loaded = {wanted[n].data_ptr() for n in state}
-    missing = [n for n, t in wanted.items() if t.data_ptr() not in loaded]
-    if missing:
+    store = open_experts({b: m.cfg.num_experts for b, m in layers.items()})  # first: a cut file names an expert
+    try:
+        _fill(model, resident, source)
+    except BaseException:
         store.close()
-        raise ExpertStoreError(f"{weights}: does not fit this model (missing {sorted(missing)[:3]})")
-    budget, resident = options.memory_budget, model_bytes(model)
-    slots = min((budget - resident) // store.slot_bytes, len(store.pieces))
+        raise
+    budget, resident_bytes = options.memory_budget, model_bytes(model)
+    slots = min((budget - resident_bytes) // store.slot_bytes, len(store.pieces))
     if slots < 1:
         store.close()
-    if budget < resident:
+    if budget < resident_bytes:
         raise ValueError(
             f"memory_budget={format_bytes(budget)} is smaller than the non-expert weights "
-            f"({format_bytes(resident)}), which stay resident"
+            f"({format_bytes(resident_bytes)}), which stay resident"
         )
     if slots < 1:
         raise ValueError(
-            f"memory_budget={format_bytes(budget)} leaves {format_bytes(budget - resident)} for experts "
-            f"after the non-expert weights ({format_bytes(resident)}): "
+            f"memory_budget={format_bytes(budget)} leaves {format_bytes(budget - resident_bytes)} for experts "
+            f"after the non-expert weights ({format_bytes(resident_bytes)}): "
             f"less than one expert ({format_bytes(store.slot_bytes)})"
         )
     cache = ExpertCache(slots, store.slot_bytes, torch.device(device), make_policy(options.policy))

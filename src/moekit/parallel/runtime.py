@@ -173,10 +173,14 @@ class ParallelModel:
     # --- what the loop calls -----------------------------------------------------------------------
 
     def parameters(self) -> list[nn.Parameter]:
-        seen: dict[int, nn.Parameter] = {}
+        return [p for _, p in self.named_parameters()]
+
+    def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """Every parameter this rank holds, once (pipeline stages may share one), by its model name."""
+        seen: dict[int, tuple[str, nn.Parameter]] = {}
         for module in self.modules:
-            for p in module.parameters():
-                seen.setdefault(id(p), p)
+            for name, p in module.named_parameters():
+                seen.setdefault(id(p), (name, p))
         return list(seen.values())
 
     def moe_layers(self) -> list[MoE]:

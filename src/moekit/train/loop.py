@@ -212,7 +212,7 @@ def _setup(
     )
     pm = ParallelModel(model, cfg, dev, layout, mesh)
     local = local_model(pm.modules)
-    optimizer = build_optimizer(pm.parameters(), cfg.train)
+    optimizer = build_optimizer(pm.named_parameters(), cfg.train)
     start_step = int(saver.restore(resume_from, local, optimizer, model)["step"]) if resume_from is not None else 0
     return _Run(
         cfg=cfg,

@@ -1,4 +1,5 @@
-"""AdamW with decoupled weight decay on matrices only, and a warmup + cosine learning rate."""
+"""AdamW with decoupled weight decay by role (weights decay; biases, norms and sinks do not), and a warmup +
+cosine learning rate."""
 
 from __future__ import annotations
 
@@ -12,17 +13,32 @@ from torch.distributed.tensor import DTensor
 from moekit.config import TrainConfig
 
 
-def build_optimizer(parameters: Iterable[nn.Parameter], cfg: TrainConfig) -> torch.optim.AdamW:
-    """Decay matrices (embeddings, projections, stacked experts); not norms or other vectors.
+def decays(name: str) -> bool:
+    """Whether parameter ``name`` gets weight decay, decided by its role, not its shape.
+
+    Biases (``*.bias``, and the experts' stacked ``w_in_bias [E, F]``, which is 2-D), norm scales
+    (any module named ``*norm*``) and attention sinks do not; embeddings, projections, routers and
+    stacked expert weights do. Names are matched on their last parts, so the prefixes that wrappers
+    add (``_orig_mod.``, ``_checkpoint_wrapped_module.``) do not change a role; FSDP2 and DTensor keep
+    the module's own names.
+    """
+    *modules, leaf = name.split(".")
+    return not (leaf.endswith("bias") or leaf == "sinks" or any("norm" in m for m in modules))
+
+
+def build_optimizer(parameters: Iterable[tuple[str, nn.Parameter]], cfg: TrainConfig) -> torch.optim.AdamW:
+    """AdamW over named parameters (``named_parameters()``), decayed by role (``decays``).
 
     Parameters are grouped by decay and by how they are distributed (plain, or DTensor on a mesh):
-    the fused kernel takes one kind per call.
+    the fused kernel takes one kind per call. A parameter seen twice (tied embeddings) is kept once.
     """
     groups: dict[tuple, dict] = {}
-    for p in parameters:
-        if not p.requires_grad:
+    seen: set[int] = set()
+    for name, p in parameters:
+        if not p.requires_grad or id(p) in seen:
             continue
-        decay = cfg.weight_decay if p.dim() >= 2 else 0.0
+        seen.add(id(p))
+        decay = cfg.weight_decay if decays(name) else 0.0
         mesh = p.device_mesh if isinstance(p, DTensor) else None
         key = (decay, id(mesh))
         groups.setdefault(key, {"params": [], "weight_decay": decay})["params"].append(p)

@@ -1,0 +1,85 @@
+"""A model directory opened for inference: a moekit run, or a Hugging Face checkpoint read in place.
+
+A Hugging Face directory's non-expert weights are converted in memory (streamed, one tensor at a time,
+in the checkpoint's dtype unless one is asked for). With offloaded experts each expert is read by
+byte range from the shard files into the cache (``infer.range_store``): no converted copy is made and
+nothing is written. Without, the whole model is converted in memory. Here, above both ``convert`` and
+``infer`` (which never import one another), is where the two meet.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from moekit.convert.hf import load_hf
+from moekit.convert.in_place import expert_ranges
+from moekit.convert.safetensors_dir import INDEX, SINGLE
+from moekit.convert.source import hf_source
+from moekit.infer.expert_store import ExpertStoreError
+from moekit.infer.offload import OffloadOptions, offloaded_model
+from moekit.infer.range_store import RangeStore
+from moekit.infer.units import format_bytes
+from moekit.run.load import LoadedRun, load_run
+
+
+def is_hf_dir(path: Path) -> bool:
+    """A Hugging Face checkpoint directory (safetensors weights beside config.json), not a moekit run."""
+    return (Path(path) / "config.json").is_file() and any((Path(path) / f).is_file() for f in (SINGLE, INDEX))
+
+
+@dataclass(frozen=True)
+class InPlace:
+    """What reading a Hugging Face directory in place costs on disk: its expert bytes read, none written."""
+
+    files: int  # shard files the experts are read from
+    expert_bytes: int  # bytes of every routed expert, read by range as needed
+
+    def describe(self, path: Path) -> str:
+        return (
+            f"experts read in place from {path} ({format_bytes(self.expert_bytes)} over {self.files} "
+            f"file{'s' * (self.files != 1)}): no copy written"
+        )
+
+
+def load_for_inference(
+    path: Path, device: str = "cpu", offload: OffloadOptions | None = None, dtype: torch.dtype | None = None
+) -> tuple[LoadedRun, InPlace | None]:
+    """A run directory (``load_run``) or a Hugging Face directory, its experts offloaded under ``offload``;
+    with what reading a Hugging Face directory in place costs (None for a run or a resident model)."""
+    path = Path(path)
+    if not is_hf_dir(path):
+        return load_run(path, device, offload, dtype), None
+    checkpoint, tokenizer, cfg = hf_source(path, dtype)
+    if offload is None:
+        return LoadedRun(load_hf(checkpoint).to(device), tokenizer, cfg, path), None
+    if checkpoint.moe_cfg is None:
+        raise ValueError(f"offload: {path} is a dense model; it has no experts to offload")
+    if offload.expert_format != "fp":
+        raise ValueError(
+            f"expert_format={offload.expert_format!r}: a Hugging Face directory's experts are read in place, "
+            f"as stored (fp); for a quantized expert store convert it first (moekit convert)"
+        )
+    ranges = expert_ranges(checkpoint)
+
+    def resident(wanted: Collection[str]) -> Iterator[tuple[str, Tensor]]:
+        return ((name, piece) for name, _, piece in checkpoint.pieces(experts=False))
+
+    def open_experts(blocks: dict[int, int]) -> RangeStore:
+        expected = {(b, e) for b, n in blocks.items() for e in range(n)}
+        if set(ranges) != expected:
+            raise ExpertStoreError(f"{path}: its experts {sorted(set(ranges) ^ expected)[:3]} do not fit the model")
+        # NOTE: the ranges cannot be read direct (see infer.range_store); evicting each from the page
+        # cache after reading keeps direct_io's promise: no cached expert pages beside the budget.
+        return RangeStore(ranges, offload.drop_pages or offload.direct_io)
+
+    model, offloader = offloaded_model(
+        checkpoint.model_cfg, checkpoint.moe_cfg, resident, open_experts, path, offload, device, checkpoint.dtype
+    )
+    files = {file for roles in ranges.values() for parts in roles.values() for file, _ in parts}
+    expert_bytes = sum(e.end - e.begin for roles in ranges.values() for parts in roles.values() for _, e in parts)
+    return LoadedRun(model, tokenizer, cfg, path, offloader), InPlace(len(files), expert_bytes)

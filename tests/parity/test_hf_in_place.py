@@ -1,0 +1,119 @@
+"""Offloaded generation straight from a Hugging Face directory (experts read by byte range from its
+shards, no converted copy) against convert-then-generate and transformers' own greedy decoding (fp32).
+
+Reference: ``generate`` on the converted run with the same budget, and ``transformers.generate``:
+the same 16 greedy tokens, exactly. The budget holds the non-expert weights and 2 experts, fewer
+than one layer has, so the cache evicts on every layer.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers", reason="the Hugging Face parity tests need transformers: pip install -e '.[test]'")
+from hf_models import hf_greedy, save_hf, save_tokenizer  # noqa: E402
+from test_hf_deepseek import V2_LITE, V3, save_deepseek  # noqa: E402
+from test_hf_parity import tokens  # noqa: E402
+
+from moekit.cli import main  # noqa: E402
+from moekit.convert import ConversionError  # noqa: E402
+from moekit.infer.generate import generate  # noqa: E402
+from moekit.infer.offload import OffloadOptions, model_bytes  # noqa: E402
+from moekit.model_dir import load_for_inference  # noqa: E402
+from moekit.run.load import load_run  # noqa: E402
+
+NEW_TOKENS = 16
+SLOTS = 2  # experts the cache holds
+
+
+def _budget(path: Path) -> int:
+    probe, _ = load_for_inference(path, offload=OffloadOptions(1 << 40))
+    try:
+        return model_bytes(probe.model) + SLOTS * probe.offloader.cache.slot_bytes
+    finally:
+        probe.offloader.close()
+
+
+def _greedy(path: Path, budget: int, prompt: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    loaded, _ = load_for_inference(path, offload=OffloadOptions(budget, prefetch="off"))
+    try:
+        return generate(loaded.model, prompt, NEW_TOKENS, temperature=0), vars(loaded.offloader.stats).copy()
+    finally:
+        loaded.offloader.close()
+
+
+def _files(path: Path) -> dict[str, tuple[int, int]]:
+    return {str(f): (f.stat().st_size, f.stat().st_mtime_ns) for f in sorted(path.rglob("*"))}
+
+
+def _save(family: str, directory: Path) -> torch.nn.Module:
+    if family.startswith("deepseek"):
+        config = V3 if family == "deepseek_v3" else V2_LITE
+        return save_deepseek(family, directory, **config)
+    return save_hf(family, directory, shard_size="40KB" if family == "mixtral" else None, router_scale=3.0)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "olmoe", "qwen3_moe", "deepseek_v2", "deepseek_v3"])
+def test_in_place_greedy_equals_converted_and_transformers(family: str, tmp_path: Path) -> None:
+    hf = tmp_path / "hf"
+    hf_model = _save(family, hf)
+    save_tokenizer(hf)
+    if family == "mixtral":
+        assert len(list(hf.glob("model-*.safetensors"))) > 1, "experts spread over several shards"
+    before = _files(hf)
+    budget = _budget(hf)
+    prompt = tokens(hf_model.config.vocab_size, (1, 8))
+    got, stats = _greedy(hf, budget, prompt)
+    assert _files(hf) == before, "nothing written into the Hugging Face directory"
+    assert stats["misses"] > stats["hits"] and stats["reads"] > SLOTS, "the cache evicted"
+
+    run = tmp_path / "run"
+    assert main(["convert", str(hf), "--out", str(run)]) == 0
+    converted = load_run(run, offload=OffloadOptions(1 << 40))
+    converted_budget = model_bytes(converted.model) + SLOTS * converted.offloader.cache.slot_bytes
+    converted.offloader.close()
+    expected, _ = _greedy(run, converted_budget, prompt)
+    assert torch.equal(got, expected)
+    assert torch.equal(got, hf_greedy(hf_model, prompt, NEW_TOKENS))
+
+
+def test_cli_generates_from_a_hugging_face_directory_writing_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``python -m moekit generate HF_DIR --memory-budget B`` in a child process whose temporary directory
+    is empty: nothing appears there or in the Hugging Face directory."""
+    hf, temp = tmp_path / "hf", tmp_path / "tmp"
+    save_hf("qwen3_moe", hf, router_scale=3.0)
+    save_tokenizer(hf)
+    temp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(temp))
+    before, budget = _files(hf), str(_budget(hf))
+    argv = ["generate", str(hf), "--prompt", "w1 w2 w3", "--temperature", "0", "--max-new-tokens", "6"]
+    cli = [sys.executable, "-m", "moekit", *argv]
+    proc = subprocess.run([*cli, "--memory-budget", budget], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split()[:3] == ["w1", "w2", "w3"] and len(proc.stdout.split()) == 9
+    assert "experts read in place from" in proc.stderr and "no copy written" in proc.stderr
+    assert "hit rate" in proc.stderr
+    assert _files(hf) == before and not list(temp.iterdir())
+    resident = subprocess.run(cli, capture_output=True, text=True, timeout=300)  # converted in memory
+    assert resident.returncode == 0 and resident.stdout == proc.stdout
+
+
+def test_layouts_that_cannot_be_read_in_place_are_refused(tmp_path: Path, capsys) -> None:
+    save_hf("gpt_oss", tmp_path / "gpt")
+    save_tokenizer(tmp_path / "gpt")
+    with pytest.raises(ConversionError, match=r"gpt_oss stores all experts in one tensor .*gate and up interleaved"):
+        load_for_inference(tmp_path / "gpt", offload=OffloadOptions(1 << 40))
+    save_hf("mixtral", tmp_path / "mix")
+    save_tokenizer(tmp_path / "mix")
+    argv = ["generate", str(tmp_path / "mix"), "--memory-budget", "1GB", "--expert-format", "int8"]
+    capsys.readouterr()
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--expert-format='int8'" in err and "convert it first" in err
