@@ -65,6 +65,13 @@ def load_for_inference(
             f"as stored (fp); for a quantized expert store convert it first (moekit convert)"
         )
     ranges = expert_ranges(checkpoint)
+    stored = {entry.dtype for roles in ranges.values() for parts in roles.values() for _, entry in parts}
+    if stored != {checkpoint.dtype}:
+        names = ", ".join(sorted(str(d).removeprefix("torch.") for d in stored))
+        raise ValueError(
+            f"dtype={str(checkpoint.dtype).removeprefix('torch.')}: {path}'s experts are stored as {names} and are "
+            f"read in place as stored; to run them in another dtype, or dequantised, convert first (moekit convert)"
+        )
 
     def resident(wanted: Collection[str]) -> Iterator[tuple[str, Tensor]]:
         return ((name, piece) for name, _, piece in checkpoint.pieces(experts=False))
