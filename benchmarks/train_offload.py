@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import subprocess
 import sys
@@ -155,13 +156,18 @@ def main() -> None:
         args.mode = args.child
         print(json.dumps(child(args)))
         return
+    own_work = args.work is None
     args.work = args.work or tempfile.mkdtemp(prefix="moekit-train-offload-")
     budget = REGIONS * region_bytes()
-    read_bw, write_bw = disk_bandwidth(Path(args.work), region_bytes())
-    runs: dict[str, list[dict]] = {m: [] for m in MODES}
-    for r in range(args.rounds):
-        for mode in MODES[r % 3 :] + MODES[: r % 3]:
-            runs[mode].append(run_child(mode, args, budget))
+    try:
+        read_bw, write_bw = disk_bandwidth(Path(args.work), region_bytes())
+        runs: dict[str, list[dict]] = {m: [] for m in MODES}
+        for r in range(args.rounds):
+            for mode in MODES[r % 3 :] + MODES[: r % 3]:
+                runs[mode].append(run_child(mode, args, budget))
+    finally:
+        if own_work:
+            shutil.rmtree(args.work, ignore_errors=True)
     report(runs, budget, read_bw, write_bw, args)
 
 
