@@ -12,7 +12,8 @@ child's own ``VmHWM`` from ``/proc/self/status``), the three taking turns for ``
 
 Per step: median time (min .. max over rounds), bytes read and written on disk, and the bound
 ``max(in-memory step, bytes read / read bandwidth + bytes written / write bandwidth)``, the
-bandwidths measured on the offload directory with the same direct whole-region reads and writes.
+bandwidths measured on the offload directory with the same direct whole-region reads and writes
+(median of one measurement per round).
 Losses of every step must equal in-memory training's bit for bit. Prints a table; with ``--json``
 one JSON object on the last line.
 """
@@ -106,20 +107,23 @@ def child(args: argparse.Namespace) -> dict:
 
 
 def disk_bandwidth(directory: Path, region_bytes: int, regions: int = 32) -> tuple[float, float]:
-    """Read and write bytes per second of whole-region direct I/O in ``directory``, as the offload does it."""
+    """Read and write bytes per second of whole-region direct I/O in ``directory``, as the offload does
+    it: reads ``READERS`` at a time (its reader threads), writes one at a time (its writer thread)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from moekit.infer.loaders import READERS
     from moekit.train.offload.store import LayerFile
 
     f = LayerFile(directory / "bandwidth.bin", regions, {"x": (region_bytes // 4,)})
-    buf = f.buffer()
-    buf.fill_(1)
+    bufs = [f.buffer().fill_(1) for _ in range(READERS)]
     try:
         started = time.perf_counter()
         for i in range(regions):
-            f.write(i, "weight", buf)
+            f.write(i, "weight", bufs[0])
         write = regions * f.unit / (time.perf_counter() - started)
         started = time.perf_counter()
-        for i in range(regions):
-            f.read(i, "weight", buf)
+        with ThreadPoolExecutor(READERS) as pool:
+            list(pool.map(lambda i: f.read(i, "weight", bufs[i % READERS]), range(regions)))
         read = regions * f.unit / (time.perf_counter() - started)
     finally:
         f.close()
@@ -160,11 +164,13 @@ def main() -> None:
     args.work = args.work or tempfile.mkdtemp(prefix="moekit-train-offload-")
     budget = REGIONS * region_bytes()
     try:
-        read_bw, write_bw = disk_bandwidth(Path(args.work), region_bytes())
         runs: dict[str, list[dict]] = {m: [] for m in MODES}
+        bandwidths = []  # measured each round, beside the runs: the disk is shared
         for r in range(args.rounds):
+            bandwidths.append(disk_bandwidth(Path(args.work), region_bytes()))
             for mode in MODES[r % 3 :] + MODES[: r % 3]:
                 runs[mode].append(run_child(mode, args, budget))
+        read_bw, write_bw = (statistics.median(b[i] for b in bandwidths) for i in (0, 1))
     finally:
         if own_work:
             shutil.rmtree(args.work, ignore_errors=True)
