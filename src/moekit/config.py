@@ -419,6 +419,10 @@ class TrainConfig:
     async_checkpoint: bool = False  # write checkpoints on a background thread while training goes on
     peak_tflops: float = 0.5  # device peak for MFU (2-core CPU ~0.5 fp32; H100 bf16 dense ~989)
     sample_tokens: int = 200  # tokens generated into sample.txt at the end; 0 = none
+    # Training beyond memory: MoE experts' weights and AdamW state kept on disk, a budgeted working set in RAM.
+    memory_budget: str = ""  # RAM for the experts' working set (e.g. 4GB); "" = every expert stays in memory
+    host_budget: str = ""  # a pinned host tier between a GPU and the disk (GPU machines only; not yet supported)
+    offload_dir: str = ""  # directory of the offloaded expert state (a local disk); "" = <run_dir>/offload
 
     def __post_init__(self) -> None:
         positive = (
@@ -441,3 +445,33 @@ class TrainConfig:
         _require(self.grad_clip >= 0, "train.grad_clip", self.grad_clip, "must be >= 0")
         _require(self.peak_tflops > 0, "train.peak_tflops", self.peak_tflops, "must be > 0")
         _one_of("train.dtype", self.dtype, DTYPES)
+        self._check_offload()
+
+    def _check_offload(self) -> None:
+        from moekit.infer.units import parse_bytes
+
+        if self.memory_budget:
+            _require(
+                parse_bytes(self.memory_budget, "train.memory_budget") > 0,
+                "train.memory_budget",
+                self.memory_budget,
+                "must be > 0",
+            )
+        _require(
+            not self.host_budget,
+            "train.host_budget",
+            self.host_budget,
+            "a host tier exists only between a GPU and the disk; offloaded training runs on CPU, "
+            "where train.memory_budget is the RAM working set",
+        )
+        _require(
+            not self.offload_dir or bool(self.memory_budget),
+            "train.offload_dir",
+            self.offload_dir,
+            "needs train.memory_budget (nothing is offloaded without a budget)",
+        )
+
+    @property
+    def offloaded(self) -> bool:
+        """Whether the experts train beyond memory (``memory_budget`` given)."""
+        return bool(self.memory_budget)

@@ -29,3 +29,10 @@ def keep_freed_memory() -> bool:
         return False
     libc = ctypes.CDLL(None)
     return bool(libc.mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD) and libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD))
+
+
+def release_freed_memory() -> None:
+    """Hand the heap's free memory back to the OS now (glibc ``malloc_trim``): after a one-off release
+    of many large blocks, such as the expert weights offloaded training moves to disk."""
+    if platform.libc_ver()[0] == "glibc":
+        ctypes.CDLL(None).malloc_trim(0)

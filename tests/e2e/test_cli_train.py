@@ -128,3 +128,20 @@ def test_empty_data_file(tmp_path: Path) -> None:
     proc = moekit_cli("train", "--preset", "tiny", "--data", str(empty), "--run-dir", str(tmp_path / "r"), "--quiet")
     assert proc.returncode == 2 and str(empty) in proc.stderr and "Traceback" not in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_offloaded_training_runs_from_the_command_line(corpus_file: Path, tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    args = ["train", "--preset", "tiny", "--data", str(corpus_file), "--quiet", "--data.cache_dir", str(tmp_path / "c")]
+    args += ["--train.steps", "2", "--train.eval_every", "2", "--train.sample_tokens", "0"]
+    proc = moekit_cli(
+        *args, "--run-dir", str(tmp_path / "run"), "--train.memory_budget", "1MB", "--train.offload_dir", str(state)
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert latest_checkpoint(tmp_path / "run").name == "step_000002"
+    assert not any(state.iterdir()), "the offloaded state is removed when training ends"
+    bad = moekit_cli(*args, "--run-dir", str(tmp_path / "bad"), "--train.memory_budget", "lots")
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+    assert bad.stderr.strip().splitlines()[-1] == (
+        "moekit train: error: train.memory_budget='lots': give a size such as 512MB, 2GiB or a byte count"
+    )

@@ -36,13 +36,13 @@ SAFETENSORS_DTYPES = {
     "U8": torch.uint8,
 }
 _ALIGN = 64  # slot offsets of each piece: aligned for any dtype view and for SIMD loads
-_DIRECT_ALIGN = 4096  # O_DIRECT: file offset, length and memory address, in units of the logical block
+DIRECT_ALIGN = 4096  # O_DIRECT: file offset, length and memory address, in units of the logical block
 
 
 def aligned_empty(nbytes: int, pin: bool = False) -> Tensor:
     """A CPU uint8 buffer starting on a 4 KiB boundary (where direct reads may land)."""
-    raw = torch.empty(nbytes + _DIRECT_ALIGN, dtype=torch.uint8, pin_memory=pin)
-    skip = -raw.data_ptr() % _DIRECT_ALIGN
+    raw = torch.empty(nbytes + DIRECT_ALIGN, dtype=torch.uint8, pin_memory=pin)
+    skip = -raw.data_ptr() % DIRECT_ALIGN
     return raw[skip : skip + nbytes]
 
 
@@ -101,7 +101,7 @@ class ExpertStore:
         self.drop_pages = drop_pages
         header, data_start = read_safetensors_header(self.path)
         self._fd = os.open(self.path, os.O_RDONLY)
-        self._direct_fd = _open_direct(self.path) if direct else -1
+        self._direct_fd = open_direct(self.path) if direct else -1
         self.direct = self._direct_fd >= 0
         try:
             layout = self._index(header, data_start, blocks)
@@ -109,7 +109,7 @@ class ExpertStore:
             self.close()
             raise
         last = layout[-1]
-        self.slot_bytes = _round_up(last[0] + _region_bytes(last[1], self.direct), _ALIGN)
+        self.slot_bytes = round_up(last[0] + _region_bytes(last[1], self.direct), _ALIGN)
         self.bytes_per_expert = sum(nbytes for _, nbytes, _, _ in layout)  # bytes of the tensors per load
 
     def _index(self, header: dict, data_start: int, blocks: dict[int, int]) -> list[tuple]:
@@ -139,7 +139,7 @@ class ExpertStore:
                 pieces = []
                 for (role, start, dtype, shape), (region, nbytes, _, _) in zip(stacked, layout, strict=True):
                     offset = start + e * nbytes
-                    skew = offset % _DIRECT_ALIGN if self.direct else 0
+                    skew = offset % DIRECT_ALIGN if self.direct else 0
                     pieces.append(Piece(role, offset, region + skew, nbytes, skew, dtype, shape[1:]))
                 if max(p.file_offset + p.nbytes for p in pieces) > size:
                     raise ExpertStoreError(
@@ -167,12 +167,12 @@ class ExpertStore:
 
         Direct when the store is and the slot starts on a 4 KiB boundary (``aligned_empty``), else buffered.
         """
-        direct = self.direct and slot_U8.data_ptr() % _DIRECT_ALIGN == 0
+        direct = self.direct and slot_U8.data_ptr() % DIRECT_ALIGN == 0
         total = 0
         for p in self.pieces[key]:
             if direct:  # whole 4 KiB blocks around the tensor, which lands at its skew
                 start = p.slot_offset - p.skew
-                length = _round_up(p.skew + p.nbytes, _DIRECT_ALIGN)
+                length = round_up(p.skew + p.nbytes, DIRECT_ALIGN)
                 view = memoryview(slot_U8[start : start + length].numpy())
                 got = min(os.preadv(self._direct_fd, [view], p.file_offset - p.skew) - p.skew, p.nbytes)
             else:
@@ -201,30 +201,31 @@ class ExpertStore:
         }
 
 
-def _open_direct(path: Path) -> int:
-    """A descriptor for direct reads of ``path``, or -1 where the OS or filesystem has none."""
+def open_direct(path: Path, flags: int = os.O_RDONLY) -> int:
+    """A descriptor for direct reads (and, with ``os.O_RDWR``, writes) of ``path``, or -1 where the OS
+    or filesystem has none. The file must hold at least one 4 KiB block (the probe reads it)."""
     flag = getattr(os, "O_DIRECT", 0)
     if not flag:
         return -1
     try:
-        fd = os.open(path, os.O_RDONLY | flag)
+        fd = os.open(path, flags | flag)
     except OSError:
         return -1
     try:  # some filesystems accept the flag at open and refuse the reads
-        os.preadv(fd, [memoryview(aligned_empty(_DIRECT_ALIGN).numpy())], 0)
+        os.preadv(fd, [memoryview(aligned_empty(DIRECT_ALIGN).numpy())], 0)
     except OSError:
         os.close(fd)
         return -1
     return fd
 
 
-def _round_up(n: int, align: int) -> int:
+def round_up(n: int, align: int) -> int:
     return (n + align - 1) // align * align
 
 
 def _region_bytes(nbytes: int, direct: bool) -> int:
     """Room for one tensor in a slot; direct reads need its skew and whole 4 KiB blocks around it."""
-    return _round_up(nbytes, _DIRECT_ALIGN) + _DIRECT_ALIGN if direct else nbytes
+    return round_up(nbytes, DIRECT_ALIGN) + DIRECT_ALIGN if direct else nbytes
 
 
 def _slot_layout(
@@ -232,9 +233,9 @@ def _slot_layout(
 ) -> list[tuple[int, int, torch.dtype, tuple[int, ...]]]:
     """(region offset, bytes, dtype, shape) of each tensor of one expert in its slot."""
     layout, offset = [], 0
-    align = _DIRECT_ALIGN if direct else _ALIGN
+    align = DIRECT_ALIGN if direct else _ALIGN
     for dtype, shape in parts:
         nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
         layout.append((offset, nbytes, dtype, shape))
-        offset = _round_up(offset + _region_bytes(nbytes, direct), align)
+        offset = round_up(offset + _region_bytes(nbytes, direct), align)
     return layout

@@ -41,8 +41,14 @@ def clip_grad_norm(params: list[Tensor], max_norm: float, stage_ranks: int = 1, 
     if distributed:
         dist.all_reduce(total)
     norm = total.sqrt().float()
-    if max_norm > 0 and math.isfinite(norm.item()):
-        scale = (max_norm / (norm + 1e-6)).clamp(max=1.0).item()
-        if scale < 1.0:
-            torch._foreach_mul_(pieces, scale)
+    scale = clip_scale(norm, max_norm)
+    if scale < 1.0:
+        torch._foreach_mul_(pieces, scale)
     return norm
+
+
+def clip_scale(norm: Tensor, max_norm: float) -> float:
+    """The factor gradients are multiplied by to bring their global ``norm`` to ``max_norm`` (1.0: none)."""
+    if max_norm > 0 and math.isfinite(norm.item()):
+        return (max_norm / (norm + 1e-6)).clamp(max=1.0).item()
+    return 1.0

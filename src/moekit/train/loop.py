@@ -34,6 +34,7 @@ from moekit.stats import StepStats
 from moekit.train.data import Corpus, prepare_corpus, resolve_files
 from moekit.train.interrupt import StopOnInterrupt, agree
 from moekit.train.metrics import MetricsLogger
+from moekit.train.offload import ExpertOffload, offload_experts
 from moekit.train.optim import build_optimizer, lr_at
 
 
@@ -142,8 +143,12 @@ def _train(
     on_step: Callable[[dict[str, Any]], None] | None,
 ) -> TrainResult:
     run = _setup(cfg, Path(run_dir), resume, torch.device(device), progress, init, fallback)
-    _announce(run, init)
-    return _steps(run, progress, on_step)
+    try:
+        _announce(run, init)
+        return _steps(run, progress, on_step)
+    finally:
+        if run.offload is not None:
+            run.offload.close()
 
 
 @dataclass
@@ -167,6 +172,7 @@ class _Run:
     start_step: int
     resume_from: Path | None
     manifest: dict[str, Any]
+    offload: ExpertOffload | None  # experts' weights and AdamW state on disk (train.memory_budget)
 
 
 def _setup(
@@ -213,7 +219,11 @@ def _setup(
     pm = ParallelModel(model, cfg, dev, layout, mesh)
     local = local_model(pm.modules)
     optimizer = build_optimizer(pm.named_parameters(), cfg.train)
-    start_step = int(saver.restore(resume_from, local, optimizer, model)["step"]) if resume_from is not None else 0
+    offload = offload_experts(cfg, run_dir, layout, dev, model, optimizer) if cfg.train.offloaded else None
+    start_step = 0
+    if resume_from is not None:
+        with offload.materialized(write_back=True) if offload else contextlib.nullcontext():
+            start_step = int(saver.restore(resume_from, local, optimizer, model)["step"])
     return _Run(
         cfg=cfg,
         run_dir=run_dir,
@@ -232,6 +242,7 @@ def _setup(
         start_step=start_step,
         resume_from=resume_from,
         manifest=manifest,
+        offload=offload,
     )
 
 
@@ -272,7 +283,7 @@ def _steps(run: _Run, progress: bool, on_step: Callable[[dict[str, Any]], None] 
         stopping = agree(interrupt.requested, run.mesh)
         while step < tc.steps and not stopping:
             started = time.perf_counter()
-            record = _train_step(pm, run.optimizer, run.corpus, cfg, run.dev, step, checkpoint)
+            record = _train_step(pm, run.optimizer, run.corpus, cfg, run.dev, step, checkpoint, run.offload)
             step += 1
             record["tokens_per_s"] = tokens_per_step / (time.perf_counter() - started)
             record["mfu"] = run.flops_per_token * record["tokens_per_s"] / peak_flops
@@ -302,7 +313,8 @@ def _steps(run: _Run, progress: bool, on_step: Callable[[dict[str, Any]], None] 
                 )
             stopping = agree(interrupt.requested, run.mesh)  # one collective per step decides for every rank
             if (tc.ckpt_every and step % tc.ckpt_every == 0) or step == tc.steps or stopping:
-                checkpoint = _save(run, step, record, streak, checkpoint)
+                with run.offload.materialized() if run.offload else contextlib.nullcontext():
+                    checkpoint = _save(run, step, record, streak, checkpoint)
             bar.update(1)
             bar.set_postfix(
                 loss=f"{record['loss']:.3f}",
@@ -362,7 +374,16 @@ def _prepare_corpus_once(cfg: RunConfig, main: bool, distributed: bool, init: Pa
     return corpus or prepare_corpus(cfg.data, cfg.model.context_length, tokenizer_dir=init)
 
 
-def _train_step(pm: ParallelModel, optimizer, corpus, cfg: RunConfig, dev, step: int, checkpoint):
+def _train_step(
+    pm: ParallelModel,
+    optimizer,
+    corpus,
+    cfg: RunConfig,
+    dev,
+    step: int,
+    checkpoint,
+    offload: ExpertOffload | None = None,
+):
     """One optimizer step over ``grad_accum`` micro-batches per rank; returns the step's metrics.
 
     Rank b of the N data-reading ranks takes micro-batches b, b + N, ...: the same samples, in the
@@ -375,6 +396,8 @@ def _train_step(pm: ParallelModel, optimizer, corpus, cfg: RunConfig, dev, step:
         group["lr"] = lr
     for moe in pm.moe_layers():
         moe.set_step(step)
+    if offload is not None:
+        offload.begin_step(tc.grad_accum)
     stats = StepStats()
     lm_loss = torch.zeros(())
     ranks = pm.ranks
@@ -389,13 +412,18 @@ def _train_step(pm: ParallelModel, optimizer, corpus, cfg: RunConfig, dev, step:
             raise TrainingError(f"loss is {loss_value} at step {step + 1}: training stopped; {_last_good(checkpoint)}")
         stats.add(moe_stats)
     pm.finish_gradients()
-    grad_norm = pm.clip_gradients(tc.grad_clip)
+    if offload is None:
+        grad_norm = pm.clip_gradients(tc.grad_clip)
+    else:
+        grad_norm = offload.clip_gradients(pm.parameters(), tc.grad_clip)
     # NOTE: the norm is all-reduced over every rank, so all ranks skip the same steps. A skipped step
     # leaves the weights, the optimizer state (its step count too) and the router biases as they were;
     # the learning rate is a function of the step index (the data position), so no schedule is held back.
     skipped = not math.isfinite(grad_norm.item())
     if not skipped:
         optimizer.step()
+        if offload is not None:
+            offload.step()
     optimizer.zero_grad(set_to_none=True)
     stats.layers = pm.reduce_layers(stats.layers)
     placement = pm.rebalance(step, stats.loads, optimizer)

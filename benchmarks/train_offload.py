@@ -1,0 +1,247 @@
+"""Training beyond memory: offloaded experts against in-memory training and the naive schedule.
+
+    python benchmarks/train_offload.py [--json] [--steps 50] [--rounds 3] [--threads 1]
+
+A model whose experts' weights + gradients + AdamW moments are >= 4x ``train.memory_budget`` is
+trained for ``--steps`` steps in three ways, each in its own child process (its peak RSS is the
+child's own ``VmHWM`` from ``/proc/self/status``), the three taking turns for ``--rounds`` rounds:
+
+- ``memory``: every expert in RAM (the reference);
+- ``offload``: ``train.memory_budget``: layer-ahead prefetch on reader threads, write-behind;
+- ``naive``: the same store and budget with prefetch and write-behind off (every read and write waits).
+
+Per step: median time (min .. max over rounds), bytes read and written on disk, and the bound
+``max(in-memory step, bytes read / read bandwidth + bytes written / write bandwidth)``, the
+bandwidths measured on the offload directory with the same direct whole-region reads and writes
+(median of one measurement per round).
+Losses of every step must equal in-memory training's bit for bit. Prints a table; with ``--json``
+one JSON object on the last line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+MODES = ("memory", "offload", "naive")
+MODEL = {
+    "model.n_layers": "10",
+    "model.d_model": "128",
+    "model.d_ff": "256",
+    "model.n_heads": "4",
+    "model.context_length": "64",
+    "moe.num_experts": "8",
+    "moe.top_k": "2",
+    "train.batch_size": "8",
+    "train.warmup_steps": "5",
+    "train.sample_tokens": "0",
+}
+REGIONS = 8  # the smallest budget: 2 layers' weights and 6 gradient / moment regions
+
+
+def status_kib(field: str) -> int:
+    """A ``/proc/self/status`` figure of this process (VmHWM: peak resident set; VmRSS: now), in KiB."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise KeyError(field)
+
+
+def child(args: argparse.Namespace) -> dict:
+    """One mode's run in this process: ``--steps`` steps, each timed; the figures as a dict."""
+    import torch
+
+    torch.set_num_threads(args.threads)
+    base_kib = status_kib("VmRSS")  # the interpreter and torch, before any model
+    from moekit import runconfig
+    from moekit.train import loop
+    from moekit.train.offload.engine import ExpertOffload
+
+    overrides = MODEL | {"data.path": args.data, "data.cache_dir": str(Path(args.work) / "cache")}
+    overrides["train.steps"] = str(args.steps)
+    if args.mode != "memory":
+        overrides |= {"train.memory_budget": str(args.budget), "train.offload_dir": str(Path(args.work) / args.mode)}
+    cfg = runconfig.resolve("tiny", overrides)
+    run = loop._setup(cfg, Path(tempfile.mkdtemp(dir=args.work)), False, torch.device("cpu"), False, None, False)
+    offload: ExpertOffload | None = run.offload
+    setup_kib = status_kib("VmRSS")
+    # NOTE: the peak is taken over the steps: building the model allocates every expert weight once,
+    # before offloading moves them to disk (and hands the memory back).
+    Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current VmRSS
+    if offload is not None:
+        offload.ws.overlap = args.mode == "offload"
+    times, losses, moved = [], [], []
+    for step in range(args.steps):
+        before = (offload.bytes_read, offload.bytes_written) if offload else (0, 0)
+        started = time.perf_counter()
+        record = loop._train_step(run.pm, run.optimizer, run.corpus, cfg, run.dev, step, None, offload)
+        times.append(time.perf_counter() - started)
+        losses.append(record["loss"])
+        if offload is not None:
+            moved.append((offload.bytes_read - before[0], offload.bytes_written - before[1]))
+    peak_kib = status_kib("VmHWM")
+    if offload is not None:
+        expert = len(offload.params) * sum(torch.Size(s).numel() for s in offload.file.shapes.values())
+        offload.close()
+    else:
+        expert = sum(p.numel() for n, p in run.local.named_parameters() if ".experts." in n)
+    plain = sum(p.numel() for n, p in run.local.named_parameters() if ".experts." not in n)
+    return {
+        "times_s": times,
+        "losses": losses,
+        "moved": moved,
+        "peak_rss": peak_kib * 1024,
+        "base_rss": base_kib * 1024,
+        "setup_rss": setup_kib * 1024,
+        "expert_state_bytes": 4 * 4 * expert,  # fp32 weights, gradients and two AdamW moments
+        "plain_state_bytes": 4 * 4 * plain,
+        "direct": bool(offload and offload.file.direct),
+    }
+
+
+def disk_bandwidth(directory: Path, region_bytes: int, regions: int = 32) -> tuple[float, float]:
+    """Read and write bytes per second of whole-region direct I/O in ``directory``, as the offload does
+    it: reads ``READERS`` at a time (its reader threads), writes one at a time (its writer thread)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from moekit.infer.loaders import READERS
+    from moekit.train.offload.store import LayerFile
+
+    f = LayerFile(directory / "bandwidth.bin", regions, {"x": (region_bytes // 4,)})
+    bufs = [f.buffer().fill_(1) for _ in range(READERS)]
+    try:
+        started = time.perf_counter()
+        for i in range(regions):
+            f.write(i, "weight", bufs[0])
+        write = regions * f.unit / (time.perf_counter() - started)
+        started = time.perf_counter()
+        with ThreadPoolExecutor(READERS) as pool:
+            list(pool.map(lambda i: f.read(i, "weight", bufs[i % READERS]), range(regions)))
+        read = regions * f.unit / (time.perf_counter() - started)
+    finally:
+        f.close()
+        f.path.unlink()
+    return read, write
+
+
+def run_child(mode: str, args: argparse.Namespace, budget: int) -> dict:
+    cmd = [sys.executable, __file__, "--child", mode, "--budget", str(budget), "--work", args.work]
+    cmd += ["--steps", str(args.steps), "--threads", str(args.threads), "--data", args.data]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def region_bytes() -> int:
+    """One layer's expert weights as the offload lays them out (the budget's unit)."""
+    d, f, e = int(MODEL["model.d_model"]), int(MODEL["model.d_ff"]), int(MODEL["moe.num_experts"])
+    tensors = e * d * 2 * f * 4 + e * f * d * 4
+    return -(-tensors // 4096) * 4096
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=50, help="steps per run; the first 2 are not timed")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--data", default="/work/shared/data/tinyshakespeare.txt")
+    parser.add_argument("--work", default=None, help="where runs and offloaded state go (default: a temp dir)")
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)
+    parser.add_argument("--budget", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        args.mode = args.child
+        print(json.dumps(child(args)))
+        return
+    own_work = args.work is None
+    args.work = args.work or tempfile.mkdtemp(prefix="moekit-train-offload-")
+    budget = REGIONS * region_bytes()
+    try:
+        runs: dict[str, list[dict]] = {m: [] for m in MODES}
+        bandwidths = []  # measured each round, beside the runs: the disk is shared
+        for r in range(args.rounds):
+            bandwidths.append(disk_bandwidth(Path(args.work), region_bytes()))
+            for mode in MODES[r % 3 :] + MODES[: r % 3]:
+                runs[mode].append(run_child(mode, args, budget))
+        read_bw, write_bw = (statistics.median(b[i] for b in bandwidths) for i in (0, 1))
+    finally:
+        if own_work:
+            shutil.rmtree(args.work, ignore_errors=True)
+    report(runs, budget, read_bw, write_bw, args)
+
+
+def report(runs: dict[str, list[dict]], budget: int, read_bw: float, write_bw: float, args) -> None:
+    def step_times(mode: str) -> list[float]:  # one median step time per round
+        return [statistics.median(run["times_s"][2:]) for run in runs[mode]]
+
+    memory = statistics.median(step_times("memory"))
+    first = runs["offload"][0]
+    read, written = (statistics.median(m[i] for m in first["moved"][2:]) for i in (0, 1))
+    io_s = read / read_bw + written / write_bw
+    bound = max(memory, io_s)
+    expert_state, plain_state = first["expert_state_bytes"], first["plain_state_bytes"]
+    mem_run = runs["memory"][0]
+    activations = mem_run["peak_rss"] - mem_run["base_rss"] - expert_state - plain_state
+    limit = first["base_rss"] + 1.1 * (budget + plain_state + max(activations, 0))
+    same = all(run["losses"] == runs["memory"][0]["losses"] for mode in MODES for run in runs[mode])
+    rows = []
+    for mode in MODES:
+        t = step_times(mode)
+        peak = [run["peak_rss"] / 1e6 for run in runs[mode]]
+        rows.append(
+            {
+                "mode": mode,
+                "step_s": {"median": statistics.median(t), "min": min(t), "max": max(t)},
+                "peak_rss_mb": {"median": statistics.median(peak), "min": min(peak), "max": max(peak)},
+                "x_memory": statistics.median(t) / memory,
+                "x_bound": statistics.median(t) / bound,
+            }
+        )
+    print(
+        f"experts' weights+grads+AdamW state {expert_state / 1e6:.1f} MB = {expert_state / budget:.1f}x "
+        f"train.memory_budget {budget / 1e6:.1f} MB; direct I/O: {first['direct']}; disk read "
+        f"{read_bw / 1e6:.0f} MB/s, write {write_bw / 1e6:.0f} MB/s; {args.steps} steps x {args.rounds} rounds"
+    )
+    print(
+        f"per offloaded step: {read / 1e6:.1f} MB read, {written / 1e6:.1f} MB written, I/O time {io_s * 1e3:.0f} ms; "
+        f"bound max(in-memory step, I/O) = {bound * 1e3:.0f} ms"
+    )
+    print(f"{'mode':<8} {'step ms median (min .. max)':<30} {'x in-memory':>11} {'x bound':>8} {'peak RSS MB':>12}")
+    for row in rows:
+        s = row["step_s"]
+        span = f"{s['median'] * 1e3:.0f} ({s['min'] * 1e3:.0f} .. {s['max'] * 1e3:.0f})"
+        print(
+            f"{row['mode']:<8} {span:<30} {row['x_memory']:>11.2f} {row['x_bound']:>8.2f} "
+            f"{row['peak_rss_mb']['median']:>12.0f}"
+        )
+    naive = statistics.median(step_times("naive")) / statistics.median(step_times("offload"))
+    print(
+        f"offload is {naive:.2f}x faster than naive; peak RSS limit (base + 1.1 x (budget + non-expert state + "
+        f"activations)) {limit / 1e6:.0f} MB; losses of all {args.steps} steps identical to in-memory: {same}"
+    )
+    if args.json:
+        figures = {
+            "budget_bytes": budget,
+            "expert_state_bytes": expert_state,
+            "read_bw": read_bw,
+            "write_bw": write_bw,
+            "bytes_read_per_step": read,
+            "bytes_written_per_step": written,
+            "bound_s": bound,
+            "rows": rows,
+            "naive_over_offload": naive,
+            "rss_limit_bytes": limit,
+            "losses_identical": same,
+        }
+        print(json.dumps(figures))
+
+
+if __name__ == "__main__":
+    main()

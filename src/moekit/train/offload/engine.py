@@ -1,0 +1,246 @@
+"""Training beyond memory: the experts' weights and AdamW state on disk, a budgeted working set in RAM.
+
+Per optimizer step (one process, CPU):
+
+1. forward: each MoE layer reads its weights from its slot while the next layer's are read;
+2. backward, in reverse: each layer's weights are read again (or still resident), the lower layer's
+   meanwhile; as soon as a layer's backward is done, its gradients (summed over the step's
+   micro-batches) go to disk and their norms are kept;
+3. the global gradient norm combines those norms with the rest of the model's, in the parameter
+   order and precision of ``clip_grad_norm``, so the clipping factor is the in-memory one, bit for bit;
+4. the AdamW step of the experts walks the layers from the last, one layer in RAM at a time: the
+   next layer's gradient, moments and weights are read while this one is updated, and the updated
+   weights and moments are written back behind it. The arithmetic is ``torch.optim``'s fused AdamW on
+   the same whole stacked tensors with the same step counts and hyperparameters, so the bits equal
+   in-memory training's. The walk ends with the first layers resident: the next forward's.
+
+Non-expert weights stay in the model and take the ordinary optimizer step. The expert parameters
+stay in the model and the optimizer as empty placeholders; ``materialized`` fills them (and their
+AdamW state) for a checkpoint or a resume, so checkpoints are exactly those of in-memory training.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+from torch.optim.adam import adam
+
+from moekit.hostmem import release_freed_memory
+from moekit.infer.units import format_bytes, parse_bytes
+from moekit.parallel.grads import clip_scale
+from moekit.train.offload.experts import OffloadedExperts, install
+from moekit.train.offload.store import LayerFile
+from moekit.train.offload.working_set import WorkingSet
+
+_MOMENTS = ("grad", "exp_avg", "exp_avg_sq")  # what the AdamW step reads beside the weights
+SCRATCH = 2 * len(_MOMENTS)  # RAM regions for gradients in backward, then the AdamW step double-buffered
+MIN_REGIONS = SCRATCH + 2  # and two weight slots: one computes while the next is read
+
+
+class ExpertOffload:
+    """The expert state of ``model``'s MoE layers, offloaded under ``budget`` bytes of RAM."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, budget: str, directory: Path) -> None:
+        layers = model.moe_layers()
+        shapes = {name: tuple(p.shape) for name, p in layers[0].experts.named_parameters(recurse=False)}
+        for moe in layers:
+            for name, p in moe.experts.named_parameters(recurse=False):
+                assert p.dtype == torch.float32 and tuple(p.shape) == shapes[name], "experts alike, in fp32"
+        self.file = LayerFile(directory / "experts.bin", len(layers), shapes)
+        regions = parse_bytes(budget, "train.memory_budget") // self.file.unit
+        if regions < MIN_REGIONS:
+            need = format_bytes(MIN_REGIONS * self.file.unit)
+            self.file.close()
+            raise ValueError(
+                f"train.memory_budget={budget!r}: offloaded training needs at least {need} (two layers' expert "
+                f"weights and {SCRATCH} of gradients and AdamW moments, {format_bytes(self.file.unit)} each)"
+            )
+        self.ws = WorkingSet(self.file, regions - SCRATCH)
+        self.scratch = [self.file.buffer() for _ in range(SCRATCH)]
+        self.optimizer = optimizer
+        self.params = [[p for _, p in moe.experts.named_parameters(recurse=False)] for moe in layers]
+        self.roles = list(shapes)
+        self._expert = {id(p): (layer, i) for layer, ps in enumerate(self.params) for i, p in enumerate(ps)}
+        self.norms: list[list[Tensor | None]] = [[None] * len(self.roles) for _ in layers]
+        self.grad_accum, self._seen, self._next_scratch, self.scale = 1, [0] * len(layers), 0, 1.0
+        self._write_back(with_state=False)
+        self.experts: list[OffloadedExperts] = install(model, self.ws, self.file, self)
+
+    # -- backward ----------------------------------------------------------------------------------
+    def begin_step(self, grad_accum: int) -> None:
+        """A new optimizer step of ``grad_accum`` micro-batches: its gradients start from zero."""
+        self.grad_accum, self._seen = grad_accum, [0] * len(self.params)
+        self.norms = [[None] * len(self.roles) for _ in self.params]
+
+    def out(self, layer: int, grads: dict[str, Tensor]) -> None:
+        """A layer's gradients of one micro-batch, as its backward ends: added to the step's, written out."""
+        micro, self._seen[layer] = self._seen[layer], self._seen[layer] + 1
+        buf = self.scratch[self._next_scratch]
+        self._next_scratch = (self._next_scratch + 1) % SCRATCH
+        sums = self.file.views(buf)
+        if micro == 0:
+            self.ws.wait_buffer(buf)
+            for role in self.roles:
+                sums[role].copy_(grads[role])
+        else:  # NOTE: old + new, as autograd accumulates into .grad: the same bits
+            self.ws.read(layer, "grad", buf).result()
+            for role in self.roles:
+                sums[role].add_(grads[role])
+        if micro + 1 == self.grad_accum:
+            self.norms[layer] = list(torch._foreach_norm([sums[r] for r in self.roles], 2.0))
+        self.ws.write(layer, "grad", buf)
+
+    @torch.no_grad()
+    def clip_gradients(self, params: list[nn.Parameter], max_norm: float) -> Tensor:
+        """``clip_grad_norm`` over the whole model (one process): the same norm, the same factor.
+
+        Per-tensor norms, stacked in parameter order and reduced by one ``vector_norm``, as
+        ``torch.nn.utils.get_total_norm`` does; the experts' norms were taken as their backward ended.
+        The experts' gradients are scaled in their AdamW step (``self.scale``).
+        """
+        plain = [p.grad for p in params if id(p) not in self._expert and p.grad is not None]
+        plain_norms = iter(torch._foreach_norm(plain, 2.0) if plain else [])
+        norms = []
+        for p in params:
+            if id(p) in self._expert:
+                layer, i = self._expert[id(p)]
+                norm = self.norms[layer][i]
+                assert norm is not None, f"no gradient of MoE layer {layer}'s experts this step"
+                norms.append(norm)
+            elif p.grad is not None:
+                norms.append(next(plain_norms))
+        # NOTE: clip_grad_norm sums float64 squares per replica group; one group of one replica here.
+        norm = torch.linalg.vector_norm(torch.stack(norms), 2.0).double().square().sqrt().float()
+        self.scale = clip_scale(norm, max_norm)
+        if self.scale < 1.0:
+            torch._foreach_mul_(plain, self.scale)
+        return norm
+
+    # -- the AdamW step ----------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self) -> None:
+        """AdamW over every layer's experts with the optimizer's hyperparameters (after ``optimizer.step()``)."""
+        order = list(reversed(range(len(self.params))))
+        sets = [self.scratch[: len(_MOMENTS)], self.scratch[len(_MOMENTS) :]]
+        pending = self._read_moments(order[0], sets[0])
+        for i, layer in enumerate(order):
+            bufs = sets[i % 2]
+            weights = self.ws.get(layer, -1)
+            for future in pending:
+                future.result()
+            if i + 1 < len(order):  # the next layer arrives while this one is updated
+                pending = self._read_moments(order[i + 1], sets[(i + 1) % 2])
+                self.ws.prefetch(order[i + 1], -1)
+            self._adamw(layer, weights, bufs)
+            self.ws.write(layer, "weight", weights)
+            for kind, buf in zip(_MOMENTS[1:], bufs[1:], strict=True):
+                self.ws.write(layer, kind, buf)
+            self.ws.release(layer)
+
+    def _read_moments(self, layer: int, bufs: list[Tensor]) -> list:
+        return [self.ws.read(layer, kind, buf) for kind, buf in zip(_MOMENTS, bufs, strict=True)]
+
+    def _adamw(self, layer: int, weights: Tensor, bufs: list[Tensor]) -> None:
+        w, (g, m, v) = self.file.views(weights), (self.file.views(b) for b in bufs)
+        grads = [g[r] for r in self.roles]
+        if self.scale < 1.0:
+            torch._foreach_mul_(grads, self.scale)
+        by_group: dict[int, list[int]] = {}
+        for i, p in enumerate(self.params[layer]):
+            by_group.setdefault(self._group_of(p), []).append(i)
+        for index, members in by_group.items():
+            group = self.optimizer.param_groups[index]
+            steps = [self._step_count(self.params[layer][i]) for i in members]
+            beta1, beta2 = group["betas"]
+            roles = [self.roles[i] for i in members]
+            adam(
+                [w[r] for r in roles],
+                [g[r] for r in roles],
+                [m[r] for r in roles],
+                [v[r] for r in roles],
+                [],
+                steps,
+                fused=True,
+                decoupled_weight_decay=group.get("decoupled_weight_decay", True),
+                amsgrad=group["amsgrad"],
+                beta1=beta1,
+                beta2=beta2,
+                lr=group["lr"],
+                weight_decay=group["weight_decay"],
+                eps=group["eps"],
+                maximize=group["maximize"],
+            )
+
+    def _group_of(self, p: nn.Parameter) -> int:
+        return next(i for i, g in enumerate(self.optimizer.param_groups) if any(q is p for q in g["params"]))
+
+    def _step_count(self, p: nn.Parameter) -> Tensor:
+        """The parameter's AdamW step count, kept in the optimizer's state as in-memory training keeps it."""
+        state = self.optimizer.state[p]
+        if "step" not in state:  # NOTE: the fused AdamW's own first step: a float32 scalar count
+            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+        return state["step"]
+
+    # -- checkpoints -------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def materialized(self, write_back: bool = False) -> Iterator[None]:
+        """The experts' weights and AdamW state in the model and optimizer, for a checkpoint to save
+        (or, with ``write_back``, for a resume to load, then written to disk). The whole expert state
+        is in RAM meanwhile: a checkpoint is not held to the budget."""
+        self.ws.flush()
+        buf = self.scratch[0]
+        for layer, params in enumerate(self.params):
+            for kind in ("weight", "exp_avg", "exp_avg_sq"):
+                # NOTE: .get: a defaultdict entry would count as optimizer state to torch's checkpoint
+                # code, which then skips initialising the rest of the model's before a load.
+                if kind != "weight" and "step" not in self.optimizer.state.get(params[0], {}):
+                    continue  # no AdamW step yet: no moments
+                self.file.read(layer, kind, buf)
+                for p, t in zip(params, self.file.views(buf).values(), strict=True):
+                    if kind == "weight":
+                        p.data = t.clone()
+                    else:
+                        self.optimizer.state[p][kind] = t.clone()
+        try:
+            yield
+        finally:
+            if write_back:
+                self._write_back(with_state=True)
+                self.ws.forget()
+            for p in (p for params in self.params for p in params):
+                p.data = torch.empty(0)
+                for kind in ("exp_avg", "exp_avg_sq"):
+                    self.optimizer.state.get(p, {}).pop(kind, None)
+
+    def _write_back(self, with_state: bool) -> None:
+        """The model's expert weights (and AdamW moments, zero where there are none) to disk."""
+        buf = self.scratch[0]
+        for layer, params in enumerate(self.params):
+            for kind in ("weight", "exp_avg", "exp_avg_sq"):
+                views = self.file.views(buf)
+                for p, t in zip(params, views.values(), strict=True):
+                    state = self.optimizer.state.get(p, {}) if with_state else {}
+                    t.copy_(p.data if kind == "weight" else state.get(kind, torch.zeros_like(t)))
+                self.file.write(layer, kind, buf)
+        if not with_state:
+            for p in (p for params in self.params for p in params):
+                p.data = torch.empty(0)
+            release_freed_memory()
+
+    def close(self) -> None:
+        self.ws.flush()
+        self.ws.close()
+        self.file.close()
+        self.file.path.unlink(missing_ok=True)
+
+    @property
+    def bytes_read(self) -> int:
+        return self.file.bytes_read
+
+    @property
+    def bytes_written(self) -> int:
+        return self.file.bytes_written

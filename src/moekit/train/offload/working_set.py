@@ -1,0 +1,129 @@
+"""The RAM tier of offloaded training: a budgeted set of slots, each holding one layer's expert weights.
+
+A layer is read into a slot by a reader thread (``READERS`` of them, as offloaded inference uses),
+ahead of the pass that needs it: ``fetch`` starts a read if a slot can be had, ``get`` waits for it.
+A slot that the pass in progress uses is pinned; any other may be evicted, the one needed last in
+the direction the pass walks the layers (forward: the lowest layer, whose backward comes last;
+backward and the optimizer: the highest, whose next forward comes last). Every region written to
+disk goes through ``write`` on one writer thread; a read of that region, and any reuse of the buffer,
+waits for the write first, so the disk is always the truth once ``flush`` returns.
+
+``overlap=False`` is the naive schedule (benchmarks compare against it): no prefetch, and every
+read and write waits for its transfer, so no transfer overlaps compute.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from torch import Tensor
+
+from moekit.infer.loaders import READERS
+from moekit.train.offload.store import LayerFile
+
+
+class WorkingSet:
+    """``num_slots`` RAM slots of layer weights over a ``LayerFile``, and the reads and writes between them."""
+
+    def __init__(self, file: LayerFile, num_slots: int, overlap: bool = True) -> None:
+        assert num_slots >= 2, "one slot computes while the next is read"
+        self.file = file
+        self.slots = [file.buffer() for _ in range(num_slots)]
+        self.layer_in: list[int | None] = [None] * num_slots  # slot -> the layer it holds (or is reading)
+        self.loaded: dict[int, tuple[int, Future[None]]] = {}  # layer -> (slot, its read)
+        self.pins = [0] * num_slots
+        self._readers = ThreadPoolExecutor(READERS, thread_name_prefix="moekit-offload-read")
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="moekit-offload-write")
+        self._writes: dict[tuple[int, str], Future[None]] = {}  # (layer, kind) -> its last write
+        self._buffer_writes: dict[int, Future[None]] = {}  # id of a buffer -> its last write
+        self.reads = 0  # layer weight reads (hits need none)
+        self.overlap = overlap
+
+    def prefetch(self, layer: int, direction: int) -> None:
+        """Start reading ``layer``'s weights ahead of their use, if a slot can be had."""
+        if self.overlap:
+            self.fetch(layer, direction)
+
+    def fetch(self, layer: int, direction: int) -> bool:
+        """Start reading ``layer``'s weights unless resident; False when every slot is pinned."""
+        if layer in self.loaded:
+            return True
+        free = [s for s, held in enumerate(self.layer_in) if held is None]
+        if not free:
+            unpinned = [s for s, held in enumerate(self.layer_in) if held is not None and not self.pins[s]]
+            if not unpinned:
+                return False
+            pick = min if direction > 0 else max
+            victim = pick(unpinned, key=lambda s: self.layer_in[s])
+            del self.loaded[self.layer_in[victim]]
+            free = [victim]
+        slot = free[0]
+        self.layer_in[slot] = layer
+        self.loaded[layer] = (slot, self._readers.submit(self._read, layer, self.slots[slot]))
+        self.reads += 1
+        return True
+
+    def get(self, layer: int, direction: int) -> Tensor:
+        """``layer``'s weights in their slot, pinned until ``release``."""
+        if not self.fetch(layer, direction):
+            raise AssertionError(f"no slot for layer {layer}: every slot is pinned")
+        slot, read = self.loaded[layer]
+        read.result()
+        self.pins[slot] += 1
+        return self.slots[slot]
+
+    def release(self, layer: int) -> None:
+        slot, _ = self.loaded[layer]
+        assert self.pins[slot] > 0
+        self.pins[slot] -= 1
+
+    def read(self, layer: int, kind: str, buf: Tensor) -> Future[None]:
+        """Read region (layer, kind) into ``buf`` on a reader thread, after its pending writes."""
+        self.wait_buffer(buf)
+        future = self._readers.submit(self._read_region, layer, kind, buf)
+        if not self.overlap:
+            future.result()
+        return future
+
+    def write(self, layer: int, kind: str, buf: Tensor) -> None:
+        """Write ``buf`` to region (layer, kind) on the writer thread (in submission order)."""
+        self.wait_buffer(buf)
+        future = self._writer.submit(self.file.write, layer, kind, buf)
+        self._writes[(layer, kind)] = self._buffer_writes[id(buf)] = future
+        if not self.overlap:
+            future.result()
+
+    def wait_buffer(self, buf: Tensor) -> None:
+        """Before ``buf`` is overwritten: its last write has left it."""
+        pending = self._buffer_writes.pop(id(buf), None)
+        if pending is not None:
+            pending.result()
+
+    def flush(self) -> None:
+        """Every write submitted has reached the file."""
+        for future in self._writes.values():
+            future.result()
+        self._writes.clear()
+        self._buffer_writes.clear()
+
+    def forget(self) -> None:
+        """Drop every resident layer (the file was rewritten under them); nothing may be pinned."""
+        assert not any(self.pins)
+        for _, read in self.loaded.values():
+            read.result()
+        self.loaded.clear()
+        self.layer_in = [None] * len(self.slots)
+
+    def close(self) -> None:
+        self._readers.shutdown(wait=True, cancel_futures=True)
+        self._writer.shutdown(wait=True)
+
+    def _read(self, layer: int, buf: Tensor) -> None:
+        self.wait_buffer(buf)
+        self._read_region(layer, "weight", buf)
+
+    def _read_region(self, layer: int, kind: str, buf: Tensor) -> None:
+        pending = self._writes.get((layer, kind))
+        if pending is not None:
+            pending.result()
+        self.file.read(layer, kind, buf)

@@ -1,0 +1,139 @@
+"""Training beyond memory (``train.memory_budget``) against in-memory training, through ``train()``.
+
+Reference: the same run with every expert in memory. Tolerance: none (bitwise on CPU): the offload
+is an execution detail. The budget is set so only two layers' expert weights fit in RAM, so every
+layer is read from disk in forward, again in backward, and in the AdamW step.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from moekit import runconfig
+from moekit.config import TrainConfig
+from moekit.model import Transformer
+from moekit.parallel.mesh import Layout, LayoutError
+from moekit.run.load import load_run
+from moekit.runconfig import RunConfig
+from moekit.train.loop import train
+from moekit.train.offload import offload_experts
+
+BUDGET = "800KB"  # the tiny model below: 98 KB of expert weights per layer, 2 slots + 6 scratch regions
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("corpus") / "text.txt"
+    g = torch.Generator().manual_seed(0)
+    words = [
+        "the",
+        "quick",
+        "brown",
+        "fox",
+        "jumps",
+        "over",
+        "a",
+        "lazy",
+        "dog",
+        "while",
+        "birds",
+        "sing",
+        "on",
+        "the",
+        "mat",
+    ]
+    path.write_text(" ".join(words[i] for i in torch.randint(len(words), (20000,), generator=g).tolist()))
+    return path
+
+
+def tiny(corpus: Path, **overrides: str) -> RunConfig:
+    values = {
+        "data.path": str(corpus),
+        "data.cache_dir": str(corpus.parent / "cache"),
+        "model.n_layers": "3",
+        "moe.bias_update_rate": "0.01",
+        "train.steps": "4",
+        "train.batch_size": "4",
+        "train.grad_accum": "2",
+        "train.eval_every": "2",
+        "train.eval_iters": "1",
+        "train.ckpt_every": "2",
+        "train.sample_tokens": "0",
+    }
+    return runconfig.resolve("tiny", values | overrides)
+
+
+def weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    return load_run(run_dir).model.state_dict()
+
+
+def test_offloaded_training_equals_in_memory_bitwise(corpus: Path, tmp_path: Path) -> None:
+    memory = train(tiny(corpus), tmp_path / "memory", progress=False)
+    offload_dir = tmp_path / "state"
+    disk = train(
+        tiny(corpus, **{"train.memory_budget": BUDGET, "train.offload_dir": str(offload_dir)}),
+        tmp_path / "disk",
+        progress=False,
+    )
+    assert disk.losses == memory.losses and disk.val_loss == memory.val_loss
+    a, b = weights(tmp_path / "memory"), weights(tmp_path / "disk")
+    assert a.keys() == b.keys() and any(".experts." in k for k in a)
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+    assert not any(offload_dir.iterdir()), "the offloaded state is removed when training ends"
+
+
+def test_offloaded_resume_equals_uninterrupted(corpus: Path, tmp_path: Path) -> None:
+    cfg = tiny(corpus, **{"train.memory_budget": BUDGET})
+    whole = train(cfg, tmp_path / "whole", progress=False)
+
+    def stop_at_2(record: dict) -> None:
+        if record["step"] == 2:  # just after the step's checkpoint: the run dies
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        train(cfg, tmp_path / "cut", progress=False, on_step=stop_at_2)
+    resumed = train(cfg, tmp_path / "cut", resume=True, progress=False)
+    assert resumed.losses == whole.losses[2:]
+    a, b = weights(tmp_path / "whole"), weights(tmp_path / "cut")
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+@pytest.mark.parametrize(
+    ("fields", "named"),
+    [
+        ({"memory_budget": "lots"}, "train.memory_budget='lots'"),
+        ({"memory_budget": "0"}, "train.memory_budget='0'"),
+        ({"host_budget": "8GB"}, "train.host_budget='8GB'"),
+        ({"offload_dir": "/tmp/x"}, "train.offload_dir='/tmp/x'"),
+    ],
+)
+def test_bad_offload_fields_name_the_field(fields: dict[str, str], named: str) -> None:
+    with pytest.raises(ValueError, match=named):
+        TrainConfig(**fields)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "named"),
+    [
+        ({"train.memory_budget": "100KB"}, "train.memory_budget='100KB': offloaded training needs at least"),
+        ({"train.memory_budget": BUDGET, "train.dtype": "bf16"}, "train.dtype='bf16'"),
+        ({"train.memory_budget": BUDGET, "train.async_checkpoint": "true"}, "train.async_checkpoint"),
+    ],
+)
+def test_unsupported_offloaded_runs_are_refused(corpus: Path, tmp_path: Path, overrides: dict, named: str) -> None:
+    with pytest.raises(ValueError, match=named):
+        train(tiny(corpus, **overrides), tmp_path / "run", progress=False)
+
+
+@pytest.mark.parametrize("layout", [Layout(2, 1, 1, 1, 1), Layout(1, 2, 1, 1, 2), Layout(1, 1, 1, 2, 1)])
+def test_offloading_refuses_more_than_one_process(corpus: Path, layout: Layout) -> None:
+    """The refusal a multi-rank run meets (checked on the layout, before any offload file is made)."""
+    cfg = tiny(corpus, **{"train.memory_budget": BUDGET})
+    model = Transformer(cfg.model, cfg.moe)
+    with pytest.raises(LayoutError, match="offloaded training runs in one process"):
+        offload_experts(cfg, corpus.parent / "run", layout, torch.device("cpu"), model, None)
