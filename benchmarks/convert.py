@@ -150,7 +150,7 @@ def read_speeds(hf: Path, experts: int, rounds: int) -> dict[str, list[float]]:
 
     from moekit.convert.in_place import expert_ranges
     from moekit.convert.stream import open_hf
-    from moekit.infer.expert_store import aligned_empty
+    from moekit.directio import aligned_empty
     from moekit.infer.range_store import RangeStore
 
     ranges = expert_ranges(open_hf(hf))
@@ -220,7 +220,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
 
-    from moekit.infer.units import parse_bytes
+    from moekit.units import parse_bytes
 
     hf = args.root / f"hf-mixtral-{args.layers}l"
     if not hf.is_dir():

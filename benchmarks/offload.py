@@ -31,18 +31,18 @@ import torch
 from torch import Tensor, nn
 
 from moekit import runconfig
+from moekit.directio import READERS, aligned_empty
 from moekit.experts.grouped import apply_activation
 from moekit.infer.cache import POLICIES, replay
-from moekit.infer.expert_store import ExpertStore, aligned_empty
+from moekit.infer.expert_store import ExpertStore
 from moekit.infer.generate import generate, left_pad
-from moekit.infer.loaders import READERS
 from moekit.infer.offload import OffloadOptions, model_bytes
 from moekit.infer.quant import matmul, roles
-from moekit.infer.units import format_bytes, parse_bytes
 from moekit.model import Transformer
 from moekit.run.checkpoint import save_checkpoint
 from moekit.run.load import load_run
 from moekit.tokenizer import ByteTokenizer
+from moekit.units import format_bytes, parse_bytes
 
 DEFAULT_TEXT = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "tinyshakespeare.txt"
 # Fine-grained experts (DeepSeek-MoE, OLMoE): 128 per layer, so a batch of 16 top-2 tokens needs

@@ -34,7 +34,6 @@ from torch import Tensor
 import moekit
 from moekit.infer.generate import generate
 from moekit.infer.offload import OffloadOptions
-from moekit.infer.units import format_bytes, parse_bytes
 from moekit.layer import MoE
 from moekit.model import Transformer
 from moekit.routing import RouterOutput
@@ -42,6 +41,7 @@ from moekit.run.layout import latest_checkpoint
 from moekit.run.load import LoadedRun, load_run
 from moekit.run.manifest import load_manifest
 from moekit.train.data import prepare_corpus
+from moekit.units import format_bytes, parse_bytes
 
 sys.path.insert(0, str(Path(__file__).parent))
 from offload import COMPUTE_NOTE, DEFAULT_TEXT  # noqa: E402

@@ -111,7 +111,7 @@ def disk_bandwidth(directory: Path, region_bytes: int, regions: int = 32) -> tup
     it: reads ``READERS`` at a time (its reader threads), writes one at a time (its writer thread)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from moekit.infer.loaders import READERS
+    from moekit.directio import READERS
     from moekit.train.offload.store import LayerFile
 
     f = LayerFile(directory / "bandwidth.bin", regions, {"x": (region_bytes // 4,)})

@@ -448,7 +448,7 @@ class TrainConfig:
         self._check_offload()
 
     def _check_offload(self) -> None:
-        from moekit.infer.units import parse_bytes
+        from moekit.units import parse_bytes
 
         if self.memory_budget:
             _require(

@@ -23,8 +23,8 @@ from moekit.convert.source import hf_source
 from moekit.infer.expert_store import ExpertStoreError
 from moekit.infer.offload import OffloadOptions, offloaded_model
 from moekit.infer.range_store import RangeStore
-from moekit.infer.units import format_bytes
 from moekit.run.load import LoadedRun, load_run
+from moekit.units import format_bytes
 
 
 def is_hf_dir(path: Path) -> bool:

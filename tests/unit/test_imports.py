@@ -1,6 +1,6 @@
 """Imports flow one way: the run directory (checkpoints, manifests, ``load_run``), the tokenizer and the
-atomic-write helpers stand below training, inference and conversion, which never import one another;
-serving stands on inference.
+atomic-write, direct-I/O and byte-size helpers stand below training, inference and conversion, which
+never import one another; serving stands on inference.
 
 Read from the source with ``ast``, so an import inside a function counts as much as one at the top.
 """
@@ -32,11 +32,12 @@ RULES = {
         "moekit.layer",
         "moekit.run",
     ),
-    "infer/units.py": ("moekit",),
     "convert": ("moekit.train", "moekit.infer", "moekit.serve", "moekit.cli"),
     "run": ABOVE_RUN,
     "tokenizer.py": (*ABOVE_RUN, "moekit.run"),
     "fileio.py": ("moekit",),
+    "units.py": ("moekit",),
+    "directio.py": ("moekit",),
     "errors.py": ("moekit",),
     "stats.py": ("moekit",),
     "parallel": ("moekit.train", "moekit.infer", "moekit.convert", "moekit.run", "moekit.cli"),

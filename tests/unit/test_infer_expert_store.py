@@ -11,7 +11,8 @@ import torch
 from safetensors.torch import load_file
 
 from moekit import runconfig
-from moekit.infer.expert_store import ExpertStore, ExpertStoreError, aligned_empty, expert_tensor_prefix
+from moekit.directio import aligned_empty
+from moekit.infer.expert_store import ExpertStore, ExpertStoreError, expert_tensor_prefix
 from moekit.infer.quant import roles
 
 

@@ -23,9 +23,9 @@ from moekit.infer.expert_store import (
 from moekit.infer.generate import generate, generate_texts, left_pad
 from moekit.infer.loaders import CudaLoader, FileLoader, PinnedExperts
 from moekit.infer.offload import OffloadOptions, model_bytes
-from moekit.infer.units import parse_bytes
 from moekit.model import Transformer
 from moekit.run.load import load_run
+from moekit.units import parse_bytes
 
 PROMPTS = [[5, 17, 99, 3, 42, 8, 1], [200, 13], [7, 7, 7, 7]]
 

@@ -155,8 +155,8 @@ def load_for_inference(args: argparse.Namespace):
     import sys
 
     from moekit.infer.offload import OffloadOptions
-    from moekit.infer.units import parse_bytes
     from moekit.model_dir import load_for_inference as load
+    from moekit.units import parse_bytes
 
     offload = None
     if args.memory_budget is not None:

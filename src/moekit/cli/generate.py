@@ -44,7 +44,7 @@ def _prompts(args: argparse.Namespace) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     from moekit.infer.generate import check_sampling, generate_texts
-    from moekit.infer.units import format_bytes
+    from moekit.units import format_bytes
 
     check_sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p)
     prompts = _prompts(args)

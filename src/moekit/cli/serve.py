@@ -41,10 +41,10 @@ def add_parser(commands) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from moekit.infer.units import parse_bytes
     from moekit.serve.engine import EngineOptions
     from moekit.serve.protocol import Limits
     from moekit.serve.server import build_state, listen, serve
+    from moekit.units import parse_bytes
 
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port={args.port}: must be in 0..65535")

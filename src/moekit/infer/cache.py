@@ -21,7 +21,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from moekit.infer.expert_store import aligned_empty
+from moekit.directio import aligned_empty
 
 
 class Policy(Protocol):

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from moekit.directio import DIRECT_ALIGN, open_direct, round_up
 from moekit.errors import MoekitError
 
 Key = tuple[int, int]  # (block index, expert index)
@@ -36,14 +37,6 @@ SAFETENSORS_DTYPES = {
     "U8": torch.uint8,
 }
 _ALIGN = 64  # slot offsets of each piece: aligned for any dtype view and for SIMD loads
-DIRECT_ALIGN = 4096  # O_DIRECT: file offset, length and memory address, in units of the logical block
-
-
-def aligned_empty(nbytes: int, pin: bool = False) -> Tensor:
-    """A CPU uint8 buffer starting on a 4 KiB boundary (where direct reads may land)."""
-    raw = torch.empty(nbytes + DIRECT_ALIGN, dtype=torch.uint8, pin_memory=pin)
-    skip = -raw.data_ptr() % DIRECT_ALIGN
-    return raw[skip : skip + nbytes]
 
 
 class ExpertStoreError(MoekitError):
@@ -199,28 +192,6 @@ class ExpertStore:
             p.name: slot_U8[p.slot_offset : p.slot_offset + p.nbytes].view(p.dtype).view(p.shape)
             for p in self.pieces[key]
         }
-
-
-def open_direct(path: Path, flags: int = os.O_RDONLY) -> int:
-    """A descriptor for direct reads (and, with ``os.O_RDWR``, writes) of ``path``, or -1 where the OS
-    or filesystem has none. The file must hold at least one 4 KiB block (the probe reads it)."""
-    flag = getattr(os, "O_DIRECT", 0)
-    if not flag:
-        return -1
-    try:
-        fd = os.open(path, flags | flag)
-    except OSError:
-        return -1
-    try:  # some filesystems accept the flag at open and refuse the reads
-        os.preadv(fd, [memoryview(aligned_empty(DIRECT_ALIGN).numpy())], 0)
-    except OSError:
-        os.close(fd)
-        return -1
-    return fd
-
-
-def round_up(n: int, align: int) -> int:
-    return (n + align - 1) // align * align
 
 
 def _region_bytes(nbytes: int, direct: bool) -> int:

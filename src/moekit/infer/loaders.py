@@ -29,10 +29,9 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
+from moekit.directio import READERS, aligned_empty
 from moekit.infer.cache import Entry, ExpertCache
-from moekit.infer.expert_store import ExpertStore, Key, aligned_empty
-
-READERS = 4  # concurrent expert reads: the disk's queue depth
+from moekit.infer.expert_store import ExpertStore, Key
 
 
 class ExpertLoader(Protocol):

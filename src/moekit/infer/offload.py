@@ -17,9 +17,9 @@ from moekit.infer.expert_store import ExpertStore, ExpertStoreError
 from moekit.infer.offloader import PREFETCH_MODES, OffloadedExperts, Offloader
 from moekit.infer.quant import QUANT_FORMATS, roles, write_quantized_store
 from moekit.infer.range_store import RangeStore
-from moekit.infer.units import format_bytes
 from moekit.layer import MoE
 from moekit.model import Transformer
+from moekit.units import format_bytes
 
 Store = ExpertStore | RangeStore  # a run's own file (or quantized copy), or another checkpoint's files in place
 

@@ -30,8 +30,9 @@ import torch
 from safetensors.torch import save
 from torch import Tensor
 
+from moekit.directio import aligned_empty
 from moekit.fileio import write_atomic
-from moekit.infer.expert_store import ExpertStore, Key, aligned_empty, expert_tensor_prefix
+from moekit.infer.expert_store import ExpertStore, Key, expert_tensor_prefix
 
 QUANT_FORMATS = ("int8", "int4")
 INT4_GROUP = 32

@@ -30,11 +30,11 @@ from torch import Tensor, nn
 from torch.optim.adam import adam
 
 from moekit.hostmem import release_freed_memory
-from moekit.infer.units import format_bytes, parse_bytes
 from moekit.parallel.grads import clip_scale
 from moekit.train.offload.experts import OffloadedExperts, install
 from moekit.train.offload.store import LayerFile
 from moekit.train.offload.working_set import WorkingSet
+from moekit.units import format_bytes, parse_bytes
 
 _MOMENTS = ("grad", "exp_avg", "exp_avg_sq")  # what the AdamW step reads beside the weights
 SCRATCH = 2 * len(_MOMENTS)  # RAM regions for gradients in backward, then the AdamW step double-buffered

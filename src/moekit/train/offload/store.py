@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from moekit.infer.expert_store import DIRECT_ALIGN, aligned_empty, open_direct, round_up
+from moekit.directio import DIRECT_ALIGN, aligned_empty, open_direct, round_up
 
 KINDS = ("weight", "grad", "exp_avg", "exp_avg_sq")
 _ALIGN = 64  # offset of each tensor inside a region: aligned for any dtype view and SIMD loads

@@ -18,7 +18,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from torch import Tensor
 
-from moekit.infer.loaders import READERS
+from moekit.directio import READERS
 from moekit.train.offload.store import LayerFile
 
 
