@@ -49,7 +49,8 @@ from _spread import show, spread
 
 from moekit import runconfig
 from moekit.infer.generate import generate, left_pad
-from moekit.infer.offload import OffloadOptions, parse_bytes
+from moekit.infer.offload import OffloadOptions
+from moekit.units import parse_bytes
 from moekit.model import Transformer
 from moekit.run.checkpoint import save_checkpoint
 from moekit.run.load import load_run
