@@ -50,11 +50,11 @@ from _spread import show, spread
 from moekit import runconfig
 from moekit.infer.generate import generate, left_pad
 from moekit.infer.offload import OffloadOptions
-from moekit.units import parse_bytes
 from moekit.model import Transformer
 from moekit.run.checkpoint import save_checkpoint
 from moekit.run.load import load_run
 from moekit.tokenizer import ByteTokenizer
+from moekit.units import parse_bytes
 
 DEFAULT_TEXT = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "tinyshakespeare.txt"
 OVERRIDES = {
