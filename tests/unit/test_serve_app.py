@@ -199,6 +199,17 @@ def test_sixteen_staggered_streams_each_equal_their_single_request(run: LoadedRu
         s.close()
 
 
+def assert_serves(run, run_dir: Path, requests: list[dict], want: list[str]) -> None:
+    """Staggered ``requests`` to a server on ``run`` answer ``want``, and every KV block comes back."""
+    s = Served(run, run_dir)
+    try:
+        texts = staggered(s, requests)
+        assert [texts[i] for i in range(len(requests))] == want
+        assert s.state.engine.pool.free_blocks == s.state.engine.pool.num_blocks
+    finally:
+        s.close()
+
+
 MLA = {"model.attention": "mla", "model.n_heads": "2", "model.d_model": "32", "model.qk_rope_head_dim": "4"}
 
 
@@ -219,13 +230,7 @@ def test_latent_attention_serves_staggered_requests_resident_and_offloaded(
     ]
     want = [expected(resident, r["prompt"], r["max_tokens"], r["temperature"], r["seed"]) for r in requests]
     for run in (resident, offloaded):
-        s = Served(run, run_dir)
-        try:
-            texts = staggered(s, requests)
-            assert [texts[i] for i in range(len(requests))] == want
-            assert s.state.engine.pool.free_blocks == s.state.engine.pool.num_blocks
-        finally:
-            s.close()
+        assert_serves(run, run_dir, requests, want)
     assert offloaded.offloader.cache.counters.evictions > 0  # the experts did not all fit
     offloaded.offloader.close()
 
@@ -248,13 +253,7 @@ def test_sliding_windows_and_sinks_serve_staggered_requests_past_the_window(writ
     ]
     assert all(len(r["prompt"]) + r["max_tokens"] > run.model.cfg.sliding_window for r in requests)
     want = [expected(run, r["prompt"], r["max_tokens"], r["temperature"], r["seed"]) for r in requests]
-    s = Served(run, tmp_path / "run")
-    try:
-        texts = staggered(s, requests)
-        assert [texts[i] for i in range(len(requests))] == want
-        assert s.state.engine.pool.free_blocks == s.state.engine.pool.num_blocks
-    finally:
-        s.close()
+    assert_serves(run, tmp_path / "run", requests, want)
 
 
 BAD = [
