@@ -8,7 +8,18 @@ from moekit.config import ModelConfig, MoEConfig, TrainConfig
 from moekit.model import Transformer
 from moekit.train.optim import build_optimizer, decays
 
-NO_DECAY = ("bias", "norm", "sinks")
+# Every parameter of ``_model()`` with its decay, written out: a new parameter must be added here on purpose.
+BLOCK_DECAY = {
+    "attn_norm.weight": False, "attn.sinks": False, "attn.qkv.weight": True, "attn.qkv.bias": False,
+    "attn.qk_norm.q.weight": False, "attn.qk_norm.k.weight": False, "attn.out.weight": True,
+    "attn.out.bias": False, "ffn_norm.weight": False, "ffn.router.gate.weight": True,
+    "ffn.router.gate.bias": False, "ffn.experts.w_in": True, "ffn.experts.w_out": True,
+    "ffn.experts.w_in_bias": False, "ffn.experts.w_out_bias": False, "ffn.shared.w_gate.weight": True,
+    "ffn.shared.w_in.weight": True, "ffn.shared.w_out.weight": True, "ffn.shared_gate.weight": True,
+}  # fmt: skip
+MODEL_DECAY = {"embed.weight": True, "norm.weight": False, "lm_head.weight": True} | {
+    f"blocks.{i}.{name}": decay for i in range(2) for name, decay in BLOCK_DECAY.items()
+}
 
 
 def _model() -> Transformer:
@@ -29,9 +40,9 @@ def test_roles_not_shapes_decide_decay() -> None:
     model = _model()
     names = dict(model.named_parameters())
     assert names["blocks.0.ffn.experts.w_in_bias"].dim() == 2  # the case a dim rule got wrong
-    for name in names:
-        assert decays(name) == (not any(word in name for word in NO_DECAY)), name
-    assert decays("blocks.0.ffn.experts.w_in") and decays("embed.weight") and decays("blocks.0.ffn.router.gate.weight")
+    assert sorted(names) == sorted(MODEL_DECAY)
+    for name, decay in MODEL_DECAY.items():
+        assert decays(name) == decay, name
     # wrappers' prefixes do not change a role
     assert not decays("_orig_mod.blocks.0._checkpoint_wrapped_module.attn_norm.weight")
     assert decays("_orig_mod.blocks.0._checkpoint_wrapped_module.attn.qkv.weight")

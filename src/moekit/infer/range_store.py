@@ -26,6 +26,8 @@ from torch import Tensor
 from moekit.infer.expert_store import ExpertStoreError, Key
 from moekit.run.safetensors_io import Entry
 
+PAGE = os.sysconf("SC_PAGE_SIZE")  # the page cache evicts whole pages
+
 _ALIGN = 64  # each role's place in a slot: aligned for any dtype view and for SIMD loads
 
 Ranges = dict[str, list[tuple[Path, Entry]]]  # role -> its matrices' (file, entry), concatenated along rows
@@ -47,6 +49,14 @@ class _Role:
     slot_offset: int
     dtype: torch.dtype
     shape: tuple[int, int]  # as stored: [rows (out), in]
+
+
+def _evict(fd: int, offset: int, nbytes: int) -> None:
+    """Evict a byte range from the page cache. The kernel drops only whole pages inside the range, so it
+    is widened to page boundaries: a tensor's first and last pages are not left cached."""
+    start = offset - offset % PAGE
+    end = -(-(offset + nbytes) // PAGE) * PAGE
+    os.posix_fadvise(fd, start, end - start, os.POSIX_FADV_DONTNEED)
 
 
 class RangeStore:
@@ -118,7 +128,7 @@ class RangeStore:
             view = memoryview(slot_U8[p.slot_offset : p.slot_offset + p.nbytes].numpy())
             got = os.preadv(fd, [view], p.file_offset)
             if self.drop_pages:
-                os.posix_fadvise(fd, p.file_offset, p.nbytes, os.POSIX_FADV_DONTNEED)
+                _evict(fd, p.file_offset, p.nbytes)
             if got != p.nbytes:
                 block, expert = key
                 raise ExpertStoreError(
