@@ -11,9 +11,10 @@ child's own ``VmHWM`` from ``/proc/self/status``), the three taking turns for ``
 - ``naive``: the same store and budget with prefetch and write-behind off (every read and write waits).
 
 Per step: median time (min .. max over rounds), bytes read and written on disk, and the bound
-``max(in-memory step, bytes read / read bandwidth + bytes written / write bandwidth)``, the
-bandwidths measured on the offload directory with the same direct whole-region reads and writes
-(median of one measurement per round).
+``max(in-memory step, bytes moved / disk bandwidth)``. The bandwidth is measured on the offload
+directory the way the offload uses the disk: direct whole-region reads on ``READERS`` threads and
+writes on one writer thread at the same time, in the step's read/write proportion (median of one
+measurement per round, taken after the runs).
 Losses of every step must equal in-memory training's bit for bit. Prints a table; with ``--json``
 one JSON object on the last line.
 """
@@ -106,29 +107,31 @@ def child(args: argparse.Namespace) -> dict:
     }
 
 
-def disk_bandwidth(directory: Path, region_bytes: int, regions: int = 32) -> tuple[float, float]:
-    """Read and write bytes per second of whole-region direct I/O in ``directory``, as the offload does
-    it: reads ``READERS`` at a time (its reader threads), writes one at a time (its writer thread)."""
+def disk_bandwidth(directory: Path, region_bytes: int, reads: int, writes: int) -> float:
+    """Bytes per second of ``reads`` region reads (``READERS`` at a time, as the reader threads do them)
+    and ``writes`` region writes (one at a time, as the writer thread does them) running concurrently."""
     from concurrent.futures import ThreadPoolExecutor
 
     from moekit.directio import READERS
     from moekit.train.offload.store import LayerFile
 
+    regions = max(reads, writes)
     f = LayerFile(directory / "bandwidth.bin", regions, {"x": (region_bytes // 4,)})
-    bufs = [f.buffer().fill_(1) for _ in range(READERS)]
+    read_bufs = [f.buffer() for _ in range(READERS)]
+    write_buf = f.buffer().fill_(1)
     try:
+        for i in range(regions):  # the file's blocks exist before the timed reads, as the offload's do
+            f.write(i, "weight", write_buf)
         started = time.perf_counter()
-        for i in range(regions):
-            f.write(i, "weight", bufs[0])
-        write = regions * f.unit / (time.perf_counter() - started)
-        started = time.perf_counter()
-        with ThreadPoolExecutor(READERS) as pool:
-            list(pool.map(lambda i: f.read(i, "weight", bufs[i % READERS]), range(regions)))
-        read = regions * f.unit / (time.perf_counter() - started)
+        with ThreadPoolExecutor(READERS) as readers, ThreadPoolExecutor(1) as writer:
+            done = [writer.submit(f.write, i % regions, "grad", write_buf) for i in range(writes)]
+            done += [readers.submit(f.read, i % regions, "weight", read_bufs[i % READERS]) for i in range(reads)]
+            for future in done:
+                future.result()
+        return (reads + writes) * f.unit / (time.perf_counter() - started)
     finally:
         f.close()
         f.path.unlink()
-    return read, write
 
 
 def run_child(mode: str, args: argparse.Namespace, budget: int) -> dict:
@@ -165,26 +168,27 @@ def main() -> None:
     budget = REGIONS * region_bytes()
     try:
         runs: dict[str, list[dict]] = {m: [] for m in MODES}
-        bandwidths = []  # measured each round, beside the runs: the disk is shared
         for r in range(args.rounds):
-            bandwidths.append(disk_bandwidth(Path(args.work), region_bytes()))
             for mode in MODES[r % 3 :] + MODES[: r % 3]:
                 runs[mode].append(run_child(mode, args, budget))
-        read_bw, write_bw = (statistics.median(b[i] for b in bandwidths) for i in (0, 1))
+        read, written = (statistics.median(m[i] for m in runs["offload"][0]["moved"][2:]) for i in (0, 1))
+        regions = [round(moved / region_bytes()) for moved in (read, written)]
+        bandwidth = statistics.median(
+            disk_bandwidth(Path(args.work), region_bytes(), *regions) for _ in runs["offload"]
+        )
     finally:
         if own_work:
             shutil.rmtree(args.work, ignore_errors=True)
-    report(runs, budget, read_bw, write_bw, args)
+    report(runs, budget, read, written, bandwidth, args)
 
 
-def report(runs: dict[str, list[dict]], budget: int, read_bw: float, write_bw: float, args) -> None:
+def report(runs: dict[str, list[dict]], budget: int, read: float, written: float, bandwidth: float, args) -> None:
     def step_times(mode: str) -> list[float]:  # one median step time per round
         return [statistics.median(run["times_s"][2:]) for run in runs[mode]]
 
     memory = statistics.median(step_times("memory"))
     first = runs["offload"][0]
-    read, written = (statistics.median(m[i] for m in first["moved"][2:]) for i in (0, 1))
-    io_s = read / read_bw + written / write_bw
+    io_s = (read + written) / bandwidth
     bound = max(memory, io_s)
     expert_state, plain_state = first["expert_state_bytes"], first["plain_state_bytes"]
     mem_run = runs["memory"][0]
@@ -206,8 +210,8 @@ def report(runs: dict[str, list[dict]], budget: int, read_bw: float, write_bw: f
         )
     print(
         f"experts' weights+grads+AdamW state {expert_state / 1e6:.1f} MB = {expert_state / budget:.1f}x "
-        f"train.memory_budget {budget / 1e6:.1f} MB; direct I/O: {first['direct']}; disk read "
-        f"{read_bw / 1e6:.0f} MB/s, write {write_bw / 1e6:.0f} MB/s; {args.steps} steps x {args.rounds} rounds"
+        f"train.memory_budget {budget / 1e6:.1f} MB; direct I/O: {first['direct']}; disk {bandwidth / 1e6:.0f} MB/s "
+        f"(reads and writes at once); {args.steps} steps x {args.rounds} rounds"
     )
     print(
         f"per offloaded step: {read / 1e6:.1f} MB read, {written / 1e6:.1f} MB written, I/O time {io_s * 1e3:.0f} ms; "
@@ -230,8 +234,7 @@ def report(runs: dict[str, list[dict]], budget: int, read_bw: float, write_bw: f
         figures = {
             "budget_bytes": budget,
             "expert_state_bytes": expert_state,
-            "read_bw": read_bw,
-            "write_bw": write_bw,
+            "disk_bw": bandwidth,
             "bytes_read_per_step": read,
             "bytes_written_per_step": written,
             "bound_s": bound,
