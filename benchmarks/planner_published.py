@@ -58,8 +58,22 @@ class Row:
     fit: bool  # used to fit the calibration constants
     count: tuple  # the source's FLOP count: (flag, value) pairs of planner.model_flops_per_token
     note: str = ""
+    # How the run exchanges tokens, from its recipe (MB_RECIPES): "deduplicated" with DeepEP's dispatcher
+    # (moe_flex_dispatcher_backend = deepep), else Megatron's flat all-to-all; both-pass overlap with
+    # overlap_moe_expert_parallel_comm (moe_a2a_overlap), else none.
+    dispatch: str = "flat"
+    a2a_overlap: bool = False
 
 
+# The recipes behind the rows: 25.11 from the performance scripts at the commit MB documents
+# (scripts/performance/configs/{qwen,gpt_oss,deepseek}/*_workload_base_configs.py: Qwen3 H100 moe_a2a_overlap
+# True; gpt-oss H100 none; DeepSeek-V3 H100 moe_flex_dispatcher_backend "deepep", moe_a2a_overlap True);
+# 25.09 from scripts/performance/run_script.py of that release's scripts (commit 5d194b9c1: DeepSeek-V3 on
+# H100 DeepEP and overlap_moe_expert_parallel_comm; Qwen3 token-drop, no all-to-all overlap). Megatron-Core
+# v0.8 (Mixtral) had neither.
+MB_RECIPES = (
+    "https://github.com/NVIDIA-NeMo/Megatron-Bridge/tree/5776a6d90b4dd8692902ab2eb581369484e19283/scripts/performance"
+)
 MB_COUNT = (("causal", True), ("windowed", False))  # Megatron-Bridge 25.09 / 25.11: no sliding-window term
 ROWS = [
     Row("Mixtral-8x7B MCore v0.8", MCORE, "MCore v0.8", "mixtral-8x7b", "bf16", 64, 256, 1, 4096, 1, 4, 1, 8, 8,
@@ -67,11 +81,12 @@ ROWS = [
     Row("GPT-OSS-120B 25.11", MB, "NeMo 25.11", "gpt-oss-120b", "bf16", 64, 512, 4, 4096, 1, 4, 1, 1, 8,
         5630, 153, True, (*MB_COUNT, ("gated", False)), "table's GA=2 implies pp=1; recipe says pp=4"),
     Row("Qwen3-30B-A3B 25.11", MB, "NeMo 25.11", "qwen3-30b-a3b", "fp8", 16, 512, 2, 4096, 1, 2, 1, 24, 8,
-        5275, 121, True, MB_COUNT, "recipe says vp=12"),
+        5275, 121, True, MB_COUNT, "recipe says vp=12", a2a_overlap=True),
     Row("Qwen3-235B-A22B 25.11", MB, "NeMo 25.11", "qwen3-235b-a22b", "fp8", 256, 2048, 1, 4096, 2, 8, 1, 4, 32,
-        1575, 233, True, MB_COUNT),
+        1575, 233, True, MB_COUNT, a2a_overlap=True),
     Row("DeepSeek-V3 25.09", MB, "NeMo 25.09", "deepseek-v3", "fp8", 1024, 8192, 1, 4096, 2, 8, 1, 4, 64,
-        1297, 338, False, MB_COUNT, "precision not in the table (its note is on fp8 scaling); dropless, MTP"),
+        1297, 338, False, MB_COUNT, "precision not in the table (its note is on fp8 scaling); dropless, MTP",
+        dispatch="deduplicated", a2a_overlap=True),
     Row("Qwen3-30B-A3B 25.09", MB, "NeMo 25.09", "qwen3-30b-a3b", "fp8", 16, 512, 2, 4096, 1, 2, 1, 24, 8,
         10494, 241, False, MB_COUNT, "precision not in the table; token-drop"),
     Row("Qwen3-235B-A22B 25.09", MB, "NeMo 25.09", "qwen3-235b-a22b", "fp8", 256, 2048, 1, 4096, 2, 8, 1, 4, 32,
@@ -95,11 +110,12 @@ def _setup(row: Row) -> tuple[planner.ModelSpec, planner.Cluster, planner.Techni
 
 
 def published_candidate(row: Row, spec: planner.ModelSpec) -> planner.Candidate:
-    """The run's layout with all techniques on (overlapped gradients and all-to-all, sp with tp)."""
+    """The run's layout with its recipe's all-to-all form and overlap, overlapped gradients, sp with tp."""
     dp = row.gpus // (row.tp * row.cp * row.pp)
     return planner.Candidate(
-        dp, row.ep, row.tp, row.pp, row.gbs // (dp * row.mbs), "flat", "both", cp=row.cp, vp=row.vp,
-        grad_sync="overlapped", sp=row.tp > 1, fp8=row.precision == "fp8",
+        dp, row.ep, row.tp, row.pp, row.gbs // (dp * row.mbs), row.dispatch, "both" if row.a2a_overlap else "none",
+        cp=row.cp, vp=row.vp,
+        grad_sync="overlapped", sp=row.tp > 1, fp8=row.precision == "fp8", weighted_activation=True,
     )  # fmt: skip
 
 

@@ -5,10 +5,11 @@ of one micro-batch through the busiest stage, plus the exposed part of the once-
 synchronisation. A micro-batch's time is its GEMMs (fp8 ones faster by ``fp8_speedup``; attention
 scores in bf16; each expert's GEMM slower when it has few rows), the elementwise work between them
 (bytes over HBM bandwidth), recomputation, and the exchanges left exposed: tp all-reduces (or
-sequence-parallel all-gather + reduce-scatter, the same bytes, never hidden), the expert all-to-alls,
-expert-tp gathers, context-parallel KV rings, pipeline sends (hidden when interleaved), and moekit's
+sequence-parallel all-gather + reduce-scatter, the same bytes, never hidden), the expert all-to-alls
+(flat, two-level, or deduplicated: one copy a destination node), expert-tp gathers, context-parallel KV rings, pipeline sends (hidden when interleaved), and moekit's
 FSDP, which gathers every unit every micro-batch. An overlappable exchange hides ``cluster.overlap``
-of itself, at most the compute that runs beside it. Ranks that share fewer cores than they are (CPU
+of itself, at most the compute that runs beside it; all-to-alls overlapped in both passes only in the
+micro-batches paired with another one (``paired_share``). Ranks that share fewer cores than they are (CPU
 ranks) queue for them. ``Estimate.terms`` names each term's seconds a step.
 
 Techniques each have a switch in ``Candidate`` (all off is moekit's own runtime, what
@@ -20,7 +21,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from moekit.parallel.planner.comm import all_to_all_time, p2p_time, ring_time
+from moekit.parallel.planner.comm import all_to_all_time, deduplicated_time, members_per_node, p2p_time, ring_time
 from moekit.parallel.planner.flops import _blocks, attention_dims, layer_flops, param_counts
 from moekit.parallel.planner.presets import Cluster, ModelSpec
 
@@ -40,7 +41,7 @@ class Candidate:
     tp: int
     pp: int
     micro: int  # micro-batches per step on each data rank (pipeline micro-batches or gradient accumulation)
-    all_to_all: str = "flat"  # flat | two_level
+    all_to_all: str = "flat"  # flat | two_level | deduplicated (one copy a destination node, DeepEP)
     overlap: str = "none"  # all-to-all overlap: none | forward (moekit's chunked dispatch) | both (both passes)
     cp: int = 1  # context parallel: each sequence split over cp ranks, keys and values passed round a ring
     etp: int = 1  # expert tensor parallel: each expert's FFN split over etp ranks (needs sp)
@@ -49,6 +50,7 @@ class Candidate:
     recompute: str = "none"  # none | selective (norms, activation functions) | experts (expert FFNs) | full
     sp: bool = False  # sequence parallel with tp (activations split over tp between the tp regions)
     fp8: bool = False  # fp8 GEMMs
+    weighted_activation: bool = False  # gate weights applied in the experts' activation: no expert output kept
 
     @property
     def layout(self) -> tuple[int, ...]:
@@ -99,7 +101,9 @@ def block_activation_bytes(spec: ModelSpec, cand: Candidate, moe_layer: bool, lo
     - MoE FFN: the norm's input and output (the router's input), shared experts as a dense FFN, and per
       routed copy (``top_k``, times the busiest rank's load) the permuted row, the first GEMM's outputs,
       the activation's output and the expert output the weighted combine keeps: ``D + (mult - 1) F + F
-      + D`` (``F / etp``); without sequence parallelism every tp rank routes every token.
+      + D`` (``F / etp``); without sequence parallelism every tp rank routes every token. With the gate
+      weights applied in the activation (``weighted_activation``, Megatron-Core's experts'
+      ``activation_func_with_probs``) the combine is a plain sum and keeps no expert output: ``- D``.
 
     GEMM inputs are kept at 1 byte under fp8 (Transformer Engine keeps the quantised input for the
     weight-gradient GEMM), the rest at ``dtype_bytes``. Recomputation as Megatron's modules: ``selective``
@@ -118,9 +122,10 @@ def block_activation_bytes(spec: ModelSpec, cand: Candidate, moe_layer: bool, lo
     if not moe_layer:
         return attn + norms * rep + ffn
     k, F = e.top_k * load_imbalance, e.d_ff / cand.etp
+    kept_output = 0 if cand.weighted_activation else dt * D
     routed = {
-        "none": gin * D + dt * (mult - 1) * F + gin * F + dt * D,
-        "selective": gin * D + dt * (mult - 1) * F + dt * D,
+        "none": gin * D + dt * (mult - 1) * F + gin * F + kept_output,
+        "selective": gin * D + dt * (mult - 1) * F + kept_output,
         "experts": gin * D,
     }[cand.recompute]
     return attn + (norms + k * routed) * rep + ffn
@@ -224,6 +229,21 @@ def with_head(blocks_s: float, head_s: float, blocks: int, spec: ModelSpec, cand
     return max(blocks_s, (blocks_s * _blocks(spec)[0] / blocks + head_s) / cand.pp)
 
 
+def route_reach(spec: ModelSpec, nodes: int) -> int:
+    """Nodes of an expert group of ``nodes`` nodes one token's experts can be on, at most: group-limited
+    routing (``moe.n_group`` contiguous expert groups, ``moe.topk_group`` of them a token) confines it to
+    the nodes its groups sit on, ``topk_group`` when each node holds whole groups (DeepSeek-V3: 8 groups,
+    4 a token, over ep 64 = 8 nodes: 4 nodes), ``topk_group`` groups' share of the nodes when a group
+    spans several nodes; any other split, or no groups, reaches them all."""
+    e = spec.moe
+    picked = e.topk_group or e.n_group
+    if e.n_group % nodes == 0:
+        return min(nodes, picked)
+    if nodes % e.n_group == 0:
+        return min(nodes, picked * nodes // e.n_group)
+    return nodes
+
+
 def _size_factor(rows: float, c: Cluster) -> float:
     """A GEMM of ``rows`` rows runs at rows / (rows + c.gemm_half_rows) of the large-GEMM rate."""
     return rows / (rows + c.gemm_half_rows)
@@ -232,6 +252,17 @@ def _size_factor(rows: float, c: Cluster) -> float:
 def _hidden(exchange_s: float, beside_s: float, c: Cluster) -> float:
     """What overlap hides of an exchange: ``c.overlap`` of it, at most the compute beside it."""
     return c.overlap * min(exchange_s, beside_s)
+
+
+def paired_share(cand: Candidate) -> float:
+    """The share of a rank's micro-batch chunks whose forward runs beside another one's backward, which
+    is what hides all-to-alls overlapped in both passes (Megatron's ``overlap_moe_expert_parallel_comm``
+    merges a forward and a backward chunk of 1F1B's steady state; DeepSeek-V3's DualPipe pairs them the
+    same way): all but the first rank's warm-up chunks, which run alone, as do as many cool-down ones:
+    ``2 (pp - 1) + (vp - 1) pp`` interleaved, ``pp - 1`` plain 1F1B, 1 without a pipeline."""
+    chunks = cand.micro * cand.vp
+    warm = 1 if cand.pp == 1 else cand.pp - 1 if cand.vp == 1 else 2 * (cand.pp - 1) + (cand.vp - 1) * cand.pp
+    return max(0, chunks - warm) / chunks
 
 
 def estimate(spec: ModelSpec, cand: Candidate, c: Cluster, load_imbalance: float = 1.0) -> Estimate:
@@ -275,7 +306,11 @@ def estimate(spec: ModelSpec, cand: Candidate, c: Cluster, load_imbalance: float
     stride = cand.etp if cand.sp else cand.tp
     rows_bytes = rows * e.top_k * D * dt * load_imbalance
     chunks = OVERLAP_CHUNKS if cand.overlap == "forward" else 1
-    one = chunks * all_to_all_time(rows_bytes / chunks, cand.ep, stride, c, cand.all_to_all == "two_level")
+    if cand.all_to_all == "deduplicated":
+        reach = route_reach(spec, cand.ep // members_per_node(cand.ep, stride, c.gpus_per_node))
+        one = chunks * deduplicated_time(rows / chunks, D * dt * load_imbalance, e.top_k, cand.ep, stride, c, reach)
+    else:
+        one = chunks * all_to_all_time(rows_bytes / chunks, cand.ep, stride, c, cand.all_to_all == "two_level")
     one += 2 * ring_time(rows_bytes, cand.etp, 1, c, passes=1)  # expert tp: gather rows in, scatter out
     forward = 2 * one * n_moe
     passes = 2 + extra_dense  # the forward's exchanges again in a fully recomputed block
@@ -290,7 +325,7 @@ def estimate(spec: ModelSpec, cand: Candidate, c: Cluster, load_imbalance: float
     else:
         a2a = passes * forward
         if cand.overlap == "both":  # one micro-batch's exchanges beside another's compute, both passes
-            a2a -= _hidden(a2a, compute_s, c)
+            a2a -= paired_share(cand) * _hidden(a2a, compute_s, c)
 
     terms["a2a"] = a2a
     exchanges = {}
