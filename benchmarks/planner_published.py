@@ -173,13 +173,13 @@ TERMS = ("gemm", "gemm_experts", "attention", "elementwise", "head", "a2a", "tp"
 def explain(label: str, top: list[planner.Estimate], mine: planner.Estimate, gbs: int) -> None:
     """The planner's 5 fastest layouts beside the published one, step time by term (seconds a step)."""
     print(f"\n{label}: the planner's 5 fastest layouts and the published one, seconds a step by term")
-    print(f"{'':>4} {'tp':>2} {'cp':>2} {'pp':>2} {'vp':>2} {'ep':>3} {'etp':>3} {'mbs':>3} {'recomp':>9} "
+    print(f"{'':>4} {'tp':>2} {'cp':>2} {'pp':>2} {'vp':>2} {'ep':>3} {'etp':>3} {'mbs':>3} {'recomp':>11} "
           f"{'mem GB':>6} {'step':>6} " + " ".join(f"{t[:8]:>8}" for t in TERMS))  # fmt: skip
     for tag, est in [*((str(i), e) for i, e in enumerate(top, 1)), ("pub", mine)]:
         k = est.candidate
         print(
             f"{tag:>4} {k.tp:>2} {k.cp:>2} {k.pp:>2} {k.vp:>2} {k.ep:>3} {k.etp:>3} {gbs // (k.dp * k.micro):>3} "
-            f"{k.recompute:>9} {est.memory_gb:>6.1f} {est.step_s:>6.2f} "
+            f"{k.recompute:>11} {est.memory_gb:>6.1f} {est.step_s:>6.2f} "
             + " ".join(f"{est.terms.get(t, 0.0):>8.3f}" for t in TERMS)
         )
 
@@ -191,7 +191,7 @@ def main() -> None:
     constants = fit([r for r in ROWS if r.fit])
     print("fitted on the FIT rows:", ", ".join(f"{k}={v:g}" for k, v in constants.items()))
     head = f"{'run':<24} {'set':<4} {'prec':<4} {'GPUs':>4} {'tp':>2} {'pp':>2} {'vp':>2} {'ep':>2} {'mbs':>3} "
-    head += f"{'recomp':>9} {'mem GB':>6} {'tok/s pred':>10} {'pub':>6} {'ratio':>5} {'TFLOP/s pred':>12} {'pub':>4} "
+    head += f"{'recomp':>11} {'mem GB':>6} {'tok/s pred':>10} {'pub':>6} {'ratio':>5} {'TFLOP/s pred':>12} {'pub':>4} "
     head += f"{'rank':>9} {'gap':>5}"
     print(head)
     out, explained = [], {}
@@ -219,7 +219,7 @@ def main() -> None:
         print(
             f"{row.label:<24} {'fit' if row.fit else 'held':<4} {row.precision:<4} {row.gpus:>4} {row.tp:>2} "
             f"{row.pp:>2} "
-            f"{row.vp:>2} {row.ep:>2} {row.mbs:>3} {est.candidate.recompute:>9} {est.memory_gb:>6.1f} {tokens:>10.0f} "
+            f"{row.vp:>2} {row.ep:>2} {row.mbs:>3} {est.candidate.recompute:>11} {est.memory_gb:>6.1f} {tokens:>10.0f} "
             f"{published:>6.0f}{'*' if row.tokens is None else ' '}{ratio:>5.2f} {tflops:>12.0f} {row.tflops:>4.0f} "
             f"{place:>4}/{total:<4} {gap - 1:>5.1%}"
         )

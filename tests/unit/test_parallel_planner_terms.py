@@ -12,6 +12,7 @@ from moekit.parallel.planner import (
     OVERLAP_CHUNKS,
     Candidate,
     ModelSpec,
+    Shape,
     Workload,
     block_activation_bytes,
     candidates,
@@ -297,3 +298,23 @@ def test_each_overlap_chunk_pays_its_fixed_cost() -> None:
     ovl = Candidate(4, 4, 1, 1, 1, "flat", "forward")
     added = estimate(spec, ovl, dataclasses.replace(CLUSTER, chunk_overhead_us=100.0)).a2a_s
     assert added - estimate(spec, ovl, CLUSTER).a2a_s == pytest.approx((OVERLAP_CHUNKS - 1) * 4 * 100e-6)
+
+
+def test_mla_up_projection_recompute_keeps_the_latents() -> None:
+    """Tiny MLA (D 32, 2 heads of 16 + 4 rotary, value heads 16, latents 8 + 8): Q 2 x 20 = 40 wide, K + V
+    40 + 32 = 72; recomputing the up-projections keeps the 8 + 8 + 4 = 20 latent values instead, and redoes
+    their forward: 8 x 40 + 8 x 2 x (16 + 16) = 832 weights, 2 FLOPs each, per token and block."""
+    cfg = runconfig.resolve("tiny", {"model.n_layers": "4"})
+    shape = Shape(q_lora_rank=8, kv_lora_rank=8, qk_rope_dim=4, v_head_dim=16, head_dim=16)
+    mla = ModelSpec("mla", cfg.model, cfg.moe, Workload(global_batch=16, dtype_bytes=4), shape)
+    base = Candidate(4, 1, 1, 1, 1)
+    up = dataclasses.replace(base, recompute="mla_up_proj")
+    assert block_activation_bytes(mla, base, False) - block_activation_bytes(mla, up, False) == pytest.approx(
+        4 * (40 + 72 - 20)
+    )
+    redone = 128 * 4 * 2 * 832  # 128 tokens a rank, 4 blocks
+    assert estimate(mla, up, CLUSTER).terms["gemm"] - estimate(mla, base, CLUSTER).terms["gemm"] == pytest.approx(
+        redone / 1e12
+    )
+    with pytest.raises(ValueError, match="recompute=mla_up_proj: model tiny has no latent attention"):
+        block_activation_bytes(_tiny(), up, True)

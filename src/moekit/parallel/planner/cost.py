@@ -6,11 +6,12 @@ synchronisation. A micro-batch's time is its GEMMs (fp8 ones faster by ``fp8_spe
 scores in bf16; each expert's GEMM slower when it has few rows), the elementwise work between them
 (bytes over HBM bandwidth), recomputation, and the exchanges left exposed: tp all-reduces (or
 sequence-parallel all-gather + reduce-scatter, the same bytes, never hidden), the expert all-to-alls
-(flat, two-level, or deduplicated: one copy a destination node), expert-tp gathers, context-parallel KV rings, pipeline sends (hidden when interleaved), and moekit's
-FSDP, which gathers every unit every micro-batch. An overlappable exchange hides ``cluster.overlap``
-of itself, at most the compute that runs beside it; all-to-alls overlapped in both passes only in the
-micro-batches paired with another one (``paired_share``). Ranks that share fewer cores than they are (CPU
-ranks) queue for them. ``Estimate.terms`` names each term's seconds a step.
+(flat, two-level, or deduplicated: one copy a destination node), expert-tp gathers, context-parallel KV
+rings, pipeline sends (hidden when interleaved), and moekit's FSDP, which gathers every unit every
+micro-batch. An overlappable exchange hides ``cluster.overlap`` of itself, at most the compute that
+runs beside it; all-to-alls overlapped in both passes only in the micro-batches paired with another
+one (``paired_share``). Ranks that share fewer cores than they are (CPU ranks) queue for them.
+``Estimate.terms`` names each term's seconds a step.
 
 Techniques each have a switch in ``Candidate`` (all off is moekit's own runtime, what
 ``benchmarks/planner_calibration.py`` measures).
@@ -47,7 +48,7 @@ class Candidate:
     etp: int = 1  # expert tensor parallel: each expert's FFN split over etp ranks (needs sp)
     vp: int = 1  # virtual stages per pipeline rank (interleaved 1F1B)
     grad_sync: str = "fsdp"  # fsdp: gather/reduce every micro-batch | overlapped: once a step, beside compute
-    recompute: str = "none"  # none | selective (norms, activation functions) | experts (expert FFNs) | full
+    recompute: str = "none"  # none | selective (norms, activations) | mla_up_proj | experts (expert FFNs) | full
     sp: bool = False  # sequence parallel with tp (activations split over tp between the tp regions)
     fp8: bool = False  # fp8 GEMMs
     weighted_activation: bool = False  # gate weights applied in the experts' activation: no expert output kept
@@ -70,7 +71,8 @@ class Estimate:
     terms: dict[str, float] = field(default_factory=dict, compare=False)  # seconds a step of each named term
 
 
-RECOMPUTE_GEMMS = {"none": (0, 0), "selective": (0, 0), "experts": (0, 1), "full": (1, 1)}  # (dense, experts)
+# Forward GEMMs done again, (dense, experts); mla_up_proj redoes only MLA's up-projections (``estimate``).
+RECOMPUTE_GEMMS = {"none": (0, 0), "selective": (0, 0), "mla_up_proj": (0, 0), "experts": (0, 1), "full": (1, 1)}
 
 
 def stage_blocks(spec: ModelSpec, cand: Candidate) -> tuple[int, float]:
@@ -107,8 +109,10 @@ def block_activation_bytes(spec: ModelSpec, cand: Candidate, moe_layer: bool, lo
 
     GEMM inputs are kept at 1 byte under fp8 (Transformer Engine keeps the quantised input for the
     weight-gradient GEMM), the rest at ``dtype_bytes``. Recomputation as Megatron's modules: ``selective``
-    (layernorm, moe_act) drops the norms' outputs and the experts' activation outputs, ``experts`` the
-    routed experts' tensors but the permuted rows, ``full`` all but the block's input."""
+    (layernorm, moe_act) drops the norms' outputs and the experts' activation outputs, ``mla_up_proj``
+    (multi-head latent attention only) Q, K and V, keeping the latents they are projected up from, whole
+    on every tp rank (the down-projections are duplicated over tp): ``q + kv | latent``, ``experts``
+    the routed experts' tensors but the permuted rows, ``full`` all but the block's input."""
     m, e, dt = spec.model, spec.moe, spec.workload.dtype_bytes
     D, a, tp = m.d_model, attention_dims(spec), cand.tp
     gin = 1 if cand.fp8 else dt  # bytes of a kept GEMM input
@@ -116,7 +120,12 @@ def block_activation_bytes(spec: ModelSpec, cand: Candidate, moe_layer: bool, lo
     if cand.recompute == "full":
         return dt * D * rep
     norms = dt * D + (0 if cand.recompute == "selective" else gin * D)  # a norm's input and output
-    attn = norms * rep + (gin * a["q"] + dt * (a["q"] + a["kv_act"])) / tp
+    if cand.recompute == "mla_up_proj" and not a["latent"]:
+        raise ValueError(f"recompute=mla_up_proj: model {spec.name} has no latent attention (shape.kv_lora_rank)")
+    if cand.recompute == "mla_up_proj":
+        attn = norms * rep + gin * a["q"] / tp + dt * a["latent"]
+    else:
+        attn = norms * rep + (gin * a["q"] + dt * (a["q"] + a["kv_act"])) / tp
     mult = 2 if (e.activation if moe_layer else m.mlp_activation) == "gelu" else 3
     ffn = (dt * (mult - 1) + gin) * (e.shared_hidden if moe_layer else m.d_ff) / tp
     if not moe_layer:
@@ -125,6 +134,7 @@ def block_activation_bytes(spec: ModelSpec, cand: Candidate, moe_layer: bool, lo
     kept_output = 0 if cand.weighted_activation else dt * D
     routed = {
         "none": gin * D + dt * (mult - 1) * F + gin * F + kept_output,
+        "mla_up_proj": gin * D + dt * (mult - 1) * F + gin * F + kept_output,
         "selective": gin * D + dt * (mult - 1) * F + kept_output,
         "experts": gin * D,
     }[cand.recompute]
@@ -279,6 +289,7 @@ def estimate(spec: ModelSpec, cand: Candidate, c: Cluster, load_imbalance: float
     gemm_rate = c.flops * (c.fp8_speedup if cand.fp8 else 1.0)
     # Forward FLOPs of one micro-batch on the busiest rank.
     attn = tokens * blocks * moe_f["attention"] / cand.tp
+    redone = tokens * blocks * 2 * attention_dims(spec)["up"] / cand.tp if cand.recompute == "mla_up_proj" else 0.0
     core = tokens * blocks * moe_f["core"] / cand.tp
     dense = tokens * (n_moe * moe_f["dense"] + (blocks - n_moe) * dense_f["dense"]) / cand.tp
     experts = rows * n_moe * moe_f["experts"] * load_imbalance
@@ -289,7 +300,7 @@ def estimate(spec: ModelSpec, cand: Candidate, c: Cluster, load_imbalance: float
     expert_rate = gemm_rate * _size_factor(rows * cand.ep * e.top_k / e.num_experts, c)  # rows per local expert
     expert_s = (3 + extra_experts) * experts / expert_rate
     terms = {
-        "gemm": (3 + extra_dense) * (attn + dense) / dense_rate,
+        "gemm": ((3 + extra_dense) * (attn + dense) + redone) / dense_rate,
         "gemm_experts": expert_s,
         "attention": (3 + extra_dense) * core / c.flops,
         "overhead": blocks * c.pass_overhead_us * 1e-6,
