@@ -68,8 +68,9 @@ def ring_time(nbytes: float, size: int, stride: int, c: Cluster, passes: float =
     return passes * ((size - 1) * alpha * 1e-6 + nbytes * (size - 1) / size / (bw * 1e9))
 
 
-def p2p_time(nbytes: float, stride: int, c: Cluster) -> float:
-    """One pipeline send to the next stage (``stride`` ranks away)."""
-    same_node = stride < c.gpus_per_node
+def p2p_time(nbytes: float, stride: int, c: Cluster, size: int = 2) -> float:
+    """One send to the next rank of a ring or pipeline of ``size`` ranks ``stride`` apart: over the
+    inter-node link as soon as the group leaves a node, since its slowest hop paces every step."""
+    same_node = members_per_node(size, stride, c.gpus_per_node) == size
     alpha, bw = (c.intra_latency_us, c.intra_gbps) if same_node else (c.inter_latency_us, c.inter_gbps)
     return alpha * 1e-6 + nbytes / (bw * 1e9)

@@ -346,10 +346,10 @@ def estimate(spec: ModelSpec, cand: Candidate, c: Cluster, load_imbalance: float
         exchanges["tp"] = 2 * passes * blocks * ring_time(tokens * D * dt, cand.tp, 1, c)
     if cand.cp > 1:  # ring attention: K, V round the ring in the forward, K, V and their grads back
         kv = tokens * attention_dims(spec)["kv_act"] / cand.tp * dt
-        cp_s = (1 + extra_dense + 2) * blocks * (cand.cp - 1) * p2p_time(kv, cand.tp, c)
+        cp_s = (1 + extra_dense + 2) * blocks * (cand.cp - 1) * p2p_time(kv, cand.tp, c, cand.cp)
         exchanges["cp"] = cp_s - _hidden(cp_s, (3 + extra_dense) * core / c.flops, c)
     if cand.pp > 1:  # activations to the next stage, gradients back, once per virtual stage
-        pp_s = 2 * cand.vp * p2p_time(tokens * D * dt / sp, cand.tp * cand.cp * cand.dp, c)
+        pp_s = 2 * cand.vp * p2p_time(tokens * D * dt / sp, cand.tp * cand.cp * cand.dp, c, cand.pp)
         # Interleaved schedules send beside the next chunk's compute (Megatron's overlap_p2p_comm, which
         # it supports for interleaved schedules only); plain 1F1B waits for each send.
         exchanges["pp"] = pp_s - (_hidden(pp_s, compute_s, c) if cand.vp > 1 else 0.0)
