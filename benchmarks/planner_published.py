@@ -1,7 +1,8 @@
 """The planner against published large-scale MoE runs on DGX-H100 systems.
 
 For each published run: predict tokens/s/GPU and model TFLOP/s/GPU for its layout (the planner's
-step time with all techniques on, the run's precision), print them beside the published figures and
+step time with the run's precision, its recipe's token dispatcher and all-to-all overlap, the other
+techniques on), print them beside the published figures and
 their ratio, then where the planner ranks the published layout among all the layouts it enumerates
 for that model, global batch, sequence length and cluster size, with the gap between their predicted
 step times (a rank among layouts within a few percent of each other means little), and for each
