@@ -1,7 +1,8 @@
 """The planner against published large-scale MoE runs on DGX-H100 systems.
 
 For each published run: predict tokens/s/GPU and model TFLOP/s/GPU for its layout (the planner's
-step time with all techniques on, the run's precision), print them beside the published figures and
+step time with the run's precision, its recipe's token dispatcher and all-to-all overlap, the other
+techniques on), print them beside the published figures and
 their ratio, then where the planner ranks the published layout among all the layouts it enumerates
 for that model, global batch, sequence length and cluster size, with the gap between their predicted
 step times (a rank among layouts within a few percent of each other means little), and for each
@@ -58,20 +59,39 @@ class Row:
     fit: bool  # used to fit the calibration constants
     count: tuple  # the source's FLOP count: (flag, value) pairs of planner.model_flops_per_token
     note: str = ""
+    # How the run exchanges tokens, from its recipe (MB_RECIPES): "deduplicated" with DeepEP's dispatcher
+    # (moe_flex_dispatcher_backend = deepep), else Megatron's flat all-to-all; both-pass overlap with
+    # overlap_moe_expert_parallel_comm (moe_a2a_overlap), else none.
+    dispatch: str = "flat"
+    a2a_overlap: bool = False
+    # Gate weights applied in the experts' activation (Megatron-Core's activation_func_with_probs, in the
+    # Megatron-Core the NeMo containers ship); not verified for Megatron-Core v0.8, so left off there.
+    weighted_activation: bool = True
 
 
+# The recipes behind the rows: 25.11 from the performance scripts at the commit MB documents
+# (scripts/performance/configs/{qwen,gpt_oss,deepseek}/*_workload_base_configs.py: Qwen3 H100 moe_a2a_overlap
+# True; gpt-oss H100 none; DeepSeek-V3 H100 moe_flex_dispatcher_backend "deepep", moe_a2a_overlap True);
+# 25.09 from scripts/performance/run_script.py of that release's scripts (commit 5d194b9c1: DeepSeek-V3 on
+# H100 DeepEP and overlap_moe_expert_parallel_comm; Qwen3 token-drop, no all-to-all overlap). Megatron-Core
+# v0.8 (Mixtral) had neither.
+MB_RECIPES = (
+    "https://github.com/NVIDIA-NeMo/Megatron-Bridge/tree/5776a6d90b4dd8692902ab2eb581369484e19283/scripts/performance"
+)
 MB_COUNT = (("causal", True), ("windowed", False))  # Megatron-Bridge 25.09 / 25.11: no sliding-window term
 ROWS = [
     Row("Mixtral-8x7B MCore v0.8", MCORE, "MCore v0.8", "mixtral-8x7b", "bf16", 64, 256, 1, 4096, 1, 4, 1, 8, 8,
-        None, 438, True, (("causal", False),), "TFLOP/s only; layout from the README's v0.8 mapping table"),
+        None, 438, True, (("causal", False),), "TFLOP/s only; layout from the README's v0.8 mapping table",
+        weighted_activation=False),
     Row("GPT-OSS-120B 25.11", MB, "NeMo 25.11", "gpt-oss-120b", "bf16", 64, 512, 4, 4096, 1, 4, 1, 1, 8,
         5630, 153, True, (*MB_COUNT, ("gated", False)), "table's GA=2 implies pp=1; recipe says pp=4"),
     Row("Qwen3-30B-A3B 25.11", MB, "NeMo 25.11", "qwen3-30b-a3b", "fp8", 16, 512, 2, 4096, 1, 2, 1, 24, 8,
-        5275, 121, True, MB_COUNT, "recipe says vp=12"),
+        5275, 121, True, MB_COUNT, "recipe says vp=12", a2a_overlap=True),
     Row("Qwen3-235B-A22B 25.11", MB, "NeMo 25.11", "qwen3-235b-a22b", "fp8", 256, 2048, 1, 4096, 2, 8, 1, 4, 32,
-        1575, 233, True, MB_COUNT),
+        1575, 233, True, MB_COUNT, a2a_overlap=True),
     Row("DeepSeek-V3 25.09", MB, "NeMo 25.09", "deepseek-v3", "fp8", 1024, 8192, 1, 4096, 2, 8, 1, 4, 64,
-        1297, 338, False, MB_COUNT, "precision not in the table (its note is on fp8 scaling); dropless, MTP"),
+        1297, 338, False, MB_COUNT, "precision not in the table (its note is on fp8 scaling); dropless, MTP",
+        dispatch="deduplicated", a2a_overlap=True),
     Row("Qwen3-30B-A3B 25.09", MB, "NeMo 25.09", "qwen3-30b-a3b", "fp8", 16, 512, 2, 4096, 1, 2, 1, 24, 8,
         10494, 241, False, MB_COUNT, "precision not in the table; token-drop"),
     Row("Qwen3-235B-A22B 25.09", MB, "NeMo 25.09", "qwen3-235b-a22b", "fp8", 256, 2048, 1, 4096, 2, 8, 1, 4, 32,
@@ -95,11 +115,13 @@ def _setup(row: Row) -> tuple[planner.ModelSpec, planner.Cluster, planner.Techni
 
 
 def published_candidate(row: Row, spec: planner.ModelSpec) -> planner.Candidate:
-    """The run's layout with all techniques on (overlapped gradients and all-to-all, sp with tp)."""
+    """The run's layout with its recipe's all-to-all form and overlap, overlapped gradients, sp with tp."""
     dp = row.gpus // (row.tp * row.cp * row.pp)
     return planner.Candidate(
-        dp, row.ep, row.tp, row.pp, row.gbs // (dp * row.mbs), "flat", "both", cp=row.cp, vp=row.vp,
+        dp, row.ep, row.tp, row.pp, row.gbs // (dp * row.mbs), row.dispatch, "both" if row.a2a_overlap else "none",
+        cp=row.cp, vp=row.vp,
         grad_sync="overlapped", sp=row.tp > 1, fp8=row.precision == "fp8",
+        weighted_activation=row.weighted_activation,
     )  # fmt: skip
 
 
@@ -157,13 +179,13 @@ TERMS = ("gemm", "gemm_experts", "attention", "elementwise", "head", "a2a", "tp"
 def explain(label: str, top: list[planner.Estimate], mine: planner.Estimate, gbs: int) -> None:
     """The planner's 5 fastest layouts beside the published one, step time by term (seconds a step)."""
     print(f"\n{label}: the planner's 5 fastest layouts and the published one, seconds a step by term")
-    print(f"{'':>4} {'tp':>2} {'cp':>2} {'pp':>2} {'vp':>2} {'ep':>3} {'etp':>3} {'mbs':>3} {'recomp':>9} "
+    print(f"{'':>4} {'tp':>2} {'cp':>2} {'pp':>2} {'vp':>2} {'ep':>3} {'etp':>3} {'mbs':>3} {'recomp':>11} "
           f"{'mem GB':>6} {'step':>6} " + " ".join(f"{t[:8]:>8}" for t in TERMS))  # fmt: skip
     for tag, est in [*((str(i), e) for i, e in enumerate(top, 1)), ("pub", mine)]:
         k = est.candidate
         print(
             f"{tag:>4} {k.tp:>2} {k.cp:>2} {k.pp:>2} {k.vp:>2} {k.ep:>3} {k.etp:>3} {gbs // (k.dp * k.micro):>3} "
-            f"{k.recompute:>9} {est.memory_gb:>6.1f} {est.step_s:>6.2f} "
+            f"{k.recompute:>11} {est.memory_gb:>6.1f} {est.step_s:>6.2f} "
             + " ".join(f"{est.terms.get(t, 0.0):>8.3f}" for t in TERMS)
         )
 
@@ -175,7 +197,7 @@ def main() -> None:
     constants = fit([r for r in ROWS if r.fit])
     print("fitted on the FIT rows:", ", ".join(f"{k}={v:g}" for k, v in constants.items()))
     head = f"{'run':<24} {'set':<4} {'prec':<4} {'GPUs':>4} {'tp':>2} {'pp':>2} {'vp':>2} {'ep':>2} {'mbs':>3} "
-    head += f"{'recomp':>9} {'mem GB':>6} {'tok/s pred':>10} {'pub':>6} {'ratio':>5} {'TFLOP/s pred':>12} {'pub':>4} "
+    head += f"{'recomp':>11} {'mem GB':>6} {'tok/s pred':>10} {'pub':>6} {'ratio':>5} {'TFLOP/s pred':>12} {'pub':>4} "
     head += f"{'rank':>9} {'gap':>5}"
     print(head)
     out, explained = [], {}
@@ -203,7 +225,7 @@ def main() -> None:
         print(
             f"{row.label:<24} {'fit' if row.fit else 'held':<4} {row.precision:<4} {row.gpus:>4} {row.tp:>2} "
             f"{row.pp:>2} "
-            f"{row.vp:>2} {row.ep:>2} {row.mbs:>3} {est.candidate.recompute:>9} {est.memory_gb:>6.1f} {tokens:>10.0f} "
+            f"{row.vp:>2} {row.ep:>2} {row.mbs:>3} {est.candidate.recompute:>11} {est.memory_gb:>6.1f} {tokens:>10.0f} "
             f"{published:>6.0f}{'*' if row.tokens is None else ' '}{ratio:>5.2f} {tflops:>12.0f} {row.tflops:>4.0f} "
             f"{place:>4}/{total:<4} {gap - 1:>5.1%}"
         )

@@ -71,6 +71,9 @@ def test_collective_times_hand_computed() -> None:
     assert ring_time(1e6, 4, 1, c) == pytest.approx(2 * (3 * 10e-6 + 0.75e6 / 10e9))
     assert ring_time(1e6, 2, 4, c, passes=1) == pytest.approx(100e-6 + 0.5e6 / 1e9)
     assert p2p_time(1e6, 4, c) == pytest.approx(100e-6 + 1e6 / 1e9)
+    # A pipeline of 8 stages 1 rank apart spans 2 nodes of 4: its one inter-node hop paces it.
+    assert p2p_time(1e6, 1, c, 4) == pytest.approx(10e-6 + 1e6 / 10e9)
+    assert p2p_time(1e6, 1, c, 8) == pytest.approx(100e-6 + 1e6 / 1e9)
 
 
 def test_imbalance_slows_the_step_and_overlap_hides_exchanges() -> None:

@@ -12,8 +12,11 @@ from moekit.parallel.planner import (
     OVERLAP_CHUNKS,
     Candidate,
     ModelSpec,
+    Shape,
     Workload,
     block_activation_bytes,
+    candidates,
+    deduplicated_time,
     estimate,
     gradient_sync_time,
     in_flight,
@@ -21,8 +24,11 @@ from moekit.parallel.planner import (
     load_model,
     memory_bytes,
     model_flops_per_token,
+    paired_share,
     param_counts,
     parse_techniques,
+    remote_nodes,
+    route_reach,
 )
 
 CLUSTER = toy_cluster()
@@ -118,10 +124,70 @@ def test_overlapped_gradients_once_a_step() -> None:
 
 
 def test_all_to_all_overlap_in_both_passes() -> None:
+    """4 micro-batches, no pipeline: the first forward and the last backward run alone, so 3 of 4 are
+    paired and half of theirs is hidden (compute far longer than the exchanges): 1 - 3/4 x 1/2 = 5/8 left."""
     spec = _tiny()
-    plain, both = Candidate(4, 4, 1, 1, 1), Candidate(4, 4, 1, 1, 1, overlap="both")
-    half = dataclasses.replace(CLUSTER, overlap=0.5, peak_tflops=1e-6)  # compute far longer than the exchanges
-    assert estimate(spec, both, half).a2a_s == pytest.approx(estimate(spec, plain, half).a2a_s / 2)
+    plain, both = Candidate(4, 4, 1, 1, 4), Candidate(4, 4, 1, 1, 4, overlap="both")
+    half = dataclasses.replace(CLUSTER, overlap=0.5, peak_tflops=1e-6)
+    assert estimate(spec, both, half).a2a_s == pytest.approx(estimate(spec, plain, half).a2a_s * 5 / 8)
+    one = Candidate(4, 4, 1, 1, 1, overlap="both")  # a single micro-batch has nothing to pair with
+    assert estimate(spec, one, half).a2a_s == pytest.approx(estimate(spec, Candidate(4, 4, 1, 1, 1), half).a2a_s)
+
+
+def test_paired_share_leaves_out_warm_up_chunks() -> None:
+    """Interleaved pp 4, vp 2, 8 micro-batches: 16 chunks, 2 x 3 + 1 x 4 = 10 warm-up ones; plain 1F1B
+    pp 4: 3 of 8; no pipeline: the first of 4."""
+    assert paired_share(Candidate(1, 1, 1, 4, 8, vp=2)) == pytest.approx(6 / 16)
+    assert paired_share(Candidate(1, 1, 1, 4, 8)) == pytest.approx(5 / 8)
+    assert paired_share(Candidate(4, 1, 1, 1, 4)) == pytest.approx(3 / 4)
+    assert paired_share(Candidate(1, 1, 1, 4, 4, vp=2)) == 0.0
+
+
+def test_deduplicated_dispatch_crosses_nodes_once_a_node() -> None:
+    """8 experts top-2 over ep 8 = 2 nodes of 4: a token's 2 copies land on 2 x (1 - 1/2^2) = 1.5 distinct
+    nodes, the other node 1/2 of the time: 0.75 rows cross instead of 2 x 4/8 = 1. With 2 expert groups,
+    1 a token, one group a node, it reaches one node: 0.5."""
+    assert remote_nodes(2, 2, 2) == pytest.approx(0.75)
+    assert remote_nodes(8, 8, 4) == pytest.approx(7 / 8 * 4 * (1 - 6561 / 65536))  # DeepSeek-V3 over ep 64
+    spec = _tiny(**{"moe.num_experts": "8"})
+    grouped = _tiny(**{"moe.num_experts": "8", "moe.n_group": "2", "moe.topk_group": "1"})
+    assert (route_reach(spec, 2), route_reach(grouped, 2), route_reach(grouped, 4), route_reach(grouped, 3)) == (
+        2,
+        1,
+        2,
+        3,
+    )
+    # 32 rows of 32 x 4 bytes a rank: across 0.75 x 4096 bytes at 1 GB/s; within 2 x 3/4 x 4096 bytes at
+    # 10 GB/s (shorter, pipelined); 3 messages in the node, 1 across.
+    one = 3 * 10e-6 + 100e-6 + 0.75 * 4096 / 1e9
+    assert deduplicated_time(32, 128, 2, 8, 1, CLUSTER, 2) == pytest.approx(one)
+    # dp 16, one micro-batch of 32 tokens, 4 MoE blocks: dispatch + combine, forward and backward.
+    dedup = Candidate(16, 8, 1, 1, 1, "deduplicated")
+    assert estimate(spec, dedup, CLUSTER).terms["a2a"] == pytest.approx(4 * 2 * 2 * one)
+    limited = 3 * 10e-6 + 100e-6 + 0.5 * 4096 / 1e9
+    assert estimate(grouped, dedup, CLUSTER).terms["a2a"] == pytest.approx(4 * 2 * 2 * limited)
+    flat = 3 * 10e-6 + 4 * 100e-6 + 8192 * 4 / 8 / 1e9  # every copy, half of them across
+    flat_s = estimate(spec, dataclasses.replace(dedup, all_to_all="flat"), CLUSTER).terms["a2a"]
+    assert flat_s == pytest.approx(16 * flat)
+
+
+def test_deduplicated_dispatch_is_enumerated_only_across_nodes() -> None:
+    spec = _tiny(**{"moe.num_experts": "8"})
+    every = candidates(spec, CLUSTER, parse_techniques("deduplicated_dispatch"))
+    forms = {(c.ep, c.tp, c.all_to_all) for c in every}
+    # ep 4 of tp 1 fills one node of 4; ep 8, or ep 4 two ranks a node (tp 2), spans two.
+    assert (4, 1, "deduplicated") not in forms and (4, 1, "flat") in forms
+    assert {(8, 1, "deduplicated"), (8, 1, "flat"), (4, 2, "deduplicated")} <= forms
+    assert not any(c.all_to_all == "deduplicated" for c in candidates(spec, CLUSTER))
+
+
+def test_weighted_activation_keeps_no_expert_output() -> None:
+    """Gate weights in the activation: each of the 2 routed copies drops its 32 x 4-byte expert output."""
+    spec = _tiny()
+    base = Candidate(4, 1, 1, 1, 1)
+    weighted = dataclasses.replace(base, weighted_activation=True)
+    assert block_activation_bytes(spec, weighted, True) == pytest.approx(768 + 2304 - 2 * 128)
+    assert block_activation_bytes(spec, weighted, False) == block_activation_bytes(spec, base, False)
 
 
 def test_parse_techniques() -> None:
@@ -232,3 +298,23 @@ def test_each_overlap_chunk_pays_its_fixed_cost() -> None:
     ovl = Candidate(4, 4, 1, 1, 1, "flat", "forward")
     added = estimate(spec, ovl, dataclasses.replace(CLUSTER, chunk_overhead_us=100.0)).a2a_s
     assert added - estimate(spec, ovl, CLUSTER).a2a_s == pytest.approx((OVERLAP_CHUNKS - 1) * 4 * 100e-6)
+
+
+def test_mla_up_projection_recompute_keeps_the_latents() -> None:
+    """Tiny MLA (D 32, 2 heads of 16 + 4 rotary, value heads 16, latents 8 + 8): Q 2 x 20 = 40 wide, K + V
+    40 + 32 = 72; recomputing the up-projections keeps the 8 + 8 + 4 = 20 latent values instead, and redoes
+    their forward: 8 x 40 + 8 x 2 x (16 + 16) = 832 weights, 2 FLOPs each, per token and block."""
+    cfg = runconfig.resolve("tiny", {"model.n_layers": "4"})
+    shape = Shape(q_lora_rank=8, kv_lora_rank=8, qk_rope_dim=4, v_head_dim=16, head_dim=16)
+    mla = ModelSpec("mla", cfg.model, cfg.moe, Workload(global_batch=16, dtype_bytes=4), shape)
+    base = Candidate(4, 1, 1, 1, 1)
+    up = dataclasses.replace(base, recompute="mla_up_proj")
+    assert block_activation_bytes(mla, base, False) - block_activation_bytes(mla, up, False) == pytest.approx(
+        4 * (40 + 72 - 20)
+    )
+    redone = 128 * 4 * 2 * 832  # 128 tokens a rank, 4 blocks
+    assert estimate(mla, up, CLUSTER).terms["gemm"] - estimate(mla, base, CLUSTER).terms["gemm"] == pytest.approx(
+        redone / 1e12
+    )
+    with pytest.raises(ValueError, match="recompute=mla_up_proj: model tiny has no latent attention"):
+        block_activation_bytes(_tiny(), up, True)

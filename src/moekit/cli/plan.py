@@ -24,7 +24,8 @@ def add_parser(commands) -> None:
         "--techniques",
         default="all",
         help="all (default), moekit (moekit's own runtime: none of them) or a comma-separated list of: "
-        "overlapped_grads, a2a_overlap, interleave, recompute, sequence_parallel, fp8, expert_tp, context_parallel",
+        "overlapped_grads, a2a_overlap, interleave, recompute, sequence_parallel, fp8, expert_tp, context_parallel, "
+        "deduplicated_dispatch, weighted_activation",
     )
     plan.add_argument("--top", type=int, default=10, help="rows to print (default: %(default)s)")
     plan.add_argument("--loads", type=Path, metavar="RUN_DIR", help="re-score with this run's measured expert loads")

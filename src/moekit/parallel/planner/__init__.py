@@ -8,7 +8,14 @@ switching pays. ``presets`` reads clusters and models, ``flops`` counts FLOPs an
 ``comm`` times collectives.
 """
 
-from moekit.parallel.planner.comm import all_to_all_time, members_per_node, p2p_time, ring_time
+from moekit.parallel.planner.comm import (
+    all_to_all_time,
+    deduplicated_time,
+    members_per_node,
+    p2p_time,
+    remote_nodes,
+    ring_time,
+)
 from moekit.parallel.planner.cost import (
     MEMORY_USABLE,
     OVERLAP_CHUNKS,
@@ -21,6 +28,8 @@ from moekit.parallel.planner.cost import (
     in_flight,
     memory_bytes,
     micro_tokens,
+    paired_share,
+    route_reach,
     stage_blocks,
 )
 from moekit.parallel.planner.flops import (
@@ -63,6 +72,7 @@ __all__ = [
     "attention_dims",
     "block_activation_bytes",
     "candidates",
+    "deduplicated_time",
     "estimate",
     "format_table",
     "fsdp_collectives",
@@ -78,11 +88,14 @@ __all__ = [
     "micro_tokens",
     "model_flops_per_token",
     "p2p_time",
+    "paired_share",
     "param_counts",
     "parse_techniques",
     "plan",
+    "remote_nodes",
     "rescore",
     "ring_time",
+    "route_reach",
     "stage_blocks",
     "throughput",
     "training_flops_per_token",

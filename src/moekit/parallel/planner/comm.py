@@ -31,6 +31,34 @@ def all_to_all_time(nbytes: float, size: int, stride: int, c: Cluster, two_level
     return latency + max(nbytes * (local - 1) / size / b_in, nbytes * (size - local) / size / b_out)
 
 
+def remote_nodes(top_k: int, nodes: int, reach: int) -> float:
+    """Expected nodes other than its own that one token's ``top_k`` expert copies land on, ``nodes``
+    nodes in the expert group, the router confining each token to ``reach`` of them (DeepSeek-V3's
+    node-limited routing; ``reach`` = ``nodes`` without it), experts picked uniformly: ``reach (1 -
+    (1 - 1 / reach)^top_k)`` distinct nodes, each the token's own with probability ``1 / nodes``."""
+    reach = max(1, min(reach, nodes))
+    return (nodes - 1) / nodes * reach * (1 - (1 - 1 / reach) ** top_k)
+
+
+def deduplicated_time(
+    rows: float, row_bytes: float, top_k: int, size: int, stride: int, c: Cluster, reach: int
+) -> float:
+    """One hierarchical dispatch (or combine) of ``rows`` tokens of ``row_bytes`` each, ``top_k`` copies a
+    token (DeepEP's internode kernels): a token crosses the inter-node link once per destination node,
+    deduplicated (``remote_nodes``), to the rank of the same local index there, which forwards it over
+    NVLink to the ranks holding its experts (a copy's rank is another one of the node's with
+    probability ``(local - 1) / local``); the combine reduces within the node first and sends back the
+    same bytes. The two stages are pipelined: the slower one sets the time."""
+    if size == 1:
+        return 0.0
+    local = members_per_node(size, stride, c.gpus_per_node)
+    nodes = size // local
+    across = rows * row_bytes * remote_nodes(top_k, nodes, reach) / (c.inter_gbps * 1e9)
+    within = rows * row_bytes * top_k * (local - 1) / local / (c.intra_gbps * 1e9)
+    latency = (local - 1) * c.intra_latency_us * 1e-6 + (nodes - 1) * c.inter_latency_us * 1e-6
+    return latency + max(across, within)
+
+
 def ring_time(nbytes: float, size: int, stride: int, c: Cluster, passes: float = 2.0) -> float:
     """A ring collective over ``nbytes``: all-reduce is 2 passes, reduce-scatter or all-gather 1."""
     if size == 1:
@@ -40,8 +68,9 @@ def ring_time(nbytes: float, size: int, stride: int, c: Cluster, passes: float =
     return passes * ((size - 1) * alpha * 1e-6 + nbytes * (size - 1) / size / (bw * 1e9))
 
 
-def p2p_time(nbytes: float, stride: int, c: Cluster) -> float:
-    """One pipeline send to the next stage (``stride`` ranks away)."""
-    same_node = stride < c.gpus_per_node
+def p2p_time(nbytes: float, stride: int, c: Cluster, size: int = 2) -> float:
+    """One send to the next rank of a ring or pipeline of ``size`` ranks ``stride`` apart: over the
+    inter-node link as soon as the group leaves a node, since its slowest hop paces every step."""
+    same_node = members_per_node(size, stride, c.gpus_per_node) == size
     alpha, bw = (c.intra_latency_us, c.intra_gbps) if same_node else (c.inter_latency_us, c.inter_gbps)
     return alpha * 1e-6 + nbytes / (bw * 1e9)

@@ -5,11 +5,13 @@ of one micro-batch through the busiest stage, plus the exposed part of the once-
 synchronisation. A micro-batch's time is its GEMMs (fp8 ones faster by ``fp8_speedup``; attention
 scores in bf16; each expert's GEMM slower when it has few rows), the elementwise work between them
 (bytes over HBM bandwidth), recomputation, and the exchanges left exposed: tp all-reduces (or
-sequence-parallel all-gather + reduce-scatter, the same bytes, never hidden), the expert all-to-alls,
-expert-tp gathers, context-parallel KV rings, pipeline sends (hidden when interleaved), and moekit's
-FSDP, which gathers every unit every micro-batch. An overlappable exchange hides ``cluster.overlap``
-of itself, at most the compute that runs beside it. Ranks that share fewer cores than they are (CPU
-ranks) queue for them. ``Estimate.terms`` names each term's seconds a step.
+sequence-parallel all-gather + reduce-scatter, the same bytes, never hidden), the expert all-to-alls
+(flat, two-level, or deduplicated: one copy a destination node), expert-tp gathers, context-parallel KV
+rings, pipeline sends (hidden when interleaved), and moekit's FSDP, which gathers every unit every
+micro-batch. An overlappable exchange hides ``cluster.overlap`` of itself, at most the compute that
+runs beside it; all-to-alls overlapped in both passes only in the micro-batches paired with another
+one (``paired_share``). Ranks that share fewer cores than they are (CPU ranks) queue for them.
+``Estimate.terms`` names each term's seconds a step.
 
 Techniques each have a switch in ``Candidate`` (all off is moekit's own runtime, what
 ``benchmarks/planner_calibration.py`` measures).
@@ -20,7 +22,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from moekit.parallel.planner.comm import all_to_all_time, p2p_time, ring_time
+from moekit.parallel.planner.comm import all_to_all_time, deduplicated_time, members_per_node, p2p_time, ring_time
 from moekit.parallel.planner.flops import _blocks, attention_dims, layer_flops, param_counts
 from moekit.parallel.planner.presets import Cluster, ModelSpec
 
@@ -40,15 +42,16 @@ class Candidate:
     tp: int
     pp: int
     micro: int  # micro-batches per step on each data rank (pipeline micro-batches or gradient accumulation)
-    all_to_all: str = "flat"  # flat | two_level
+    all_to_all: str = "flat"  # flat | two_level | deduplicated (one copy a destination node, DeepEP)
     overlap: str = "none"  # all-to-all overlap: none | forward (moekit's chunked dispatch) | both (both passes)
     cp: int = 1  # context parallel: each sequence split over cp ranks, keys and values passed round a ring
     etp: int = 1  # expert tensor parallel: each expert's FFN split over etp ranks (needs sp)
     vp: int = 1  # virtual stages per pipeline rank (interleaved 1F1B)
     grad_sync: str = "fsdp"  # fsdp: gather/reduce every micro-batch | overlapped: once a step, beside compute
-    recompute: str = "none"  # none | selective (norms, activation functions) | experts (expert FFNs) | full
+    recompute: str = "none"  # none | selective (norms, activations) | mla_up_proj | experts (expert FFNs) | full
     sp: bool = False  # sequence parallel with tp (activations split over tp between the tp regions)
     fp8: bool = False  # fp8 GEMMs
+    weighted_activation: bool = False  # gate weights applied in the experts' activation: no expert output kept
 
     @property
     def layout(self) -> tuple[int, ...]:
@@ -68,7 +71,8 @@ class Estimate:
     terms: dict[str, float] = field(default_factory=dict, compare=False)  # seconds a step of each named term
 
 
-RECOMPUTE_GEMMS = {"none": (0, 0), "selective": (0, 0), "experts": (0, 1), "full": (1, 1)}  # (dense, experts)
+# Forward GEMMs done again, (dense, experts); mla_up_proj redoes only MLA's up-projections (``estimate``).
+RECOMPUTE_GEMMS = {"none": (0, 0), "selective": (0, 0), "mla_up_proj": (0, 0), "experts": (0, 1), "full": (1, 1)}
 
 
 def stage_blocks(spec: ModelSpec, cand: Candidate) -> tuple[int, float]:
@@ -99,12 +103,16 @@ def block_activation_bytes(spec: ModelSpec, cand: Candidate, moe_layer: bool, lo
     - MoE FFN: the norm's input and output (the router's input), shared experts as a dense FFN, and per
       routed copy (``top_k``, times the busiest rank's load) the permuted row, the first GEMM's outputs,
       the activation's output and the expert output the weighted combine keeps: ``D + (mult - 1) F + F
-      + D`` (``F / etp``); without sequence parallelism every tp rank routes every token.
+      + D`` (``F / etp``); without sequence parallelism every tp rank routes every token. With the gate
+      weights applied in the activation (``weighted_activation``, Megatron-Core's experts'
+      ``activation_func_with_probs``) the combine is a plain sum and keeps no expert output: ``- D``.
 
     GEMM inputs are kept at 1 byte under fp8 (Transformer Engine keeps the quantised input for the
     weight-gradient GEMM), the rest at ``dtype_bytes``. Recomputation as Megatron's modules: ``selective``
-    (layernorm, moe_act) drops the norms' outputs and the experts' activation outputs, ``experts`` the
-    routed experts' tensors but the permuted rows, ``full`` all but the block's input."""
+    (layernorm, moe_act) drops the norms' outputs and the experts' activation outputs, ``mla_up_proj``
+    (multi-head latent attention only) Q, K and V, keeping the latents they are projected up from, whole
+    on every tp rank (the down-projections are duplicated over tp): ``q + kv | latent``, ``experts``
+    the routed experts' tensors but the permuted rows, ``full`` all but the block's input."""
     m, e, dt = spec.model, spec.moe, spec.workload.dtype_bytes
     D, a, tp = m.d_model, attention_dims(spec), cand.tp
     gin = 1 if cand.fp8 else dt  # bytes of a kept GEMM input
@@ -112,15 +120,22 @@ def block_activation_bytes(spec: ModelSpec, cand: Candidate, moe_layer: bool, lo
     if cand.recompute == "full":
         return dt * D * rep
     norms = dt * D + (0 if cand.recompute == "selective" else gin * D)  # a norm's input and output
-    attn = norms * rep + (gin * a["q"] + dt * (a["q"] + a["kv_act"])) / tp
+    if cand.recompute == "mla_up_proj" and not a["latent"]:
+        raise ValueError(f"recompute=mla_up_proj: model {spec.name} has no latent attention (shape.kv_lora_rank)")
+    if cand.recompute == "mla_up_proj":
+        attn = norms * rep + gin * a["q"] / tp + dt * a["latent"]
+    else:
+        attn = norms * rep + (gin * a["q"] + dt * (a["q"] + a["kv_act"])) / tp
     mult = 2 if (e.activation if moe_layer else m.mlp_activation) == "gelu" else 3
     ffn = (dt * (mult - 1) + gin) * (e.shared_hidden if moe_layer else m.d_ff) / tp
     if not moe_layer:
         return attn + norms * rep + ffn
     k, F = e.top_k * load_imbalance, e.d_ff / cand.etp
+    kept_output = 0 if cand.weighted_activation else dt * D
     routed = {
-        "none": gin * D + dt * (mult - 1) * F + gin * F + dt * D,
-        "selective": gin * D + dt * (mult - 1) * F + dt * D,
+        "none": gin * D + dt * (mult - 1) * F + gin * F + kept_output,
+        "mla_up_proj": gin * D + dt * (mult - 1) * F + gin * F + kept_output,
+        "selective": gin * D + dt * (mult - 1) * F + kept_output,
         "experts": gin * D,
     }[cand.recompute]
     return attn + (norms + k * routed) * rep + ffn
@@ -224,6 +239,21 @@ def with_head(blocks_s: float, head_s: float, blocks: int, spec: ModelSpec, cand
     return max(blocks_s, (blocks_s * _blocks(spec)[0] / blocks + head_s) / cand.pp)
 
 
+def route_reach(spec: ModelSpec, nodes: int) -> int:
+    """Nodes of an expert group of ``nodes`` nodes one token's experts can be on, at most: group-limited
+    routing (``moe.n_group`` contiguous expert groups, ``moe.topk_group`` of them a token) confines it to
+    the nodes its groups sit on, ``topk_group`` when each node holds whole groups (DeepSeek-V3: 8 groups,
+    4 a token, over ep 64 = 8 nodes: 4 nodes), ``topk_group`` groups' share of the nodes when a group
+    spans several nodes; any other split, or no groups, reaches them all."""
+    e = spec.moe
+    picked = e.topk_group or e.n_group
+    if e.n_group % nodes == 0:
+        return min(nodes, picked)
+    if nodes % e.n_group == 0:
+        return min(nodes, picked * nodes // e.n_group)
+    return nodes
+
+
 def _size_factor(rows: float, c: Cluster) -> float:
     """A GEMM of ``rows`` rows runs at rows / (rows + c.gemm_half_rows) of the large-GEMM rate."""
     return rows / (rows + c.gemm_half_rows)
@@ -232,6 +262,17 @@ def _size_factor(rows: float, c: Cluster) -> float:
 def _hidden(exchange_s: float, beside_s: float, c: Cluster) -> float:
     """What overlap hides of an exchange: ``c.overlap`` of it, at most the compute beside it."""
     return c.overlap * min(exchange_s, beside_s)
+
+
+def paired_share(cand: Candidate) -> float:
+    """The share of a rank's micro-batch chunks whose forward runs beside another one's backward, which
+    is what hides all-to-alls overlapped in both passes (Megatron's ``overlap_moe_expert_parallel_comm``
+    merges a forward and a backward chunk of 1F1B's steady state; DeepSeek-V3's DualPipe pairs them the
+    same way): all but the first rank's warm-up chunks, which run alone, as do as many cool-down ones:
+    ``2 (pp - 1) + (vp - 1) pp`` interleaved, ``pp - 1`` plain 1F1B, 1 without a pipeline."""
+    chunks = cand.micro * cand.vp
+    warm = 1 if cand.pp == 1 else cand.pp - 1 if cand.vp == 1 else 2 * (cand.pp - 1) + (cand.vp - 1) * cand.pp
+    return max(0, chunks - warm) / chunks
 
 
 def estimate(spec: ModelSpec, cand: Candidate, c: Cluster, load_imbalance: float = 1.0) -> Estimate:
@@ -248,6 +289,7 @@ def estimate(spec: ModelSpec, cand: Candidate, c: Cluster, load_imbalance: float
     gemm_rate = c.flops * (c.fp8_speedup if cand.fp8 else 1.0)
     # Forward FLOPs of one micro-batch on the busiest rank.
     attn = tokens * blocks * moe_f["attention"] / cand.tp
+    redone = tokens * blocks * 2 * attention_dims(spec)["up"] / cand.tp if cand.recompute == "mla_up_proj" else 0.0
     core = tokens * blocks * moe_f["core"] / cand.tp
     dense = tokens * (n_moe * moe_f["dense"] + (blocks - n_moe) * dense_f["dense"]) / cand.tp
     experts = rows * n_moe * moe_f["experts"] * load_imbalance
@@ -258,7 +300,7 @@ def estimate(spec: ModelSpec, cand: Candidate, c: Cluster, load_imbalance: float
     expert_rate = gemm_rate * _size_factor(rows * cand.ep * e.top_k / e.num_experts, c)  # rows per local expert
     expert_s = (3 + extra_experts) * experts / expert_rate
     terms = {
-        "gemm": (3 + extra_dense) * (attn + dense) / dense_rate,
+        "gemm": ((3 + extra_dense) * (attn + dense) + redone) / dense_rate,
         "gemm_experts": expert_s,
         "attention": (3 + extra_dense) * core / c.flops,
         "overhead": blocks * c.pass_overhead_us * 1e-6,
@@ -275,7 +317,11 @@ def estimate(spec: ModelSpec, cand: Candidate, c: Cluster, load_imbalance: float
     stride = cand.etp if cand.sp else cand.tp
     rows_bytes = rows * e.top_k * D * dt * load_imbalance
     chunks = OVERLAP_CHUNKS if cand.overlap == "forward" else 1
-    one = chunks * all_to_all_time(rows_bytes / chunks, cand.ep, stride, c, cand.all_to_all == "two_level")
+    if cand.all_to_all == "deduplicated":
+        reach = route_reach(spec, cand.ep // members_per_node(cand.ep, stride, c.gpus_per_node))
+        one = chunks * deduplicated_time(rows / chunks, D * dt * load_imbalance, e.top_k, cand.ep, stride, c, reach)
+    else:
+        one = chunks * all_to_all_time(rows_bytes / chunks, cand.ep, stride, c, cand.all_to_all == "two_level")
     one += 2 * ring_time(rows_bytes, cand.etp, 1, c, passes=1)  # expert tp: gather rows in, scatter out
     forward = 2 * one * n_moe
     passes = 2 + extra_dense  # the forward's exchanges again in a fully recomputed block
@@ -290,7 +336,7 @@ def estimate(spec: ModelSpec, cand: Candidate, c: Cluster, load_imbalance: float
     else:
         a2a = passes * forward
         if cand.overlap == "both":  # one micro-batch's exchanges beside another's compute, both passes
-            a2a -= _hidden(a2a, compute_s, c)
+            a2a -= paired_share(cand) * _hidden(a2a, compute_s, c)
 
     terms["a2a"] = a2a
     exchanges = {}
@@ -300,10 +346,10 @@ def estimate(spec: ModelSpec, cand: Candidate, c: Cluster, load_imbalance: float
         exchanges["tp"] = 2 * passes * blocks * ring_time(tokens * D * dt, cand.tp, 1, c)
     if cand.cp > 1:  # ring attention: K, V round the ring in the forward, K, V and their grads back
         kv = tokens * attention_dims(spec)["kv_act"] / cand.tp * dt
-        cp_s = (1 + extra_dense + 2) * blocks * (cand.cp - 1) * p2p_time(kv, cand.tp, c)
+        cp_s = (1 + extra_dense + 2) * blocks * (cand.cp - 1) * p2p_time(kv, cand.tp, c, cand.cp)
         exchanges["cp"] = cp_s - _hidden(cp_s, (3 + extra_dense) * core / c.flops, c)
     if cand.pp > 1:  # activations to the next stage, gradients back, once per virtual stage
-        pp_s = 2 * cand.vp * p2p_time(tokens * D * dt / sp, cand.tp * cand.cp * cand.dp, c)
+        pp_s = 2 * cand.vp * p2p_time(tokens * D * dt / sp, cand.tp * cand.cp * cand.dp, c, cand.pp)
         # Interleaved schedules send beside the next chunk's compute (Megatron's overlap_p2p_comm, which
         # it supports for interleaved schedules only); plain 1F1B waits for each send.
         exchanges["pp"] = pp_s - (_hidden(pp_s, compute_s, c) if cand.vp > 1 else 0.0)

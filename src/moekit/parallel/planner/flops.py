@@ -23,7 +23,8 @@ def attention_dims(spec: ModelSpec) -> dict[str, int]:
     """Widths of one block's attention: ``q`` query width, ``kv`` the K and V widths a token caches
     (MLA: the compressed latent and the rotary key), ``qk`` and ``v`` the widths the scores and values
     are computed over, ``kv_act`` the K and V widths attention keeps for its backward, ``weights`` the
-    projection parameters."""
+    projection parameters; MLA only (0 otherwise): ``latent`` the widths Q, K and V are projected up
+    from (query and KV latents, rotary key), ``up`` the up-projection parameters."""
     m, s = spec.model, spec.shape
     D, heads = m.d_model, s.heads or m.n_heads
     if s.kv_lora_rank:  # MLA (DeepSeek-V2/V3)
@@ -33,11 +34,17 @@ def attention_dims(spec: ModelSpec) -> dict[str, int]:
         kv_in = s.kv_lora_rank * (D + heads * (nope + s.v_head_dim)) + D * s.qk_rope_dim
         weights = q_in + kv_in + heads * s.v_head_dim * D
         v = heads * s.v_head_dim
-        return {"q": qk, "kv": s.kv_lora_rank + s.qk_rope_dim, "qk": qk, "v": v, "kv_act": qk + v, "weights": weights}
+        latent = s.q_lora_rank + s.kv_lora_rank + s.qk_rope_dim
+        up = s.q_lora_rank * qk + s.kv_lora_rank * heads * (nope + s.v_head_dim)
+        return {
+            "q": qk, "kv": s.kv_lora_rank + s.qk_rope_dim, "qk": qk, "v": v, "kv_act": qk + v, "weights": weights,
+            "latent": latent, "up": up,
+        }  # fmt: skip
     hd = s.head_dim or m.head_size
     kv = (s.kv_heads or m.kv_heads) * hd
     q = heads * hd
-    return {"q": q, "kv": 2 * kv, "qk": q, "v": q, "kv_act": 2 * kv, "weights": D * (q + 2 * kv) + q * D}
+    weights = D * (q + 2 * kv) + q * D
+    return {"q": q, "kv": 2 * kv, "qk": q, "v": q, "kv_act": 2 * kv, "weights": weights, "latent": 0, "up": 0}
 
 
 def attention_context(spec: ModelSpec, causal: bool = True, windowed: bool = True) -> float:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from moekit.parallel.planner.comm import members_per_node
 from moekit.parallel.planner.cost import MEMORY_USABLE as _USABLE
 from moekit.parallel.planner.cost import Candidate, Estimate, estimate, memory_bytes
-from moekit.parallel.planner.flops import _blocks, model_flops_per_token
+from moekit.parallel.planner.flops import _blocks, attention_dims, model_flops_per_token
 from moekit.parallel.planner.presets import Cluster, ModelSpec
 
 
@@ -26,11 +26,13 @@ class Techniques:
     overlapped_grads: bool = False  # distributed optimizer: gradients reduced once a step, beside compute
     a2a_overlap: bool = False  # all-to-all beside another micro-batch's compute in both passes
     interleave: bool = False  # virtual pipeline stages (interleaved 1F1B, uneven stages allowed)
-    recompute: bool = False  # the least recomputation (selective, experts, full) that fits
+    recompute: bool = False  # the least recomputation (selective, mla_up_proj, experts, full) that fits
     sequence_parallel: bool = False  # sp with tp; tp and cp ranks join the expert groups
     fp8: bool = False  # fp8 GEMMs where the workload's precision is fp8
     expert_tp: bool = False  # each expert's FFN split over etp = tp ranks
     context_parallel: bool = False  # sequences split over cp ranks (ring attention), >= 2048 tokens each
+    deduplicated_dispatch: bool = False  # across nodes, one copy of a token a destination node (DeepEP)
+    weighted_activation: bool = False  # gate weights applied in the experts' activation (Megatron-Core)
 
     def names(self) -> list[str]:
         return [f.name for f in dataclasses.fields(self) if getattr(self, f.name)]
@@ -93,6 +95,8 @@ def candidates(spec: ModelSpec, c: Cluster, tech: Techniques = MOEKIT) -> list[C
                 stride = etp if tech.sequence_parallel else tp
                 local = members_per_node(ep, stride, c.gpus_per_node)
                 forms = ("flat", "two_level") if 1 < local < ep else ("flat",)
+                if tech.deduplicated_dispatch and local < ep:
+                    forms = (*forms, "deduplicated")
                 overlaps = ("none",) if ep == 1 else ("both",) if tech.a2a_overlap else ("none", "forward")
                 for form, overlap in itertools.product(forms, overlaps):
                     out.append(
@@ -101,6 +105,7 @@ def candidates(spec: ModelSpec, c: Cluster, tech: Techniques = MOEKIT) -> list[C
                             grad_sync="overlapped" if tech.overlapped_grads else "fsdp",
                             sp=tech.sequence_parallel and tp > 1,
                             fp8=tech.fp8 and w.precision == "fp8",
+                            weighted_activation=tech.weighted_activation,
                         )
                     )  # fmt: skip
     return out
@@ -110,7 +115,8 @@ def least_recompute(spec: ModelSpec, cand: Candidate, c: Cluster, tech: Techniqu
     """The candidate with the least recomputation that fits (recomputation only adds time)."""
     if not tech.recompute:
         return cand
-    for mode in ("none", "selective", "experts", "full"):
+    modes = ("none", "selective", "mla_up_proj", "experts", "full")
+    for mode in modes if attention_dims(spec)["latent"] else (m for m in modes if m != "mla_up_proj"):
         fitted = dataclasses.replace(cand, recompute=mode)
         if memory_bytes(spec, fitted, imbalance) <= c.memory_gb * 1e9 * _USABLE:
             return fitted
@@ -147,7 +153,7 @@ def throughput(spec: ModelSpec, est: Estimate, c: Cluster) -> Throughput:
 def format_table(rows: Sequence[Estimate], spec: ModelSpec, c: Cluster) -> str:
     """The ranked table ``moekit plan`` prints."""
     head = f"{'#':>3} {'dp':>4} {'ep':>3} {'etp':>3} {'tp':>2} {'cp':>2} {'pp':>3} {'vp':>2} {'mbs':>3} {'mb':>4} "
-    head += f"{'a2a':>9} {'ovl':>7} {'recomp':>9} {'step s':>8} {'compute':>8} {'a2a s':>7} {'sync s':>7} "
+    head += f"{'a2a':>12} {'ovl':>7} {'recomp':>11} {'step s':>8} {'compute':>8} {'a2a s':>7} {'sync s':>7} "
     head += f"{'tok/s/GPU':>9} {'TFLOP/s':>7} {'MFU':>5} {'mem GB':>6}"
     lines = [head]
     for i, est in enumerate(rows, 1):
@@ -155,7 +161,7 @@ def format_table(rows: Sequence[Estimate], spec: ModelSpec, c: Cluster) -> str:
         mbs = spec.workload.global_batch // (k.dp * k.micro)
         lines.append(
             f"{i:>3} {k.dp:>4} {k.ep:>3} {k.etp:>3} {k.tp:>2} {k.cp:>2} {k.pp:>3} {k.vp:>2} {mbs:>3} {k.micro:>4} "
-            f"{k.all_to_all:>9} {k.overlap:>7} {k.recompute:>9} {est.step_s:>8.3f} {est.compute_s:>8.3f} "
+            f"{k.all_to_all:>12} {k.overlap:>7} {k.recompute:>11} {est.step_s:>8.3f} {est.compute_s:>8.3f} "
             f"{est.a2a_s:>7.3f} {est.sync_s:>7.3f} {t.tokens_per_s:>9.0f} {t.tflops:>7.0f} {t.mfu:>5.1%} "
             f"{est.memory_gb:>6.1f}"
         )
