@@ -8,9 +8,11 @@ for that model, global batch, sequence length and cluster size, with the gap bet
 step times (a rank among layouts within a few percent of each other means little), and for each
 model the planner's 5 fastest layouts beside the published one, term by term (what makes the planner
 prefer them). The cluster's calibration constants (GEMM efficiency, fp8 speedup, overlap fraction) are
-fitted here on the FIT rows only (least squares on log tokens/s), and the error on the other rows is
-reported separately; the rows at which an expert's GEMM runs at half rate are not fitted (the cluster
-preset's, from the GEMM tile).
+fitted by least squares on log tokens/s (the rows at which an expert's GEMM runs at half rate are not
+fitted: the cluster preset's, from the GEMM tile). Every row's prediction, rank and error is out of
+sample, by model: the constants it uses are fitted on the other models' rows only (two rows of one
+model at the same layout would otherwise be fitted on each other). The constants fitted on every row
+(printed first) are the DGX-H100 preset's.
 
 Model TFLOP/s follow each source's own count (planner.model_flops_per_token's flags): a published
 TFLOP/s figure is tokens/s times that count. Megatron-Core's Mixtral figure gives TFLOP/s only; its
@@ -56,7 +58,6 @@ class Row:
     ep: int
     tokens: float | None  # tokens/s/GPU
     tflops: float  # model TFLOP/s/GPU
-    fit: bool  # used to fit the calibration constants
     count: tuple  # the source's FLOP count: (flag, value) pairs of planner.model_flops_per_token
     note: str = ""
     # How the run exchanges tokens, from its recipe (MB_RECIPES): "deduplicated" with DeepEP's dispatcher
@@ -81,21 +82,21 @@ MB_RECIPES = (
 MB_COUNT = (("causal", True), ("windowed", False))  # Megatron-Bridge 25.09 / 25.11: no sliding-window term
 ROWS = [
     Row("Mixtral-8x7B MCore v0.8", MCORE, "MCore v0.8", "mixtral-8x7b", "bf16", 64, 256, 1, 4096, 1, 4, 1, 8, 8,
-        None, 438, True, (("causal", False),), "TFLOP/s only; layout from the README's v0.8 mapping table",
+        None, 438, (("causal", False),), "TFLOP/s only; layout from the README's v0.8 mapping table",
         weighted_activation=False),
     Row("GPT-OSS-120B 25.11", MB, "NeMo 25.11", "gpt-oss-120b", "bf16", 64, 512, 4, 4096, 1, 4, 1, 1, 8,
-        5630, 153, True, (*MB_COUNT, ("gated", False)), "table's GA=2 implies pp=1; recipe says pp=4"),
+        5630, 153, (*MB_COUNT, ("gated", False)), "table's GA=2 implies pp=1; recipe says pp=4"),
     Row("Qwen3-30B-A3B 25.11", MB, "NeMo 25.11", "qwen3-30b-a3b", "fp8", 16, 512, 2, 4096, 1, 2, 1, 24, 8,
-        5275, 121, True, MB_COUNT, "recipe says vp=12", a2a_overlap=True),
+        5275, 121, MB_COUNT, "recipe says vp=12", a2a_overlap=True),
     Row("Qwen3-235B-A22B 25.11", MB, "NeMo 25.11", "qwen3-235b-a22b", "fp8", 256, 2048, 1, 4096, 2, 8, 1, 4, 32,
-        1575, 233, True, MB_COUNT, a2a_overlap=True),
+        1575, 233, MB_COUNT, a2a_overlap=True),
     Row("DeepSeek-V3 25.09", MB, "NeMo 25.09", "deepseek-v3", "fp8", 1024, 8192, 1, 4096, 2, 8, 1, 4, 64,
-        1297, 338, False, MB_COUNT, "precision not in the table (its note is on fp8 scaling); dropless, MTP",
+        1297, 338, MB_COUNT, "precision not in the table (its note is on fp8 scaling); dropless, MTP",
         dispatch="deduplicated", a2a_overlap=True),
     Row("Qwen3-30B-A3B 25.09", MB, "NeMo 25.09", "qwen3-30b-a3b", "fp8", 16, 512, 2, 4096, 1, 2, 1, 24, 8,
-        10494, 241, False, MB_COUNT, "precision not in the table; token-drop"),
+        10494, 241, MB_COUNT, "precision not in the table; token-drop"),
     Row("Qwen3-235B-A22B 25.09", MB, "NeMo 25.09", "qwen3-235b-a22b", "fp8", 256, 2048, 1, 4096, 2, 8, 1, 4, 32,
-        1204, 178, False, MB_COUNT, "precision not in the table; token-drop"),
+        1204, 178, MB_COUNT, "precision not in the table; token-drop"),
 ]  # fmt: skip
 GRID = {
     "efficiency": [x / 100 for x in range(30, 81, 2)],
@@ -194,25 +195,28 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="also print the figures as JSON on the last line")
     args = parser.parse_args()
-    constants = fit([r for r in ROWS if r.fit])
-    print("fitted on the FIT rows:", ", ".join(f"{k}={v:g}" for k, v in constants.items()))
-    head = f"{'run':<24} {'set':<4} {'prec':<4} {'GPUs':>4} {'tp':>2} {'pp':>2} {'vp':>2} {'ep':>2} {'mbs':>3} "
+    constants = fit(ROWS)
+    print("fitted on every row (the preset's):", ", ".join(f"{k}={v:g}" for k, v in constants.items()))
+    held_out = {m: fit([r for r in ROWS if r.model != m]) for m in dict.fromkeys(r.model for r in ROWS)}
+    for model, fitted in held_out.items():
+        print(f"  fitted without {model}:", ", ".join(f"{k}={v:g}" for k, v in fitted.items()))
+    head = f"{'run':<24} {'prec':<4} {'GPUs':>4} {'tp':>2} {'pp':>2} {'vp':>2} {'ep':>2} {'mbs':>3} "
     head += f"{'recomp':>11} {'mem GB':>6} {'tok/s pred':>10} {'pub':>6} {'ratio':>5} {'TFLOP/s pred':>12} {'pub':>4} "
     head += f"{'rank':>9} {'gap':>5}"
     print(head)
     out, explained = [], {}
     for row in ROWS:
         spec = _setup(row)[0]
-        est, tokens = predict(row, constants)
+        est, tokens = predict(row, held_out[row.model])
         published = _published_tokens(row, spec)
         tflops = tokens * planner.model_flops_per_token(spec, **dict(row.count)) / 1e12
-        place, total, gap, top = rank(row, constants)
+        place, total, gap, top = rank(row, held_out[row.model])
         pick = top[0].candidate
         if (row.model, row.gpus) not in explained:
             explained[(row.model, row.gpus)] = (row.label, top, est, row.gbs)
         ratio = tokens / published
         rec = {
-            "run": row.label, "source": row.source, "version": row.version, "fit": row.fit, "note": row.note,
+            "run": row.label, "source": row.source, "version": row.version, "note": row.note,
             "layout": {"gpus": row.gpus, "tp": row.tp, "pp": row.pp, "cp": row.cp, "vp": row.vp, "ep": row.ep,
                        "gbs": row.gbs, "mbs": row.mbs, "seq": row.seq, "precision": row.precision},
             "recompute": est.candidate.recompute, "memory_gb": est.memory_gb, "fits": est.fits,
@@ -223,27 +227,25 @@ def main() -> None:
         }  # fmt: skip
         out.append(rec)
         print(
-            f"{row.label:<24} {'fit' if row.fit else 'held':<4} {row.precision:<4} {row.gpus:>4} {row.tp:>2} "
+            f"{row.label:<24} {row.precision:<4} {row.gpus:>4} {row.tp:>2} "
             f"{row.pp:>2} "
             f"{row.vp:>2} {row.ep:>2} {row.mbs:>3} {est.candidate.recompute:>11} {est.memory_gb:>6.1f} {tokens:>10.0f} "
             f"{published:>6.0f}{'*' if row.tokens is None else ' '}{ratio:>5.2f} {tflops:>12.0f} {row.tflops:>4.0f} "
             f"{place:>4}/{total:<4} {gap - 1:>5.1%}"
         )
-    held = [r["ratio"] for r in out if not r["fit"]]
-    fitted = [r["ratio"] for r in out if r["fit"]]
+    ratios = [r["ratio"] for r in out]
     summary = {
-        "fit_abs_err_median": statistics.median(abs(x - 1) for x in fitted),
-        "held_abs_err_median": statistics.median(abs(x - 1) for x in held),
-        "held_within_30pct": sum(abs(x - 1) <= 0.3 for x in held),
-        "held_rows": len(held),
-        "top5": sum(r["rank"] <= 5 for r in out),
+        "abs_err_median": statistics.median(abs(x - 1) for x in ratios),
+        "within_30pct": sum(abs(x - 1) <= 0.3 for x in ratios),
+        "rows": len(out),
+        "top5": sorted({r["run"].split()[0] for r in out if r["rank"] <= 5}),
     }
     print("* derived from the published TFLOP/s under the source's FLOP count")
     print("gap: the published layout's predicted step time over the planner's pick's, minus 1")
     print(
-        f"fit rows: median |error| {summary['fit_abs_err_median']:.0%}; held-out rows: median |error| "
-        f"{summary['held_abs_err_median']:.0%}, {summary['held_within_30pct']} of {len(held)} within 30%; "
-        f"published layout in the planner's top 5: {summary['top5']} of {len(out)}"
+        f"out of sample (constants fitted without the row's model): median |error| {summary['abs_err_median']:.0%}, "
+        f"{summary['within_30pct']} of {len(out)} rows within 30%; published layout in the planner's top 5 for "
+        f"{len(summary['top5'])} of {len(held_out)} models ({', '.join(summary['top5']) or 'none'})"
     )
     for r in out:
         if r["rank"] > 5:
@@ -255,7 +257,7 @@ def main() -> None:
     for args_ in explained.values():
         explain(*args_)
     if args.json:
-        print(json.dumps({"constants": constants, "rows": out, **summary}))
+        print(json.dumps({"constants": constants, "held_out_constants": held_out, "rows": out, **summary}))
 
 
 if __name__ == "__main__":
