@@ -36,6 +36,7 @@ RESHARD_TOL = 1e-5
 # Two expert-weight slots and six regions of gradients and moments, for a layer's experts held by one
 # rank: 4 experts (98 KB per layer), or 2 under ep=2.
 BUDGET = {1: "800KB", 2: "400KB"}
+PRELOAD = ("moekit.train.loop", "moekit.run.load")
 
 
 def _cfg(tmp: Path, ep: int = 1, dp: int = 1, offload: bool = False) -> runconfig.RunConfig:
@@ -91,8 +92,8 @@ def _four_ranks(rank: int, world: int, tmp: Path) -> None:
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     tmp = tmp_path_factory.mktemp("offload")
     write_corpus(tmp / "corpus.txt")
-    run_ranks(_two_ranks, 2, tmp, tmp_path=tmp)
-    run_ranks(_four_ranks, 4, tmp, tmp_path=tmp)
+    run_ranks(_two_ranks, 2, tmp, tmp_path=tmp, preload=PRELOAD)
+    run_ranks(_four_ranks, 4, tmp, tmp_path=tmp, preload=PRELOAD)
     return tmp
 
 
