@@ -10,7 +10,8 @@ An ep=2 run resumed from its step-2 checkpoint equals the uninterrupted one bitw
 the same checkpoint in one process (the global batch kept), its losses are within 1e-5 (fp32
 summation order: one process accumulates the four micro-batches' gradients itself).
 The budget leaves two layers' expert weights in RAM, so each of the three layers is read from disk
-in every pass.
+in every pass. One offloaded dp=2 step is profiled: each layer's expert gradients travel in one
+all-reduce of the layer's whole gradient region.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from helpers import rewind
 
 from moekit import runconfig
 from moekit.run.load import load_run
+from moekit.train import loop
 from moekit.train.loop import train
 from moekit.train.metrics import METRICS_FILE
 
@@ -82,6 +84,22 @@ def _two_ranks(rank: int, world: int, tmp: Path) -> None:
     if rank == 0:
         (tmp / "ep2-resumed.json").write_text(json.dumps(resumed.losses))
     _both(rank, tmp, "dp2", ep=1, dp=2)
+    _count_expert_reductions(rank, tmp)
+
+
+def _count_expert_reductions(rank: int, tmp: Path) -> None:
+    """Profile one offloaded dp=2 step: how many all-reduces carried a layer's whole expert-gradient
+    region (the fused bucket), and how many MoE layers there are."""
+    cfg = _cfg(tmp, dp=2, offload=True)
+    run = loop._setup(cfg, tmp / "dp2-profiled", False, torch.device("cpu"), False, None, False)
+    assert run.offload is not None
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
+        loop._train_step(run.pm, run.optimizer, run.corpus, cfg, run.dev, 0, None, run.offload)
+    bucket = [[run.offload.file.tensors_end // 4]]
+    buckets = sum(e.name == "gloo:all_reduce" and e.input_shapes == bucket for e in prof.events())
+    run.offload.close()
+    if rank == 0:
+        (tmp / "dp2-reductions.json").write_text(json.dumps([buckets, len(run.offload.params)]))
 
 
 def _four_ranks(rank: int, world: int, tmp: Path) -> None:
@@ -130,3 +148,9 @@ def test_offloaded_resume_in_one_process(runs: Path) -> None:
     a, b = _weights(runs / "ep2-disk"), _weights(runs / "ep1-resumed")
     for key in a:
         torch.testing.assert_close(b[key], a[key], atol=RESHARD_TOL, rtol=0, msg=lambda m, key=key: f"{key}: {m}")
+
+
+def test_each_layer_is_reduced_in_one_fused_bucket(runs: Path) -> None:
+    """One all-reduce per MoE layer and step (of two micro-batches), of the layer's whole gradient region."""
+    buckets, layers = json.loads((runs / "dp2-reductions.json").read_text())
+    assert layers == 3 and buckets == layers
