@@ -101,7 +101,8 @@ class ExpertOffload:
         self.norms = [[None] * len(self.roles) for _ in self.params]
 
     def out(self, layer: int, grads: dict[str, Tensor]) -> None:
-        """A layer's gradients of one micro-batch, as its backward ends: added to the step's, written out."""
+        """A layer's gradients of one micro-batch, as its backward ends: added to the step's and written
+        out; the last micro-batch's sums are reduced over the ranks first (in the background)."""
         micro, self._seen[layer] = self._seen[layer], self._seen[layer] + 1
         buf = self.scratch[self._next_scratch]
         self._next_scratch = (self._next_scratch + 1) % SCRATCH
