@@ -83,7 +83,7 @@ class ExpertOffload:
                 f"weights and {SCRATCH} of gradients and AdamW moments, {format_bytes(self.file.unit)} each)"
             )
         self.ws = WorkingSet(self.file, regions - SCRATCH)
-        self.scratch = [self.file.buffer().zero_() for _ in range(SCRATCH)]  # zero gaps: a reduced bucket stays finite
+        self.scratch = [self.file.buffer() for _ in range(SCRATCH)]
         self.reduce, self.stage_ranks, self.distributed = reduce, stage_ranks, distributed
         self.optimizer = optimizer
         self.params = [[p for _, p in moe.experts.named_parameters(recurse=False)] for moe in layers]

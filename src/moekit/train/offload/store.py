@@ -68,7 +68,7 @@ class LayerFile:
         }
 
     def flat(self, buf_U8: Tensor) -> Tensor:
-        """Every tensor of a region's buffer as one fp32 vector (the alignment gaps between them included)."""
+        """Every tensor of a region's buffer as one fp32 vector (the alignment gaps between them ride along, unread)."""
         return buf_U8[: self.tensors_end].view(torch.float32)
 
     def read(self, layer: int, kind: str, buf_U8: Tensor) -> None:
