@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import random
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -102,3 +103,13 @@ def toy_cluster():
     from moekit.parallel.planner import Cluster
 
     return Cluster("toy", 4, 4, 1.0, 1.0, 1.0, 10.0, 10.0, 1.0, 100.0)
+
+
+def rewind(run: Path, to: Path, step: int) -> Path:
+    """A copy of run directory ``run`` as it stood after ``step`` (later checkpoints removed)."""
+    shutil.copytree(run, to)
+    for later in (to / "checkpoints").glob("step_*"):
+        if int(later.name.removeprefix("step_")) > step:
+            shutil.rmtree(later)
+    (to / "checkpoints" / "latest").write_text(f"step_{step:06d}")
+    return to

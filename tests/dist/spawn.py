@@ -41,13 +41,24 @@ def _entry(rank: int, world: int, port: int, local_world: int, fn, args, errors:
             dist.destroy_process_group()
 
 
-def run_ranks(fn, world: int, *args, tmp_path: Path, local_world: int | None = None) -> None:
-    """Call ``fn(rank, world, *args)`` on ``world`` spawned ranks; raise with the first rank's traceback."""
+def run_ranks(
+    fn, world: int, *args, tmp_path: Path, local_world: int | None = None, preload: tuple[str, ...] = ()
+) -> None:
+    """Call ``fn(rank, world, *args)`` on ``world`` spawned ranks; raise with the first rank's traceback.
+
+    ``preload``: modules imported once by a fork server that the ranks are forked from, instead of
+    by every rank (importing torch and moekit is most of a small test's time on a loaded machine).
+    """
     errors = tmp_path / "rank-errors"
     errors.mkdir(exist_ok=True)
+    if preload:
+        mp.set_forkserver_preload(list(preload))
     try:
         mp.start_processes(
-            _entry, args=(world, free_port(), local_world or world, fn, args, errors), nprocs=world, start_method="spawn"
+            _entry,
+            args=(world, free_port(), local_world or world, fn, args, errors),
+            nprocs=world,
+            start_method="forkserver" if preload else "spawn",
         )
     except mp.ProcessRaisedException as err:
         first = sorted(errors.glob("rank*.txt"))

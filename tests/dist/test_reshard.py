@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import rewind
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
@@ -57,23 +58,13 @@ def _cfg(corpus: Path, cache: Path, extra: dict[str, str] | None = None, **paral
     return runconfig.resolve("tiny", values | (extra or {}) | {f"parallel.{k}": v for k, v in parallel.items()})
 
 
-def _rewind(run: Path, to: Path, step: int = HALF) -> Path:
-    """A copy of ``run`` as it stood after ``step`` (later checkpoints removed)."""
-    shutil.copytree(run, to)
-    for later in (to / "checkpoints").glob("step_*"):
-        if int(later.name.removeprefix("step_")) > step:
-            shutil.rmtree(later)
-    (to / "checkpoints" / "latest").write_text(f"step_{step:06d}")
-    return to
-
-
 def _reference_then_ep4(rank: int, world: int, corpus: Path, tmp: Path) -> None:
     cfg = _cfg(corpus, tmp / "cache", dp="2", ep="2")
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, async_checkpoint=True))
     ref = train(cfg, tmp / "ref", progress=False)
     if rank == 0:
         (tmp / "ref-losses.json").write_text(json.dumps(ref.losses))
-        _rewind(tmp / "ref", tmp / "ep4")
+        rewind(tmp / "ref", tmp / "ep4", HALF)
     dist.barrier()
     resumed = train(_cfg(corpus, tmp / "cache", ep="4"), tmp / "ep4", resume=True, progress=False)
     assert resumed.steps == STEPS
@@ -108,11 +99,11 @@ def test_resume_at_other_layouts_gives_the_same_losses(sharded_run: Path) -> Non
     assert any(name.startswith("sharded/__3_") for name in manifest["files"])  # every rank wrote its shards
     want = json.loads((tmp / "ref-losses.json").read_text())[HALF:]
     # One process: the global batch of 4 micro-batches becomes grad_accum = 4.
-    one = train(_cfg(tmp / "corpus.txt", tmp / "cache"), _rewind(ref, tmp / "ep1"), resume=True, progress=False)
+    one = train(_cfg(tmp / "corpus.txt", tmp / "cache"), rewind(ref, tmp / "ep1", HALF), resume=True, progress=False)
     torch.testing.assert_close(torch.tensor(one.losses), torch.tensor(want), atol=TOL, rtol=0)
     assert json.loads((tmp / "ep1" / "config.json").read_text())["train"]["grad_accum"] == 4
-    _rewind(ref, tmp / "pp2")
-    _rewind(ref, tmp / "tp2")
+    rewind(ref, tmp / "pp2", HALF)
+    rewind(ref, tmp / "tp2", HALF)
     run_ranks(_resume_pp2_and_tp2, 2, tmp / "corpus.txt", tmp, tmp_path=tmp)
 
 

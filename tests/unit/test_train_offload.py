@@ -7,6 +7,7 @@ layer is read from disk in forward, again in backward, and in the AdamW step.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -130,10 +131,26 @@ def test_unsupported_offloaded_runs_are_refused(corpus: Path, tmp_path: Path, ov
         train(tiny(corpus, **overrides), tmp_path / "run", progress=False)
 
 
-@pytest.mark.parametrize("layout", [Layout(2, 1, 1, 1, 1), Layout(1, 2, 1, 1, 2), Layout(1, 1, 1, 2, 1)])
-def test_offloading_refuses_more_than_one_process(corpus: Path, layout: Layout) -> None:
-    """The refusal a multi-rank run meets (checked on the layout, before any offload file is made)."""
-    cfg = tiny(corpus, **{"train.memory_budget": BUDGET})
+EP2 = Layout(1, 2, 1, 1, 2)
+
+
+@pytest.mark.parametrize(
+    ("layout", "overrides", "named"),
+    [
+        (Layout(1, 1, 2, 1, 1), {"parallel.tp": "2"}, "parallel.tp=2"),
+        (Layout(1, 1, 1, 2, 1), {"parallel.pp": "2"}, "parallel.pp=2"),
+        (Layout(2, 1, 1, 1, 1), {"parallel.dp": "2"}, "parallel.expert_sharding='shard'"),
+        (EP2, {"parallel.placement_every": "2"}, "parallel.placement_every"),
+        (EP2, {"parallel.dispatch_dedup": "true"}, "parallel.dispatch_dedup"),
+        (EP2, {"parallel.overlap_chunks": "2"}, "parallel.overlap_chunks=2"),
+        (EP2, {"parallel.all_to_all": "two_level"}, "parallel.all_to_all='two_level'"),
+    ],
+)
+def test_untested_layouts_are_refused_by_name(corpus: Path, layout: Layout, overrides: dict, named: str) -> None:
+    """What a multi-rank run meets (checked on the layout, before any offload file or collective); the
+    layouts offloading runs (dp, ep, dp x ep with replicated experts) are tests/dist/test_offload.py's."""
+    cfg = tiny(corpus, **{"train.memory_budget": BUDGET, **overrides})
     model = Transformer(cfg.model, cfg.moe)
-    with pytest.raises(LayoutError, match="offloaded training runs in one process"):
-        offload_experts(cfg, corpus.parent / "run", layout, torch.device("cpu"), model, None)
+    with pytest.raises(LayoutError, match=re.escape(named)):
+        offload_experts(cfg, corpus.parent / "run", layout, None, torch.device("cpu"), model, None)
+    assert not (corpus.parent / "run").exists()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
@@ -20,6 +21,26 @@ def _distinct_shards(p: Tensor) -> int:
     return math.prod(p.device_mesh.size(i) for i, pl in enumerate(p.placements) if not pl.is_replicate())
 
 
+def replicas(t: Tensor, stage_ranks: int) -> float:
+    """How many ranks of a pipeline stage (``stage_ranks`` of them) hold the same piece as this rank's
+    of ``t`` (a gradient, or a parameter placed like its gradient)."""
+    return stage_ranks / _distinct_shards(t)
+
+
+def combine_norms(group_norms: Iterable[tuple[float, Tensor]], distributed: bool) -> Tensor:
+    """The global L2 norm from ``(replicas, L2 norm of this rank's pieces held by that many ranks)``.
+
+    Each group's square is added in float64, divided by its replicas; with ``distributed``, one
+    all-reduce over the world then counts each piece exactly once.
+    """
+    total = torch.zeros((), dtype=torch.float64)
+    for count, norm in group_norms:
+        total += norm.double().cpu().square() / count
+    if distributed:
+        dist.all_reduce(total)
+    return total.sqrt().float()
+
+
 @torch.no_grad()
 def clip_grad_norm(params: list[Tensor], max_norm: float, stage_ranks: int = 1, distributed: bool = False) -> Tensor:
     """Clip gradients to a global L2 norm and return that norm (as ``clip_grad_norm_`` does).
@@ -32,15 +53,10 @@ def clip_grad_norm(params: list[Tensor], max_norm: float, stage_ranks: int = 1, 
     pieces = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
     by_replicas: dict[float, list[Tensor]] = {}
     for g, piece in zip(grads, pieces, strict=True):
-        by_replicas.setdefault(stage_ranks / _distinct_shards(g), []).append(piece)
-    total = torch.zeros((), dtype=torch.float64)
-    for replicas, group in by_replicas.items():
-        # NOTE: one foreach norm per group, in the gradients' dtype as clip_grad_norm_ does; a float64
-        # copy of every gradient cost 3x as much on CPU.
-        total += torch.nn.utils.get_total_norm(group).double().cpu().square() / replicas
-    if distributed:
-        dist.all_reduce(total)
-    norm = total.sqrt().float()
+        by_replicas.setdefault(replicas(g, stage_ranks), []).append(piece)
+    # NOTE: one foreach norm per group, in the gradients' dtype as clip_grad_norm_ does; a float64
+    # copy of every gradient cost 3x as much on CPU.
+    norm = combine_norms(((n, torch.nn.utils.get_total_norm(group)) for n, group in by_replicas.items()), distributed)
     scale = clip_scale(norm, max_norm)
     if scale < 1.0:
         torch._foreach_mul_(pieces, scale)

@@ -219,7 +219,7 @@ def _setup(
     pm = ParallelModel(model, cfg, dev, layout, mesh)
     local = local_model(pm.modules)
     optimizer = build_optimizer(pm.named_parameters(), cfg.train)
-    offload = offload_experts(cfg, run_dir, layout, dev, model, optimizer) if cfg.train.offloaded else None
+    offload = offload_experts(cfg, run_dir, layout, mesh, dev, model, optimizer) if cfg.train.offloaded else None
     start_step = 0
     if resume_from is not None:
         with offload.materialized(write_back=True) if offload else contextlib.nullcontext():

@@ -5,26 +5,47 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from moekit.parallel.mesh import Layout, LayoutError
+from moekit.parallel.mesh import Layout, LayoutError, RunMesh
 from moekit.runconfig import RunConfig
 from moekit.train.offload.engine import ExpertOffload
+from moekit.train.offload.reduce import LayerGradReduce
 
 __all__ = ["ExpertOffload", "offload_experts"]
 
 
 def offload_experts(
-    cfg: RunConfig, run_dir: Path, layout: Layout, device: torch.device, model: nn.Module, optimizer
+    cfg: RunConfig,
+    run_dir: Path,
+    layout: Layout,
+    mesh: RunMesh | None,
+    device: torch.device,
+    model: nn.Module,
+    optimizer,
 ) -> ExpertOffload:
-    """Offload ``model``'s experts under ``cfg.train.memory_budget``, or refuse a run it does not support."""
-    tc = cfg.train
+    """Offload this rank's experts of ``model`` under ``cfg.train.memory_budget``, or refuse a run it does
+    not support. Each rank offloads its own ep shard to its own file; the layouts tested against
+    in-memory training are dp, ep and dp x ep with replicated experts."""
+    tc, p = cfg.train, cfg.parallel
     budget = f"train.memory_budget={tc.memory_budget!r}"
-    if layout.world > 1:
-        raise LayoutError(
-            f"{budget}: offloaded training runs in one process; parallel.dp, ep, tp and pp must be 1 "
-            f"(got {layout.dp} x {layout.ep} x {layout.tp} x {layout.pp})"
-        )
+    layouts = [
+        (layout.tp > 1, f"parallel.tp={layout.tp}: offloaded experts are not tensor-parallel; use ep or dp"),
+        (layout.pp > 1, f"parallel.pp={layout.pp}: offloaded experts run without a pipeline; use ep or dp"),
+        (
+            layout.dp > 1 and p.expert_sharding == "shard",
+            f"parallel.dp={layout.dp} with parallel.expert_sharding='shard': offloaded experts are replicated "
+            "over dp; set parallel.expert_sharding=replicate",
+        ),
+        (p.placement_every > 0, "parallel.placement_every > 0: offloaded experts stay where they start"),
+        (layout.ep > 1 and p.dispatch_dedup, "parallel.dispatch_dedup=true: offloaded experts run per expert"),
+        (layout.ep > 1 and p.overlap_chunks > 1, f"parallel.overlap_chunks={p.overlap_chunks}: must be 1"),
+        (layout.ep > 1 and p.all_to_all != "flat", f"parallel.all_to_all={p.all_to_all!r}: must be flat"),
+    ]
+    for refused, why in layouts:
+        if refused:
+            raise LayoutError(f"{budget}: {why}")
     refusals = [
         (not cfg.is_moe, "the model has no MoE layers to offload"),
         (device.type != "cpu", f"device={device.type}: offloaded training runs on cpu"),
@@ -36,4 +57,8 @@ def offload_experts(
         if refused:
             raise ValueError(f"{budget}: {why}")
     directory = Path(tc.offload_dir) if tc.offload_dir else Path(run_dir) / "offload"
-    return ExpertOffload(model, optimizer, tc.memory_budget, directory)
+    rank = dist.get_rank() if mesh is not None else 0
+    dp_group = mesh["dp"].get_group() if mesh is not None and layout.dp > 1 else None
+    reduce = LayerGradReduce(dp_group, layout.batch_ranks)
+    path = directory / f"experts-rank{rank}.bin"
+    return ExpertOffload(model, optimizer, tc.memory_budget, path, reduce, layout.world, mesh is not None)

@@ -1,13 +1,16 @@
 """Training beyond memory: the experts' weights and AdamW state on disk, a budgeted working set in RAM.
 
-Per optimizer step (one process, CPU):
+Per optimizer step (on CPU, in each process: its own ep shard of every layer's experts, in its own file):
 
 1. forward: each MoE layer reads its weights from its slot while the next layer's are read;
 2. backward, in reverse: each layer's weights are read again (or still resident), the lower layer's
    meanwhile; as soon as a layer's backward is done, its gradients (summed over the step's
-   micro-batches) go to disk and their norms are kept;
-3. the global gradient norm combines those norms with the rest of the model's, in the parameter
-   order and precision of ``clip_grad_norm``, so the clipping factor is the in-memory one, bit for bit;
+   micro-batches) are reduced over the ranks as in-memory training reduces them (``reduce.py``: one
+   fused all-reduce per layer, overlapping the backward of the layer below), then go to disk and
+   their norms are kept;
+3. the global gradient norm combines those norms with the rest of the model's, by replica group, in
+   the parameter order and precision of ``clip_grad_norm``, so the clipping factor is the in-memory
+   one, bit for bit;
 4. the AdamW step of the experts walks the layers from the last, one layer in RAM at a time: the
    next layer's gradient, moments and weights are read while this one is updated, and the updated
    weights and moments are written back behind it. The arithmetic is ``torch.optim``'s fused AdamW on
@@ -15,23 +18,28 @@ Per optimizer step (one process, CPU):
    in-memory training's. The walk ends with the first layers resident: the next forward's.
 
 Non-expert weights stay in the model and take the ordinary optimizer step. The expert parameters
-stay in the model and the optimizer as empty placeholders; ``materialized`` fills them (and their
-AdamW state) for a checkpoint or a resume, so checkpoints are exactly those of in-memory training.
+stay in the model and the optimizer with their type and shape (a DTensor sharded over ep, under
+expert parallelism) but no storage; ``materialized`` fills them in place (and rebuilds their AdamW
+moments as in-memory training holds them) for a checkpoint or a resume, so checkpoints, sharded or
+not, are exactly those of in-memory training and load at any layout.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 
 import torch
 from torch import Tensor, nn
 from torch.optim.adam import adam
 
+from moekit.experts.grouped import local_tensor
 from moekit.hostmem import release_freed_memory
-from moekit.parallel.grads import clip_scale
+from moekit.parallel.grads import clip_scale, combine_norms, replicas
 from moekit.train.offload.experts import OffloadedExperts, install
+from moekit.train.offload.reduce import LayerGradReduce
 from moekit.train.offload.store import LayerFile
 from moekit.train.offload.working_set import WorkingSet
 from moekit.units import format_bytes, parse_bytes
@@ -42,15 +50,30 @@ MIN_REGIONS = SCRATCH + 2  # and two weight slots: one computes while the next i
 
 
 class ExpertOffload:
-    """The expert state of ``model``'s MoE layers, offloaded under ``budget`` bytes of RAM."""
+    """This rank's expert state of ``model``'s MoE layers, offloaded under ``budget`` bytes of RAM.
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, budget: str, directory: Path) -> None:
+    ``reduce``: how each layer's gradients become in-memory training's; ``stage_ranks`` and
+    ``distributed``: how the gradient norm is combined across ranks (as ``clip_grad_norm`` takes them).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        budget: str,
+        path: Path,
+        reduce: LayerGradReduce,
+        stage_ranks: int = 1,
+        distributed: bool = False,
+    ) -> None:
         layers = model.moe_layers()
-        shapes = {name: tuple(p.shape) for name, p in layers[0].experts.named_parameters(recurse=False)}
+        shapes = {name: tuple(local_tensor(p).shape) for name, p in layers[0].experts.named_parameters(recurse=False)}
         for moe in layers:
             for name, p in moe.experts.named_parameters(recurse=False):
-                assert p.dtype == torch.float32 and tuple(p.shape) == shapes[name], "experts alike, in fp32"
-        self.file = LayerFile(directory / "experts.bin", len(layers), shapes)
+                local = local_tensor(p)
+                assert p.dtype == torch.float32 and tuple(local.shape) == shapes[name], "experts alike, in fp32"
+                assert local.is_contiguous() and local.untyped_storage().nbytes() == local.numel() * 4, "own storage"
+        self.file = LayerFile(path, len(layers), shapes)
         regions = parse_bytes(budget, "train.memory_budget") // self.file.unit
         if regions < MIN_REGIONS:
             need = format_bytes(MIN_REGIONS * self.file.unit)
@@ -61,6 +84,7 @@ class ExpertOffload:
             )
         self.ws = WorkingSet(self.file, regions - SCRATCH)
         self.scratch = [self.file.buffer() for _ in range(SCRATCH)]
+        self.reduce, self.stage_ranks, self.distributed = reduce, stage_ranks, distributed
         self.optimizer = optimizer
         self.params = [[p for _, p in moe.experts.named_parameters(recurse=False)] for moe in layers]
         self.roles = list(shapes)
@@ -77,7 +101,8 @@ class ExpertOffload:
         self.norms = [[None] * len(self.roles) for _ in self.params]
 
     def out(self, layer: int, grads: dict[str, Tensor]) -> None:
-        """A layer's gradients of one micro-batch, as its backward ends: added to the step's, written out."""
+        """A layer's gradients of one micro-batch, as its backward ends: added to the step's and written
+        out; the last micro-batch's sums are reduced over the ranks first (in the background)."""
         micro, self._seen[layer] = self._seen[layer], self._seen[layer] + 1
         buf = self.scratch[self._next_scratch]
         self._next_scratch = (self._next_scratch + 1) % SCRATCH
@@ -90,31 +115,40 @@ class ExpertOffload:
             self.ws.read(layer, "grad", buf).result()
             for role in self.roles:
                 sums[role].add_(grads[role])
-        if micro + 1 == self.grad_accum:
-            self.norms[layer] = list(torch._foreach_norm([sums[r] for r in self.roles], 2.0))
+        if micro + 1 == self.grad_accum:  # the step's gradient: reduced, then its norms kept and written
+            self.reduce.start(self.file.flat(buf), partial(self._reduced, layer, buf))
+        else:
+            self.ws.write(layer, "grad", buf)
+
+    def _reduced(self, layer: int, buf: Tensor) -> None:
+        sums = self.file.views(buf)
+        self.norms[layer] = list(torch._foreach_norm([sums[r] for r in self.roles], 2.0))
         self.ws.write(layer, "grad", buf)
 
     @torch.no_grad()
     def clip_gradients(self, params: list[nn.Parameter], max_norm: float) -> Tensor:
-        """``clip_grad_norm`` over the whole model (one process): the same norm, the same factor.
+        """``clip_grad_norm`` over the whole model: the same norm, the same factor.
 
-        Per-tensor norms, stacked in parameter order and reduced by one ``vector_norm``, as
-        ``torch.nn.utils.get_total_norm`` does; the experts' norms were taken as their backward ended.
-        The experts' gradients are scaled in their AdamW step (``self.scale``).
+        Per-tensor norms, grouped by how many ranks hold the same piece, stacked in parameter order
+        and reduced by one ``vector_norm`` per group, as ``torch.nn.utils.get_total_norm`` does; the
+        experts' norms were taken as their reduced gradients left. The experts' gradients are scaled
+        in their AdamW step (``self.scale``).
         """
-        plain = [p.grad for p in params if id(p) not in self._expert and p.grad is not None]
+        self.reduce.wait()
+        grads = [p.grad for p in params if id(p) not in self._expert and p.grad is not None]
+        plain = [local_tensor(g) for g in grads]
         plain_norms = iter(torch._foreach_norm(plain, 2.0) if plain else [])
-        norms = []
+        by_replicas: dict[float, list[Tensor]] = {}
         for p in params:
-            if id(p) in self._expert:
+            if id(p) in self._expert:  # the parameter is placed as its gradient would be
                 layer, i = self._expert[id(p)]
                 norm = self.norms[layer][i]
                 assert norm is not None, f"no gradient of MoE layer {layer}'s experts this step"
-                norms.append(norm)
+                by_replicas.setdefault(replicas(p, self.stage_ranks), []).append(norm)
             elif p.grad is not None:
-                norms.append(next(plain_norms))
-        # NOTE: clip_grad_norm sums float64 squares per replica group; one group of one replica here.
-        norm = torch.linalg.vector_norm(torch.stack(norms), 2.0).double().square().sqrt().float()
+                by_replicas.setdefault(replicas(p.grad, self.stage_ranks), []).append(next(plain_norms))
+        group_norms = ((n, torch.linalg.vector_norm(torch.stack(norms), 2.0)) for n, norms in by_replicas.items())
+        norm = combine_norms(group_norms, self.distributed)
         self.scale = clip_scale(norm, max_norm)
         if self.scale < 1.0:
             torch._foreach_mul_(plain, self.scale)
@@ -202,9 +236,11 @@ class ExpertOffload:
                 self.file.read(layer, kind, buf)
                 for p, t in zip(params, self.file.views(buf).values(), strict=True):
                     if kind == "weight":
-                        p.data = t.clone()
-                    else:
-                        self.optimizer.state[p][kind] = t.clone()
+                        _refill(p, t)
+                    else:  # as fused AdamW makes them: like the parameter (a DTensor under ep)
+                        moment = torch.empty_like(p.detach())
+                        local_tensor(moment).copy_(t)
+                        self.optimizer.state[p][kind] = moment
         try:
             yield
         finally:
@@ -212,7 +248,7 @@ class ExpertOffload:
                 self._write_back(with_state=True)
                 self.ws.forget()
             for p in (p for params in self.params for p in params):
-                p.data = torch.empty(0)
+                _empty(p)
                 for kind in ("exp_avg", "exp_avg_sq"):
                     self.optimizer.state.get(p, {}).pop(kind, None)
 
@@ -224,14 +260,19 @@ class ExpertOffload:
                 views = self.file.views(buf)
                 for p, t in zip(params, views.values(), strict=True):
                     state = self.optimizer.state.get(p, {}) if with_state else {}
-                    t.copy_(p.data if kind == "weight" else state.get(kind, torch.zeros_like(t)))
+                    value = p.detach() if kind == "weight" else state.get(kind)
+                    if value is None:
+                        t.zero_()  # no AdamW step yet
+                    else:
+                        t.copy_(local_tensor(value))
                 self.file.write(layer, kind, buf)
         if not with_state:
             for p in (p for params in self.params for p in params):
-                p.data = torch.empty(0)
+                _empty(p)
             release_freed_memory()
 
     def close(self) -> None:
+        self.reduce.wait()
         self.ws.flush()
         self.ws.close()
         self.file.close()
@@ -244,3 +285,16 @@ class ExpertOffload:
     @property
     def bytes_written(self) -> int:
         return self.file.bytes_written
+
+
+def _empty(p: nn.Parameter) -> None:
+    """Free this rank's storage of ``p``, keeping the parameter (its type, shape and placement)."""
+    local_tensor(p.detach()).untyped_storage().resize_(0)
+
+
+@torch.no_grad()
+def _refill(p: nn.Parameter, values: Tensor) -> None:
+    """Give ``p`` its storage back, holding ``values`` (this rank's piece)."""
+    local = local_tensor(p.detach())
+    local.untyped_storage().resize_(local.numel() * local.element_size())
+    local.copy_(values)

@@ -18,7 +18,7 @@ from typing import Protocol
 import torch
 from torch import Tensor, nn
 
-from moekit.experts.grouped import GroupedExperts, expert_ffn
+from moekit.experts.grouped import GroupedExperts, Schedule, expert_ffn
 from moekit.train.offload.store import LayerFile
 from moekit.train.offload.working_set import WorkingSet
 
@@ -45,23 +45,32 @@ class OffloadedExperts(nn.Module):
     def num_experts(self) -> int:
         return self.experts_count
 
-    def forward(self, x_RD: Tensor, tokens_per_expert: Tensor | None = None, *, schedule=None) -> Tensor:
-        assert schedule is None and tokens_per_expert is not None, "offloaded experts run with the local dispatcher"
+    def forward(
+        self, x_RD: Tensor, tokens_per_expert: Tensor | None = None, *, schedule: Schedule | None = None
+    ) -> Tensor:
+        """As ``GroupedExperts.forward``: this rank's experts over their rows, or ``schedule(x_RD, ffn)``
+        (expert parallelism: the all-to-all exchange around one call of the FFN)."""
         buf = self._ws.get(self.layer, +1)
         if not self.last_layer:
             self._ws.prefetch(self.layer + 1, +1)  # the next layer's weights arrive while this one computes
         try:
             weights = self._file.views(buf)
             if not torch.is_grad_enabled():
-                return self._ffn(x_RD, tokens_per_expert, weights)
+                return self._run(x_RD, tokens_per_expert, schedule, weights)
             leaves = {role: w.detach().requires_grad_() for role, w in weights.items()}
             pending = _LayerGrads(self.layer, len(leaves), self._ws, self._sink)
             for role, leaf in leaves.items():
                 leaf.register_post_accumulate_grad_hook(partial(pending.add, role))
             with torch.autograd.graph.saved_tensors_hooks(partial(_pack, self.layer, buf), pending.unpack):
-                return self._ffn(x_RD, tokens_per_expert, leaves)
+                return self._run(x_RD, tokens_per_expert, schedule, leaves)
         finally:
             self._ws.release(self.layer)
+
+    def _run(self, x_RD: Tensor, counts_E: Tensor | None, schedule: Schedule | None, w: dict[str, Tensor]) -> Tensor:
+        if schedule is not None:
+            return schedule(x_RD, partial(self._ffn, w=w))
+        assert counts_E is not None, "tokens_per_expert or a schedule"
+        return self._ffn(x_RD, counts_E, w)
 
     def _ffn(self, x_RD: Tensor, counts_E: Tensor, w: dict[str, Tensor]) -> Tensor:
         return expert_ffn(

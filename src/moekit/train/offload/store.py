@@ -40,6 +40,7 @@ class LayerFile:
             self.offsets[role] = end
             end = round_up(end + torch.Size(shape).numel() * 4, _ALIGN)
         self.tensor_bytes = sum(torch.Size(s).numel() * 4 for s in shapes.values())  # one layer, one kind
+        self.tensors_end = end  # bytes from a region's first tensor to the end of its last one
         self.unit = round_up(end, DIRECT_ALIGN)  # bytes of one region and of one RAM buffer
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -65,6 +66,10 @@ class LayerFile:
             role: buf_U8[off : off + torch.Size(shape).numel() * 4].view(torch.float32).view(shape)
             for (role, shape), off in zip(self.shapes.items(), self.offsets.values(), strict=True)
         }
+
+    def flat(self, buf_U8: Tensor) -> Tensor:
+        """Every tensor of a region's buffer as one fp32 vector (the alignment gaps between them ride along, unread)."""
+        return buf_U8[: self.tensors_end].view(torch.float32)
 
     def read(self, layer: int, kind: str, buf_U8: Tensor) -> None:
         got = os.preadv(self._fd_for(buf_U8), [memoryview(buf_U8.numpy())], self._offset(layer, kind))

@@ -1,0 +1,156 @@
+"""Offloaded expert training (``train.memory_budget``) on several ranks against in-memory training of
+the same layout, through ``train()``: ep=2, dp=2 and dp=2 x ep=2 (experts replicated over dp).
+
+Reference: the same run, same layout, every expert in memory. Tolerance: none (bitwise on CPU) for
+every loss, the validation loss and every final weight: each rank offloads its own ep shard, and
+each layer's expert gradients are summed over dp by one fused all-reduce and divided as in memory;
+with dp = 2 the sum adds two values, so the bucket's extent cannot change its bits. (dp > 2 is not
+claimed bitwise: a ring all-reduce's summation order depends on where a value sits in the bucket.)
+An ep=2 run resumed from its step-2 checkpoint equals the uninterrupted one bitwise; resumed from
+the same checkpoint in one process (the global batch kept), its losses are within 1e-5 (fp32
+summation order: one process accumulates the four micro-batches' gradients itself).
+The budget leaves two layers' expert weights in RAM, so each of the three layers is read from disk
+in every pass. One offloaded dp=2 step is profiled: each layer's expert gradients travel in one
+all-reduce of the layer's whole gradient region.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from conftest import write_corpus
+from helpers import rewind
+
+from moekit import runconfig
+from moekit.run.load import load_run
+from moekit.train import loop
+from moekit.train.loop import train
+from moekit.train.metrics import METRICS_FILE
+
+from .spawn import run_ranks
+
+STEPS, HALF = 4, 2
+RESHARD_TOL = 1e-5
+# Two expert-weight slots and six regions of gradients and moments, for a layer's experts held by one
+# rank: 4 experts (98 KB per layer), or 2 under ep=2.
+BUDGET = {1: "800KB", 2: "400KB"}
+PRELOAD = ("moekit.train.loop", "moekit.run.load")
+
+
+def _cfg(tmp: Path, ep: int = 1, dp: int = 1, offload: bool = False) -> runconfig.RunConfig:
+    values = {
+        "data.path": str(tmp / "corpus.txt"),
+        "data.cache_dir": str(tmp / "cache"),
+        "model.n_layers": "3",
+        "moe.bias_update_rate": "0.01",
+        "train.steps": str(STEPS),
+        "train.batch_size": "4",
+        "train.grad_accum": "2",
+        "train.eval_every": "2",
+        "train.eval_iters": "1",
+        "train.ckpt_every": str(HALF),
+        "train.sample_tokens": "0",
+        "parallel.ep": str(ep),
+        "parallel.dp": str(dp),
+        "parallel.expert_sharding": "replicate",
+    }
+    if offload:
+        values |= {"train.memory_budget": BUDGET[ep], "train.offload_dir": str(tmp / "offload")}
+    return runconfig.resolve("tiny", values)
+
+
+def _both(rank: int, tmp: Path, name: str, ep: int, dp: int) -> None:
+    """Train ``name`` in memory and offloaded; rank 0 writes both runs' losses and gradient norms (clipped:
+    the tiny model's norms exceed ``train.grad_clip=1``)."""
+    runs = {}
+    for offload in (False, True):
+        result = train(_cfg(tmp, ep, dp, offload), tmp / f"{name}-{'disk' if offload else 'memory'}", progress=False)
+        records = [json.loads(line) for line in (result.run_dir / METRICS_FILE).read_text().splitlines()]
+        runs["disk" if offload else "memory"] = [*result.losses, result.val_loss, *(r["grad_norm"] for r in records)]
+    if rank == 0:
+        (tmp / f"{name}.json").write_text(json.dumps(runs))
+
+
+def _two_ranks(rank: int, world: int, tmp: Path) -> None:
+    _both(rank, tmp, "ep2", ep=2, dp=1)
+    if rank == 0:
+        rewind(tmp / "ep2-disk", tmp / "ep2-resumed", HALF)
+    dist.barrier()
+    resumed = train(_cfg(tmp, ep=2, offload=True), tmp / "ep2-resumed", resume=True, progress=False)
+    if rank == 0:
+        (tmp / "ep2-resumed.json").write_text(json.dumps(resumed.losses))
+    _both(rank, tmp, "dp2", ep=1, dp=2)
+    _count_expert_reductions(rank, tmp)
+
+
+def _count_expert_reductions(rank: int, tmp: Path) -> None:
+    """Profile one offloaded dp=2 step: how many all-reduces carried a layer's whole expert-gradient
+    region (the fused bucket), and how many MoE layers there are."""
+    cfg = _cfg(tmp, dp=2, offload=True)
+    run = loop._setup(cfg, tmp / "dp2-profiled", False, torch.device("cpu"), False, None, False)
+    assert run.offload is not None
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
+        loop._train_step(run.pm, run.optimizer, run.corpus, cfg, run.dev, 0, None, run.offload)
+    bucket = [[run.offload.file.tensors_end // 4]]
+    buckets = sum(e.name == "gloo:all_reduce" and e.input_shapes == bucket for e in prof.events())
+    run.offload.close()
+    if rank == 0:
+        (tmp / "dp2-reductions.json").write_text(json.dumps([buckets, len(run.offload.params)]))
+
+
+def _four_ranks(rank: int, world: int, tmp: Path) -> None:
+    _both(rank, tmp, "dp2xep2", ep=2, dp=2)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    tmp = tmp_path_factory.mktemp("offload")
+    write_corpus(tmp / "corpus.txt")
+    run_ranks(_two_ranks, 2, tmp, tmp_path=tmp, preload=PRELOAD)
+    run_ranks(_four_ranks, 4, tmp, tmp_path=tmp, preload=PRELOAD)
+    return tmp
+
+
+def _weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    return load_run(run_dir).model.state_dict()
+
+
+@pytest.mark.parametrize("name", ["ep2", "dp2", "dp2xep2"])
+def test_offloaded_equals_in_memory_bitwise(runs: Path, name: str) -> None:
+    losses = json.loads((runs / f"{name}.json").read_text())
+    assert len(losses["memory"]) == 2 * STEPS + 1 and losses["disk"] == losses["memory"]
+    memory, disk = _weights(runs / f"{name}-memory"), _weights(runs / f"{name}-disk")
+    assert memory.keys() == disk.keys() and any(".experts." in k for k in memory)
+    for key in memory:
+        assert torch.equal(memory[key], disk[key]), f"{name} {key}"
+    assert not any((runs / "offload").iterdir()), "every rank removes its offloaded state when training ends"
+
+
+def test_offloaded_resume_equals_uninterrupted(runs: Path) -> None:
+    whole = json.loads((runs / "ep2.json").read_text())["disk"]  # losses, then the validation loss and norms
+    assert json.loads((runs / "ep2-resumed.json").read_text()) == whole[HALF:STEPS]
+    a, b = _weights(runs / "ep2-disk"), _weights(runs / "ep2-resumed")
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+def test_offloaded_resume_in_one_process(runs: Path) -> None:
+    """The ep=2 checkpoint resumed offloaded in one process, whose grad_accum becomes 2 x 2."""
+    whole = json.loads((runs / "ep2.json").read_text())["disk"]
+    cfg = _cfg(runs, offload=True)
+    resumed = train(cfg, rewind(runs / "ep2-disk", runs / "ep1-resumed", HALF), resume=True, progress=False)
+    want = torch.tensor(whole[HALF:STEPS])
+    torch.testing.assert_close(torch.tensor(resumed.losses), want, atol=RESHARD_TOL, rtol=0)
+    a, b = _weights(runs / "ep2-disk"), _weights(runs / "ep1-resumed")
+    for key in a:
+        torch.testing.assert_close(b[key], a[key], atol=RESHARD_TOL, rtol=0, msg=lambda m, key=key: f"{key}: {m}")
+
+
+def test_each_layer_is_reduced_in_one_fused_bucket(runs: Path) -> None:
+    """One all-reduce per MoE layer and step (of two micro-batches), of the layer's whole gradient region."""
+    buckets, layers = json.loads((runs / "dp2-reductions.json").read_text())
+    assert layers == 3 and buckets == layers
