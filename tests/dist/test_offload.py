@@ -36,8 +36,8 @@ from .spawn import run_ranks
 STEPS, HALF = 4, 2
 RESHARD_TOL = 1e-5
 # Two expert-weight slots and six regions of gradients and moments, for a layer's experts held by one
-# rank: 4 experts (98 KB per layer), or 2 under ep=2.
-BUDGET = {1: "800KB", 2: "400KB"}
+# rank: 4 experts (98 KB per layer), 2 under ep=2, 1 under ep=4.
+BUDGET = {1: "800KB", 2: "400KB", 4: "250KB"}
 PRELOAD = ("moekit.train.loop", "moekit.run.load")
 
 
@@ -104,6 +104,7 @@ def _count_expert_reductions(rank: int, tmp: Path) -> None:
 
 def _four_ranks(rank: int, world: int, tmp: Path) -> None:
     _both(rank, tmp, "dp2xep2", ep=2, dp=2)
+    _both(rank, tmp, "ep4", ep=4, dp=1)
 
 
 @pytest.fixture(scope="module")
@@ -119,7 +120,7 @@ def _weights(run_dir: Path) -> dict[str, torch.Tensor]:
     return load_run(run_dir).model.state_dict()
 
 
-@pytest.mark.parametrize("name", ["ep2", "dp2", "dp2xep2"])
+@pytest.mark.parametrize("name", ["ep2", "ep4", "dp2", "dp2xep2"])
 def test_offloaded_equals_in_memory_bitwise(runs: Path, name: str) -> None:
     losses = json.loads((runs / f"{name}.json").read_text())
     assert len(losses["memory"]) == 2 * STEPS + 1 and losses["disk"] == losses["memory"]

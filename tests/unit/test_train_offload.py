@@ -71,11 +71,25 @@ def weights(run_dir: Path) -> dict[str, torch.Tensor]:
     return load_run(run_dir).model.state_dict()
 
 
-def test_offloaded_training_equals_in_memory_bitwise(corpus: Path, tmp_path: Path) -> None:
-    memory = train(tiny(corpus), tmp_path / "memory", progress=False)
+@pytest.mark.parametrize(
+    "moe",
+    [
+        {},
+        {"moe.router": "expert_choice", "moe.bias_update_rate": "0"},
+        {"moe.router": "hash", "moe.bias_update_rate": "0"},
+        # dropping tokens; biases widen a layer's region
+        {"moe.capacity_factor": "1.0", "moe.expert_ffn_bias": "true", "train.memory_budget": "850KB"},
+    ],
+    ids=["topk", "expert_choice", "hash", "capacity_bias"],
+)
+def test_offloaded_training_equals_in_memory_bitwise(corpus: Path, tmp_path: Path, moe: dict[str, str]) -> None:
     offload_dir = tmp_path / "state"
+    offloaded = {"train.memory_budget": BUDGET, "train.offload_dir": str(offload_dir)} | moe
+    memory = train(
+        tiny(corpus, **{k: v for k, v in moe.items() if k.startswith("moe.")}), tmp_path / "memory", progress=False
+    )
     disk = train(
-        tiny(corpus, **{"train.memory_budget": BUDGET, "train.offload_dir": str(offload_dir)}),
+        tiny(corpus, **offloaded),
         tmp_path / "disk",
         progress=False,
     )
@@ -124,6 +138,7 @@ def test_bad_offload_fields_name_the_field(fields: dict[str, str], named: str) -
         ({"train.memory_budget": "100KB"}, "train.memory_budget='100KB': offloaded training needs at least"),
         ({"train.memory_budget": BUDGET, "train.dtype": "bf16"}, "train.dtype='bf16'"),
         ({"train.memory_budget": BUDGET, "train.async_checkpoint": "true"}, "train.async_checkpoint"),
+        ({"train.memory_budget": BUDGET, "model.experts_per_layer": "4,2,4"}, r"model.experts_per_layer=\[4, 2, 4\]"),
     ],
 )
 def test_unsupported_offloaded_runs_are_refused(corpus: Path, tmp_path: Path, overrides: dict, named: str) -> None:

@@ -52,6 +52,10 @@ def offload_experts(
         (tc.dtype != "fp32", f"train.dtype={tc.dtype!r}: offloaded training runs in fp32"),
         (tc.compile, "train.compile=true: offloaded experts run eagerly"),
         (tc.async_checkpoint, "train.async_checkpoint=true: offloaded experts are checkpointed synchronously"),
+        (
+            len(set(cfg.model.experts_per_layer or ())) > 1,
+            f"model.experts_per_layer={cfg.model.experts_per_layer}: offloaded layers hold the same experts",
+        ),
     ]
     for refused, why in refusals:
         if refused:

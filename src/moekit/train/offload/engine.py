@@ -251,6 +251,7 @@ class ExpertOffload:
                 _empty(p)
                 for kind in ("exp_avg", "exp_avg_sq"):
                     self.optimizer.state.get(p, {}).pop(kind, None)
+            release_freed_memory()  # the process's resident memory back to the budget
 
     def _write_back(self, with_state: bool) -> None:
         """The model's expert weights (and AdamW moments, zero where there are none) to disk."""
