@@ -35,7 +35,14 @@ class EngineOptions:
     block_size: int = 16  # positions per KV block
     max_running: int = 64  # sequences decoding together
     prefill_chunk: int = 128  # prompt tokens one sequence feeds per step (long prompts take several)
+    prefill_tokens: int = 1024  # prompt tokens all sequences feed per step, on top of the decodes: a
+    # burst of short prompts joins in a step or two, while one long prompt still feeds prefill_chunk
     max_queue: int = 256  # choices waiting for admission; more get 429
+
+    @property
+    def budget(self) -> Budget:
+        """Each step: every running sequence's decode, and up to ``prefill_tokens`` prompt tokens."""
+        return Budget(self.max_running, self.max_running + self.prefill_tokens, self.prefill_chunk)
 
 
 @dataclass(frozen=True)
@@ -91,7 +98,7 @@ class Engine:
                 f"context of {context}: give at least {need} bytes"
             )
         self.pool = KVPool(model.cfg, num_blocks, bs, self.device, dtype)
-        self.budget = Budget(options.max_running, options.max_running + options.prefill_chunk, options.prefill_chunk)
+        self.budget = options.budget
         self.running: list[Seq] = []
         self.waiting: collections.deque[Seq] = collections.deque()
         self._inbox: list[Seq] = []
