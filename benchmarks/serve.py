@@ -403,7 +403,7 @@ def batching_section(args: argparse.Namespace, run, run_dir: Path, prompts: list
         tps, suffix = batching[f"16 streams ({name})"], "" if name == "serve" else f" ({name})"
         ratio = {k: [s / b for s, b in zip(tps, batching[k], strict=True)] for k in baselines}
         figures[f"serve_over{suffix}"] = {k: spread(v, 2) for k, v in ratio.items()}
-        print(f"  16 streams{suffix} {' '.join(extra)}: {show(tps, '.1f')}")
+        print(f"  16 streams{suffix}{''.join(' ' + f for f in extra)}: {show(tps, '.1f')}")
         for k, v in ratio.items():
             print(f"    = {show(v, '.2f')}x {k}")
         figures[f"serve_engine_ms_per_step{suffix}"] = {k: spread(v, 2) for k, v in phases[name].items()}

@@ -120,6 +120,32 @@ def test_cancelled_while_prefilling_ends_every_choice(run: LoadedRun) -> None:
     assert engine.pool.free_blocks == engine.pool.num_blocks and engine.in_flight == (0, 0)
 
 
+def test_more_choices_than_running_slots_and_choices_that_end_at_once(run: LoadedRun) -> None:
+    """n = 5 with two running slots: the prompt is prefilled once per two choices (groups of 2, 2, 1),
+    and the tokens still equal ``generate``'s; n = 3 of one token each end at the prefill, blocks back."""
+    per_block = KVPool.bytes_per_block(run.model.cfg, 4, torch.float32)
+    engine = Engine(run, EngineOptions(kv_budget=64 * per_block, block_size=4, max_running=2))
+    events: list = []
+    engine.submit(choices([SamplingParams(5, 0.9, seed=j) for j in range(5)], events))
+    assert [len(s.forks) for s in engine._inbox] == [1, 1, 0]
+    drain(engine)
+    for j in range(5):
+        assert (
+            tokens_of(events, j) == generate(run.model, torch.tensor([PROMPT]), 5, 0.9, None, 1.0, j)[0, 22:].tolist()
+        )
+    events.clear()
+    engine.submit(choices([SamplingParams(1, 0.9, seed=j) for j in range(3)], events))
+    step(engine)  # the first two: prefilled, sampled and ended in one step
+    assert engine.in_flight == (0, 1) and used(engine) == 0
+    drain(engine)
+    assert [(e.choice, e.reason) for e in events if isinstance(e, Finish)] == [
+        (0, "length"),
+        (1, "length"),
+        (2, "length"),
+    ]
+    assert engine.pool.free_blocks == engine.pool.num_blocks
+
+
 def test_a_preempted_choice_leaves_the_shared_blocks_to_the_others(run: LoadedRun) -> None:
     """A pool of one context (12 blocks of 4) for n = 3 choices of 22 + 14 positions: the newest
     choices are preempted and recomputed in blocks of their own while the others go on over the shared
