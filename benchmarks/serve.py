@@ -24,7 +24,7 @@ Torch runs on --threads threads (default 1) here and in the server: on a shared 
 threads per process slow every step several times over.
 
     python benchmarks/serve.py [--json] [--repeats 3] [--max-tokens 32] [--rates 2 4 8] [--budget 60MB] [--threads 1]
-                               [--sections decode batching poisson offload] [--profile]
+                               [--sections decode batching poisson offload] [--profile] [--variant NAME=FLAGS]
 """
 
 from __future__ import annotations
@@ -273,7 +273,8 @@ def offloaded(args: argparse.Namespace) -> dict[str, list[float]]:
     texts = [bytes(row[p:].tolist()).decode() for row, p in zip(ids, pad.tolist(), strict=True)]
     assert all(list(t.encode()) == row[p:].tolist() for t, row, p in zip(texts, ids, pad.tolist(), strict=True))
     n, budget = args.offload_tokens, args.offload_budget
-    servers = {"16 streams (serve)": (), "16 streams, prefill in one step": ("--prefill-chunk", "512")}
+    whole = ("--prefill-chunk", "512", "--prefill-tokens", "512")
+    servers = {"16 streams (serve)": (), "16 streams, prefill in one step": whole}
     out: dict[str, list[float]] = {}
     for _ in range(args.repeats):
         opts = OffloadOptions(parse_bytes(budget), "lru", "router", drop_pages=True)
@@ -309,6 +310,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--offload-budget", default="512MB", help="memory budget of the offload section")
     parser.add_argument("--offload-tokens", type=int, default=8, help="tokens per prompt there (offload.py's)")
     parser.add_argument("--offload-cache", type=Path, default=Path("/tmp/moekit-offload-bench"))
+    variant = "batching: one more server with extra flags of moekit serve, its rounds in turn with the default's"
+    parser.add_argument("--variant", action="append", default=[], metavar="NAME=FLAGS", help=variant)
     parser.add_argument("--text", type=Path, default=DEFAULT_TEXT)
     parser.add_argument("--cache", type=Path, default=Path("/tmp/moekit-bench-serve"))
     args = parser.parse_args(argv)
@@ -365,43 +368,52 @@ def decode_section(args: argparse.Namespace, run, prompts: list[str]) -> dict:
 
 def batching_section(args: argparse.Namespace, run, run_dir: Path, prompts: list[str]) -> dict:
     """16 streams against the static batch and one at a time; the server's engine thread by phase; the
-    late arrival's TTFT."""
+    late arrival's TTFT. Each --variant is one more server (extra flags), its rounds taken in turn with
+    the default server's; its figures carry its name."""
     batching: dict[str, list[float]] = {}
-    phases: dict[str, list[float]] = {}
-    arrivals: list[dict] = []
-    server = Server(run_dir)
+    phases: dict[str, dict[str, list[float]]] = {}
+    arrivals: dict[str, list[dict]] = {}
+    flags = {"serve": [], **{name: extra.split() for name, extra in (v.split("=", 1) for v in args.variant)}}
+    servers: dict[str, Server] = {}
     try:
+        for name, extra in flags.items():
+            servers[name] = Server(run_dir, *extra)
         for _ in range(args.repeats):
-            for name, tps in static_and_sequential(run, prompts, args.max_tokens).items():
-                batching.setdefault(name, []).append(tps)
-            before = engine_seconds(server)
-            _, wall = clients(server, prompts, args.max_tokens, [0.0] * 16)
-            after = engine_seconds(server)
-            batching.setdefault("16 streams (serve)", []).append(16 * args.max_tokens / wall)
-            steps = after["steps"] - before["steps"]
-            phases.setdefault("steps", []).append(steps)
-            for phase in ("schedule", "forward", "emit", "idle"):
-                phases.setdefault(phase, []).append((after[phase] - before[phase]) / steps * 1e3)
-            phases.setdefault("wall / step", []).append(wall / steps * 1e3)
-            arrivals.append(arrival(server, run, prompts, args.max_tokens))
+            for label, tps in static_and_sequential(run, prompts, args.max_tokens).items():
+                batching.setdefault(label, []).append(tps)
+            for name, server in servers.items():
+                before = engine_seconds(server)
+                _, wall = clients(server, prompts, args.max_tokens, [0.0] * 16)
+                after = engine_seconds(server)
+                batching.setdefault(f"16 streams ({name})", []).append(16 * args.max_tokens / wall)
+                steps = after["steps"] - before["steps"]
+                per_step = {p: (after[p] - before[p]) / steps * 1e3 for p in ("schedule", "forward", "emit", "idle")}
+                for key, value in {"steps": steps, **per_step, "wall / step": wall / steps * 1e3}.items():
+                    phases.setdefault(name, {}).setdefault(key, []).append(value)
+                arrivals.setdefault(name, []).append(arrival(server, run, prompts, args.max_tokens))
     finally:
-        server.close()
+        for server in servers.values():
+            server.close()
     figures: dict = {"batching_tokens_per_s": {k: spread(v, 1) for k, v in batching.items()}}
-    serve_tps = batching["16 streams (serve)"]
-    ratio = {k: [s / b for s, b in zip(serve_tps, v, strict=True)] for k, v in batching.items() if "serve" not in k}
-    figures["serve_over"] = {k: spread(v, 2) for k, v in ratio.items()}
-    print(f"\n16 prompts x {args.max_tokens} tokens, tokens/s (serve / baseline per round)")
-    for name, values in batching.items():
-        extra = f"   serve = {show(ratio[name], '.2f')}x" if name in ratio else ""
-        print(f"  {name:<20} {show(values, '.1f')}{extra}")
-    figures["serve_engine_ms_per_step"] = {k: spread(v, 2) for k, v in phases.items()}
-    print("  the server's engine thread during the 16 streams, ms per step (steps: a count)")
-    for name, values in phases.items():
-        print(f"    {name:<12} {show(values, '.2f')}")
-    figures["arrival"] = {k: spread([a[k] for a in arrivals]) for k in arrivals[0]}
-    print("\na request arriving while 15 decode: TTFT vs its prefill alone + 2 decode steps (s)")
-    for key in ("ttft", "bound", "prefill", "step"):
-        print(f"  {key:<8} {show([a[key] for a in arrivals], '.4f')}")
+    baselines = [k for k in batching if not k.startswith("16 streams")]
+    print(f"\n16 prompts x {args.max_tokens} tokens, tokens/s (streams / baseline per round)")
+    for k in baselines:
+        print(f"  {k:<20} {show(batching[k], '.1f')}")
+    for name, extra in flags.items():
+        tps, suffix = batching[f"16 streams ({name})"], "" if name == "serve" else f" ({name})"
+        ratio = {k: [s / b for s, b in zip(tps, batching[k], strict=True)] for k in baselines}
+        figures[f"serve_over{suffix}"] = {k: spread(v, 2) for k, v in ratio.items()}
+        print(f"  16 streams{suffix}{''.join(' ' + f for f in extra)}: {show(tps, '.1f')}")
+        for k, v in ratio.items():
+            print(f"    = {show(v, '.2f')}x {k}")
+        figures[f"serve_engine_ms_per_step{suffix}"] = {k: spread(v, 2) for k, v in phases[name].items()}
+        print("    the server's engine thread, ms per step (steps: a count)")
+        for phase, values in phases[name].items():
+            print(f"      {phase:<12} {show(values, '.2f')}")
+        figures[f"arrival{suffix}"] = {k: spread([a[k] for a in arrivals[name]]) for k in arrivals[name][0]}
+        print("    a request arriving while 15 decode: TTFT vs its prefill alone + 2 decode steps (s)")
+        for key in ("ttft", "bound", "prefill", "step"):
+            print(f"      {key:<8} {show([a[key] for a in arrivals[name]], '.4f')}")
     return figures
 
 

@@ -100,9 +100,25 @@ def test_streaming_sends_one_chunk_per_token_and_the_same_text(served: Served, r
 
 
 def test_n_choices_sample_with_consecutive_seeds(served: Served, run: LoadedRun) -> None:
+    """The n choices share the prompt's prefill and blocks; a stream of n = 3 closed by its client after
+    a few tokens gives every block back."""
+    engine = served.state.engine
     reply = served.client.completions.create(model="run", prompt="ab", max_tokens=8, n=3, seed=11, temperature=0.9)
     assert [c.text for c in reply.choices] == [expected(run, "ab", 8, 0.9, 11 + j) for j in range(3)]
     assert reply.usage.prompt_tokens == 2 and reply.usage.completion_tokens == 24
+    assert engine.pool.free_blocks == engine.pool.num_blocks
+    prompt = PROMPTS[0][:21]  # 5 blocks of 4 and a sixth with one position, shared by the choices
+    stream = served.client.completions.create(model="run", prompt=prompt, max_tokens=40, n=3, seed=1, stream=True)
+    seen: set[int] = set()
+    for chunk in stream:
+        seen.update(c.index for c in chunk.choices)
+        if seen == {0, 1, 2}:
+            break
+    stream.close()
+    deadline = time.monotonic() + 30
+    while engine.in_flight != (0, 0) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert engine.in_flight == (0, 0) and engine.pool.free_blocks == engine.pool.num_blocks
 
 
 def test_stop_string_cuts_the_text(served: Served, run: LoadedRun) -> None:

@@ -74,6 +74,21 @@ def test_plan_decodes_first_then_chunks_prompts_then_admits_in_order() -> None:
     assert plan.admit == []  # the batch is full
 
 
+def test_default_budget_admits_a_burst_at_once_and_still_chunks_a_long_prompt() -> None:
+    """``moekit serve``'s defaults: sixteen prompts of 32-92 tokens arriving together all join in one
+    step, while a 1000-token prompt arriving as sixteen decode feeds one ``prefill_chunk`` beside them."""
+    from moekit.serve.engine import EngineOptions
+
+    options = EngineOptions()
+    burst = [seq(32 + 4 * i) for i in range(16)]
+    plan = plan_step([], burst, free_blocks=1000, block_size=16, b=options.budget)
+    assert plan.admit == burst and [n for _, n in plan.chunks] == [len(s.prompt) for s in burst]
+    decoding = [seq(5, computed=5, generated=1) for _ in range(16)]
+    long = seq(1000)
+    plan = plan_step(decoding, [long], free_blocks=1000, block_size=16, b=options.budget)
+    assert plan.chunks == [*((s, 1) for s in decoding), (long, options.prefill_chunk)]
+
+
 def held(prompt_len: int, generated: int) -> Seq:
     """A decoding sequence holding the blocks (of 4) of its computed positions."""
     s = seq(prompt_len, computed=prompt_len + generated - 1, generated=generated)

@@ -30,6 +30,12 @@ def add_parser(commands) -> None:
     batching.add_argument(
         "--prefill-chunk", type=positive_int, default=128, help="prompt tokens per sequence per step (default: 128)"
     )
+    batching.add_argument(
+        "--prefill-tokens",
+        type=positive_int,
+        default=1024,
+        help="prompt tokens of all sequences per step, on top of one decode per running sequence (default: 1024)",
+    )
     batching.add_argument("--max-queue", type=positive_int, default=256, help="choices waiting; more get 429 (256)")
     batching.add_argument("--max-body", default="1MB", help="request body size; larger get 413 (default: 1MB)")
     batching.add_argument("--max-choices", type=positive_int, default=16, help="prompts x n per request (16)")
@@ -51,11 +57,12 @@ def run(args: argparse.Namespace) -> int:
     if not args.timeout > 0:
         raise ValueError(f"--timeout={args.timeout}: must be > 0")
     engine = EngineOptions(
-        parse_bytes(args.kv_budget, "--kv-budget"),
-        args.block_size,
-        args.max_running,
-        args.prefill_chunk,
-        args.max_queue,
+        kv_budget=parse_bytes(args.kv_budget, "--kv-budget"),
+        block_size=args.block_size,
+        max_running=args.max_running,
+        prefill_chunk=args.prefill_chunk,
+        prefill_tokens=args.prefill_tokens,
+        max_queue=args.max_queue,
     )
     limits = Limits(parse_bytes(args.max_body, "--max-body"), args.max_choices, args.max_tokens, args.timeout)
     sock = listen(args.host, args.port)

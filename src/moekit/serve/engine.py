@@ -10,6 +10,7 @@ Legend: T tokens this step, R sequences that sample this step, V vocabulary.
 from __future__ import annotations
 
 import collections
+import itertools
 import secrets
 import threading
 import time
@@ -22,7 +23,7 @@ from torch import Tensor
 from moekit.infer.generate import sample_next
 from moekit.run.load import LoadedRun
 from moekit.serve.kv import Chunk, KVPool, PagedStep
-from moekit.serve.scheduler import Budget, Seq, plan_step
+from moekit.serve.scheduler import Budget, Seq, plan_step, share_prompt
 from moekit.serve.text import TextStream
 
 
@@ -34,7 +35,14 @@ class EngineOptions:
     block_size: int = 16  # positions per KV block
     max_running: int = 64  # sequences decoding together
     prefill_chunk: int = 128  # prompt tokens one sequence feeds per step (long prompts take several)
+    prefill_tokens: int = 1024  # prompt tokens all sequences feed per step, on top of the decodes: a
+    # burst of short prompts joins in a step or two, while one long prompt still feeds prefill_chunk
     max_queue: int = 256  # choices waiting for admission; more get 429
+
+    @property
+    def budget(self) -> Budget:
+        """Each step: every running sequence's decode, and up to ``prefill_tokens`` prompt tokens."""
+        return Budget(self.max_running, self.max_running + self.prefill_tokens, self.prefill_chunk)
 
 
 @dataclass(frozen=True)
@@ -90,10 +98,11 @@ class Engine:
                 f"context of {context}: give at least {need} bytes"
             )
         self.pool = KVPool(model.cfg, num_blocks, bs, self.device, dtype)
-        self.budget = Budget(options.max_running, options.max_running + options.prefill_chunk, options.prefill_chunk)
+        self.budget = options.budget
         self.running: list[Seq] = []
         self.waiting: collections.deque[Seq] = collections.deque()
         self._inbox: list[Seq] = []
+        self._forks_waiting = 0  # choices held by a sequence prefilling their prompt (under _cond)
         self._cond = threading.Condition()
         self._stopping = False
         self._thread: threading.Thread | None = None
@@ -109,19 +118,27 @@ class Engine:
     # --- the API's side (any thread) -----------------------------------------------------------
 
     def submit(self, seqs: list[Seq]) -> None:
-        """Queue a request's choices (all or none: ``QueueFull``)."""
+        """Queue a request's choices (all or none: ``QueueFull``). Consecutive choices of one prompt
+        (a request's ``n``) share its prefill and its KV blocks (``share_prompt``)."""
+        queued = [
+            first
+            for _, choices in itertools.groupby(seqs, key=lambda seq: seq.prompt)
+            for first in share_prompt(list(choices), self.options.max_running)
+        ]
         with self._cond:
             if self._stopping:
                 raise RuntimeError("the engine is stopped")
-            if len(self.waiting) + len(self._inbox) + len(seqs) > self.options.max_queue:
-                raise QueueFull(f"{len(self.waiting) + len(self._inbox)} choices are waiting already")
-            self._inbox += seqs
+            waiting = self.in_flight[1]
+            if waiting + len(seqs) > self.options.max_queue:
+                raise QueueFull(f"{waiting} choices are waiting already")
+            self._inbox += queued
+            self._forks_waiting += len(seqs) - len(queued)
             self._cond.notify()
 
     @property
     def in_flight(self) -> tuple[int, int]:
-        """(running, waiting) sequences."""
-        return len(self.running), len(self.waiting) + len(self._inbox)
+        """(running, waiting) choices."""
+        return len(self.running), len(self.waiting) + len(self._inbox) + self._forks_waiting
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="moekit-engine", daemon=True)
@@ -168,7 +185,8 @@ class Engine:
         for seq in [*self.running, *self.waiting]:
             if seq.cancelled or now > seq.deadline:
                 self._finish(seq, "cancelled" if seq.cancelled else "timeout", "")
-        plan = plan_step(self.running, self.waiting, self.pool.free_blocks, self.pool.block_size, self.budget)
+        pool = self.pool
+        plan = plan_step(self.running, self.waiting, pool.free_blocks, pool.block_size, self.budget, pool.refs)
         for seq in plan.preempt:  # newest first: the oldest of them ends up at the front of the queue
             self.running.remove(seq)
             self.pool.release(seq.blocks)
@@ -181,25 +199,18 @@ class Engine:
             blocks = self.pool.allocate(self.pool.blocks_for(len(seq.tokens)))
             assert blocks is not None, "plan_step admits only what fits"
             seq.blocks = blocks
-            if seq.state is None:  # not a preempted sequence coming back (its text and sampling go on)
-                seq.state = TextStream(self.run.tokenizer, seq.params.stop)
-                seed = seq.params.seed if seq.params.seed is not None else secrets.randbits(63)
-                seq.generator = torch.Generator().manual_seed(seed) if seq.params.temperature > 0 else None
+            self._begin(seq)
             self.running.append(seq)
         if not plan.chunks:
             return False
         for seq, n in plan.chunks:
-            missing = self.pool.blocks_for(seq.computed + n) - len(seq.blocks)
-            if missing > 0:  # a decode crossing into a new block
-                grown = self.pool.allocate(missing)
-                assert grown is not None, "plan_step preempts until the decodes fit"
-                seq.blocks += grown
+            self._make_room(seq, n)
         ids: list[int] = []
         sampling: list[tuple[int, Seq]] = []  # (packed index of its last token, sequence)
         for seq, n in plan.chunks:
             ids += seq.tokens[seq.computed : seq.computed + n]
-            if seq.computed + n == len(seq.tokens):
-                sampling.append((len(ids) - 1, seq))
+            if seq.computed + n == len(seq.tokens):  # its forks sample from the same logits
+                sampling += [(len(ids) - 1, s) for s in (seq, *self._fork(seq, seq.computed + n))]
         step = PagedStep(self.pool, [Chunk(s.blocks, s.computed, n) for s, n in plan.chunks], self.device)
         hooks = []
         if any(seq.params.return_routing for _, seq in sampling):  # hooks only on the steps that record
@@ -221,6 +232,45 @@ class Engine:
             self._emit(sampling, out.logits[0, rows])
         self._account(t0, t1, t2)
         return True
+
+    def _begin(self, seq: Seq) -> None:
+        """A choice's text state and sampling generator, on its first admission (a preempted choice
+        coming back keeps its own: its text and sampling go on)."""
+        if seq.state is None:
+            seq.state = TextStream(self.run.tokenizer, seq.params.stop)
+            seed = seq.params.seed if seq.params.seed is not None else secrets.randbits(63)
+            seq.generator = torch.Generator().manual_seed(seed) if seq.params.temperature > 0 else None
+
+    def _make_room(self, seq: Seq, n: int) -> None:
+        """Blocks for ``seq``'s next ``n`` positions: new ones past its last, and a copy of the block
+        it writes into when others hold that block too (only a fork's decode can find one, in its
+        prompt's last block: every position before ``computed`` is written already)."""
+        P = self.pool.block_size
+        written = seq.computed // P
+        if written < len(seq.blocks) and self.pool.refs[seq.blocks[written]] > 1:
+            assert n == 1, "only decodes write into shared blocks"
+            copy = self.pool.allocate(1)
+            assert copy is not None, "plan_step preempts until the copies fit"
+            self.pool.copy(seq.blocks[written], copy[0])
+            self.pool.release([seq.blocks[written]])
+            seq.blocks[written] = copy[0]
+        missing = self.pool.blocks_for(seq.computed + n) - len(seq.blocks)
+        if missing > 0:  # a decode crossing into a new block
+            grown = self.pool.allocate(missing)
+            assert grown is not None, "plan_step preempts until the decodes fit"
+            seq.blocks += grown
+
+    def _fork(self, seq: Seq, computed: int) -> list[Seq]:
+        """``seq``'s forks, as this step caches their prompt (``computed`` positions): each holds the
+        prompt's blocks and joins the batch, to sample from the same logits as ``seq``."""
+        forks, seq.forks = seq.forks, []
+        for fork in forks:
+            fork.blocks, fork.computed = self.pool.share(seq.blocks), computed
+            self._begin(fork)
+            self.running.append(fork)
+        with self._cond:
+            self._forks_waiting -= len(forks)
+        return forks
 
     def _account(self, t0: float, t1: float, t2: float) -> None:
         self.seconds["schedule"] += t1 - t0
@@ -255,6 +305,12 @@ class Engine:
             seq.blocks = []
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        if seq.forks:  # they end with it: a request's choices are cancelled or timed out together
+            forks, seq.forks = seq.forks, []
+            with self._cond:
+                self._forks_waiting -= len(forks)
+            for fork in forks:
+                self._finish(fork, reason, message)
         text = seq.state.flush() if reason == "length" and seq.state is not None else ""
         seq.emit(Finish(seq.choice, reason, text, len(seq.prompt), seq.generated, message))
         if self.metrics is not None:

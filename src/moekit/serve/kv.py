@@ -36,7 +36,8 @@ def row_shapes(cfg: ModelConfig) -> tuple[tuple[int, int], tuple[int, int]]:
 
 class KVPool:
     """Keys and values (MLA: latents) of ``num_blocks`` blocks of ``block_size`` positions, per layer
-    ``[N * P, G, d]``, and the free list of blocks."""
+    ``[N * P, G, d]``, the free list of blocks and each block's holders: the choices of one prompt hold
+    its blocks together (``share``), and a block goes back to the free list with its last holder."""
 
     def __init__(
         self, cfg: ModelConfig, num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype
@@ -50,6 +51,7 @@ class KVPool:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self._free = list(range(num_blocks - 1, -1, -1))  # popped from the end: low blocks first
+        self.refs = [0] * num_blocks  # sequences holding each block
 
     @staticmethod
     def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -70,10 +72,29 @@ class KVPool:
             return None
         taken = self._free[len(self._free) - num_blocks :]
         del self._free[len(self._free) - num_blocks :]
+        for block in taken:
+            self.refs[block] = 1
         return taken
 
+    def share(self, blocks: list[int]) -> list[int]:
+        """Another holder of ``blocks``: a new block table over the same blocks."""
+        for block in blocks:
+            self.refs[block] += 1
+        return list(blocks)
+
     def release(self, blocks: list[int]) -> None:
-        self._free.extend(reversed(blocks))
+        """Drop one hold on each of ``blocks``; those nobody holds any more are free again."""
+        for block in reversed(blocks):
+            assert self.refs[block] > 0, f"block {block} released more often than held"
+            self.refs[block] -= 1
+            if not self.refs[block]:
+                self._free.append(block)
+
+    def copy(self, src: int, dst: int) -> None:
+        """Block ``src``'s keys and values (latents) into block ``dst``, in every layer."""
+        P = self.block_size
+        for flat in (*self.keys, *self.values):
+            flat[dst * P : (dst + 1) * P] = flat[src * P : (src + 1) * P]
 
 
 @dataclass(frozen=True)

@@ -7,17 +7,24 @@ within what is left of the step's token budget); then waiting sequences are admi
 served while a running slot and the KV blocks of the tokens they hold now are free. The head of the
 queue is never overtaken, so a long request is not starved by short ones behind it.
 
-A decode that crosses into a new block and finds none free preempts (vLLM's recompute): the most
-recently admitted running sequence gives all its blocks back and returns to the front of the queue
-with its tokens, to be prefilled again (prompt and generated tokens) when readmitted. The oldest
-running sequence is never preempted, so it always finishes. No sequence is admitted in a step that
-preempts.
+The choices of one prompt (a request's ``n``) share it: the first prefills it holding the others
+(``forks``), which join the batch when its prompt is cached, each holding the prompt's blocks too.
+A block held by several sequences is copied when one of them first writes into it (only the prompt's
+last, partly filled block ever is), so a decode into a shared block needs one block more. Admission
+counts a prompt's blocks once and its running slots ``1 + len(forks)``.
+
+A decode that crosses into a new block (or copies one) and finds none free preempts (vLLM's
+recompute): the most recently admitted running sequence gives all its blocks back (those others
+still hold stay theirs) and returns to the front of the queue with its tokens, to be prefilled again
+(prompt and generated tokens) into blocks of its own when readmitted. The oldest running sequence is
+never preempted, so it always finishes. No sequence is admitted in a step that preempts.
 """
 
 from __future__ import annotations
 
 import math
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -56,6 +63,7 @@ class Seq:
     last_token_at: float | None = None
     generator: torch.Generator | None = None
     state: Any = None  # the engine's per-sequence text state
+    forks: list[Seq] = field(default_factory=list)  # choices of the same prompt, waiting for its prefill
 
     def __post_init__(self) -> None:
         self.tokens = list(self.prompt)
@@ -98,10 +106,39 @@ def blocks_for(positions: int, block_size: int) -> int:
     return -(-positions // block_size)
 
 
-def plan_step(running: Sequence[Seq], waiting: Sequence[Seq], free_blocks: int, block_size: int, b: Budget) -> Plan:
+def share_prompt(choices: list[Seq], max_running: int) -> list[Seq]:
+    """``choices`` of one prompt as the sequences to queue: each prefills the prompt once for up to
+    ``max_running - 1`` of the others, which it holds as ``forks``."""
+    assert all(c.prompt == choices[0].prompt and not c.forks for c in choices), "choices of one prompt"
+    firsts = choices[::max_running]
+    for i, first in enumerate(firsts):
+        first.forks = choices[i * max_running + 1 : (i + 1) * max_running]
+    return firsts
+
+
+def plan_step(
+    running: Sequence[Seq],
+    waiting: Sequence[Seq],
+    free_blocks: int,
+    block_size: int,
+    b: Budget,
+    refs: Sequence[int] | None = None,
+) -> Plan:
     """The next step's preemptions, admissions and chunks; mutates nothing. A running sequence holds
     the blocks of the tokens it was admitted with and of every position computed since, so only a
-    decode may need one more."""
+    decode may need one more, or a copy of a block others hold too. ``refs``: each block's holders
+    (None: no block is shared)."""
+    dropped: Counter[int] = Counter()  # holds given up this step, by preemption or a copy on write
+
+    def holders(block: int) -> int:
+        return (1 if refs is None else refs[block]) - dropped[block]
+
+    def release(seq: Seq) -> int:
+        """Blocks freed when ``seq`` gives its holds back."""
+        freed = sum(holders(block) == 1 for block in seq.blocks)
+        dropped.update(seq.blocks)
+        return freed
+
     chunks: list[tuple[Seq, int]] = []
     left = b.max_step_tokens
     kept = list(running)
@@ -110,14 +147,21 @@ def plan_step(running: Sequence[Seq], waiting: Sequence[Seq], free_blocks: int, 
         if seq in preempt or seq.pending != 1 or left <= 0:
             continue
         need = blocks_for(seq.computed + 1, block_size) - len(seq.blocks)
+        written = seq.computed // block_size
+        copies = need == 0 and holders(seq.blocks[written]) > 1
+        need += copies
         while need > free_blocks and kept[-1] is not seq:
             victim = kept.pop()  # the newest (its decode, after this one's, is not planned yet)
             preempt.append(victim)
-            free_blocks += len(victim.blocks)
+            free_blocks += release(victim)
+        if copies and holders(seq.blocks[written]) == 1:  # the preempted held it too: written in place
+            need, copies = need - 1, False
         if need > free_blocks:  # it is the newest itself
             preempt.append(kept.pop())
-            free_blocks += len(seq.blocks)
+            free_blocks += release(seq)
             continue
+        if copies:
+            dropped[seq.blocks[written]] += 1
         free_blocks -= need
         chunks.append((seq, 1))
         left -= 1
@@ -127,11 +171,13 @@ def plan_step(running: Sequence[Seq], waiting: Sequence[Seq], free_blocks: int, 
             chunks.append((seq, n))
             left -= n
     admit: list[Seq] = []
+    slots = b.max_running - sum(1 + len(seq.forks) for seq in running)
     for seq in waiting if not preempt else ():
         need = blocks_for(len(seq.tokens), block_size)
-        if left <= 0 or len(running) + len(admit) >= b.max_running or need > free_blocks:
+        if left <= 0 or 1 + len(seq.forks) > slots or need > free_blocks:
             break
         free_blocks -= need
+        slots -= 1 + len(seq.forks)
         admit.append(seq)
         n = min(b.prefill_chunk, len(seq.tokens), left)
         chunks.append((seq, n))
