@@ -248,6 +248,11 @@ def test_distributed_optimizer_memory_per_pipeline_rank() -> None:
     one = Candidate(4, 1, 1, 1, 1, grad_sync="overlapped")  # one stage holds everything
     state = (dense + experts) * (8 + 12 / 4)
     assert memory_bytes(spec, one) == pytest.approx(state + 4 * 3072 * 128 + 128 * 256 * 4)
+    # fp8: Transformer Engine's cached fp8 weight and its transpose (Hopper's dgrad GEMM), 2 more bytes each.
+    fp8 = dataclasses.replace(one, fp8=True)
+    state = (dense + experts) * (4 + 4 + 2 + 12 / 4)
+    kept = 4 * 128 * block_activation_bytes(spec, fp8, True)
+    assert memory_bytes(spec, fp8) == pytest.approx(state + kept + 128 * 256 * 4)
 
 
 def test_terms_add_up_to_the_step() -> None:

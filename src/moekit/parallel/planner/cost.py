@@ -162,9 +162,10 @@ def memory_bytes(spec: ModelSpec, cand: Candidate, load_imbalance: float = 1.0) 
     vocab-parallel cross-entropy keeps for its backward.
 
     Distributed optimizer (Megatron's, its documented ``6 + 12 / d`` bytes a parameter): bf16 weights
-    (and an fp8 copy under fp8) and the gradient buffer (``grad_bytes``) whole on each rank, fp32 master
-    weights and Adam's moments over the data ranks; the first rank holds the embedding, the last the
-    output head."""
+    (and under fp8 Transformer Engine's fp8 copy, cached across micro-batches and kept twice on Hopper:
+    the weight and its transpose, which the backward's data-gradient GEMM needs) and the gradient buffer
+    (``grad_bytes``) whole on each rank, fp32 master weights and Adam's moments over the data ranks; the
+    first rank holds the embedding, the last the output head."""
     m, w = spec.model, spec.workload
     dense, experts = param_counts(spec)
     world = cand.dp * cand.cp * cand.tp * cand.pp
@@ -176,7 +177,7 @@ def memory_bytes(spec: ModelSpec, cand: Candidate, load_imbalance: float = 1.0) 
         head = 0 if m.tie_embeddings else embed
         body = (dense - embed - head) / cand.pp  # one stage's blocks, non-expert weights
         owned = [body + embed + head] if cand.pp == 1 else [body + embed, body + head]
-        kept, sharded = w.dtype_bytes + w.grad_bytes + cand.fp8, w.state_bytes - 4
+        kept, sharded = w.dtype_bytes + w.grad_bytes + 2 * cand.fp8, w.state_bytes - 4
         edp = world // (cand.pp * cand.ep * cand.etp)
         routed = experts / (cand.ep * cand.etp * cand.pp) * (kept + sharded / edp)
         states = [p / cand.tp * (kept + sharded / (cand.dp * cand.cp)) + routed for p in owned]
