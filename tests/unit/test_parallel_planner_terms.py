@@ -278,12 +278,15 @@ def test_only_the_expert_gemms_slow_down_when_small() -> None:
 
 def test_interleaved_pipeline_sends_hide_plain_ones_wait() -> None:
     """pp 2 of dp 2 in one node: 128 tokens x 32 x 4 bytes a send, one each way a virtual stage a
-    micro-batch. Interleaved, they run beside the next chunk's compute (here far longer); 1F1B waits."""
+    micro-batch. Interleaved, they run beside the next chunk's compute, whatever the cluster's overlap
+    fraction: hidden behind far longer compute, shown in full beside next to none; 1F1B waits."""
     spec = _tiny()
-    slow = dataclasses.replace(CLUSTER, overlap=1.0, peak_tflops=1e-6)
+    slow = dataclasses.replace(CLUSTER, overlap=0.0, peak_tflops=1e-6)
+    fast = dataclasses.replace(CLUSTER, overlap=0.0, peak_tflops=1e12)
     send = 10e-6 + 128 * 32 * 4 / 10e9
     assert estimate(spec, Candidate(2, 1, 1, 2, 2), slow).terms["pp"] == pytest.approx(2 * 2 * send)
     assert estimate(spec, Candidate(2, 1, 1, 2, 2, vp=2), slow).terms["pp"] == pytest.approx(0.0, abs=1e-12)
+    assert estimate(spec, Candidate(2, 1, 1, 2, 2, vp=2), fast).terms["pp"] == pytest.approx(2 * 2 * 2 * send)
 
 
 def test_ranks_sharing_cores_queue_and_their_bubble_is_free() -> None:

@@ -9,8 +9,9 @@ sequence-parallel all-gather + reduce-scatter, the same bytes, never hidden), th
 (flat, two-level, or deduplicated: one copy a destination node), expert-tp gathers, context-parallel KV
 rings, pipeline sends (hidden when interleaved), and moekit's FSDP, which gathers every unit every
 micro-batch. An overlappable exchange hides ``cluster.overlap`` of itself, at most the compute that
-runs beside it; all-to-alls overlapped in both passes only in the micro-batches paired with another
-one (``paired_share``). Ranks that share fewer cores than they are (CPU ranks) queue for them.
+runs beside it (interleaved pipeline sends, which nothing waits for until a chunk later, all of it);
+all-to-alls overlapped in both passes only in the micro-batches paired with another one
+(``paired_share``). Ranks that share fewer cores than they are (CPU ranks) queue for them.
 ``Estimate.terms`` names each term's seconds a step.
 
 Techniques each have a switch in ``Candidate`` (all off is moekit's own runtime, what
@@ -351,9 +352,11 @@ def estimate(spec: ModelSpec, cand: Candidate, c: Cluster, load_imbalance: float
         exchanges["cp"] = cp_s - _hidden(cp_s, (3 + extra_dense) * core / c.flops, c)
     if cand.pp > 1:  # activations to the next stage, gradients back, once per virtual stage
         pp_s = 2 * cand.vp * p2p_time(tokens * D * dt / sp, cand.tp * cand.cp * cand.dp, c, cand.pp)
-        # Interleaved schedules send beside the next chunk's compute (Megatron's overlap_p2p_comm, which
-        # it supports for interleaved schedules only); plain 1F1B waits for each send.
-        exchanges["pp"] = pp_s - (_hidden(pp_s, compute_s, c) if cand.vp > 1 else 0.0)
+        # NOTE: interleaved schedules post each send on its own stream and wait for it only before the chunk
+        # that needs it, one chunk's compute later (Megatron's overlap_p2p_comm, for interleaved schedules
+        # only): nothing depends on it meanwhile, so only what outlasts that compute shows. Plain 1F1B
+        # waits for each send.
+        exchanges["pp"] = max(0.0, pp_s - compute_s) if cand.vp > 1 else pp_s
     if cand.grad_sync == "fsdp":
         wire, collectives = fsdp_collectives(spec, cand, c)
         exchanges["fsdp"] = wire + collectives * c.fsdp_overhead_us * 1e-6
