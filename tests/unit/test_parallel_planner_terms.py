@@ -30,6 +30,7 @@ from moekit.parallel.planner import (
     remote_nodes,
     route_reach,
 )
+from moekit.parallel.planner.cost import with_head
 
 CLUSTER = toy_cluster()
 
@@ -56,13 +57,25 @@ def test_model_flops_follow_megatrons_count() -> None:
 
 
 def test_interleaving_shrinks_the_bubble_and_spreads_the_head() -> None:
-    """4 blocks: 2 a stage, 1 a virtual stage with vp=2; plain 1F1B puts the whole head (3 x 128 tokens x
-    2 D V FLOPs) on the busiest rank, interleaved stages an even half of it (the loss in its own chunk)."""
+    """4 blocks: 2 a stage, 1 a virtual stage with vp=2; the bubble shrinks from 1 slot to 1/2. Plain 1F1B
+    puts the whole head (3 x 128 tokens x 2 D V FLOPs) on the last rank; interleaved, a head far
+    smaller than a block stays there too: moving a whole block off would cost more
+    (``test_the_head_balances_against_whole_blocks``)."""
     spec = _tiny()
     one, two = (Candidate(2, 1, 1, 2, 2, vp=v) for v in (1, 2))
     head_s = 3 * 128 * 2 * 32 * 256 / 1e12
     slot_one = estimate(spec, one, CLUSTER).compute_s / (2 + 1)
-    assert estimate(spec, two, CLUSTER).compute_s / (2 + 1 / 2) == pytest.approx(slot_one - head_s / 2)
+    assert estimate(spec, two, CLUSTER).compute_s / (2 + 1 / 2) == pytest.approx(slot_one)
+    assert estimate(spec, two, CLUSTER).terms["head"] == pytest.approx(2 * head_s)  # 2 micro-batches
+
+
+def test_the_head_balances_against_whole_blocks() -> None:
+    """pp 2, vp 2, 4 blocks of 1 s: a head of 0.5 s leaves the last rank 2 blocks (2.5 s, the other rank
+    2 s), not the even 2.25 s of fractional blocks; a head of 2 s balances exactly (1 block, 3 s each)."""
+    spec, cand = _tiny(), Candidate(2, 1, 1, 2, 2, vp=2)
+    assert with_head(2.0, 0.5, 2, spec, cand) == pytest.approx(2.5)
+    assert with_head(2.0, 2.0, 2, spec, cand) == pytest.approx(3.0)
+    assert with_head(2.0, 0.5, 2, spec, Candidate(2, 1, 1, 2, 2)) == pytest.approx(2.5)  # 1F1B: head on top
 
 
 def test_tp_exchanges_stay_exposed() -> None:

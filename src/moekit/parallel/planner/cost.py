@@ -234,11 +234,14 @@ def with_head(blocks_s: float, head_s: float, blocks: int, spec: ModelSpec, cand
     """The busiest rank's time for one micro-batch with the output head: the head on top of the blocks,
     except with interleaved stages, where the loss gets a chunk of its own and blocks move off the
     last rank (Megatron's ``pipeline_model_parallel_layout``, e.g. ``Et|(tt|)*30mL`` in Megatron-Bridge's
-    DeepSeek-V3 H100 recipe, or ``account_for_loss_in_pipeline_split``): the larger of the rank's own
-    blocks and an even share of all blocks and the head."""
+    DeepSeek-V3 H100 recipe, or ``account_for_loss_in_pipeline_split``). Blocks move whole: the last
+    rank keeps the ``b`` blocks that best balance them and the head against the other ranks'
+    ``ceil((N - b) / (pp - 1))``; never less than the rank's own blocks under even chunks."""
     if cand.pp == 1 or cand.vp == 1:
         return blocks_s + head_s
-    return max(blocks_s, (blocks_s * _blocks(spec)[0] / blocks + head_s) / cand.pp)
+    n, block_s = _blocks(spec)[0], blocks_s / blocks
+    balanced = min(max(math.ceil((n - b) / (cand.pp - 1)) * block_s, b * block_s + head_s) for b in range(n + 1))
+    return max(blocks_s, balanced)
 
 
 def route_reach(spec: ModelSpec, nodes: int) -> int:
