@@ -244,6 +244,10 @@ def test_pipeline_ranks_in_flight() -> None:
     assert in_flight(Candidate(2, 1, 1, 4, 8)) == (4.0, 1.0)
     assert in_flight(Candidate(2, 1, 1, 4, 8, vp=2)) == (4 * (1 + 3 / 8), 5 / 2)
     assert in_flight(Candidate(2, 1, 1, 4, 1)) == (1.0, 1.0)  # fewer micro-batches than stages
+    # all-to-alls overlapped in both passes: one more warm-up chunk (Megatron's combined 1F1B) on every rank
+    assert in_flight(Candidate(2, 2, 1, 4, 8, "flat", "both", vp=2)) == ((2 * 3 + 4 + 1 + 1) / 2, (4 + 1 + 1) / 2)
+    assert in_flight(Candidate(2, 2, 1, 4, 8, "flat", "both")) == (5.0, 2.0)
+    assert in_flight(Candidate(2, 2, 1, 1, 4, "flat", "both")) == (2.0, 2.0)
 
 
 def test_distributed_optimizer_memory_per_pipeline_rank() -> None:

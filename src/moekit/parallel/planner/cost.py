@@ -146,14 +146,17 @@ def in_flight(cand: Candidate) -> tuple[float, float]:
     """Micro-batches of its blocks the (first, last) pipeline rank holds at its peak under 1F1B: the
     first ``pp``, the last 1; interleaved, the first rank's ``2 (pp - 1) + (vp - 1) pp + 1`` warm-up
     chunks and the last's ``(vp - 1) pp + 1``, each ``1 / vp`` of the stage (Megatron-Core's schedule;
-    Korthikanti et al. 2022, section 4.2.3: ``pp (1 + (pp - 1) / (pp vp))`` on the first)."""
+    Korthikanti et al. 2022, section 4.2.3: ``pp (1 + (pp - 1) / (pp vp))`` on the first). All-to-alls
+    overlapped in both passes hold one chunk more on every rank: Megatron's combined 1F1B runs one extra
+    warm-up forward so that each merged step's forward and backward are independent."""
+    extra = 1 if cand.overlap == "both" else 0
     if cand.pp == 1:
-        return 1.0, 1.0
+        return (float(min(cand.micro, 1 + extra)),) * 2
     if cand.vp == 1:
-        return float(min(cand.micro, cand.pp)), 1.0
+        return float(min(cand.micro, cand.pp + extra)), float(min(cand.micro, 1 + extra))
     chunks = cand.micro * cand.vp
-    first = min(chunks, 2 * (cand.pp - 1) + (cand.vp - 1) * cand.pp + 1)
-    return first / cand.vp, min(chunks, (cand.vp - 1) * cand.pp + 1) / cand.vp
+    first = min(chunks, 2 * (cand.pp - 1) + (cand.vp - 1) * cand.pp + 1 + extra)
+    return first / cand.vp, min(chunks, (cand.vp - 1) * cand.pp + 1 + extra) / cand.vp
 
 
 def memory_bytes(spec: ModelSpec, cand: Candidate, load_imbalance: float = 1.0) -> float:
