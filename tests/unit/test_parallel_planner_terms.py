@@ -30,6 +30,7 @@ from moekit.parallel.planner import (
     remote_nodes,
     route_reach,
 )
+from moekit.parallel.planner.cost import with_head
 
 CLUSTER = toy_cluster()
 
@@ -56,13 +57,25 @@ def test_model_flops_follow_megatrons_count() -> None:
 
 
 def test_interleaving_shrinks_the_bubble_and_spreads_the_head() -> None:
-    """4 blocks: 2 a stage, 1 a virtual stage with vp=2; plain 1F1B puts the whole head (3 x 128 tokens x
-    2 D V FLOPs) on the busiest rank, interleaved stages an even half of it (the loss in its own chunk)."""
+    """4 blocks: 2 a stage, 1 a virtual stage with vp=2; the bubble shrinks from 1 slot to 1/2. Plain 1F1B
+    puts the whole head (3 x 128 tokens x 2 D V FLOPs) on the last rank; interleaved, a head far
+    smaller than a block stays there too: moving a whole block off would cost more
+    (``test_the_head_balances_against_whole_blocks``)."""
     spec = _tiny()
     one, two = (Candidate(2, 1, 1, 2, 2, vp=v) for v in (1, 2))
     head_s = 3 * 128 * 2 * 32 * 256 / 1e12
     slot_one = estimate(spec, one, CLUSTER).compute_s / (2 + 1)
-    assert estimate(spec, two, CLUSTER).compute_s / (2 + 1 / 2) == pytest.approx(slot_one - head_s / 2)
+    assert estimate(spec, two, CLUSTER).compute_s / (2 + 1 / 2) == pytest.approx(slot_one)
+    assert estimate(spec, two, CLUSTER).terms["head"] == pytest.approx(2 * head_s)  # 2 micro-batches
+
+
+def test_the_head_balances_against_whole_blocks() -> None:
+    """pp 2, vp 2, 4 blocks of 1 s: a head of 0.5 s leaves the last rank 2 blocks (2.5 s, the other rank
+    2 s), not the even 2.25 s of fractional blocks; a head of 2 s balances exactly (1 block, 3 s each)."""
+    spec, cand = _tiny(), Candidate(2, 1, 1, 2, 2, vp=2)
+    assert with_head(2.0, 0.5, 2, spec, cand) == pytest.approx(2.5)
+    assert with_head(2.0, 2.0, 2, spec, cand) == pytest.approx(3.0)
+    assert with_head(2.0, 0.5, 2, spec, Candidate(2, 1, 1, 2, 2)) == pytest.approx(2.5)  # 1F1B: head on top
 
 
 def test_tp_exchanges_stay_exposed() -> None:
@@ -231,6 +244,10 @@ def test_pipeline_ranks_in_flight() -> None:
     assert in_flight(Candidate(2, 1, 1, 4, 8)) == (4.0, 1.0)
     assert in_flight(Candidate(2, 1, 1, 4, 8, vp=2)) == (4 * (1 + 3 / 8), 5 / 2)
     assert in_flight(Candidate(2, 1, 1, 4, 1)) == (1.0, 1.0)  # fewer micro-batches than stages
+    # all-to-alls overlapped in both passes: one more warm-up chunk (Megatron's combined 1F1B) on every rank
+    assert in_flight(Candidate(2, 2, 1, 4, 8, "flat", "both", vp=2)) == ((2 * 3 + 4 + 1 + 1) / 2, (4 + 1 + 1) / 2)
+    assert in_flight(Candidate(2, 2, 1, 4, 8, "flat", "both")) == (5.0, 2.0)
+    assert in_flight(Candidate(2, 2, 1, 1, 4, "flat", "both")) == (2.0, 2.0)
 
 
 def test_distributed_optimizer_memory_per_pipeline_rank() -> None:
@@ -248,6 +265,11 @@ def test_distributed_optimizer_memory_per_pipeline_rank() -> None:
     one = Candidate(4, 1, 1, 1, 1, grad_sync="overlapped")  # one stage holds everything
     state = (dense + experts) * (8 + 12 / 4)
     assert memory_bytes(spec, one) == pytest.approx(state + 4 * 3072 * 128 + 128 * 256 * 4)
+    # fp8: Transformer Engine's cached fp8 weight and its transpose (Hopper's dgrad GEMM), 2 more bytes each.
+    fp8 = dataclasses.replace(one, fp8=True)
+    state = (dense + experts) * (4 + 4 + 2 + 12 / 4)
+    kept = 4 * 128 * block_activation_bytes(spec, fp8, True)
+    assert memory_bytes(spec, fp8) == pytest.approx(state + kept + 128 * 256 * 4)
 
 
 def test_terms_add_up_to_the_step() -> None:
@@ -273,12 +295,15 @@ def test_only_the_expert_gemms_slow_down_when_small() -> None:
 
 def test_interleaved_pipeline_sends_hide_plain_ones_wait() -> None:
     """pp 2 of dp 2 in one node: 128 tokens x 32 x 4 bytes a send, one each way a virtual stage a
-    micro-batch. Interleaved, they run beside the next chunk's compute (here far longer); 1F1B waits."""
+    micro-batch. Interleaved, they run beside the next chunk's compute, whatever the cluster's overlap
+    fraction: hidden behind far longer compute, shown in full beside next to none; 1F1B waits."""
     spec = _tiny()
-    slow = dataclasses.replace(CLUSTER, overlap=1.0, peak_tflops=1e-6)
+    slow = dataclasses.replace(CLUSTER, overlap=0.0, peak_tflops=1e-6)
+    fast = dataclasses.replace(CLUSTER, overlap=0.0, peak_tflops=1e12)
     send = 10e-6 + 128 * 32 * 4 / 10e9
     assert estimate(spec, Candidate(2, 1, 1, 2, 2), slow).terms["pp"] == pytest.approx(2 * 2 * send)
     assert estimate(spec, Candidate(2, 1, 1, 2, 2, vp=2), slow).terms["pp"] == pytest.approx(0.0, abs=1e-12)
+    assert estimate(spec, Candidate(2, 1, 1, 2, 2, vp=2), fast).terms["pp"] == pytest.approx(2 * 2 * 2 * send)
 
 
 def test_ranks_sharing_cores_queue_and_their_bubble_is_free() -> None:

@@ -9,8 +9,9 @@ sequence-parallel all-gather + reduce-scatter, the same bytes, never hidden), th
 (flat, two-level, or deduplicated: one copy a destination node), expert-tp gathers, context-parallel KV
 rings, pipeline sends (hidden when interleaved), and moekit's FSDP, which gathers every unit every
 micro-batch. An overlappable exchange hides ``cluster.overlap`` of itself, at most the compute that
-runs beside it; all-to-alls overlapped in both passes only in the micro-batches paired with another
-one (``paired_share``). Ranks that share fewer cores than they are (CPU ranks) queue for them.
+runs beside it (interleaved pipeline sends, which nothing waits for until a chunk later, all of it);
+all-to-alls overlapped in both passes only in the micro-batches paired with another one
+(``paired_share``). Ranks that share fewer cores than they are (CPU ranks) queue for them.
 ``Estimate.terms`` names each term's seconds a step.
 
 Techniques each have a switch in ``Candidate`` (all off is moekit's own runtime, what
@@ -145,14 +146,17 @@ def in_flight(cand: Candidate) -> tuple[float, float]:
     """Micro-batches of its blocks the (first, last) pipeline rank holds at its peak under 1F1B: the
     first ``pp``, the last 1; interleaved, the first rank's ``2 (pp - 1) + (vp - 1) pp + 1`` warm-up
     chunks and the last's ``(vp - 1) pp + 1``, each ``1 / vp`` of the stage (Megatron-Core's schedule;
-    Korthikanti et al. 2022, section 4.2.3: ``pp (1 + (pp - 1) / (pp vp))`` on the first)."""
+    Korthikanti et al. 2022, section 4.2.3: ``pp (1 + (pp - 1) / (pp vp))`` on the first). All-to-alls
+    overlapped in both passes hold one chunk more on every rank: Megatron's combined 1F1B runs one extra
+    warm-up forward so that each merged step's forward and backward are independent."""
+    extra = 1 if cand.overlap == "both" else 0
     if cand.pp == 1:
-        return 1.0, 1.0
+        return (float(min(cand.micro, 1 + extra)),) * 2
     if cand.vp == 1:
-        return float(min(cand.micro, cand.pp)), 1.0
+        return float(min(cand.micro, cand.pp + extra)), float(min(cand.micro, 1 + extra))
     chunks = cand.micro * cand.vp
-    first = min(chunks, 2 * (cand.pp - 1) + (cand.vp - 1) * cand.pp + 1)
-    return first / cand.vp, min(chunks, (cand.vp - 1) * cand.pp + 1) / cand.vp
+    first = min(chunks, 2 * (cand.pp - 1) + (cand.vp - 1) * cand.pp + 1 + extra)
+    return first / cand.vp, min(chunks, (cand.vp - 1) * cand.pp + 1 + extra) / cand.vp
 
 
 def memory_bytes(spec: ModelSpec, cand: Candidate, load_imbalance: float = 1.0) -> float:
@@ -162,9 +166,10 @@ def memory_bytes(spec: ModelSpec, cand: Candidate, load_imbalance: float = 1.0) 
     vocab-parallel cross-entropy keeps for its backward.
 
     Distributed optimizer (Megatron's, its documented ``6 + 12 / d`` bytes a parameter): bf16 weights
-    (and an fp8 copy under fp8) and the gradient buffer (``grad_bytes``) whole on each rank, fp32 master
-    weights and Adam's moments over the data ranks; the first rank holds the embedding, the last the
-    output head."""
+    (and under fp8 Transformer Engine's fp8 copy, cached across micro-batches and kept twice on Hopper:
+    the weight and its transpose, which the backward's data-gradient GEMM needs) and the gradient buffer
+    (``grad_bytes``) whole on each rank, fp32 master weights and Adam's moments over the data ranks; the
+    first rank holds the embedding, the last the output head."""
     m, w = spec.model, spec.workload
     dense, experts = param_counts(spec)
     world = cand.dp * cand.cp * cand.tp * cand.pp
@@ -176,7 +181,7 @@ def memory_bytes(spec: ModelSpec, cand: Candidate, load_imbalance: float = 1.0) 
         head = 0 if m.tie_embeddings else embed
         body = (dense - embed - head) / cand.pp  # one stage's blocks, non-expert weights
         owned = [body + embed + head] if cand.pp == 1 else [body + embed, body + head]
-        kept, sharded = w.dtype_bytes + w.grad_bytes + cand.fp8, w.state_bytes - 4
+        kept, sharded = w.dtype_bytes + w.grad_bytes + 2 * cand.fp8, w.state_bytes - 4
         edp = world // (cand.pp * cand.ep * cand.etp)
         routed = experts / (cand.ep * cand.etp * cand.pp) * (kept + sharded / edp)
         states = [p / cand.tp * (kept + sharded / (cand.dp * cand.cp)) + routed for p in owned]
@@ -232,11 +237,14 @@ def with_head(blocks_s: float, head_s: float, blocks: int, spec: ModelSpec, cand
     """The busiest rank's time for one micro-batch with the output head: the head on top of the blocks,
     except with interleaved stages, where the loss gets a chunk of its own and blocks move off the
     last rank (Megatron's ``pipeline_model_parallel_layout``, e.g. ``Et|(tt|)*30mL`` in Megatron-Bridge's
-    DeepSeek-V3 H100 recipe, or ``account_for_loss_in_pipeline_split``): the larger of the rank's own
-    blocks and an even share of all blocks and the head."""
+    DeepSeek-V3 H100 recipe, or ``account_for_loss_in_pipeline_split``). Blocks move whole: the last
+    rank keeps the ``b`` blocks that best balance them and the head against the other ranks'
+    ``ceil((N - b) / (pp - 1))``; never less than the rank's own blocks under even chunks."""
     if cand.pp == 1 or cand.vp == 1:
         return blocks_s + head_s
-    return max(blocks_s, (blocks_s * _blocks(spec)[0] / blocks + head_s) / cand.pp)
+    n, block_s = _blocks(spec)[0], blocks_s / blocks
+    balanced = min(max(math.ceil((n - b) / (cand.pp - 1)) * block_s, b * block_s + head_s) for b in range(n + 1))
+    return max(blocks_s, balanced)
 
 
 def route_reach(spec: ModelSpec, nodes: int) -> int:
@@ -350,9 +358,11 @@ def estimate(spec: ModelSpec, cand: Candidate, c: Cluster, load_imbalance: float
         exchanges["cp"] = cp_s - _hidden(cp_s, (3 + extra_dense) * core / c.flops, c)
     if cand.pp > 1:  # activations to the next stage, gradients back, once per virtual stage
         pp_s = 2 * cand.vp * p2p_time(tokens * D * dt / sp, cand.tp * cand.cp * cand.dp, c, cand.pp)
-        # Interleaved schedules send beside the next chunk's compute (Megatron's overlap_p2p_comm, which
-        # it supports for interleaved schedules only); plain 1F1B waits for each send.
-        exchanges["pp"] = pp_s - (_hidden(pp_s, compute_s, c) if cand.vp > 1 else 0.0)
+        # NOTE: interleaved schedules post each send on its own stream and wait for it only before the chunk
+        # that needs it, one chunk's compute later (Megatron's overlap_p2p_comm, for interleaved schedules
+        # only): nothing depends on it meanwhile, so only what outlasts that compute shows. Plain 1F1B
+        # waits for each send.
+        exchanges["pp"] = max(0.0, pp_s - compute_s) if cand.vp > 1 else pp_s
     if cand.grad_sync == "fsdp":
         wire, collectives = fsdp_collectives(spec, cand, c)
         exchanges["fsdp"] = wire + collectives * c.fsdp_overhead_us * 1e-6
