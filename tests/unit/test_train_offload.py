@@ -18,6 +18,7 @@ from moekit.config import TrainConfig
 from moekit.model import Transformer
 from moekit.parallel.mesh import Layout, LayoutError
 from moekit.run.load import load_run
+from moekit.run.saver import Checkpointer
 from moekit.runconfig import RunConfig
 from moekit.train.loop import train
 from moekit.train.offload import offload_experts
@@ -169,3 +170,20 @@ def test_untested_layouts_are_refused_by_name(corpus: Path, layout: Layout, over
     with pytest.raises(LayoutError, match=re.escape(named)):
         offload_experts(cfg, corpus.parent / "run", layout, None, torch.device("cpu"), model, None)
     assert not (corpus.parent / "run").exists()
+
+
+def test_interrupted_resume_leaves_no_offloaded_state(
+    corpus: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ctrl-C while a resume loads its checkpoint: the offloaded state made for it is removed."""
+    offload_dir = tmp_path / "state"
+    cfg = tiny(corpus, **{"train.memory_budget": BUDGET, "train.offload_dir": str(offload_dir), "train.steps": "2"})
+    train(cfg, tmp_path / "run", progress=False)
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Checkpointer, "restore", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        train(cfg, tmp_path / "run", resume=True, progress=False)
+    assert offload_dir.is_dir() and not any(offload_dir.iterdir())

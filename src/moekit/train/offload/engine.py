@@ -243,10 +243,14 @@ class ExpertOffload:
                         self.optimizer.state[p][kind] = moment
         try:
             yield
-        finally:
             if write_back:
                 self._write_back(with_state=True)
                 self.ws.forget()
+        except BaseException:
+            if write_back:  # a resume that failed: no run owns this state yet, so nothing else removes it
+                self.close()
+            raise
+        finally:
             for p in (p for params in self.params for p in params):
                 _empty(p)
                 for kind in ("exp_avg", "exp_avg_sq"):
@@ -273,11 +277,14 @@ class ExpertOffload:
             release_freed_memory()
 
     def close(self) -> None:
-        self.reduce.wait()
-        self.ws.flush()
-        self.ws.close()
-        self.file.close()
-        self.file.path.unlink(missing_ok=True)
+        """Finish every transfer and remove the offloaded state (also after a failure)."""
+        try:
+            self.reduce.wait()
+            self.ws.flush()
+        finally:
+            self.ws.close()
+            self.file.close()
+            self.file.path.unlink(missing_ok=True)
 
     @property
     def bytes_read(self) -> int:

@@ -55,7 +55,8 @@ class WorkingSet:
                 return False
             pick = min if direction > 0 else max
             victim = pick(unpinned, key=lambda s: self.layer_in[s])
-            del self.loaded[self.layer_in[victim]]
+            _, read = self.loaded.pop(self.layer_in[victim])
+            read.result()  # a read still landing in the slot would overwrite the new one
             free = [victim]
         slot = free[0]
         self.layer_in[slot] = layer
