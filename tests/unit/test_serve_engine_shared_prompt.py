@@ -181,3 +181,22 @@ def test_plan_copies_a_shared_block_once_and_frees_only_unshared_blocks() -> Non
     d.computed, d.blocks = 4, [2]  # older, its own block full: its decode needs a new one
     plan = plan_step([d, a, b], [], free_blocks=0, block_size=4, b=Budget(8, 64, 64), refs=[2, 2, 1])
     assert plan.preempt == [b, a] and plan.chunks == [(d, 1)]  # b alone frees nothing a still holds
+
+
+def test_sharers_preempted_beside_another_request_in_a_tight_pool(run: LoadedRun) -> None:
+    """A 12-block pool: a 24-token request and an n = 3 request whose 22-token prompt shares 6 blocks;
+    decoding 20 tokens each forces preemptions, which must count blocks other sharers still hold as
+    not freed (counting them freed plans decodes that do not fit). Every sequence equals ``generate``
+    and the pool comes back whole."""
+    engine, events = engine_of(run, blocks=12), []
+    other = list(b"abcdefghijklmnopqrstuvwx")  # 24 tokens: 6 full blocks
+    engine.submit([Seq(other, SamplingParams(20, 0.7, seed=99), events.append, choice=9)])
+    engine.submit(choices([SamplingParams(20, 0.8, seed=5 + j) for j in range(3)], events))
+    drain(engine)
+    assert engine.preemptions > 0
+    for j in range(3):
+        want = generate(run.model, torch.tensor([PROMPT]), 20, 0.8, None, 1.0, 5 + j)[0, len(PROMPT) :].tolist()
+        assert tokens_of(events, j) == want, j
+    want = generate(run.model, torch.tensor([other]), 20, 0.7, None, 1.0, 99)[0, len(other) :].tolist()
+    assert tokens_of(events, 9) == want
+    assert used(engine) == 0
