@@ -61,6 +61,7 @@ class LayerFile:
             if fd >= 0:
                 os.close(fd)
         self._fd = self._direct_fd = -1
+        self.host.clear()
 
     def buffer(self) -> Tensor:
         """A RAM buffer for one region, on a 4 KiB boundary (where direct I/O may land)."""
@@ -136,8 +137,9 @@ def host_regions(num_layers: int, weight_slots: int, grad_accum: int, capacity: 
       ``weight_slots`` hold every layer; otherwise about (L - slots) / L of those passes (the exact
       count differs by layer with the eviction order, so the estimate is taken for the whole kind).
 
-    The kinds are taken in that order of transfers per step (a tie in the order gradient, weights,
-    moments), and within a kind from the last layer down (its traffic is the same in every layer).
+    The kinds are taken by most transfers per step first (a tie in the order gradient, weights,
+    moments), each kind from the last layer down: a gradient's or moment's traffic is the same in
+    every layer, and the weights' estimate is one figure for the whole kind.
     """
     missed = max(0, num_layers - weight_slots) / num_layers
     transfers = {"grad": 2 * grad_accum, "weight": 1 + (2 * grad_accum + 1) * missed, "exp_avg": 2, "exp_avg_sq": 2}
