@@ -1,14 +1,16 @@
 """Training beyond memory: offloaded experts against in-memory training and the naive schedule.
 
-    python benchmarks/train_offload.py [--json] [--steps 50] [--rounds 3] [--threads 1]
+    python benchmarks/train_offload.py [--json] [--steps 50] [--rounds 3] [--threads 1] [--host-regions 0]
 
 A model whose experts' weights + gradients + AdamW moments are >= 4x ``train.memory_budget`` is
-trained for ``--steps`` steps in three ways, each in its own child process (its peak RSS is the
-child's own ``VmHWM`` from ``/proc/self/status``), the three taking turns for ``--rounds`` rounds:
+trained for ``--steps`` steps in three ways (four with ``--host-regions``), each in its own child
+process (its peak RSS is the child's own ``VmHWM`` from ``/proc/self/status``), taking turns for
+``--rounds`` rounds:
 
 - ``memory``: every expert in RAM (the reference);
 - ``offload``: ``train.memory_budget``: layer-ahead prefetch on reader threads, write-behind;
-- ``naive``: the same store and budget with prefetch and write-behind off (every read and write waits).
+- ``naive``: the same store and budget with prefetch and write-behind off (every read and write waits);
+- ``host``: ``offload`` with a host tier (``train.host_budget``) of ``--host-regions`` regions.
 
 Per step: median time (min .. max over rounds), bytes read and written on disk, and the bound
 ``max(in-memory step, bytes moved / disk bandwidth)``. The bandwidth is measured on the offload
@@ -31,7 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
-MODES = ("memory", "offload", "naive")
+MODES = ("memory", "offload", "naive", "host")
 MODEL = {
     "model.n_layers": "10",
     "model.d_model": "128",
@@ -69,6 +71,8 @@ def child(args: argparse.Namespace) -> dict:
     overrides["train.steps"] = str(args.steps)
     if args.mode != "memory":
         overrides |= {"train.memory_budget": str(args.budget), "train.offload_dir": str(Path(args.work) / args.mode)}
+    if args.mode == "host":
+        overrides["train.host_budget"] = str(args.host_regions * region_bytes())
     cfg = runconfig.resolve("tiny", overrides)
     run = loop._setup(cfg, Path(tempfile.mkdtemp(dir=args.work)), False, torch.device("cpu"), False, None, False)
     offload: ExpertOffload | None = run.offload
@@ -77,7 +81,7 @@ def child(args: argparse.Namespace) -> dict:
     # before offloading moves them to disk (and hands the memory back).
     Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current VmRSS
     if offload is not None:
-        offload.ws.overlap = args.mode == "offload"
+        offload.ws.overlap = args.mode != "naive"
     times, losses, moved = [], [], []
     for step in range(args.steps):
         before = (offload.bytes_read, offload.bytes_written) if offload else (0, 0)
@@ -137,6 +141,7 @@ def disk_bandwidth(directory: Path, region_bytes: int, reads: int, writes: int) 
 def run_child(mode: str, args: argparse.Namespace, budget: int) -> dict:
     cmd = [sys.executable, __file__, "--child", mode, "--budget", str(budget), "--work", args.work]
     cmd += ["--steps", str(args.steps), "--threads", str(args.threads), "--data", args.data]
+    cmd += ["--host-regions", str(args.host_regions)]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
@@ -155,6 +160,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--data", default="/work/shared/data/tinyshakespeare.txt")
     parser.add_argument("--work", default=None, help="where runs and offloaded state go (default: a temp dir)")
+    parser.add_argument("--host-regions", type=int, default=0, help="a host tier of this many regions: mode host")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)
     parser.add_argument("--budget", type=int, help=argparse.SUPPRESS)
@@ -167,9 +173,10 @@ def main() -> None:
     args.work = args.work or tempfile.mkdtemp(prefix="moekit-train-offload-")
     budget = REGIONS * region_bytes()
     try:
-        runs: dict[str, list[dict]] = {m: [] for m in MODES}
+        modes = MODES if args.host_regions else MODES[:-1]
+        runs: dict[str, list[dict]] = {m: [] for m in modes}
         for r in range(args.rounds):
-            for mode in MODES[r % 3 :] + MODES[: r % 3]:
+            for mode in modes[r % len(modes) :] + modes[: r % len(modes)]:
                 runs[mode].append(run_child(mode, args, budget))
         read, written = (statistics.median(m[i] for m in runs["offload"][0]["moved"][2:]) for i in (0, 1))
         regions = [round(moved / region_bytes()) for moved in (read, written)]
@@ -194,9 +201,14 @@ def report(runs: dict[str, list[dict]], budget: int, read: float, written: float
     mem_run = runs["memory"][0]
     activations = mem_run["peak_rss"] - mem_run["base_rss"] - expert_state - plain_state
     limit = first["base_rss"] + 1.1 * (budget + plain_state + max(activations, 0))
-    same = all(run["losses"] == runs["memory"][0]["losses"] for mode in MODES for run in runs[mode])
+    same = all(run["losses"] == runs["memory"][0]["losses"] for mode in runs for run in runs[mode])
+    bounds = dict.fromkeys(runs, bound)
+    if "host" in runs:  # its own bound: fewer disk bytes per step
+        host_read, host_written = (statistics.median(m[i] for m in runs["host"][0]["moved"][2:]) for i in (0, 1))
+        bounds["host"] = max(memory, (host_read + host_written) / bandwidth)
+        host_tier = args.host_regions * region_bytes()
     rows = []
-    for mode in MODES:
+    for mode in runs:
         t = step_times(mode)
         peak = [run["peak_rss"] / 1e6 for run in runs[mode]]
         rows.append(
@@ -205,7 +217,7 @@ def report(runs: dict[str, list[dict]], budget: int, read: float, written: float
                 "step_s": {"median": statistics.median(t), "min": min(t), "max": max(t)},
                 "peak_rss_mb": {"median": statistics.median(peak), "min": min(peak), "max": max(peak)},
                 "x_memory": statistics.median(t) / memory,
-                "x_bound": statistics.median(t) / bound,
+                "x_bound": statistics.median(t) / bounds[mode],
             }
         )
     print(
@@ -217,6 +229,12 @@ def report(runs: dict[str, list[dict]], budget: int, read: float, written: float
         f"per offloaded step: {read / 1e6:.1f} MB read, {written / 1e6:.1f} MB written, I/O time {io_s * 1e3:.0f} ms; "
         f"bound max(in-memory step, I/O) = {bound * 1e3:.0f} ms"
     )
+    if "host" in runs:
+        print(
+            f"with a host tier of {args.host_regions} regions ({host_tier / 1e6:.1f} MB, on top of the RSS limit): "
+            f"{host_read / 1e6:.1f} MB read, {host_written / 1e6:.1f} MB written on disk per step; "
+            f"bound {bounds['host'] * 1e3:.0f} ms"
+        )
     print(f"{'mode':<8} {'step ms median (min .. max)':<30} {'x in-memory':>11} {'x bound':>8} {'peak RSS MB':>12}")
     for row in rows:
         s = row["step_s"]

@@ -421,7 +421,7 @@ class TrainConfig:
     sample_tokens: int = 200  # tokens generated into sample.txt at the end; 0 = none
     # Training beyond memory: MoE experts' weights and AdamW state kept on disk, a budgeted working set in RAM.
     memory_budget: str = ""  # RAM for the experts' working set (e.g. 4GB); "" = every expert stays in memory
-    host_budget: str = ""  # a pinned host tier between a GPU and the disk (GPU machines only; not yet supported)
+    host_budget: str = ""  # RAM holding the offloaded expert state moved most per step instead of the disk; "" = none
     offload_dir: str = ""  # directory of the offloaded expert state (a local disk); "" = <run_dir>/offload
 
     def __post_init__(self) -> None:
@@ -457,13 +457,19 @@ class TrainConfig:
                 self.memory_budget,
                 "must be > 0",
             )
-        _require(
-            not self.host_budget,
-            "train.host_budget",
-            self.host_budget,
-            "a host tier exists only between a GPU and the disk; offloaded training runs on CPU, "
-            "where train.memory_budget is the RAM working set",
-        )
+        if self.host_budget:
+            _require(
+                parse_bytes(self.host_budget, "train.host_budget") > 0,
+                "train.host_budget",
+                self.host_budget,
+                "must be > 0",
+            )
+            _require(
+                bool(self.memory_budget),
+                "train.host_budget",
+                self.host_budget,
+                "needs train.memory_budget (the host tier sits between the working set and the disk)",
+            )
         _require(
             not self.offload_dir or bool(self.memory_budget),
             "train.offload_dir",

@@ -1,5 +1,6 @@
 """Offloaded expert training (``train.memory_budget``) on several ranks against in-memory training of
-the same layout, through ``train()``: ep=2, dp=2 and dp=2 x ep=2 (experts replicated over dp).
+the same layout, through ``train()``: ep=2, dp=2 and dp=2 x ep=2 (experts replicated over dp; this
+one with a host tier, ``train.host_budget``, holding 4 of each rank's 12 regions in RAM).
 
 Reference: the same run, same layout, every expert in memory. Tolerance: none (bitwise on CPU) for
 every loss, the validation loss and every final weight: each rank offloads its own ep shard, and
@@ -41,10 +42,11 @@ DP4_TOL = 1e-6
 # Two expert-weight slots and six regions of gradients and moments, for a layer's experts held by one
 # rank: 4 experts (98 KB per layer), 2 under ep=2, 1 under ep=4.
 BUDGET = {1: "800KB", 2: "400KB", 4: "250KB"}
+HOST = {"dp2xep2": "200KB"}  # 4 regions of 49 KB: the 3 layers' gradients and one layer's weights
 PRELOAD = ("moekit.train.loop", "moekit.run.load")
 
 
-def _cfg(tmp: Path, ep: int = 1, dp: int = 1, offload: bool = False) -> runconfig.RunConfig:
+def _cfg(tmp: Path, ep: int = 1, dp: int = 1, offload: bool = False, host: str = "") -> runconfig.RunConfig:
     values = {
         "data.path": str(tmp / "corpus.txt"),
         "data.cache_dir": str(tmp / "cache"),
@@ -63,6 +65,8 @@ def _cfg(tmp: Path, ep: int = 1, dp: int = 1, offload: bool = False) -> runconfi
     }
     if offload:
         values |= {"train.memory_budget": BUDGET[ep], "train.offload_dir": str(tmp / "offload")}
+    if host:
+        values["train.host_budget"] = host
     return runconfig.resolve("tiny", values)
 
 
@@ -71,7 +75,8 @@ def _both(rank: int, tmp: Path, name: str, ep: int, dp: int) -> None:
     the tiny model's norms exceed ``train.grad_clip=1``)."""
     runs = {}
     for offload in (False, True):
-        result = train(_cfg(tmp, ep, dp, offload), tmp / f"{name}-{'disk' if offload else 'memory'}", progress=False)
+        cfg = _cfg(tmp, ep, dp, offload, HOST.get(name, "") if offload else "")
+        result = train(cfg, tmp / f"{name}-{'disk' if offload else 'memory'}", progress=False)
         records = [json.loads(line) for line in (result.run_dir / METRICS_FILE).read_text().splitlines()]
         runs["disk" if offload else "memory"] = [*result.losses, result.val_loss, *(r["grad_norm"] for r in records)]
     if rank == 0:

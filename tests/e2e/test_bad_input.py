@@ -69,6 +69,18 @@ CASES = [
     ("budget-small", ["generate", "{run}", "--memory-budget", "10KB"], None, "--memory-budget=10.0 KB"),
     ("init-resume", ["train", "--init", "{run}", "--resume", "--run-dir", "{new}"], None, "combined with --resume"),
     ("export-onto-run", ["export", "{run}", "--out", "{run}"], None, "--out="),
+    (
+        "host-budget",
+        ["train", "--train.memory_budget", "1MB", "--train.host_budget", "lots", "--run-dir", "{new}"],
+        None,
+        "train.host_budget='lots': give a size",
+    ),
+    (
+        "host-budget-alone",
+        ["train", "--train.host_budget", "1MB", "--run-dir", "{new}"],
+        None,
+        "train.host_budget='1MB': needs train.memory_budget",
+    ),
 ]
 
 EDITS = {

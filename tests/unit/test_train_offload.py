@@ -2,7 +2,9 @@
 
 Reference: the same run with every expert in memory. Tolerance: none (bitwise on CPU): the offload
 is an execution detail. The budget is set so only two layers' expert weights fit in RAM, so every
-layer is read from disk in forward, again in backward, and in the AdamW step.
+layer is read from disk in forward, again in backward, and in the AdamW step. With a host tier
+(``train.host_budget``) holding some of the regions in RAM, the same holds, and the disk moves
+exactly the bytes of the regions left on it.
 """
 
 from __future__ import annotations
@@ -20,10 +22,13 @@ from moekit.parallel.mesh import Layout, LayoutError
 from moekit.run.load import load_run
 from moekit.run.saver import Checkpointer
 from moekit.runconfig import RunConfig
+from moekit.train import loop
 from moekit.train.loop import train
 from moekit.train.offload import offload_experts
 
 BUDGET = "800KB"  # the tiny model below: 98 KB of expert weights per layer, 2 slots + 6 scratch regions
+UNIT = 98304  # bytes of one (layer, kind) region of the tiny model's experts
+HOST = "800KB"  # a host tier of 8 of the 12 regions: 3 gradients, 3 weights, 2 of the 6 moments
 
 
 @pytest.fixture(scope="module")
@@ -80,8 +85,9 @@ def weights(run_dir: Path) -> dict[str, torch.Tensor]:
         {"moe.router": "hash", "moe.bias_update_rate": "0"},
         # dropping tokens; biases widen a layer's region
         {"moe.capacity_factor": "1.0", "moe.expert_ffn_bias": "true", "train.memory_budget": "850KB"},
+        {"train.host_budget": HOST},
     ],
-    ids=["topk", "expert_choice", "hash", "capacity_bias"],
+    ids=["topk", "expert_choice", "hash", "capacity_bias", "host_tier"],
 )
 def test_offloaded_training_equals_in_memory_bitwise(corpus: Path, tmp_path: Path, moe: dict[str, str]) -> None:
     offload_dir = tmp_path / "state"
@@ -102,8 +108,9 @@ def test_offloaded_training_equals_in_memory_bitwise(corpus: Path, tmp_path: Pat
     assert not any(offload_dir.iterdir()), "the offloaded state is removed when training ends"
 
 
-def test_offloaded_resume_equals_uninterrupted(corpus: Path, tmp_path: Path) -> None:
-    cfg = tiny(corpus, **{"train.memory_budget": BUDGET})
+@pytest.mark.parametrize("host", [{}, {"train.host_budget": HOST}], ids=["disk", "host_tier"])
+def test_offloaded_resume_equals_uninterrupted(corpus: Path, tmp_path: Path, host: dict[str, str]) -> None:
+    cfg = tiny(corpus, **{"train.memory_budget": BUDGET} | host)
     whole = train(cfg, tmp_path / "whole", progress=False)
 
     def stop_at_2(record: dict) -> None:
@@ -119,12 +126,42 @@ def test_offloaded_resume_equals_uninterrupted(corpus: Path, tmp_path: Path) -> 
         assert torch.equal(a[key], b[key]), key
 
 
+def test_host_tier_takes_disk_traffic_by_the_rule(corpus: Path, tmp_path: Path) -> None:
+    """A host tier of three regions takes the gradients (``store.host_regions``: with grad_accum A = 2,
+    each layer's gradient region is written A times and read A times per step; no region of this run
+    moves more: a layer's weights move 2 to 4 times, each moment twice). Written out: each of the 3
+    layers' gradients moves 2 reads and 2 writes per step off the disk into RAM, and every other
+    region moves as before."""
+    moved = {}
+    for name, host in (("disk", {}), ("host", {"train.host_budget": str(3 * UNIT)})):
+        cfg = tiny(corpus, **{"train.memory_budget": BUDGET} | host)
+        run = loop._setup(cfg, tmp_path / name, False, torch.device("cpu"), False, None, False)
+        file = run.offload.file
+        assert file.unit == UNIT
+        counters = ("bytes_read", "bytes_written", "host_bytes_read", "host_bytes_written")
+        for step in range(2):  # the second step: the first reads every layer into an empty working set
+            before = [getattr(file, c) for c in counters]
+            loop._train_step(run.pm, run.optimizer, run.corpus, cfg, run.dev, step, None, run.offload)
+            run.offload.ws.flush()
+        moved[name] = [getattr(file, c) - b for c, b in zip(counters, before, strict=True)]
+        if host:
+            assert sorted(file.host) == [(0, "grad"), (1, "grad"), (2, "grad")]
+        run.offload.close()
+    layers, accum = 3, 2
+    off_disk = layers * accum * UNIT  # per step, read and written alike
+    read, written, _, _ = moved["disk"]
+    assert moved["disk"][2:] == [0, 0]
+    assert moved["host"] == [read - off_disk, written - off_disk, off_disk, off_disk]
+
+
 @pytest.mark.parametrize(
     ("fields", "named"),
     [
         ({"memory_budget": "lots"}, "train.memory_budget='lots'"),
         ({"memory_budget": "0"}, "train.memory_budget='0'"),
-        ({"host_budget": "8GB"}, "train.host_budget='8GB'"),
+        ({"host_budget": "8GB"}, "train.host_budget='8GB': needs train.memory_budget"),
+        ({"memory_budget": "1MB", "host_budget": "lots"}, "train.host_budget='lots'"),
+        ({"memory_budget": "1MB", "host_budget": "0"}, "train.host_budget='0': must be > 0"),
         ({"offload_dir": "/tmp/x"}, "train.offload_dir='/tmp/x'"),
     ],
 )
@@ -137,6 +174,7 @@ def test_bad_offload_fields_name_the_field(fields: dict[str, str], named: str) -
     ("overrides", "named"),
     [
         ({"train.memory_budget": "100KB"}, "train.memory_budget='100KB': offloaded training needs at least"),
+        ({"train.memory_budget": BUDGET, "train.host_budget": "90KB"}, "train.host_budget='90KB': holds no region"),
         ({"train.memory_budget": BUDGET, "train.dtype": "bf16"}, "train.dtype='bf16'"),
         ({"train.memory_budget": BUDGET, "train.async_checkpoint": "true"}, "train.async_checkpoint"),
         ({"train.memory_budget": BUDGET, "model.experts_per_layer": "4,2,4"}, r"model.experts_per_layer=\[4, 2, 4\]"),

@@ -1,4 +1,5 @@
-"""Training beyond memory: MoE experts' weights and AdamW state offloaded to disk (``train.memory_budget``)."""
+"""Training beyond memory: MoE experts' weights and AdamW state offloaded to disk (``train.memory_budget``),
+the most-moved of them kept in a host tier in RAM (``train.host_budget``)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from moekit.parallel.mesh import Layout, LayoutError, RunMesh
 from moekit.runconfig import RunConfig
 from moekit.train.offload.engine import ExpertOffload
 from moekit.train.offload.reduce import LayerGradReduce
+from moekit.train.offload.store import host_regions
+from moekit.units import format_bytes, parse_bytes
 
 __all__ = ["ExpertOffload", "offload_experts"]
 
@@ -27,7 +30,8 @@ def offload_experts(
 ) -> ExpertOffload:
     """Offload this rank's experts of ``model`` under ``cfg.train.memory_budget``, or refuse a run it does
     not support. Each rank offloads its own ep shard to its own file; the layouts tested against
-    in-memory training are dp, ep and dp x ep with replicated experts."""
+    in-memory training are dp, ep and dp x ep with replicated experts. With ``cfg.train.host_budget``,
+    each rank holds that many bytes of its regions in RAM instead of its file (``store.host_regions``)."""
     tc, p = cfg.train, cfg.parallel
     budget = f"train.memory_budget={tc.memory_budget!r}"
     layouts = [
@@ -65,4 +69,15 @@ def offload_experts(
     dp_group = mesh["dp"].get_group() if mesh is not None and layout.dp > 1 else None
     reduce = LayerGradReduce(dp_group, layout.batch_ranks)
     path = directory / f"experts-rank{rank}.bin"
-    return ExpertOffload(model, optimizer, tc.memory_budget, path, reduce, layout.world, mesh is not None)
+    offload = ExpertOffload(model, optimizer, tc.memory_budget, path, reduce, layout.world, mesh is not None)
+    if tc.host_budget:
+        file = offload.file
+        capacity = parse_bytes(tc.host_budget, "train.host_budget") // file.unit
+        if capacity < 1:
+            offload.close()
+            raise ValueError(
+                f"train.host_budget={tc.host_budget!r}: holds no region of expert state "
+                f"({format_bytes(file.unit)} each); give at least that, or leave it out"
+            )
+        file.move_to_host(host_regions(len(offload.params), len(offload.ws.slots), tc.grad_accum, capacity))
+    return offload

@@ -1,4 +1,4 @@
-"""The disk tier of offloaded training: every MoE layer's expert tensors, by kind, in one file.
+"""The disk and host tiers of offloaded training: every MoE layer's expert tensors, by kind, in one file.
 
 Each (layer, kind) is one region of the file: the layer's stacked expert tensors (``w_in [E, D, W]``,
 ``w_out [E, F, D]``, biases) one after another, in the layout a RAM buffer of ``unit`` bytes holds
@@ -6,6 +6,10 @@ them. Kinds are the weights, their gradient and AdamW's two moments. A region st
 4 KiB boundary, so a whole region is read or written with one direct (``O_DIRECT``) call into an
 aligned buffer (``aligned_empty``): no copy through the OS page cache and no cached pages beside the
 memory budget. Where the filesystem refuses direct I/O, plain ``preadv``/``pwritev`` are used.
+
+The host tier (``train.host_budget``) holds some regions in RAM instead: reading or writing one is a
+memory copy, counted apart from the disk's bytes. ``host_regions`` says which regions it holds. The
+file keeps room for every region (those of the host tier are never read or written there).
 """
 
 from __future__ import annotations
@@ -48,13 +52,16 @@ class LayerFile:
         self._direct_fd = open_direct(self.path, os.O_RDWR)
         self.direct = self._direct_fd >= 0
         self._lock = threading.Lock()
-        self.bytes_read = self.bytes_written = 0
+        self.bytes_read = self.bytes_written = 0  # disk bytes
+        self.host: dict[tuple[int, str], Tensor] = {}  # (layer, kind) -> the region, in the host tier
+        self.host_bytes_read = self.host_bytes_written = 0
 
     def close(self) -> None:
         for fd in (self._fd, self._direct_fd):
             if fd >= 0:
                 os.close(fd)
         self._fd = self._direct_fd = -1
+        self.host.clear()
 
     def buffer(self) -> Tensor:
         """A RAM buffer for one region, on a 4 KiB boundary (where direct I/O may land)."""
@@ -71,13 +78,30 @@ class LayerFile:
         """Every tensor of a region's buffer as one fp32 vector (the alignment gaps between them ride along, unread)."""
         return buf_U8[: self.tensors_end].view(torch.float32)
 
+    def move_to_host(self, regions: list[tuple[int, str]]) -> None:
+        """From now on hold ``regions`` in RAM (each read once from the file), not on disk."""
+        for layer, kind in regions:
+            region = torch.empty(self.unit, dtype=torch.uint8)
+            self.read(layer, kind, region)
+            self.host[(layer, kind)] = region
+
     def read(self, layer: int, kind: str, buf_U8: Tensor) -> None:
+        held = self.host.get((layer, kind))
+        if held is not None:
+            buf_U8.copy_(held)
+            self._count(host_read=self.unit)
+            return
         got = os.preadv(self._fd_for(buf_U8), [memoryview(buf_U8.numpy())], self._offset(layer, kind))
         if got != self.unit:
             raise OSError(f"{self.path}: short read of layer {layer} {kind}: {got} of {self.unit} bytes")
         self._count(read=got)
 
     def write(self, layer: int, kind: str, buf_U8: Tensor) -> None:
+        held = self.host.get((layer, kind))
+        if held is not None:
+            held.copy_(buf_U8)
+            self._count(host_written=self.unit)
+            return
         put = os.pwritev(self._fd_for(buf_U8), [memoryview(buf_U8.numpy())], self._offset(layer, kind))
         if put != self.unit:
             raise OSError(f"{self.path}: short write of layer {layer} {kind}: {put} of {self.unit} bytes")
@@ -91,7 +115,34 @@ class LayerFile:
     def _offset(self, layer: int, kind: str) -> int:
         return (layer * len(KINDS) + KINDS.index(kind)) * self.unit
 
-    def _count(self, read: int = 0, written: int = 0) -> None:
+    def _count(self, read: int = 0, written: int = 0, host_read: int = 0, host_written: int = 0) -> None:
         with self._lock:
             self.bytes_read += read
             self.bytes_written += written
+            self.host_bytes_read += host_read
+            self.host_bytes_written += host_written
+
+
+def host_regions(num_layers: int, weight_slots: int, grad_accum: int, capacity: int) -> list[tuple[int, str]]:
+    """The ``capacity`` regions the host tier holds: those that move the most disk bytes per step.
+
+    Every region is ``unit`` bytes, so RAM is best spent on the regions moved most often. Per optimizer
+    step of ``grad_accum`` (A) micro-batches, a layer's regions move (validation passes aside):
+
+    - gradient: 2A times (written by each micro-batch's backward, read back by the next one to add
+      to it and by the AdamW step), whatever the working set holds;
+    - each AdamW moment: twice (read and written by the AdamW step);
+    - weights: once written by the AdamW step, and read by each of the 2A + 1 passes (A forwards,
+      A backwards, the AdamW walk) that finds the layer gone from the working set: none when its
+      ``weight_slots`` hold every layer; otherwise about (L - slots) / L of those passes (the exact
+      count differs by layer with the eviction order, so the estimate is taken for the whole kind).
+
+    The kinds are taken by most transfers per step first (a tie in the order gradient, weights,
+    moments), each kind from the last layer down: a gradient's or moment's traffic is the same in
+    every layer, and the weights' estimate is one figure for the whole kind.
+    """
+    missed = max(0, num_layers - weight_slots) / num_layers
+    transfers = {"grad": 2 * grad_accum, "weight": 1 + (2 * grad_accum + 1) * missed, "exp_avg": 2, "exp_avg_sq": 2}
+    kinds = sorted(transfers, key=lambda kind: -transfers[kind])  # stable: ties keep the order above
+    ranked = [(layer, kind) for kind in kinds for layer in reversed(range(num_layers))]
+    return ranked[:capacity]
