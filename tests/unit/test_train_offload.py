@@ -2,13 +2,17 @@
 
 Reference: the same run with every expert in memory. Tolerance: none (bitwise on CPU): the offload
 is an execution detail. The budget is set so only two layers' expert weights fit in RAM, so every
-layer is read from disk in forward, again in backward, and in the AdamW step. With a host tier
-(``train.host_budget``) holding some of the regions in RAM, the same holds, and the disk moves
-exactly the bytes of the regions left on it.
+layer is read from disk in forward and again in backward. The experts' AdamW step of a step runs in
+the next forward (or before an evaluation or a checkpoint), with the step's own learning rate: the
+tiny runs warm the learning rate up over more steps than they take, so it changes at every step.
+With a host tier (``train.host_budget``) holding some of the regions in RAM, the same holds, and the
+disk moves exactly the bytes of the regions left on it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import re
 from pathlib import Path
 
@@ -24,6 +28,7 @@ from moekit.run.saver import Checkpointer
 from moekit.runconfig import RunConfig
 from moekit.train import loop
 from moekit.train.loop import train
+from moekit.train.metrics import METRICS_FILE
 from moekit.train.offload import offload_experts
 
 BUDGET = "800KB"  # the tiny model below: 98 KB of expert weights per layer, 2 slots + 6 scratch regions
@@ -109,19 +114,70 @@ def test_offloaded_training_equals_in_memory_bitwise(corpus: Path, tmp_path: Pat
 
 
 @pytest.mark.parametrize("host", [{}, {"train.host_budget": HOST}], ids=["disk", "host_tier"])
-def test_offloaded_resume_equals_uninterrupted(corpus: Path, tmp_path: Path, host: dict[str, str]) -> None:
-    cfg = tiny(corpus, **{"train.memory_budget": BUDGET} | host)
-    whole = train(cfg, tmp_path / "whole", progress=False)
+def test_deferred_updates_follow_the_schedule_evaluations_and_checkpoints(
+    corpus: Path, tmp_path: Path, host: dict[str, str]
+) -> None:
+    """The learning rate changes at every step (warmup, then decay); evaluations run between some steps
+    (2, 4); a checkpoint is taken at step 3 with no evaluation before it, then resumed."""
+    schedule = {"train.steps": "5", "train.warmup_steps": "3", "train.eval_every": "2", "train.ckpt_every": "3"}
+    offloaded = schedule | {"train.memory_budget": BUDGET} | host
+    memory = train(tiny(corpus, **schedule), tmp_path / "memory", progress=False)
+    disk = train(tiny(corpus, **offloaded), tmp_path / "disk", progress=False)
+    records = [json.loads(line) for line in (tmp_path / "disk" / METRICS_FILE).read_text().splitlines()]
+    assert len({r["lr"] for r in records}) == len(records) == 5
+    assert [r["step"] for r in records if "val_loss" in r] == [2, 4, 5]
+    assert disk.losses == memory.losses and disk.val_loss == memory.val_loss
 
-    def stop_at_2(record: dict) -> None:
-        if record["step"] == 2:  # just after the step's checkpoint: the run dies
+    def stop_at_3(record: dict) -> None:
+        if record["step"] == 3:
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        train(cfg, tmp_path / "cut", progress=False, on_step=stop_at_2)
-    resumed = train(cfg, tmp_path / "cut", resume=True, progress=False)
-    assert resumed.losses == whole.losses[2:]
-    a, b = weights(tmp_path / "whole"), weights(tmp_path / "cut")
+        train(tiny(corpus, **offloaded), tmp_path / "cut", progress=False, on_step=stop_at_3)
+    resumed = train(tiny(corpus, **offloaded), tmp_path / "cut", resume=True, progress=False)
+    assert resumed.losses == memory.losses[3:] and resumed.val_loss == memory.val_loss
+    a = weights(tmp_path / "memory")
+    for run in ("disk", "cut"):
+        b = weights(tmp_path / run)
+        for key in a:
+            assert torch.equal(a[key], b[key]), f"{run} {key}"
+
+
+def _fail_once(module: torch.nn.Module) -> None:
+    """The next forward of ``module`` raises (before it runs); later ones run."""
+
+    def hook(*_) -> None:
+        handle.remove()
+        raise RuntimeError("a forward cut short")
+
+    handle = module.register_forward_pre_hook(hook)
+
+
+def test_a_forward_cut_short_leaves_the_rest_of_the_updates_pending(corpus: Path, tmp_path: Path) -> None:
+    """A step's forward that fails at the second MoE layer, after updating the first, then tried again:
+    each layer is updated once, as in memory (the same failure cut in both runs)."""
+    runs = {}
+    for name, budget in (("memory", {}), ("disk", {"train.memory_budget": BUDGET})):
+        run = loop._setup(tiny(corpus, **budget), tmp_path / name, False, torch.device("cpu"), False, None, False)
+        losses = []
+        for step in range(3):
+            if step == 1:
+                _fail_once(run.pm.moe_layers()[1])
+                with pytest.raises(RuntimeError, match="cut short"):
+                    loop._train_step(run.pm, run.optimizer, run.corpus, run.cfg, run.dev, step, None, run.offload)
+                assert run.offload is None or run.offload.updates.pending, "the later layers' updates wait"
+                run.optimizer.zero_grad(set_to_none=True)
+            record = loop._train_step(run.pm, run.optimizer, run.corpus, run.cfg, run.dev, step, None, run.offload)
+            losses.append(record["loss"])
+        with run.offload.materialized() if run.offload else contextlib.nullcontext():
+            state = {k: v.clone() for k, v in run.local.state_dict().items()}
+        if run.offload:
+            assert not run.offload.updates.pending
+            run.offload.close()
+        runs[name] = losses, state
+    (memory_losses, a), (disk_losses, b) = runs["memory"], runs["disk"]
+    assert disk_losses == memory_losses
+    assert any(".experts." in k for k in a)
     for key in a:
         assert torch.equal(a[key], b[key]), key
 

@@ -11,11 +11,16 @@ Per optimizer step (on CPU, in each process: its own ep shard of every layer's e
 3. the global gradient norm combines those norms with the rest of the model's, by replica group, in
    the parameter order and precision of ``clip_grad_norm``, so the clipping factor is the in-memory
    one, bit for bit;
-4. the AdamW step of the experts walks the layers from the last, one layer in RAM at a time: the
-   next layer's gradient, moments and weights are read while this one is updated, and the updated
-   weights and moments are written back behind it. The arithmetic is ``torch.optim``'s fused AdamW on
-   the same whole stacked tensors with the same step counts and hyperparameters, so the bits equal
-   in-memory training's. The walk ends with the first layers resident: the next forward's.
+4. the AdamW step of the experts is recorded, not run (``adamw.py``): the clipping factor, each
+   parameter group's hyperparameters and the step counts as the step has them, so that a learning
+   rate set for the next step changes nothing. The first layer's gradient and moments are read;
+5. the next forward (or an evaluation, or anything that runs the experts) updates each layer as it
+   reaches it, on the slot it computes from: the layer's weights are read once for both, the new
+   weights and moments are written behind, and the next layer's gradient, moments and weights are read
+   while this one computes. The arithmetic is ``torch.optim``'s fused AdamW on the same whole stacked
+   tensors with the same step counts and hyperparameters, so the bits equal in-memory training's.
+   Whatever needs the whole state (a checkpoint, through ``materialized``) first runs every pending
+   update, in layer order.
 
 Non-expert weights stay in the model and take the ordinary optimizer step. The expert parameters
 stay in the model and the optimizer with their type and shape (a DTensor sharded over ep, under
@@ -33,19 +38,18 @@ from pathlib import Path
 
 import torch
 from torch import Tensor, nn
-from torch.optim.adam import adam
 
 from moekit.experts.grouped import local_tensor
 from moekit.hostmem import release_freed_memory
 from moekit.parallel.grads import clip_scale, combine_norms, replicas
+from moekit.train.offload.adamw import MOMENTS, DeferredAdamW
 from moekit.train.offload.experts import OffloadedExperts, install
 from moekit.train.offload.reduce import LayerGradReduce
 from moekit.train.offload.store import LayerFile
 from moekit.train.offload.working_set import WorkingSet
 from moekit.units import format_bytes, parse_bytes
 
-_MOMENTS = ("grad", "exp_avg", "exp_avg_sq")  # what the AdamW step reads beside the weights
-SCRATCH = 2 * len(_MOMENTS)  # RAM regions for gradients in backward, then the AdamW step double-buffered
+SCRATCH = 2 * len(MOMENTS)  # RAM regions for gradients in backward, then the AdamW step double-buffered
 MIN_REGIONS = SCRATCH + 2  # and two weight slots: one computes while the next is read
 
 
@@ -88,6 +92,7 @@ class ExpertOffload:
         self.optimizer = optimizer
         self.params = [[p for _, p in moe.experts.named_parameters(recurse=False)] for moe in layers]
         self.roles = list(shapes)
+        self.updates = DeferredAdamW(self.ws, self.file, self.scratch, self.params, self.roles, optimizer)
         self._expert = {id(p): (layer, i) for layer, ps in enumerate(self.params) for i, p in enumerate(ps)}
         self.norms: list[list[Tensor | None]] = [[None] * len(self.roles) for _ in layers]
         self.grad_accum, self._seen, self._next_scratch, self.scale = 1, [0] * len(layers), 0, 1.0
@@ -103,6 +108,7 @@ class ExpertOffload:
     def out(self, layer: int, grads: dict[str, Tensor]) -> None:
         """A layer's gradients of one micro-batch, as its backward ends: added to the step's and written
         out; the last micro-batch's sums are reduced over the ranks first (in the background)."""
+        assert not self.updates.pending, "every update runs in forward, before a gradient is written over"
         micro, self._seen[layer] = self._seen[layer], self._seen[layer] + 1
         buf = self.scratch[self._next_scratch]
         self._next_scratch = (self._next_scratch + 1) % SCRATCH
@@ -155,69 +161,15 @@ class ExpertOffload:
         return norm
 
     # -- the AdamW step ----------------------------------------------------------------------------
-    @torch.no_grad()
     def step(self) -> None:
-        """AdamW over every layer's experts with the optimizer's hyperparameters (after ``optimizer.step()``)."""
-        order = list(reversed(range(len(self.params))))
-        sets = [self.scratch[: len(_MOMENTS)], self.scratch[len(_MOMENTS) :]]
-        pending = self._read_moments(order[0], sets[0])
-        for i, layer in enumerate(order):
-            bufs = sets[i % 2]
-            weights = self.ws.get(layer, -1)
-            for future in pending:
-                future.result()
-            if i + 1 < len(order):  # the next layer arrives while this one is updated
-                pending = self._read_moments(order[i + 1], sets[(i + 1) % 2])
-                self.ws.prefetch(order[i + 1], -1)
-            self._adamw(layer, weights, bufs)
-            self.ws.write(layer, "weight", weights)
-            for kind, buf in zip(_MOMENTS[1:], bufs[1:], strict=True):
-                self.ws.write(layer, kind, buf)
-            self.ws.release(layer)
+        """AdamW over every layer's experts with the optimizer's hyperparameters (after ``optimizer.step()``):
+        recorded now, run layer by layer as the next forward reaches each (``DeferredAdamW``)."""
+        self.updates.record(self.scale)
 
-    def _read_moments(self, layer: int, bufs: list[Tensor]) -> list:
-        return [self.ws.read(layer, kind, buf) for kind, buf in zip(_MOMENTS, bufs, strict=True)]
-
-    def _adamw(self, layer: int, weights: Tensor, bufs: list[Tensor]) -> None:
-        w, (g, m, v) = self.file.views(weights), (self.file.views(b) for b in bufs)
-        grads = [g[r] for r in self.roles]
-        if self.scale < 1.0:
-            torch._foreach_mul_(grads, self.scale)
-        by_group: dict[int, list[int]] = {}
-        for i, p in enumerate(self.params[layer]):
-            by_group.setdefault(self._group_of(p), []).append(i)
-        for index, members in by_group.items():
-            group = self.optimizer.param_groups[index]
-            steps = [self._step_count(self.params[layer][i]) for i in members]
-            beta1, beta2 = group["betas"]
-            roles = [self.roles[i] for i in members]
-            adam(
-                [w[r] for r in roles],
-                [g[r] for r in roles],
-                [m[r] for r in roles],
-                [v[r] for r in roles],
-                [],
-                steps,
-                fused=True,
-                decoupled_weight_decay=group.get("decoupled_weight_decay", True),
-                amsgrad=group["amsgrad"],
-                beta1=beta1,
-                beta2=beta2,
-                lr=group["lr"],
-                weight_decay=group["weight_decay"],
-                eps=group["eps"],
-                maximize=group["maximize"],
-            )
-
-    def _group_of(self, p: nn.Parameter) -> int:
-        return next(i for i, g in enumerate(self.optimizer.param_groups) if any(q is p for q in g["params"]))
-
-    def _step_count(self, p: nn.Parameter) -> Tensor:
-        """The parameter's AdamW step count, kept in the optimizer's state as in-memory training keeps it."""
-        state = self.optimizer.state[p]
-        if "step" not in state:  # NOTE: the fused AdamW's own first step: a float32 scalar count
-            state["step"] = torch.tensor(0.0, dtype=torch.float32)
-        return state["step"]
+    def settle(self, upto: int | None = None) -> None:
+        """Run the pending AdamW updates of layers up to ``upto`` (every layer: None), before their weights
+        are read: by a forward reaching layer ``upto``, or by whatever needs the whole state."""
+        self.updates.settle(len(self.params) - 1 if upto is None else upto)
 
     # -- checkpoints -------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -225,6 +177,7 @@ class ExpertOffload:
         """The experts' weights and AdamW state in the model and optimizer, for a checkpoint to save
         (or, with ``write_back``, for a resume to load, then written to disk). The whole expert state
         is in RAM meanwhile: a checkpoint is not held to the budget."""
+        self.settle()
         self.ws.flush()
         buf = self.scratch[0]
         for layer, params in enumerate(self.params):
@@ -277,7 +230,8 @@ class ExpertOffload:
             release_freed_memory()
 
     def close(self) -> None:
-        """Finish every transfer and remove the offloaded state (also after a failure)."""
+        """Remove the offloaded state, also after a failure; updates still pending go with it (a run's
+        last checkpoint ran them)."""
         try:
             self.reduce.wait()
             self.ws.flush()

@@ -5,7 +5,8 @@ and the optimizer see the same model) and computes the same ``expert_ffn`` over 
 layer's slot. In training, the weights enter autograd as fresh leaves aliasing the slot; the tensors
 autograd saves from the slot are packed as (layer, place) instead of kept, and unpacked in backward
 from the slot the layer is read into again (the lower layer being read meanwhile). When every leaf
-of the layer holds its gradient, the gradients go out (``ExpertGrads.out``) and the slot is released.
+of the layer holds its gradient, the gradients go out (``ExpertState.out``) and the slot is released.
+Before a forward reads a layer's slot, the layer's pending optimizer update runs on it (``settle``).
 
 Legend: R rows sorted by expert, D model dim, E experts.
 """
@@ -23,7 +24,11 @@ from moekit.train.offload.store import LayerFile
 from moekit.train.offload.working_set import WorkingSet
 
 
-class ExpertGrads(Protocol):
+class ExpertState(Protocol):
+    def settle(self, upto: int | None = None) -> None:
+        """Run the pending optimizer updates of layers up to ``upto``: their slots hold the new weights."""
+        ...
+
     def out(self, layer: int, grads: dict[str, Tensor]) -> None:
         """Take a layer's expert gradients (one micro-batch's, by role) once its backward is done."""
         ...
@@ -32,7 +37,7 @@ class ExpertGrads(Protocol):
 class OffloadedExperts(nn.Module):
     """``GroupedExperts`` computed from layer ``layer``'s slot of a ``WorkingSet``."""
 
-    def __init__(self, experts: GroupedExperts, layer: int, ws: WorkingSet, file: LayerFile, sink: ExpertGrads):
+    def __init__(self, experts: GroupedExperts, layer: int, ws: WorkingSet, file: LayerFile, sink: ExpertState):
         super().__init__()
         for name, p in experts._parameters.items():
             self.register_parameter(name, p)  # the same Parameter objects, in the same order
@@ -50,6 +55,7 @@ class OffloadedExperts(nn.Module):
     ) -> Tensor:
         """As ``GroupedExperts.forward``: this rank's experts over their rows, or ``schedule(x_RD, ffn)``
         (expert parallelism: the all-to-all exchange around one call of the FFN)."""
+        self._sink.settle(self.layer)  # the last optimizer step's update of this layer, into its slot
         buf = self._ws.get(self.layer, +1)
         if not self.last_layer:
             self._ws.prefetch(self.layer + 1, +1)  # the next layer's weights arrive while this one computes
@@ -92,7 +98,7 @@ def _pack(layer: int, buf_U8: Tensor, t: Tensor) -> Tensor | Packed:
 class _LayerGrads:
     """One layer's pass through backward: its weights read again on first use, its gradients collected."""
 
-    def __init__(self, layer: int, num_leaves: int, ws: WorkingSet, sink: ExpertGrads) -> None:
+    def __init__(self, layer: int, num_leaves: int, ws: WorkingSet, sink: ExpertState) -> None:
         self.layer, self.num_leaves = layer, num_leaves
         self.ws, self.sink = ws, sink
         self.grads: dict[str, Tensor] = {}
@@ -122,7 +128,7 @@ class _LayerGrads:
         self.sink.out(self.layer, grads)
 
 
-def install(model: nn.Module, ws: WorkingSet, file: LayerFile, sink: ExpertGrads) -> list[OffloadedExperts]:
+def install(model: nn.Module, ws: WorkingSet, file: LayerFile, sink: ExpertState) -> list[OffloadedExperts]:
     """Swap every MoE layer's experts for ``OffloadedExperts`` (layer i: the i-th MoE layer)."""
     swapped = []
     for moe in model.moe_layers():

@@ -132,8 +132,9 @@ def host_regions(num_layers: int, weight_slots: int, grad_accum: int, capacity: 
     - gradient: 2A times (written by each micro-batch's backward, read back by the next one to add
       to it and by the AdamW step), whatever the working set holds;
     - each AdamW moment: twice (read and written by the AdamW step);
-    - weights: once written by the AdamW step, and read by each of the 2A + 1 passes (A forwards,
-      A backwards, the AdamW walk) that finds the layer gone from the working set: none when its
+    - weights: once written by the AdamW step, and read by each of the 2A passes (A forwards, the
+      first of which runs the AdamW step on the weights it reads, and A backwards) that finds the
+      layer gone from the working set: none when its
       ``weight_slots`` hold every layer; otherwise about (L - slots) / L of those passes (the exact
       count differs by layer with the eviction order, so the estimate is taken for the whole kind).
 
@@ -142,7 +143,7 @@ def host_regions(num_layers: int, weight_slots: int, grad_accum: int, capacity: 
     every layer, and the weights' estimate is one figure for the whole kind.
     """
     missed = max(0, num_layers - weight_slots) / num_layers
-    transfers = {"grad": 2 * grad_accum, "weight": 1 + (2 * grad_accum + 1) * missed, "exp_avg": 2, "exp_avg_sq": 2}
+    transfers = {"grad": 2 * grad_accum, "weight": 1 + 2 * grad_accum * missed, "exp_avg": 2, "exp_avg_sq": 2}
     kinds = sorted(transfers, key=lambda kind: -transfers[kind])  # stable: ties keep the order above
     ranked = [(layer, kind) for kind in kinds for layer in reversed(range(num_layers))]
     return ranked[:capacity]

@@ -3,10 +3,11 @@
 A layer is read into a slot by a reader thread (``READERS`` of them, as offloaded inference uses),
 ahead of the pass that needs it: ``fetch`` starts a read if a slot can be had, ``get`` waits for it.
 A slot that the pass in progress uses is pinned; any other may be evicted, the one needed last in
-the direction the pass walks the layers (forward: the lowest layer, whose backward comes last;
-backward and the optimizer: the highest, whose next forward comes last). Every region written to
-disk goes through ``write`` on one writer thread; a read of that region, and any reuse of the buffer,
-waits for the write first, so the disk is always the truth once ``flush`` returns.
+the direction the pass walks the layers (forward, and the optimizer's updates that run in it: the
+lowest layer, whose backward comes last; backward: the highest, whose next forward comes last).
+Every region written to disk goes through ``write`` on one writer thread; a read of that region, and
+any reuse of the buffer, waits for the write first, so the disk is always the truth once ``flush``
+returns.
 
 ``overlap=False`` is the naive schedule (benchmarks compare against it): no prefetch, and every
 read and write waits for its transfer, so no transfer overlaps compute.
