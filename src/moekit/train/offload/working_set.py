@@ -37,6 +37,7 @@ class WorkingSet:
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="moekit-offload-write")
         self._writes: dict[tuple[int, str], Future[None]] = {}  # (layer, kind) -> its last write
         self._buffer_writes: dict[int, Future[None]] = {}  # id of a buffer -> its last write
+        self._reads: list[Future[None]] = []  # reads submitted and perhaps not landed
         self.reads = 0  # layer weight reads (hits need none)
         self.overlap = overlap
 
@@ -61,7 +62,7 @@ class WorkingSet:
             free = [victim]
         slot = free[0]
         self.layer_in[slot] = layer
-        self.loaded[layer] = (slot, self._readers.submit(self._read, layer, self.slots[slot]))
+        self.loaded[layer] = (slot, self._track(self._readers.submit(self._read, layer, self.slots[slot])))
         self.reads += 1
         return True
 
@@ -82,7 +83,7 @@ class WorkingSet:
     def read(self, layer: int, kind: str, buf: Tensor) -> Future[None]:
         """Read region (layer, kind) into ``buf`` on a reader thread, after its pending writes."""
         self.wait_buffer(buf)
-        future = self._readers.submit(self._read_region, layer, kind, buf)
+        future = self._track(self._readers.submit(self._read_region, layer, kind, buf))
         if not self.overlap:
             future.result()
         return future
@@ -101,10 +102,15 @@ class WorkingSet:
         if pending is not None:
             pending.result()
 
+    def _track(self, read: Future[None]) -> Future[None]:
+        self._reads = [f for f in self._reads if not f.done()] + [read]
+        return read
+
     def flush(self) -> None:
-        """Every write submitted has reached the file."""
-        for future in self._writes.values():
+        """Every read submitted has landed and every write has reached the file."""
+        for future in [*self._reads, *self._writes.values()]:
             future.result()
+        self._reads.clear()
         self._writes.clear()
         self._buffer_writes.clear()
 
