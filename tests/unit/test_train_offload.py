@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from nan_watch import Watch
 
 from moekit import runconfig
 from moekit.config import TrainConfig
@@ -281,3 +282,20 @@ def test_interrupted_resume_leaves_no_offloaded_state(
     with pytest.raises(KeyboardInterrupt):
         train(cfg, tmp_path / "run", resume=True, progress=False)
     assert offload_dir.is_dir() and not any(offload_dir.iterdir())
+
+
+@pytest.mark.parametrize("host", [{}, {"train.host_budget": HOST}], ids=["disk", "host_tier"])
+def test_skipped_nan_steps_record_no_update(corpus: Path, tmp_path: Path, host: dict[str, str]) -> None:
+    """grad_accum = 1, NaN gradients at steps 2 and 5 (skipped, no AdamW update), an evaluation and a
+    checkpoint between them: losses, skipped steps and weights bitwise those of in-memory training."""
+    schedule = {"train.steps": "6", "train.grad_accum": "1", "train.eval_every": "4", "train.ckpt_every": "3"}
+    runs = {}
+    for name, budget in (("memory", {}), ("disk", {"train.memory_budget": BUDGET} | host)):
+        with Watch({2, 5}):
+            runs[name] = train(tiny(corpus, **schedule, **budget), tmp_path / name, progress=False)
+    memory, disk = runs["memory"], runs["disk"]
+    assert memory.skipped_steps == disk.skipped_steps == 2
+    assert disk.losses == memory.losses and disk.val_loss == memory.val_loss
+    a, b = weights(tmp_path / "memory"), weights(tmp_path / "disk")
+    for key in a:
+        assert torch.equal(a[key], b[key]), key

@@ -79,5 +79,9 @@ def offload_experts(
                 f"train.host_budget={tc.host_budget!r}: holds no region of expert state "
                 f"({format_bytes(file.unit)} each); give at least that, or leave it out"
             )
-        file.move_to_host(host_regions(len(offload.params), len(offload.ws.slots), tc.grad_accum, capacity))
+        try:
+            file.move_to_host(host_regions(len(offload.params), len(offload.ws.slots), tc.grad_accum, capacity))
+        except BaseException:
+            offload.close()
+            raise
     return offload

@@ -108,6 +108,7 @@ class DeferredAdamW:
             if self._pending:  # the next layer arrives while this one is updated and computes
                 self._reads = self._start_reads(min(self._pending))
                 self.ws.prefetch(min(self._pending), +1)
+            self.ws.wait_buffer(weights)  # the slot's last write has left it before it changes
             self._adamw(weights, bufs, scale, groups)
             self.ws.write(layer, "weight", weights)
             for kind, buf in zip(MOMENTS[1:], bufs[1:], strict=True):

@@ -81,7 +81,7 @@ class LayerFile:
     def move_to_host(self, regions: list[tuple[int, str]]) -> None:
         """From now on hold ``regions`` in RAM (each read once from the file), not on disk."""
         for layer, kind in regions:
-            region = torch.empty(self.unit, dtype=torch.uint8)
+            region = self.buffer()  # aligned: read directly, not through the page cache
             self.read(layer, kind, region)
             self.host[(layer, kind)] = region
 

@@ -38,7 +38,6 @@ class WorkingSet:
         self._writes: dict[tuple[int, str], Future[None]] = {}  # (layer, kind) -> its last write
         self._buffer_writes: dict[int, Future[None]] = {}  # id of a buffer -> its last write
         self._reads: list[Future[None]] = []  # reads submitted and perhaps not landed
-        self.reads = 0  # layer weight reads (hits need none)
         self.overlap = overlap
 
     def prefetch(self, layer: int, direction: int) -> None:
@@ -63,7 +62,6 @@ class WorkingSet:
         slot = free[0]
         self.layer_in[slot] = layer
         self.loaded[layer] = (slot, self._track(self._readers.submit(self._read, layer, self.slots[slot])))
-        self.reads += 1
         return True
 
     def get(self, layer: int, direction: int) -> Tensor:
