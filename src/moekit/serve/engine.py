@@ -263,11 +263,16 @@ class Engine:
     def _fork(self, seq: Seq, computed: int) -> list[Seq]:
         """``seq``'s forks, as this step caches their prompt (``computed`` positions): each holds the
         prompt's blocks and joins the batch, to sample from the same logits as ``seq``."""
-        forks, seq.forks = seq.forks, []
+        forks = self._take_forks(seq)
         for fork in forks:
             fork.blocks, fork.computed = self.pool.share(seq.blocks), computed
             self._begin(fork)
             self.running.append(fork)
+        return forks
+
+    def _take_forks(self, seq: Seq) -> list[Seq]:
+        """``seq``'s forks, no longer waiting on it (they join the batch, or end with it)."""
+        forks, seq.forks = seq.forks, []
         with self._cond:
             self._forks_waiting -= len(forks)
         return forks
@@ -305,12 +310,8 @@ class Engine:
             seq.blocks = []
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        if seq.forks:  # they end with it: a request's choices are cancelled or timed out together
-            forks, seq.forks = seq.forks, []
-            with self._cond:
-                self._forks_waiting -= len(forks)
-            for fork in forks:
-                self._finish(fork, reason, message)
+        for fork in self._take_forks(seq):  # they end with it: a request's choices end together
+            self._finish(fork, reason, message)
         text = seq.state.flush() if reason == "length" and seq.state is not None else ""
         seq.emit(Finish(seq.choice, reason, text, len(seq.prompt), seq.generated, message))
         if self.metrics is not None:

@@ -71,17 +71,21 @@ def offload_experts(
     path = directory / f"experts-rank{rank}.bin"
     offload = ExpertOffload(model, optimizer, tc.memory_budget, path, reduce, layout.world, mesh is not None)
     if tc.host_budget:
-        file = offload.file
-        capacity = parse_bytes(tc.host_budget, "train.host_budget") // file.unit
-        if capacity < 1:
-            offload.close()
-            raise ValueError(
-                f"train.host_budget={tc.host_budget!r}: holds no region of expert state "
-                f"({format_bytes(file.unit)} each); give at least that, or leave it out"
-            )
         try:
-            file.move_to_host(host_regions(len(offload.params), len(offload.ws.slots), tc.grad_accum, capacity))
+            _host_tier(offload, tc.host_budget, tc.grad_accum)
         except BaseException:
             offload.close()
             raise
     return offload
+
+
+def _host_tier(offload: ExpertOffload, host_budget: str, grad_accum: int) -> None:
+    """Move the regions that ``host_budget`` holds (``store.host_regions``) from the file into RAM."""
+    file = offload.file
+    capacity = parse_bytes(host_budget, "train.host_budget") // file.unit
+    if capacity < 1:
+        raise ValueError(
+            f"train.host_budget={host_budget!r}: holds no region of expert state "
+            f"({format_bytes(file.unit)} each); give at least that, or leave it out"
+        )
+    file.move_to_host(host_regions(len(offload.params), len(offload.ws.slots), grad_accum, capacity))

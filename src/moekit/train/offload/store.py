@@ -134,9 +134,9 @@ def host_regions(num_layers: int, weight_slots: int, grad_accum: int, capacity: 
     - each AdamW moment: twice (read and written by the AdamW step);
     - weights: once written by the AdamW step, and read by each of the 2A passes (A forwards, the
       first of which runs the AdamW step on the weights it reads, and A backwards) that finds the
-      layer gone from the working set: none when its
-      ``weight_slots`` hold every layer; otherwise about (L - slots) / L of those passes (the exact
-      count differs by layer with the eviction order, so the estimate is taken for the whole kind).
+      layer gone from the working set: none when its ``weight_slots`` hold every layer; otherwise
+      about (L - slots) / L of those passes (the exact count differs by layer with the eviction
+      order, so the estimate is taken for the whole kind).
 
     The kinds are taken by most transfers per step first (a tie in the order gradient, weights,
     moments), each kind from the last layer down: a gradient's or moment's traffic is the same in
