@@ -61,13 +61,23 @@ def test_layer_flops_hand_computed() -> None:
 def test_collective_times_hand_computed() -> None:
     c = CLUSTER
     assert members_per_node(8, 1, 4) == 4 and members_per_node(4, 4, 4) == 1 and members_per_node(2, 2, 4) == 2
-    # Within a node: 3 messages of 10 us, 3/4 of 1 MB at 10 GB/s.
-    assert all_to_all_time(1e6, 4, 1, c) == pytest.approx(3 * 10e-6 + 0.75e6 / 10e9)
-    # 8 ranks over 2 nodes, flat: 3 intra + 4 inter messages; half the bytes cross nodes at 1 GB/s.
-    flat = 3 * 10e-6 + 4 * 100e-6 + 0.5e6 / 1e9
-    assert all_to_all_time(1e6, 8, 1, c) == pytest.approx(flat)
-    two = 3 * 10e-6 + 0.75e6 / 10e9 + 1 * 100e-6 + 0.5e6 / 1e9
+    # Within a node of devices: 3 messages posted together (one latency, 10 us), 3/4 of 1 MB at 10 GB/s.
+    assert all_to_all_time(1e6, 4, 1, c) == pytest.approx(10e-6 + 0.75e6 / 10e9)
+    # 8 ranks over 2 nodes, flat: the node's path (10 us, 3/8 of 1 MB at 10 GB/s: 47.5 us) beside the
+    # network's (4 remote messages in flight at once, 100 us, half the bytes at 1 GB/s: 600 us).
+    assert all_to_all_time(1e6, 8, 1, c) == pytest.approx(100e-6 + 0.5e6 / 1e9)
+    # With a fast network (1 us, 100 GB/s: 6 us) the node's path is the slower one and sets the time.
+    fast = dataclasses.replace(c, inter_latency_us=1.0, inter_gbps=100.0)
+    assert all_to_all_time(1e6, 8, 1, fast) == pytest.approx(10e-6 + 0.375e6 / 10e9)
+    # 32 ranks over 8 nodes: 28 remote peers cost one latency, not 28 (2.8 ms); 7/8 of 1 MB at 1 GB/s.
+    assert all_to_all_time(1e6, 32, 1, c) == pytest.approx(100e-6 + 0.875e6 / 1e9)
+    two = 10e-6 + 0.75e6 / 10e9 + 100e-6 + 0.5e6 / 1e9  # within the node, then across: one after the other
     assert all_to_all_time(1e6, 8, 1, c, two_level=True) == pytest.approx(two)
+    # CPU ranks (4 sharing 2 cores, as benchmarks/planner_calibration.py runs them): one latency a peer.
+    cpu = dataclasses.replace(c, nodes=1, cores=2)
+    assert all_to_all_time(1e6, 4, 1, cpu) == pytest.approx(3 * 10e-6 + 0.75e6 / 10e9)
+    cpu_nodes = dataclasses.replace(c, cores=2)
+    assert all_to_all_time(1e6, 8, 1, cpu_nodes) == pytest.approx(4 * 100e-6 + 0.5e6 / 1e9)
     assert ring_time(1e6, 4, 1, c) == pytest.approx(2 * (3 * 10e-6 + 0.75e6 / 10e9))
     assert ring_time(1e6, 2, 4, c, passes=1) == pytest.approx(100e-6 + 0.5e6 / 1e9)
     assert p2p_time(1e6, 4, c) == pytest.approx(100e-6 + 1e6 / 1e9)
@@ -101,9 +111,9 @@ def test_overlap_hides_only_the_forward_exchanges_hand_computed() -> None:
     # 128 tokens * 3 * 2 blocks * 2 picks * (2 * 3 * 32 * 64).
     expert_flops = 128 * 3 * 2 * 2 * (2 * 3 * 32 * 64)
     flat, ovl = Candidate(4, 4, 1, 1, 1, "flat", "none"), Candidate(4, 4, 1, 1, 1, "flat", "forward")
-    # Within one node of 4: 3 messages of 10 us and 3/4 of the bytes at 10 GB/s; 2 blocks x 2 chunks.
-    chunked = 2 * 2 * (3 * 10e-6 + 0.75 * 16384 / 10e9)  # the 2 blocks' dispatches (or combines), in chunks
-    whole = 2 * (3 * 10e-6 + 0.75 * 32768 / 10e9)
+    # Within one node of 4: 3 messages posted together (10 us), 3/4 of the bytes at 10 GB/s; 2 blocks x 2 chunks.
+    chunked = 2 * 2 * (10e-6 + 0.75 * 16384 / 10e9)  # the 2 blocks' dispatches (or combines), in chunks
+    whole = 2 * (10e-6 + 0.75 * 32768 / 10e9)
     # GEMMs much slower than exchanges (1 MFLOP/s): the forward's two exchanges are hidden but for one
     # chunk (half of them), the backward's two are paid in full.
     slow = dataclasses.replace(CLUSTER, peak_tflops=1e-6, overlap=1.0)

@@ -44,7 +44,8 @@ class Cluster:
     # permutes and hand-offs to the exchanging thread):
     chunk_overhead_us: float = 0.0
     # Cores the devices of a node share, where they are CPU ranks (0: each device computes on its own);
-    # fewer cores than devices time-share them (benchmarks/planner_calibration.py sets it).
+    # fewer cores than devices time-share them (benchmarks/planner_calibration.py sets it), and pay an
+    # all-to-all's latency once a peer where devices pay it once (comm.posted_latency).
     cores: int = 0
     # Memory bandwidth for the elementwise work between GEMMs (norms, SwiGLU, token permutes); 0 leaves
     # it out (the CPU calibration folds it into the FLOP rate).
