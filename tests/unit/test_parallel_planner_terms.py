@@ -122,8 +122,10 @@ def test_overlapped_gradients_once_a_step() -> None:
     assert gradient_sync_time(spec, cand, CLUSTER) == pytest.approx(2 * ring)
     exposed = estimate(spec, cand, CLUSTER).sync_s
     assert exposed == pytest.approx(2 * ring)  # overlap 0: all of it
-    hidden = estimate(spec, cand, dataclasses.replace(CLUSTER, overlap=1.0, peak_tflops=1e-6)).sync_s
-    assert hidden == pytest.approx(0.0, abs=1e-12)  # slow compute beside it hides all
+    hidden = estimate(spec, cand, dataclasses.replace(CLUSTER, overlap=1.0, peak_tflops=1e-6))
+    assert hidden.sync_s == pytest.approx(0.0, abs=1e-12)  # slow compute beside it hides all
+    assert hidden.hidden["grads"] == pytest.approx(2 * ring)  # and says so
+    assert estimate(spec, cand, CLUSTER).hidden["grads"] == 0.0
     # bf16 gradient buffers: the reduce-scatter moves half the bytes, the all-gather the same.
     half = dataclasses.replace(spec, workload=dataclasses.replace(spec.workload, grad_bytes=2))
     rs = sum(15 * 100e-6 + p * 2 * 15 / 16 / 1e9 for p in (dense_p, expert_p))
@@ -143,6 +145,9 @@ def test_all_to_all_overlap_in_both_passes() -> None:
     plain, both = Candidate(4, 4, 1, 1, 4), Candidate(4, 4, 1, 1, 4, overlap="both")
     half = dataclasses.replace(CLUSTER, overlap=0.5, peak_tflops=1e-6)
     assert estimate(spec, both, half).a2a_s == pytest.approx(estimate(spec, plain, half).a2a_s * 5 / 8)
+    # What it takes off the step is what it reports hidden: the other 3/8.
+    assert estimate(spec, both, half).hidden["a2a"] == pytest.approx(estimate(spec, plain, half).a2a_s * 3 / 8)
+    assert estimate(spec, plain, half).hidden == {}
     one = Candidate(4, 4, 1, 1, 1, overlap="both")  # a single micro-batch has nothing to pair with
     assert estimate(spec, one, half).a2a_s == pytest.approx(estimate(spec, Candidate(4, 4, 1, 1, 1), half).a2a_s)
 
@@ -304,6 +309,8 @@ def test_interleaved_pipeline_sends_hide_plain_ones_wait() -> None:
     send = 10e-6 + 128 * 32 * 4 / 10e9
     assert estimate(spec, Candidate(2, 1, 1, 2, 2), slow).terms["pp"] == pytest.approx(2 * 2 * send)
     assert estimate(spec, Candidate(2, 1, 1, 2, 2, vp=2), slow).terms["pp"] == pytest.approx(0.0, abs=1e-12)
+    assert estimate(spec, Candidate(2, 1, 1, 2, 2, vp=2), slow).hidden["pp"] == pytest.approx(2 * 2 * 2 * send)
+    assert estimate(spec, Candidate(2, 1, 1, 2, 2), slow).hidden["pp"] == 0.0
     assert estimate(spec, Candidate(2, 1, 1, 2, 2, vp=2), fast).terms["pp"] == pytest.approx(2 * 2 * 2 * send)
 
 

@@ -12,7 +12,8 @@ micro-batch. An overlappable exchange hides ``cluster.overlap`` of itself, at mo
 runs beside it (interleaved pipeline sends, which nothing waits for until a chunk later, all of it);
 all-to-alls overlapped in both passes only in the micro-batches paired with another one
 (``paired_share``). Ranks that share fewer cores than they are (CPU ranks) queue for them.
-``Estimate.terms`` names each term's seconds a step.
+``Estimate.terms`` names each term's seconds a step, ``Estimate.hidden`` what overlap hides of each
+overlappable exchange.
 
 Techniques each have a switch in ``Candidate`` (all off is moekit's own runtime, what
 ``benchmarks/planner_calibration.py`` measures).
@@ -70,6 +71,8 @@ class Estimate:
     memory_gb: float  # peak per device
     fits: bool
     terms: dict[str, float] = field(default_factory=dict, compare=False)  # seconds a step of each named term
+    # Seconds a step of each overlappable exchange that runs beside compute, hidden (not in ``step_s``).
+    hidden: dict[str, float] = field(default_factory=dict, compare=False)
 
 
 # Forward GEMMs done again, (dense, experts); mla_up_proj redoes only MLA's up-projections (``estimate``).
@@ -339,12 +342,14 @@ def estimate(spec: ModelSpec, cand: Candidate, c: Cluster, load_imbalance: float
         # Chunk by chunk, all but one chunk's exchange can run beside another chunk's GEMMs, and of that
         # ``cluster.overlap`` is hidden: none where the exchange and the GEMMs compete for the same cores.
         fwd_s = expert_s / (3 + extra_experts)
-        a2a = passes * forward - c.overlap * min(forward, fwd_s) * (1 - 1 / chunks)
+        hidden = {"a2a": c.overlap * min(forward, fwd_s) * (1 - 1 / chunks)}
+        a2a = passes * forward - hidden["a2a"]
         a2a += (chunks - 1) * n_moe * c.chunk_overhead_us * 1e-6
     else:
-        a2a = passes * forward
+        a2a, hidden = passes * forward, {}
         if cand.overlap == "both":  # one micro-batch's exchanges beside another's compute, both passes
-            a2a -= paired_share(cand) * _hidden(a2a, compute_s, c)
+            hidden["a2a"] = paired_share(cand) * _hidden(a2a, compute_s, c)
+            a2a -= hidden["a2a"]
 
     terms["a2a"] = a2a
     exchanges = {}
@@ -355,7 +360,8 @@ def estimate(spec: ModelSpec, cand: Candidate, c: Cluster, load_imbalance: float
     if cand.cp > 1:  # ring attention: K, V round the ring in the forward, K, V and their grads back
         kv = tokens * attention_dims(spec)["kv_act"] / cand.tp * dt
         cp_s = (1 + extra_dense + 2) * blocks * (cand.cp - 1) * p2p_time(kv, cand.tp, c, cand.cp)
-        exchanges["cp"] = cp_s - _hidden(cp_s, (3 + extra_dense) * core / c.flops, c)
+        hidden["cp"] = _hidden(cp_s, (3 + extra_dense) * core / c.flops, c)
+        exchanges["cp"] = cp_s - hidden["cp"]
     if cand.pp > 1:  # activations to the next stage, gradients back, once per virtual stage
         pp_s = 2 * cand.vp * p2p_time(tokens * D * dt / sp, cand.tp * cand.cp * cand.dp, c, cand.pp)
         # NOTE: interleaved schedules post each send on its own stream and wait for it only before the chunk
@@ -363,6 +369,7 @@ def estimate(spec: ModelSpec, cand: Candidate, c: Cluster, load_imbalance: float
         # only): nothing depends on it meanwhile, so only what outlasts that compute shows. Plain 1F1B
         # waits for each send.
         exchanges["pp"] = max(0.0, pp_s - compute_s) if cand.vp > 1 else pp_s
+        hidden["pp"] = pp_s - exchanges["pp"]
     if cand.grad_sync == "fsdp":
         wire, collectives = fsdp_collectives(spec, cand, c)
         exchanges["fsdp"] = wire + collectives * c.fsdp_overhead_us * 1e-6
@@ -372,9 +379,11 @@ def estimate(spec: ModelSpec, cand: Candidate, c: Cluster, load_imbalance: float
     step_terms = {name: cand.micro * t for name, t in terms.items()}
     step_terms["bubble"] = (slots - cand.micro) * (compute_s + a2a + sync)
     step_sync = 0.0
+    step_hidden = {name: cand.micro * t for name, t in hidden.items()}
     if cand.grad_sync == "overlapped":  # beside the first micro-batch's forward and the last one's backward
         grads = gradient_sync_time(spec, cand, c)
-        step_sync = grads - _hidden(grads, compute_s + a2a, c)
+        step_hidden["grads"] = _hidden(grads, compute_s + a2a, c)
+        step_sync = grads - step_hidden["grads"]
         step_terms["grads"] = step_sync
     queued = 0.0
     if c.cores and c.gpus_per_node > c.cores:
@@ -393,4 +402,5 @@ def estimate(spec: ModelSpec, cand: Candidate, c: Cluster, load_imbalance: float
         memory_gb=mem / 1e9,
         fits=mem <= c.memory_gb * 1e9 * MEMORY_USABLE,
         terms=step_terms,
+        hidden=step_hidden,
     )
