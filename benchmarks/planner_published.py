@@ -2,17 +2,19 @@
 
 For each published run: predict tokens/s/GPU and model TFLOP/s/GPU for its layout (the planner's
 step time with the run's precision, its recipe's token dispatcher and all-to-all overlap, the other
-techniques on), print them beside the published figures and
-their ratio, then where the planner ranks the published layout among all the layouts it enumerates
-for that model, global batch, sequence length and cluster size, with the gap between their predicted
-step times (a rank among layouts within a few percent of each other means little), and for each
-model the planner's 5 fastest layouts beside the published one, term by term (what makes the planner
-prefer them). The cluster's calibration constants (GEMM efficiency, fp8 speedup, overlap fraction) are
-fitted by least squares on log tokens/s (the rows at which an expert's GEMM runs at half rate are not
-fitted: the cluster preset's, from the GEMM tile). Every row's prediction, rank and error is out of
-sample, by model: the constants it uses are fitted on the other models' rows only (two rows of one
-model at the same layout would otherwise be fitted on each other). The constants fitted on every row
-(printed first) are the DGX-H100 preset's.
+techniques on), print them beside the published figures and their ratio, then where the planner ranks
+the published layout among all the layouts it enumerates for that model, global batch, sequence length
+and cluster size, with the gap between their predicted step times (a rank among layouts within a few
+percent of each other means little), and for each model the planner's 5 fastest layouts beside the
+published one, term by term (what makes the planner prefer them), with what overlap hides of each
+exchange. A table row that contradicts itself is taken from its recipe, the table's reading ranked
+beside it; two rows of one layout whose published figures contradict their recipes are named. The
+cluster's calibration constants (GEMM efficiency, fp8 speedup, overlap fraction) are fitted by least
+squares on log tokens/s (the rows at which an expert's GEMM runs at half rate are not fitted: the
+cluster preset's, from the GEMM tile). Every row's prediction, rank and error is out of sample, by
+model: the constants it uses are fitted on the other models' rows only (two rows of one model at the
+same layout would otherwise be fitted on each other). The constants fitted on every row (printed
+first) are the DGX-H100 preset's.
 
 Model TFLOP/s follow each source's own count (planner.model_flops_per_token's flags): a published
 TFLOP/s figure is tokens/s times that count. Megatron-Core's Mixtral figure gives TFLOP/s only; its
@@ -68,6 +70,9 @@ class Row:
     # Gate weights applied in the experts' activation (Megatron-Core's activation_func_with_probs, in the
     # Megatron-Core the NeMo containers ship); not verified for Megatron-Core v0.8, so left off there.
     weighted_activation: bool = True
+    # The table's micro-batch size where it contradicts the table's other columns and the recipe's (which
+    # ``mbs`` then holds): that reading is ranked too, and printed beside it.
+    table_mbs: int = 0
 
 
 # The recipes behind the rows: 25.11 from the performance scripts at the commit MB documents
@@ -84,8 +89,11 @@ ROWS = [
     Row("Mixtral-8x7B MCore v0.8", MCORE, "MCore v0.8", "mixtral-8x7b", "bf16", 64, 256, 1, 4096, 1, 4, 1, 8, 8,
         None, 438, (("causal", False),), "TFLOP/s only; layout from the README's v0.8 mapping table",
         weighted_activation=False),
-    Row("GPT-OSS-120B 25.11", MB, "NeMo 25.11", "gpt-oss-120b", "bf16", 64, 512, 4, 4096, 1, 4, 1, 1, 8,
-        5630, 153, (*MB_COUNT, ("gated", False)), "table's GA=2 implies pp=1; recipe says pp=4"),
+    Row("GPT-OSS-120B 25.11", MB, "NeMo 25.11", "gpt-oss-120b", "bf16", 64, 512, 1, 4096, 1, 4, 1, 1, 8,
+        5630, 153, (*MB_COUNT, ("gated", False)),
+        "inconsistent row: the table's MBS 4 and GA 2 make 4 x 2 x DP 16 = 128 sequences, not its GBS 512 (they are "
+        "its B200 row's, at PP 1); taken from the recipe: PP 4 on the base config's micro_batch_size 1 (GA 32), "
+        "recompute layernorm and moe_act", table_mbs=4),
     Row("Qwen3-30B-A3B 25.11", MB, "NeMo 25.11", "qwen3-30b-a3b", "fp8", 16, 512, 2, 4096, 1, 2, 1, 24, 8,
         5275, 121, MB_COUNT, "recipe says vp=12", a2a_overlap=True),
     Row("Qwen3-235B-A22B 25.11", MB, "NeMo 25.11", "qwen3-235b-a22b", "fp8", 256, 2048, 1, 4096, 2, 8, 1, 4, 32,
@@ -175,20 +183,39 @@ def rank(row: Row, constants: dict) -> tuple[int, int, float, list[planner.Estim
 
 
 TERMS = ("gemm", "gemm_experts", "attention", "elementwise", "head", "a2a", "tp", "cp", "pp", "bubble", "grads")
+HIDDEN = ("a2a", "cp", "pp", "grads")  # overlappable exchanges: what compute hides of them, beside the step
 
 
 def explain(label: str, top: list[planner.Estimate], mine: planner.Estimate, gbs: int) -> None:
-    """The planner's 5 fastest layouts beside the published one, step time by term (seconds a step)."""
+    """The planner's 5 fastest layouts beside the published one, step time by term (seconds a step), then
+    the seconds a step that overlap hides of each overlappable exchange (``h:``, not in the step)."""
     print(f"\n{label}: the planner's 5 fastest layouts and the published one, seconds a step by term")
     print(f"{'':>4} {'tp':>2} {'cp':>2} {'pp':>2} {'vp':>2} {'ep':>3} {'etp':>3} {'mbs':>3} {'recomp':>11} "
-          f"{'mem GB':>6} {'step':>6} " + " ".join(f"{t[:8]:>8}" for t in TERMS))  # fmt: skip
+          f"{'mem GB':>6} {'step':>6} " + " ".join(f"{t[:8]:>8}" for t in TERMS)
+          + " " + " ".join(f"{'h:' + t:>7}" for t in HIDDEN))  # fmt: skip
     for tag, est in [*((str(i), e) for i, e in enumerate(top, 1)), ("pub", mine)]:
         k = est.candidate
         print(
             f"{tag:>4} {k.tp:>2} {k.cp:>2} {k.pp:>2} {k.vp:>2} {k.ep:>3} {k.etp:>3} {gbs // (k.dp * k.micro):>3} "
             f"{k.recompute:>11} {est.memory_gb:>6.1f} {est.step_s:>6.2f} "
             + " ".join(f"{est.terms.get(t, 0.0):>8.3f}" for t in TERMS)
+            + " "
+            + " ".join(f"{est.hidden.get(t, 0.0):>7.3f}" for t in HIDDEN)
         )
+
+
+def _inconsistent_pairs(out: list[dict]) -> list[tuple[dict, dict]]:
+    """(slower, faster) rows of one model at one layout and dispatcher whose published tokens/s are more
+    than 30% apart although their recipes are the same, or although the slower one overlaps its
+    all-to-alls and the faster one does not."""
+    pairs = []
+    for a, b in itertools.combinations(out, 2):
+        slow, fast = sorted((a, b), key=lambda r: r["tokens_pub"])
+        same = a["run"].split()[0] == b["run"].split()[0] and a["layout"] == b["layout"]
+        same = same and a["dispatch"] == b["dispatch"]
+        if same and fast["tokens_pub"] > 1.3 * slow["tokens_pub"] and slow["a2a_overlap"] >= fast["a2a_overlap"]:
+            pairs.append((slow, fast))
+    return pairs
 
 
 def main() -> None:
@@ -219,6 +246,7 @@ def main() -> None:
             "run": row.label, "source": row.source, "version": row.version, "note": row.note,
             "layout": {"gpus": row.gpus, "tp": row.tp, "pp": row.pp, "cp": row.cp, "vp": row.vp, "ep": row.ep,
                        "gbs": row.gbs, "mbs": row.mbs, "seq": row.seq, "precision": row.precision},
+            "dispatch": row.dispatch, "a2a_overlap": row.a2a_overlap,
             "recompute": est.candidate.recompute, "memory_gb": est.memory_gb, "fits": est.fits,
             "tokens_pred": tokens, "tokens_pub": published, "tokens_derived": row.tokens is None,
             "tflops_pred": tflops, "tflops_pub": row.tflops, "ratio": ratio, "rank": place, "layouts": total,
@@ -240,6 +268,17 @@ def main() -> None:
         "rows": len(out),
         "top5": sorted({r["run"].split()[0] for r in out if r["rank"] <= 5}),
     }
+    for row in ROWS:
+        if row.table_mbs:
+            table_row = dataclasses.replace(row, mbs=row.table_mbs)
+            place, total, gap, _ = rank(table_row, held_out[row.model])
+            est, tokens = predict(table_row, held_out[row.model])
+            ratio = tokens / _published_tokens(row, _setup(row)[0])
+            print(
+                f"  {row.label} as its table reads (mbs {row.table_mbs}): {est.candidate.recompute}, "
+                f"{est.memory_gb:.1f} GB, {tokens:.0f} tokens/s/GPU ({ratio:.2f} of published), "
+                f"rank {place}/{total}, gap {gap - 1:.1%}"
+            )
     print("* derived from the published TFLOP/s under the source's FLOP count")
     print("gap: the published layout's predicted step time over the planner's pick's, minus 1")
     print(
@@ -247,6 +286,17 @@ def main() -> None:
         f"{summary['within_30pct']} of {len(out)} rows within 30%; published layout in the planner's top 5 for "
         f"{len(summary['top5'])} of {len(held_out)} models ({', '.join(summary['top5']) or 'none'})"
     )
+    for r in out:
+        if r["note"]:
+            print(f"  {r['run']}: {r['note']}")
+    for slow, fast in _inconsistent_pairs(out):
+        on = {True: "on", False: "off"}
+        print(
+            f"  inconsistent pair: {slow['run']} ({slow['tokens_pub']:.0f} tokens/s/GPU, all-to-all overlap "
+            f"{on[slow['a2a_overlap']]}) and {fast['run']} ({fast['tokens_pub']:.0f}, {on[fast['a2a_overlap']]}) "
+            f"publish one layout {fast['tokens_pub'] / slow['tokens_pub']:.2f}x apart, the slower with no less "
+            "overlap: no one cost model predicts both"
+        )
     for r in out:
         if r["rank"] > 5:
             p = r["pick"]
