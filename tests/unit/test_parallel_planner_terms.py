@@ -209,6 +209,14 @@ def test_weighted_activation_keeps_no_expert_output() -> None:
     assert block_activation_bytes(spec, weighted, False) == block_activation_bytes(spec, base, False)
 
 
+def test_context_parallel_only_where_each_share_is_long() -> None:
+    """cp splits a sequence only into shares of 2048 tokens or more; a shorter sequence still gets cp 1."""
+    tech = parse_techniques("all")
+    assert {k.cp for k in candidates(_tiny(), CLUSTER, tech)} == {1}  # 32 tokens
+    long = _tiny(**{"model.context_length": "8192"})
+    assert {k.cp for k in candidates(long, CLUSTER, tech)} == {1, 2, 4}
+
+
 def test_parse_techniques() -> None:
     assert parse_techniques("moekit").names() == []
     assert parse_techniques("fp8, interleave").names() == ["interleave", "fp8"]

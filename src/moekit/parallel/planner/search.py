@@ -64,7 +64,7 @@ def candidates(spec: ModelSpec, c: Cluster, tech: Techniques = MOEKIT) -> list[C
     m, e, w, sh = spec.model, spec.moe, spec.workload, spec.shape
     heads, kv_heads = sh.heads or m.n_heads, (sh.heads or m.n_heads) if sh.kv_lora_rank else sh.kv_heads or m.kv_heads
     n_blocks, _ = _blocks(spec)
-    cps = [d for d in _divisors(8) if spec.seq_len % (2 * d) == 0 and spec.seq_len // d >= 2048]
+    cps = [d for d in _divisors(8) if d == 1 or (spec.seq_len % (2 * d) == 0 and spec.seq_len // d >= 2048)]
     out = []
     for tp, cp, pp in itertools.product(
         _divisors(c.gpus_per_node), cps if tech.context_parallel else [1], _divisors(c.world)
