@@ -45,7 +45,7 @@ from moekit.parallel.grads import clip_scale, combine_norms, replicas
 from moekit.train.offload.adamw import MOMENTS, DeferredAdamW
 from moekit.train.offload.experts import OffloadedExperts, install
 from moekit.train.offload.reduce import LayerGradReduce
-from moekit.train.offload.store import LayerFile
+from moekit.train.offload.store import Experts, LayerFile
 from moekit.train.offload.working_set import WorkingSet
 from moekit.units import format_bytes, parse_bytes
 
@@ -94,8 +94,8 @@ class ExpertOffload:
         self.roles = list(shapes)
         self.updates = DeferredAdamW(self.ws, self.file, self.scratch, self.params, self.roles, optimizer)
         self._expert = {id(p): (layer, i) for layer, ps in enumerate(self.params) for i, p in enumerate(ps)}
-        self.norms: list[list[Tensor | None]] = [[None] * len(self.roles) for _ in layers]
-        self.grad_accum, self._seen, self._next_scratch, self.scale = 1, [0] * len(layers), 0, 1.0
+        self.grad_accum, self._next_scratch, self.scale = 1, 0, 1.0
+        self.begin_step(1)
         self._write_back(with_state=False)
         self.experts: list[OffloadedExperts] = install(model, self.ws, self.file, self)
 
@@ -103,13 +103,19 @@ class ExpertOffload:
     def begin_step(self, grad_accum: int) -> None:
         """A new optimizer step of ``grad_accum`` micro-batches: its gradients start from zero."""
         self.grad_accum, self._seen = grad_accum, [0] * len(self.params)
-        self.norms = [[None] * len(self.roles) for _ in self.params]
+        self.norms: list[list[Tensor | None]] = [[None] * len(self.roles) for _ in self.params]
+        self._rows: list[Tensor | None] = [None] * len(self.params)  # this rank's rows per expert so far
+        self.routed: list[Experts] = [None] * len(self.params)  # experts with a token on any dp rank
 
-    def out(self, layer: int, grads: dict[str, Tensor]) -> None:
+    def out(self, layer: int, grads: dict[str, Tensor], rows_E: Tensor) -> None:
         """A layer's gradients of one micro-batch, as its backward ends: added to the step's and written
-        out; the last micro-batch's sums are reduced over the ranks first (in the background)."""
+        out; the last micro-batch's sums are reduced over the ranks first (in the background). ``rows_E``:
+        the rows each expert computed; an expert with none so far has a zero sum, neither written nor
+        read back (``LayerFile``: its tensors read as zeros)."""
         assert not self.updates.pending, "every update runs in forward, before a gradient is written over"
         micro, self._seen[layer] = self._seen[layer], self._seen[layer] + 1
+        before = self._rows[layer]
+        self._rows[layer] = rows = rows_E if before is None else before + rows_E
         buf = self.scratch[self._next_scratch]
         self._next_scratch = (self._next_scratch + 1) % SCRATCH
         sums = self.file.views(buf)
@@ -118,18 +124,22 @@ class ExpertOffload:
             for role in self.roles:
                 sums[role].copy_(grads[role])
         else:  # NOTE: old + new, as autograd accumulates into .grad: the same bits
-            self.ws.read(layer, "grad", buf).result()
+            assert before is not None
+            self.ws.read(layer, "grad", buf, _moved(before)).result()
             for role in self.roles:
                 sums[role].add_(grads[role])
         if micro + 1 == self.grad_accum:  # the step's gradient: reduced, then its norms kept and written
-            self.reduce.start(self.file.flat(buf), partial(self._reduced, layer, buf))
+            self.reduce.start(self.file.flat(buf), rows, partial(self._reduced, layer, buf))
         else:
-            self.ws.write(layer, "grad", buf)
+            self.ws.write(layer, "grad", buf, _moved(rows))
 
-    def _reduced(self, layer: int, buf: Tensor) -> None:
+    def _reduced(self, layer: int, buf: Tensor, rows_E: Tensor) -> None:
+        """``rows_E``: summed over dp. An expert without a row on any rank has a zero gradient: its norm
+        adds zero, and it stays off the disk (the AdamW step reads it as zeros)."""
         sums = self.file.views(buf)
         self.norms[layer] = list(torch._foreach_norm([sums[r] for r in self.roles], 2.0))
-        self.ws.write(layer, "grad", buf)
+        self.routed[layer] = _moved(rows_E)
+        self.ws.write(layer, "grad", buf, self.routed[layer])
 
     @torch.no_grad()
     def clip_gradients(self, params: list[nn.Parameter], max_norm: float) -> Tensor:
@@ -164,7 +174,7 @@ class ExpertOffload:
     def step(self) -> None:
         """AdamW over every layer's experts with the optimizer's hyperparameters (after ``optimizer.step()``):
         recorded now, run layer by layer as the next forward reaches each (``DeferredAdamW``)."""
-        self.updates.record(self.scale)
+        self.updates.record(self.scale, self.routed)
 
     def settle(self, upto: int | None = None) -> None:
         """Run the pending AdamW updates of layers up to ``upto`` (every layer: None), before their weights
@@ -247,6 +257,11 @@ class ExpertOffload:
     @property
     def bytes_written(self) -> int:
         return self.file.bytes_written
+
+
+def _moved(rows_E: Tensor) -> Experts:
+    """The experts a gradient transfer moves: those that computed a row."""
+    return tuple(bool(n) for n in rows_E.tolist())
 
 
 def _empty(p: nn.Parameter) -> None:

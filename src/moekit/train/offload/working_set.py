@@ -20,7 +20,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from torch import Tensor
 
 from moekit.directio import READERS
-from moekit.train.offload.store import LayerFile
+from moekit.train.offload.store import Experts, LayerFile
 
 
 class WorkingSet:
@@ -78,18 +78,19 @@ class WorkingSet:
         assert self.pins[slot] > 0
         self.pins[slot] -= 1
 
-    def read(self, layer: int, kind: str, buf: Tensor) -> Future[None]:
-        """Read region (layer, kind) into ``buf`` on a reader thread, after its pending writes."""
+    def read(self, layer: int, kind: str, buf: Tensor, experts: Experts = None) -> Future[None]:
+        """Read region (layer, kind) into ``buf`` (only ``experts``'s: ``LayerFile.read``) on a reader
+        thread, after its pending writes."""
         self.wait_buffer(buf)
-        future = self._track(self._readers.submit(self._read_region, layer, kind, buf))
+        future = self._track(self._readers.submit(self._read_region, layer, kind, buf, experts))
         if not self.overlap:
             future.result()
         return future
 
-    def write(self, layer: int, kind: str, buf: Tensor) -> None:
-        """Write ``buf`` to region (layer, kind) on the writer thread (in submission order)."""
+    def write(self, layer: int, kind: str, buf: Tensor, experts: Experts = None) -> None:
+        """Write ``buf`` (only ``experts``'s) to region (layer, kind) on the writer thread (in submission order)."""
         self.wait_buffer(buf)
-        future = self._writer.submit(self.file.write, layer, kind, buf)
+        future = self._writer.submit(self.file.write, layer, kind, buf, experts)
         self._writes[(layer, kind)] = self._buffer_writes[id(buf)] = future
         if not self.overlap:
             future.result()
@@ -128,8 +129,8 @@ class WorkingSet:
         self.wait_buffer(buf)
         self._read_region(layer, "weight", buf)
 
-    def _read_region(self, layer: int, kind: str, buf: Tensor) -> None:
+    def _read_region(self, layer: int, kind: str, buf: Tensor, experts: Experts = None) -> None:
         pending = self._writes.get((layer, kind))
         if pending is not None:
             pending.result()
-        self.file.read(layer, kind, buf)
+        self.file.read(layer, kind, buf, experts)
