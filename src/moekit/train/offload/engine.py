@@ -7,7 +7,13 @@ Per optimizer step (on CPU, in each process: its own ep shard of every layer's e
    meanwhile; as soon as a layer's backward is done, its gradients (summed over the step's
    micro-batches) are reduced over the ranks as in-memory training reduces them (``reduce.py``: one
    fused all-reduce per layer, overlapping the backward of the layer below), then go to disk and
-   their norms are kept;
+   their norms are kept. The routing already computed says which experts can skip that: an expert
+   that received no token in any of the step's micro-batches on any rank of its dp group has an
+   exactly-zero gradient, so its gradient is neither written nor read back (the rows per expert are
+   summed over dp beside the bucket: idle here is not idle everywhere); between micro-batches, the
+   running sum of an expert idle so far on this rank is likewise kept off the disk. The AdamW step
+   reads such a gradient as zeros and still updates the expert (its moments decay, its weights
+   move), and its zero adds nothing to the norm;
 3. the global gradient norm combines those norms with the rest of the model's, by replica group, in
    the parameter order and precision of ``clip_grad_norm``, so the clipping factor is the in-memory
    one, bit for bit;
@@ -17,8 +23,11 @@ Per optimizer step (on CPU, in each process: its own ep shard of every layer's e
 5. the next forward (or an evaluation, or anything that runs the experts) updates each layer as it
    reaches it, on the slot it computes from: the layer's weights are read once for both, the new
    weights and moments are written behind, and the next layer's gradient, moments and weights are read
-   while this one computes. The arithmetic is ``torch.optim``'s fused AdamW on the same whole stacked
-   tensors with the same step counts and hyperparameters, so the bits equal in-memory training's.
+   while this one computes. A forward reads a layer's weights whole: they are read ahead, before
+   the layer's router has run, so no routing is known to narrow the read (and the AdamW step that
+   runs on them moves every expert's weights, idle or not). The arithmetic is ``torch.optim``'s
+   fused AdamW on the same whole stacked tensors with the same step counts and hyperparameters, so
+   the bits equal in-memory training's.
    Whatever needs the whole state (a checkpoint, through ``materialized``) first runs every pending
    update, in layer order.
 
