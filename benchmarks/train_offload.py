@@ -87,14 +87,16 @@ def child(args: argparse.Namespace) -> dict:
         offload.ws.overlap = args.mode != "naive"
     times, losses, moved, skipped = [], [], [], []
     for step in range(args.steps):
-        before = (offload.bytes_read, offload.bytes_written, offload.file.experts_skipped) if offload else (0, 0, 0)
+        before = (
+            (offload.bytes_read, offload.bytes_written, offload.file.experts_skipped["grad"]) if offload else (0, 0, 0)
+        )
         started = time.perf_counter()
         record = loop._train_step(run.pm, run.optimizer, run.corpus, cfg, run.dev, step, None, offload)
         times.append(time.perf_counter() - started)
         losses.append(record["loss"])
         if offload is not None:
             moved.append((offload.bytes_read - before[0], offload.bytes_written - before[1]))
-            skipped.append(offload.file.experts_skipped - before[2])
+            skipped.append(offload.file.experts_skipped["grad"] - before[2])
     peak_kib = status_kib("VmHWM")
     gradient_transfers = 0
     if offload is not None:

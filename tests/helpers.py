@@ -127,7 +127,7 @@ class RoutedRun:
     state: dict[str, Any]
     bytes_read: int | None = None
     bytes_written: int | None = None
-    experts_skipped: int | None = None
+    experts_skipped: dict[str, int] | None = None  # by kind: LayerFile.experts_skipped
 
 
 def train_routed(cfg, run_dir: Path, bias_at: Callable[[int], Any]) -> RoutedRun:
@@ -152,7 +152,7 @@ def train_routed(cfg, run_dir: Path, bias_at: Callable[[int], Any]) -> RoutedRun
         offload.settle()
         offload.ws.flush()
         result.bytes_read, result.bytes_written = offload.bytes_read, offload.bytes_written
-        result.experts_skipped = offload.file.experts_skipped
+        result.experts_skipped = dict(offload.file.experts_skipped)
     try:
         with offload.materialized() if offload is not None else contextlib.nullcontext():
             names = {id(p): name for name, p in run.local.named_parameters()}

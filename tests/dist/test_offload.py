@@ -207,7 +207,7 @@ def test_an_expert_idle_on_one_dp_rank_only_keeps_its_gradient(runs: Path) -> No
         assert memory[1].keys() == disk[1].keys() and any(k.endswith(":exp_avg") for k in memory[1])
         for key in memory[1]:
             assert torch.equal(memory[1][key], disk[1][key]), f"rank {rank} {key}"
-        skipped[rank] = disk[2]
+        skipped[rank] = disk[2]["grad"]
     per_step_and_layer = 3 * 3
     assert skipped == {0: 4 * per_step_and_layer, 1: (4 + 2) * per_step_and_layer}
 

@@ -4,10 +4,12 @@ in-memory training, and the store's transfers of some experts of a region.
 Every MoE router's selection bias keeps experts 2 and 3 of 4 from every token after the first step
 (top-2: each token picks experts 0 and 1), so their gradients are exactly zero: they are neither
 written out nor read back, and their AdamW update still runs on a zero gradient (the first step gave
-them moments, and weight decay moves them). Reference: in-memory training with the same biases.
+them moments, and weight decay moves them). A backward that reads a layer's weights again reads
+only the routed experts' (the budget holds two of the five layers). Reference: in-memory training with the same biases.
 Tolerance: none (bitwise): losses, gradient norms, final weights and AdamW moments. Disk traffic:
 the same offloaded run without the bias (every expert busy in every micro-batch) moves exactly the
-idle experts' gradient bytes more, as written out in the test.
+idle experts' gradient bytes more, and the weight bytes of the backward reads that a forward does
+not complete, as written out in the test.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from moekit import runconfig
 from moekit.directio import DIRECT_ALIGN
 from moekit.train.offload.store import LayerFile
 
-STEPS, LAYERS, EXPERTS = 4, 3, 4
+STEPS, LAYERS, EXPERTS = 3, 5, 4
 IDLE = (2, 3)  # kept from every token after the first step
 EXPERT_BYTES = (32 * 128 + 64 * 32) * 4  # one expert's w_in [32, 128] and w_out [64, 32] in fp32: 6 pages
 
@@ -35,7 +37,7 @@ def _cfg(corpus: Path, grad_accum: int, offload: bool) -> runconfig.RunConfig:
         "model.n_layers": str(LAYERS),
         "moe.bias_update_rate": "0",  # the biases stay as set
         "train.steps": str(STEPS),
-        "train.batch_size": "4",
+        "train.batch_size": "8",
         "train.grad_accum": str(grad_accum),
         "train.sample_tokens": "0",
     }
@@ -68,10 +70,16 @@ def test_idle_experts_skip_their_gradient_transfers_bitwise(tmp_path: Path, grad
     # Per step after the first, each idle (layer, expert) leaves out grad_accum (A) writes of its gradient
     # (one per micro-batch) and A reads (A - 1 read-backs by the next micro-batches, one by the AdamW step).
     transfers = (STEPS - 1) * LAYERS * len(IDLE) * grad_accum
-    assert busy.experts_skipped == 0, "the run without a bias has every expert busy"
-    assert idle.experts_skipped == 2 * transfers
+    assert not any(busy.experts_skipped.values()), "the run without a bias has every expert busy"
+    assert idle.experts_skipped["grad"] == 2 * transfers
     assert busy.bytes_written - idle.bytes_written == transfers * EXPERT_BYTES
-    assert busy.bytes_read - idle.bytes_read == transfers * EXPERT_BYTES
+    # Each micro-batch's backward reads layers L-3 .. 0 again (two slots: the top two are still there),
+    # each for its routed experts only. Layers L-3 .. 2 are evicted before the next forward; layers 1
+    # and 0 stay, and read their idle experts' weights then, as a forward needs the whole layer.
+    backward_reads = (STEPS - 1) * grad_accum * (LAYERS - 2) * len(IDLE)
+    assert idle.experts_skipped["weight"] == backward_reads
+    weights_saved = (STEPS - 1) * grad_accum * (LAYERS - 4) * len(IDLE)
+    assert busy.bytes_read - idle.bytes_read == (transfers + weights_saved) * EXPERT_BYTES
 
 
 def test_a_transfer_of_some_experts_moves_their_pages_and_zeroes_the_rest(tmp_path: Path) -> None:
@@ -92,7 +100,7 @@ def test_a_transfer_of_some_experts_moves_their_pages_and_zeroes_the_rest(tmp_pa
         for t in file.views(part).values():
             t.fill_(7.0)
         file.write(0, "grad", part, (False, True, False, False))
-        assert file.bytes_written == file.unit + 2 * DIRECT_ALIGN and file.experts_skipped == 3
+        assert file.bytes_written == file.unit + 2 * DIRECT_ALIGN and file.experts_skipped["grad"] == 3
         got = file.buffer()
         got.fill_(255)
         file.read(0, "grad", got, (True, True, False, False))

@@ -4,16 +4,18 @@ Per optimizer step (on CPU, in each process: its own ep shard of every layer's e
 
 1. forward: each MoE layer reads its weights from its slot while the next layer's are read;
 2. backward, in reverse: each layer's weights are read again (or still resident), the lower layer's
-   meanwhile; as soon as a layer's backward is done, its gradients (summed over the step's
-   micro-batches) are reduced over the ranks as in-memory training reduces them (``reduce.py``: one
-   fused all-reduce per layer, overlapping the backward of the layer below), then go to disk and
-   their norms are kept. The routing already computed says which experts can skip that: an expert
-   that received no token in any of the step's micro-batches on any rank of its dp group has an
-   exactly-zero gradient, so its gradient is neither written nor read back (the rows per expert are
-   summed over dp beside the bucket: idle here is not idle everywhere); between micro-batches, the
-   running sum of an expert idle so far on this rank is likewise kept off the disk. The AdamW step
-   reads such a gradient as zeros and still updates the expert (its moments decay, its weights
-   move), and its zero adds nothing to the norm;
+   meanwhile, only the experts that computed rows in the forward (``WorkingSet.route``: the rest
+   is read when a forward next needs the layer whole, if it is still resident then); as soon as a
+   layer's backward is done, its gradients (summed over the step's micro-batches) are reduced over
+   the ranks as in-memory training reduces them (``reduce.py``: one fused all-reduce per layer,
+   overlapping the backward of the layer below), then go to disk and their norms are kept. The
+   routing already computed says which experts can skip that: an expert that received no token in
+   any of the step's micro-batches on any rank of its dp group has an exactly-zero gradient, so its
+   gradient is neither written nor read back (the rows per expert are summed over dp beside the
+   bucket: idle here is not idle everywhere); between micro-batches, the running sum of an expert
+   idle so far on this rank is likewise kept off the disk. The AdamW step reads such a gradient as
+   zeros and still updates the expert (its moments decay, its weights move), and its zero adds
+   nothing to the norm;
 3. the global gradient norm combines those norms with the rest of the model's, by replica group, in
    the parameter order and precision of ``clip_grad_norm``, so the clipping factor is the in-memory
    one, bit for bit;
@@ -54,7 +56,7 @@ from moekit.parallel.grads import clip_scale, combine_norms, replicas
 from moekit.train.offload.adamw import MOMENTS, DeferredAdamW
 from moekit.train.offload.experts import OffloadedExperts, install
 from moekit.train.offload.reduce import LayerGradReduce
-from moekit.train.offload.store import Experts, LayerFile
+from moekit.train.offload.store import Experts, LayerFile, experts_with_rows
 from moekit.train.offload.working_set import WorkingSet
 from moekit.units import format_bytes, parse_bytes
 
@@ -134,20 +136,20 @@ class ExpertOffload:
                 sums[role].copy_(grads[role])
         else:  # NOTE: old + new, as autograd accumulates into .grad: the same bits
             assert before is not None
-            self.ws.read(layer, "grad", buf, _moved(before)).result()
+            self.ws.read(layer, "grad", buf, experts_with_rows(before)).result()
             for role in self.roles:
                 sums[role].add_(grads[role])
         if micro + 1 == self.grad_accum:  # the step's gradient: reduced, then its norms kept and written
             self.reduce.start(self.file.flat(buf), rows, partial(self._reduced, layer, buf))
         else:
-            self.ws.write(layer, "grad", buf, _moved(rows))
+            self.ws.write(layer, "grad", buf, experts_with_rows(rows))
 
     def _reduced(self, layer: int, buf: Tensor, rows_E: Tensor) -> None:
         """``rows_E``: summed over dp. An expert without a row on any rank has a zero gradient: its norm
         adds zero, and it stays off the disk (the AdamW step reads it as zeros)."""
         sums = self.file.views(buf)
         self.norms[layer] = list(torch._foreach_norm([sums[r] for r in self.roles], 2.0))
-        self.routed[layer] = _moved(rows_E)
+        self.routed[layer] = experts_with_rows(rows_E)
         self.ws.write(layer, "grad", buf, self.routed[layer])
 
     @torch.no_grad()
@@ -266,11 +268,6 @@ class ExpertOffload:
     @property
     def bytes_written(self) -> int:
         return self.file.bytes_written
-
-
-def _moved(rows_E: Tensor) -> Experts:
-    """The experts a gradient transfer moves: those that computed a row."""
-    return tuple(bool(n) for n in rows_E.tolist())
 
 
 def _empty(p: nn.Parameter) -> None:

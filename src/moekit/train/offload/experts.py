@@ -4,7 +4,8 @@
 and the optimizer see the same model) and computes the same ``expert_ffn`` over the weights of its
 layer's slot. In training, the weights enter autograd as fresh leaves aliasing the slot; the tensors
 autograd saves from the slot are packed as (layer, place) instead of kept, and unpacked in backward
-from the slot the layer is read into again (the lower layer being read meanwhile). When every leaf
+from the slot the layer is read into again, only the experts that computed rows if it was evicted
+(``WorkingSet.route``), the lower layer being read meanwhile. When every leaf
 of the layer holds its gradient, the gradients go out (``ExpertState.out``), with the rows each
 expert computed in the forward (the routing, as the FFN received it), and the slot is released.
 Before a forward reads a layer's slot, the layer's pending optimizer update runs on it (``settle``).
@@ -21,7 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from moekit.experts.grouped import GroupedExperts, Schedule, expert_ffn
-from moekit.train.offload.store import LayerFile
+from moekit.train.offload.store import LayerFile, experts_with_rows
 from moekit.train.offload.working_set import WorkingSet
 
 
@@ -89,8 +90,9 @@ class OffloadedExperts(nn.Module):
         return ffn(x_RD, counts_E)
 
     def _ffn(self, x_RD: Tensor, counts_E: Tensor, w: dict[str, Tensor], pending: _LayerGrads | None) -> Tensor:
-        if pending is not None:  # the rows each expert computes: under ep, those it received
-            pending.rows_E = counts_E.to("cpu", torch.int64, copy=True)
+        if pending is not None:  # the rows each expert computes (under ep, those it received): the
+            pending.rows_E = counts_E.to("cpu", torch.int64, copy=True)  # experts its backward reads
+            self._ws.route(self.layer, experts_with_rows(pending.rows_E))
         return expert_ffn(
             x_RD, w["w_in"], w["w_out"], counts_E, self.activation, self.gemm, w.get("w_in_bias"), w.get("w_out_bias")
         )

@@ -11,7 +11,8 @@ An expert's tensors are one contiguous run of bytes per role (the stacked dim le
 transfer may move only some experts (``Experts``: a flag per expert): the direct-I/O pages that hold
 a moved expert's bytes, run by run, and no page that holds only other experts'. Reading that way
 sets every other expert's tensors in the buffer to zero, which is what a gradient region needs: an
-expert that received no token has an exactly-zero gradient. Where an expert's bytes are not a whole
+expert that received no token has an exactly-zero gradient (a backward's weights need only the
+experts with rows; ``rest="keep"`` completes such a buffer later). Where an expert's bytes are not a whole
 number of pages, the pages it shares with a neighbour move with it (bytes counted as moved).
 
 The host tier (``train.host_budget``) holds some regions in RAM instead: reading or writing one is a
@@ -63,7 +64,8 @@ class LayerFile:
         self.bytes_read = self.bytes_written = 0  # disk bytes
         self.host: dict[tuple[int, str], Tensor] = {}  # (layer, kind) -> the region, in the host tier
         self.host_bytes_read = self.host_bytes_written = 0
-        self.experts_skipped = 0  # expert transfers left out by partial reads and writes (either tier)
+        # by kind: experts left out of transfers as idle (a read that zeroes them, a write), either tier
+        self.experts_skipped = dict.fromkeys(KINDS, 0)
         self._spans: dict[tuple[bool, ...], list[tuple[int, int]]] = {}
 
     def close(self) -> None:
@@ -95,9 +97,10 @@ class LayerFile:
             self.read(layer, kind, region)
             self.host[(layer, kind)] = region
 
-    def read(self, layer: int, kind: str, buf_U8: Tensor, experts: Experts = None) -> None:
+    def read(self, layer: int, kind: str, buf_U8: Tensor, experts: Experts = None, rest: str = "zero") -> None:
         """Region (layer, kind) into ``buf_U8``; with ``experts``, only theirs, every other expert's
-        tensors in ``buf_U8`` set to zero."""
+        tensors in ``buf_U8`` set to zero (``rest="zero"``: counted as skipped) or left as they are
+        (``rest="keep"``: the rest of a partly read buffer, read before; a shared page is read again)."""
         held = self.host.get((layer, kind))
         moved = 0
         for start, end in self.spans(experts):
@@ -109,14 +112,14 @@ class LayerFile:
                 if got != end - start:
                     raise OSError(f"{self.path}: short read of layer {layer} {kind}: {got} of {end - start} bytes")
             moved += end - start
-        idle = [e for e, moves in enumerate(experts or ()) if not moves]
+        idle = [e for e, moves in enumerate(experts or ()) if not moves] if rest == "zero" else []
         if idle:
             for t in self.views(buf_U8).values():
                 t.index_fill_(0, torch.tensor(idle), 0.0)
         if held is not None:
-            self._count(experts, host_read=moved)
+            self._count(kind, len(idle), host_read=moved)
         else:
-            self._count(experts, read=moved)
+            self._count(kind, len(idle), read=moved)
 
     def write(self, layer: int, kind: str, buf_U8: Tensor, experts: Experts = None) -> None:
         """``buf_U8`` to region (layer, kind); with ``experts``, only the pages holding theirs, which may
@@ -132,10 +135,11 @@ class LayerFile:
                 if put != end - start:
                     raise OSError(f"{self.path}: short write of layer {layer} {kind}: {put} of {end - start} bytes")
             moved += end - start
+        skipped = 0 if experts is None else experts.count(False)
         if held is not None:
-            self._count(experts, host_written=moved)
+            self._count(kind, skipped, host_written=moved)
         else:
-            self._count(experts, written=moved)
+            self._count(kind, skipped, written=moved)
 
     def spans(self, experts: Experts) -> list[tuple[int, int]]:
         """The byte spans ``[start, end)`` of a region that a transfer of ``experts`` moves: the whole
@@ -168,14 +172,27 @@ class LayerFile:
         return (layer * len(KINDS) + KINDS.index(kind)) * self.unit
 
     def _count(
-        self, experts: Experts, read: int = 0, written: int = 0, host_read: int = 0, host_written: int = 0
+        self, kind: str, skipped: int, read: int = 0, written: int = 0, host_read: int = 0, host_written: int = 0
     ) -> None:
         with self._lock:
-            self.experts_skipped += 0 if experts is None else experts.count(False)
+            self.experts_skipped[kind] += skipped
             self.bytes_read += read
             self.bytes_written += written
             self.host_bytes_read += host_read
             self.host_bytes_written += host_written
+
+
+def experts_with_rows(rows_E: Tensor) -> Experts:
+    """The experts that computed a row (``rows_E``: rows per expert), as a transfer names them."""
+    return tuple(bool(n) for n in rows_E.tolist())
+
+
+def union(a: Experts, b: Experts) -> Experts:
+    """The experts either transfer moves (None: every expert)."""
+    if a is None or b is None:
+        return None
+    both = tuple(x or y for x, y in zip(a, b, strict=True))
+    return None if all(both) else both
 
 
 def host_regions(num_layers: int, weight_slots: int, grad_accum: int, capacity: int) -> list[tuple[int, str]]:
