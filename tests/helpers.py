@@ -121,13 +121,14 @@ def rewind(run: Path, to: Path, step: int) -> Path:
 @dataclass
 class RoutedRun:
     """What ``train_routed`` leaves: each step's record, this rank's final weights and AdamW state by
-    name (this rank's pieces), and the offload's disk traffic (None in memory)."""
+    name (this rank's pieces), and the offload's traffic, disk and host tier together (None in memory)."""
 
     records: list[dict[str, Any]]
     state: dict[str, Any]
     bytes_read: int | None = None
     bytes_written: int | None = None
     experts_skipped: dict[str, int] | None = None  # by kind: LayerFile.experts_skipped
+    host_regions: list[tuple[int, str]] | None = None  # (layer, kind) held in the host tier
 
 
 def train_routed(cfg, run_dir: Path, bias_at: Callable[[int], Any]) -> RoutedRun:
@@ -151,8 +152,13 @@ def train_routed(cfg, run_dir: Path, bias_at: Callable[[int], Any]) -> RoutedRun
     if offload is not None:
         offload.settle()
         offload.ws.flush()
-        result.bytes_read, result.bytes_written = offload.bytes_read, offload.bytes_written
+        file = offload.file  # either tier
+        result.bytes_read, result.bytes_written = (
+            file.bytes_read + file.host_bytes_read,
+            file.bytes_written + file.host_bytes_written,
+        )
         result.experts_skipped = dict(offload.file.experts_skipped)
+        result.host_regions = sorted(offload.file.host)
     try:
         with offload.materialized() if offload is not None else contextlib.nullcontext():
             names = {id(p): name for name, p in run.local.named_parameters()}

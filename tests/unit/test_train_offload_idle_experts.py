@@ -28,9 +28,10 @@ from moekit.train.offload.store import LayerFile
 STEPS, LAYERS, EXPERTS = 3, 5, 4
 IDLE = (2, 3)  # kept from every token after the first step
 EXPERT_BYTES = (32 * 128 + 64 * 32) * 4  # one expert's w_in [32, 128] and w_out [64, 32] in fp32: 6 pages
+UNIT = EXPERTS * EXPERT_BYTES  # one (layer, kind) region
 
 
-def _cfg(corpus: Path, grad_accum: int, offload: bool) -> runconfig.RunConfig:
+def _cfg(corpus: Path, grad_accum: int, offload: bool, host: str = "") -> runconfig.RunConfig:
     values = {
         "data.path": str(corpus),
         "data.cache_dir": str(corpus.parent / "cache"),
@@ -43,6 +44,8 @@ def _cfg(corpus: Path, grad_accum: int, offload: bool) -> runconfig.RunConfig:
     }
     if offload:  # two layers' weights in RAM: every layer is read in forward and again in backward
         values["train.memory_budget"] = "800KB"
+    if offload and host:
+        values["train.host_budget"] = host
     return runconfig.resolve("tiny", values)
 
 
@@ -53,13 +56,19 @@ def _idle_after_first_step(step: int) -> torch.Tensor:
     return bias
 
 
-@pytest.mark.parametrize("grad_accum", [1, 2])
-def test_idle_experts_skip_their_gradient_transfers_bitwise(tmp_path: Path, grad_accum: int) -> None:
+@pytest.mark.parametrize(
+    ("grad_accum", "host"),
+    [(1, ""), (2, ""), (2, str(LAYERS * UNIT))],  # the host tier: every layer's gradient region
+    ids=["accum1", "accum2", "accum2-host_tier"],
+)
+def test_idle_experts_skip_their_gradient_transfers_bitwise(tmp_path: Path, grad_accum: int, host: str) -> None:
+    """Bytes: on disk and in the host tier together."""
     corpus = write_corpus(tmp_path / "corpus.txt")
     memory = train_routed(_cfg(corpus, grad_accum, False), tmp_path / "memory", _idle_after_first_step)
-    idle = train_routed(_cfg(corpus, grad_accum, True), tmp_path / "idle", _idle_after_first_step)
-    busy = train_routed(_cfg(corpus, grad_accum, True), tmp_path / "busy", lambda step: torch.zeros(EXPERTS))
+    idle = train_routed(_cfg(corpus, grad_accum, True, host), tmp_path / "idle", _idle_after_first_step)
+    busy = train_routed(_cfg(corpus, grad_accum, True, host), tmp_path / "busy", lambda step: torch.zeros(EXPERTS))
 
+    assert idle.host_regions == ([(layer, "grad") for layer in range(LAYERS)] if host else [])
     for key in ("loss", "grad_norm"):  # the norm: an idle expert's zero gradient adds zero
         assert [r[key] for r in idle.records] == [r[key] for r in memory.records], key
     assert memory.state.keys() == idle.state.keys()
