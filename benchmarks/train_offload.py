@@ -19,7 +19,7 @@ writes on one writer thread at the same time, in the step's read/write proportio
 measurement per round, taken after the runs).
 Also per step: how many expert-gradient transfers were skipped because the expert received no token
 in the step (each skips its gradient's writes and reads back), out of all of them (layers x experts x
-2 x grad_accum); this random-text model routes a token to nearly every expert, so expect few.
+2 x grad_accum).
 Losses of every step must equal in-memory training's bit for bit. Prints a table; with ``--json``
 one JSON object on the last line.
 """

@@ -66,7 +66,6 @@ class LayerFile:
         self.host_bytes_read = self.host_bytes_written = 0
         # by kind: experts left out of transfers as idle (a read that zeroes them, a write), either tier
         self.experts_skipped = dict.fromkeys(KINDS, 0)
-        self._spans: dict[tuple[bool, ...], list[tuple[int, int]]] = {}
 
     def close(self) -> None:
         for fd in (self._fd, self._direct_fd):
@@ -147,21 +146,19 @@ class LayerFile:
         whole direct-I/O pages, the overlapping and touching ones merged."""
         if experts is None or all(experts):
             return [(0, self.unit)]
-        if experts not in self._spans:
-            pages = []
-            for shape, offset in zip(self.shapes.values(), self.offsets.values(), strict=True):
-                per_expert = torch.Size(shape[1:]).numel() * 4
-                for e in (e for e, moves in enumerate(experts) if moves):
-                    start, end = offset + e * per_expert, offset + (e + 1) * per_expert
-                    pages.append((start - start % DIRECT_ALIGN, round_up(end, DIRECT_ALIGN)))
-            merged: list[tuple[int, int]] = []
-            for start, end in sorted(pages):
-                if merged and start <= merged[-1][1]:
-                    merged[-1] = (merged[-1][0], max(merged[-1][1], end))
-                else:
-                    merged.append((start, end))
-            self._spans[experts] = merged
-        return self._spans[experts]
+        pages = []
+        for shape, offset in zip(self.shapes.values(), self.offsets.values(), strict=True):
+            per_expert = torch.Size(shape[1:]).numel() * 4
+            for e in (e for e, moves in enumerate(experts) if moves):
+                start, end = offset + e * per_expert, offset + (e + 1) * per_expert
+                pages.append((start - start % DIRECT_ALIGN, round_up(end, DIRECT_ALIGN)))
+        merged: list[tuple[int, int]] = []
+        for start, end in sorted(pages):
+            if merged and start <= merged[-1][1]:
+                merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+            else:
+                merged.append((start, end))
+        return merged
 
     def _fd_for(self, buf_U8: Tensor) -> int:
         assert buf_U8.numel() == self.unit and buf_U8.is_contiguous()
