@@ -17,6 +17,9 @@ Per step: median time (min .. max over rounds), bytes read and written on disk, 
 directory the way the offload uses the disk: direct whole-region reads on ``READERS`` threads and
 writes on one writer thread at the same time, in the step's read/write proportion (median of one
 measurement per round, taken after the runs).
+Also per step: how many expert-gradient transfers were skipped because the expert received no token
+in the step (each skips its gradient's writes and reads back), out of all of them (layers x experts x
+2 x grad_accum).
 Losses of every step must equal in-memory training's bit for bit. Prints a table; with ``--json``
 one JSON object on the last line.
 """
@@ -82,18 +85,24 @@ def child(args: argparse.Namespace) -> dict:
     Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current VmRSS
     if offload is not None:
         offload.ws.overlap = args.mode != "naive"
-    times, losses, moved = [], [], []
+    times, losses, moved, skipped = [], [], [], []
     for step in range(args.steps):
-        before = (offload.bytes_read, offload.bytes_written) if offload else (0, 0)
+        before = (
+            (offload.bytes_read, offload.bytes_written, offload.file.experts_skipped["grad"]) if offload else (0, 0, 0)
+        )
         started = time.perf_counter()
         record = loop._train_step(run.pm, run.optimizer, run.corpus, cfg, run.dev, step, None, offload)
         times.append(time.perf_counter() - started)
         losses.append(record["loss"])
         if offload is not None:
             moved.append((offload.bytes_read - before[0], offload.bytes_written - before[1]))
+            skipped.append(offload.file.experts_skipped["grad"] - before[2])
     peak_kib = status_kib("VmHWM")
+    gradient_transfers = 0
     if offload is not None:
         expert = len(offload.params) * sum(torch.Size(s).numel() for s in offload.file.shapes.values())
+        experts = next(iter(offload.file.shapes.values()))[0]
+        gradient_transfers = len(offload.params) * experts * 2 * cfg.train.grad_accum
         offload.close()
     else:
         expert = sum(p.numel() for n, p in run.local.named_parameters() if ".experts." in n)
@@ -102,6 +111,8 @@ def child(args: argparse.Namespace) -> dict:
         "times_s": times,
         "losses": losses,
         "moved": moved,
+        "skipped": skipped,  # expert-gradient transfers left out, per step
+        "gradient_transfers": gradient_transfers,  # per step, none left out
         "peak_rss": peak_kib * 1024,
         "base_rss": base_kib * 1024,
         "setup_rss": setup_kib * 1024,
@@ -235,6 +246,11 @@ def report(runs: dict[str, list[dict]], budget: int, read: float, written: float
             f"{host_read / 1e6:.1f} MB read, {host_written / 1e6:.1f} MB written on disk per step; "
             f"bound {bounds['host'] * 1e3:.0f} ms"
         )
+    skipped = [n for run in runs["offload"] for n in run["skipped"][2:]]
+    print(
+        f"expert-gradient transfers skipped per step (no token): median {statistics.median(skipped):g} "
+        f"(min {min(skipped)} .. max {max(skipped)}) of {first['gradient_transfers']}"
+    )
     print(f"{'mode':<8} {'step ms median (min .. max)':<30} {'x in-memory':>11} {'x bound':>8} {'peak RSS MB':>12}")
     for row in rows:
         s = row["step_s"]
@@ -255,6 +271,12 @@ def report(runs: dict[str, list[dict]], budget: int, read: float, written: float
             "disk_bw": bandwidth,
             "bytes_read_per_step": read,
             "bytes_written_per_step": written,
+            "gradient_transfers_per_step": first["gradient_transfers"],
+            "gradient_transfers_skipped_per_step": {
+                "median": statistics.median(skipped),
+                "min": min(skipped),
+                "max": max(skipped),
+            },
             "bound_s": bound,
             "rows": rows,
             "naive_over_offload": naive,

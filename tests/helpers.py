@@ -3,11 +3,14 @@ sys.path through the rootdir conftest, so every test imports them as ``helpers``
 
 from __future__ import annotations
 
+import contextlib
 import math
 import random
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -113,3 +116,56 @@ def rewind(run: Path, to: Path, step: int) -> Path:
             shutil.rmtree(later)
     (to / "checkpoints" / "latest").write_text(f"step_{step:06d}")
     return to
+
+
+@dataclass
+class RoutedRun:
+    """What ``train_routed`` leaves: each step's record, this rank's final weights and AdamW state by
+    name (this rank's pieces), and the offload's traffic, disk and host tier together (None in memory)."""
+
+    records: list[dict[str, Any]]
+    state: dict[str, Any]
+    bytes_read: int | None = None
+    bytes_written: int | None = None
+    experts_skipped: dict[str, int] | None = None  # by kind: LayerFile.experts_skipped
+    host_regions: list[tuple[int, str]] | None = None  # (layer, kind) held in the host tier
+
+
+def train_routed(cfg, run_dir: Path, bias_at: Callable[[int], Any]) -> RoutedRun:
+    """Train ``cfg`` step by step (no evaluation, no checkpoint), every MoE router's selection bias set
+    to ``bias_at(step)`` before each step: a bias of -1e4 keeps an expert from every token. Offloaded,
+    the last step's pending AdamW updates are run and every transfer has landed before the bytes are
+    read; the state is then materialized, so the traffic counts training's only."""
+    import torch
+
+    from moekit.experts.grouped import local_tensor
+    from moekit.train import loop
+
+    run = loop._setup(cfg, run_dir, False, torch.device("cpu"), False, None, False)
+    records = []
+    for step in range(cfg.train.steps):
+        for moe in run.pm.moe_layers():
+            moe.router.expert_bias.copy_(bias_at(step))
+        records.append(loop._train_step(run.pm, run.optimizer, run.corpus, cfg, run.dev, step, None, run.offload))
+    result = RoutedRun(records, {})
+    offload = run.offload
+    if offload is not None:
+        offload.settle()
+        offload.ws.flush()
+        file = offload.file  # either tier
+        result.bytes_read, result.bytes_written = (
+            file.bytes_read + file.host_bytes_read,
+            file.bytes_written + file.host_bytes_written,
+        )
+        result.experts_skipped = dict(offload.file.experts_skipped)
+        result.host_regions = sorted(offload.file.host)
+    try:
+        with offload.materialized() if offload is not None else contextlib.nullcontext():
+            names = {id(p): name for name, p in run.local.named_parameters()}
+            result.state = {k: local_tensor(v).clone() for k, v in run.local.state_dict().items()}
+            for p, moments in run.optimizer.state.items():
+                result.state |= {f"{names[id(p)]}:{k}": local_tensor(v).clone() for k, v in moments.items()}
+    finally:
+        if offload is not None:
+            offload.close()
+    return result

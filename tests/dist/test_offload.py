@@ -15,6 +15,10 @@ summation order: one process accumulates the four micro-batches' gradients itsel
 The budget leaves two layers' expert weights in RAM, so each of the three layers is read from disk
 in every pass. One offloaded dp=2 step is profiled: each layer's expert gradients travel in one
 all-reduce of the layer's whole gradient region.
+A dp=2 run whose router biases keep, after the first step, expert 2 from every token and expert 3 from
+rank 1's only equals in-memory training bitwise on both ranks (losses, gradient norms, weights, AdamW
+moments): expert 2's gradient is zero and skips its transfers; expert 3's is not, though rank 1
+computed no row of it, so only rank 1's own transfers between its micro-batches are skipped.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from conftest import write_corpus
-from helpers import rewind
+from helpers import rewind, train_routed
 
 from moekit import runconfig
 from moekit.run.load import load_run
@@ -46,7 +50,9 @@ HOST = {"dp2xep2": "200KB"}  # 4 regions of 49 KB: the 3 layers' gradients and o
 PRELOAD = ("moekit.train.loop", "moekit.run.load")
 
 
-def _cfg(tmp: Path, ep: int = 1, dp: int = 1, offload: bool = False, host: str = "") -> runconfig.RunConfig:
+def _cfg(
+    tmp: Path, ep: int = 1, dp: int = 1, offload: bool = False, host: str = "", **overrides: str
+) -> runconfig.RunConfig:
     values = {
         "data.path": str(tmp / "corpus.txt"),
         "data.cache_dir": str(tmp / "cache"),
@@ -67,7 +73,7 @@ def _cfg(tmp: Path, ep: int = 1, dp: int = 1, offload: bool = False, host: str =
         values |= {"train.memory_budget": BUDGET[ep], "train.offload_dir": str(tmp / "offload")}
     if host:
         values["train.host_budget"] = host
-    return runconfig.resolve("tiny", values)
+    return runconfig.resolve("tiny", values | overrides)
 
 
 def _both(rank: int, tmp: Path, name: str, ep: int, dp: int) -> None:
@@ -93,6 +99,26 @@ def _two_ranks(rank: int, world: int, tmp: Path) -> None:
         (tmp / "ep2-resumed.json").write_text(json.dumps(resumed.losses))
     _both(rank, tmp, "dp2", ep=1, dp=2)
     _count_expert_reductions(rank, tmp)
+    _idle_on_one_rank(rank, tmp)
+
+
+def _idle_on_one_rank(rank: int, tmp: Path) -> None:
+    """dp=2, after the first step: expert 2 kept from every token, expert 3 from rank 1's tokens only.
+    Each rank saves its records, its final state and its count of expert transfers skipped."""
+
+    def bias_at(step: int) -> torch.Tensor:
+        bias = torch.zeros(4)
+        if step > 0:
+            bias[2] = -1e4
+            bias[3] = -1e4 if rank == 1 else 0.0
+        return bias
+
+    for offload in (False, True):
+        name = f"dp2-idle-{'disk' if offload else 'memory'}"
+        cfg = _cfg(tmp, dp=2, offload=offload, **{"moe.bias_update_rate": "0"})
+        run = train_routed(cfg, tmp / name, bias_at)
+        records = [{k: r[k] for k in ("loss", "grad_norm")} for r in run.records]
+        torch.save([records, run.state, run.experts_skipped], tmp / f"{name}-rank{rank}.pt")
 
 
 def _count_expert_reductions(rank: int, tmp: Path) -> None:
@@ -167,6 +193,23 @@ def test_offloaded_resume_in_one_process(runs: Path) -> None:
     a, b = _weights(runs / "ep2-disk"), _weights(runs / "ep1-resumed")
     for key in a:
         torch.testing.assert_close(b[key], a[key], atol=RESHARD_TOL, rtol=0, msg=lambda m, key=key: f"{key}: {m}")
+
+
+def test_an_expert_idle_on_one_dp_rank_only_keeps_its_gradient(runs: Path) -> None:
+    """Per step after the first (3), layer (3) and micro-batch pair (grad_accum 2): expert 2 skips 4
+    transfers on each rank (its partial sum written and read back, the reduced gradient written and
+    read by the AdamW step); expert 3 skips only rank 1's first 2. Skipping by a rank's own rows would
+    skip 2 more on rank 1 and give its AdamW step a zero gradient for expert 3: not in-memory's."""
+    skipped = {}
+    for rank in (0, 1):
+        memory, disk = (torch.load(runs / f"dp2-idle-{m}-rank{rank}.pt", weights_only=False) for m in ("memory", "disk"))
+        assert disk[0] == memory[0], f"rank {rank}: losses and gradient norms"
+        assert memory[1].keys() == disk[1].keys() and any(k.endswith(":exp_avg") for k in memory[1])
+        for key in memory[1]:
+            assert torch.equal(memory[1][key], disk[1][key]), f"rank {rank} {key}"
+        skipped[rank] = disk[2]["grad"]
+    per_step_and_layer = 3 * 3
+    assert skipped == {0: 4 * per_step_and_layer, 1: (4 + 2) * per_step_and_layer}
 
 
 def test_each_layer_is_reduced_in_one_fused_bucket(runs: Path) -> None:

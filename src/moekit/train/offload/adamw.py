@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, nn
 from torch.optim.adam import adam
 
-from moekit.train.offload.store import LayerFile
+from moekit.train.offload.store import Experts, LayerFile
 from moekit.train.offload.working_set import WorkingSet
 
 MOMENTS = ("grad", "exp_avg", "exp_avg_sq")  # what the AdamW step reads beside the weights
@@ -68,7 +68,8 @@ class DeferredAdamW:
         self.ws, self.file, self.params, self.roles, self.optimizer = ws, file, params, roles, optimizer
         self._sets = [buffers[: len(MOMENTS)], buffers[len(MOMENTS) :]]
         self._next_set = 0
-        self._pending: dict[int, tuple[float, list[_GroupStep]]] = {}  # layer -> (clip factor, its groups)
+        # layer -> (clip factor, its groups, the experts whose gradient is on disk: the others' is zero)
+        self._pending: dict[int, tuple[float, list[_GroupStep], Experts]] = {}
         self._reads: _Reads | None = None  # of the lowest pending layer, started ahead
 
     @property
@@ -76,8 +77,10 @@ class DeferredAdamW:
         return bool(self._pending)
 
     @torch.no_grad()
-    def record(self, scale: float) -> None:
-        """An optimizer step of every layer's experts, with gradients clipped by ``scale``: to run later."""
+    def record(self, scale: float, routed: list[Experts]) -> None:
+        """An optimizer step of every layer's experts, with gradients clipped by ``scale``: to run later.
+        ``routed[l]``: layer l's experts whose gradient was written; the others' is read as zeros (an
+        expert that received no token still takes its AdamW update: moments decay, weights move)."""
         assert not self._pending, "the previous step's updates ran in this step's forward"
         for layer, params in enumerate(self.params):
             by_group: dict[int, list[int]] = {}
@@ -90,7 +93,7 @@ class DeferredAdamW:
                 hyper = {k: group[k] for k in _HYPERPARAMETERS}
                 hyper["decoupled_weight_decay"] = group.get("decoupled_weight_decay", True)
                 groups.append(_GroupStep([self.roles[i] for i in members], steps, hyper))
-            self._pending[layer] = (scale, groups)
+            self._pending[layer] = (scale, groups, routed[layer])
         self._reads = self._start_reads(0)
         self.ws.prefetch(0, +1)
 
@@ -104,7 +107,7 @@ class DeferredAdamW:
         weights = self.ws.get(layer, +1)
         try:
             bufs = self._arrived(layer)
-            scale, groups = self._pending.pop(layer)
+            scale, groups, _ = self._pending.pop(layer)
             if self._pending:  # the next layer arrives while this one is updated and computes
                 self._reads = self._start_reads(min(self._pending))
                 self.ws.prefetch(min(self._pending), +1)
@@ -131,7 +134,10 @@ class DeferredAdamW:
     def _start_reads(self, layer: int) -> _Reads:
         bufs = self._sets[self._next_set]
         self._next_set ^= 1
-        return _Reads(layer, bufs, [self.ws.read(layer, kind, buf) for kind, buf in zip(MOMENTS, bufs, strict=True)])
+        routed = self._pending[layer][2]
+        experts = [routed if kind == "grad" else None for kind in MOMENTS]
+        reads = [self.ws.read(layer, *read) for read in zip(MOMENTS, bufs, experts, strict=True)]
+        return _Reads(layer, bufs, reads)
 
     def _adamw(self, weights: Tensor, bufs: list[Tensor], scale: float, groups: list[_GroupStep]) -> None:
         w, (g, m, v) = self.file.views(weights), (self.file.views(b) for b in bufs)

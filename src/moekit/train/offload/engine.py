@@ -4,10 +4,18 @@ Per optimizer step (on CPU, in each process: its own ep shard of every layer's e
 
 1. forward: each MoE layer reads its weights from its slot while the next layer's are read;
 2. backward, in reverse: each layer's weights are read again (or still resident), the lower layer's
-   meanwhile; as soon as a layer's backward is done, its gradients (summed over the step's
-   micro-batches) are reduced over the ranks as in-memory training reduces them (``reduce.py``: one
-   fused all-reduce per layer, overlapping the backward of the layer below), then go to disk and
-   their norms are kept;
+   meanwhile, only the experts that computed rows in the forward (``WorkingSet.route``: the rest
+   is read when a forward next needs the layer whole, if it is still resident then); as soon as a
+   layer's backward is done, its gradients (summed over the step's micro-batches) are reduced over
+   the ranks as in-memory training reduces them (``reduce.py``: one fused all-reduce per layer,
+   overlapping the backward of the layer below), then go to disk and their norms are kept. The
+   routing already computed says which experts can skip that: an expert that received no token in
+   any of the step's micro-batches on any rank of its dp group has an exactly-zero gradient, so its
+   gradient is neither written nor read back (the rows per expert are summed over dp beside the
+   bucket: idle here is not idle everywhere); between micro-batches, the running sum of an expert
+   idle so far on this rank is likewise kept off the disk. The AdamW step reads such a gradient as
+   zeros and still updates the expert (its moments decay, its weights move), and its zero adds
+   nothing to the norm;
 3. the global gradient norm combines those norms with the rest of the model's, by replica group, in
    the parameter order and precision of ``clip_grad_norm``, so the clipping factor is the in-memory
    one, bit for bit;
@@ -17,8 +25,11 @@ Per optimizer step (on CPU, in each process: its own ep shard of every layer's e
 5. the next forward (or an evaluation, or anything that runs the experts) updates each layer as it
    reaches it, on the slot it computes from: the layer's weights are read once for both, the new
    weights and moments are written behind, and the next layer's gradient, moments and weights are read
-   while this one computes. The arithmetic is ``torch.optim``'s fused AdamW on the same whole stacked
-   tensors with the same step counts and hyperparameters, so the bits equal in-memory training's.
+   while this one computes. A forward reads a layer's weights whole: they are read ahead, before
+   the layer's router has run, so no routing is known to narrow the read (and the AdamW step that
+   runs on them moves every expert's weights, idle or not). The arithmetic is ``torch.optim``'s
+   fused AdamW on the same whole stacked tensors with the same step counts and hyperparameters, so
+   the bits equal in-memory training's.
    Whatever needs the whole state (a checkpoint, through ``materialized``) first runs every pending
    update, in layer order.
 
@@ -45,7 +56,7 @@ from moekit.parallel.grads import clip_scale, combine_norms, replicas
 from moekit.train.offload.adamw import MOMENTS, DeferredAdamW
 from moekit.train.offload.experts import OffloadedExperts, install
 from moekit.train.offload.reduce import LayerGradReduce
-from moekit.train.offload.store import LayerFile
+from moekit.train.offload.store import Experts, LayerFile, experts_with_rows
 from moekit.train.offload.working_set import WorkingSet
 from moekit.units import format_bytes, parse_bytes
 
@@ -94,8 +105,8 @@ class ExpertOffload:
         self.roles = list(shapes)
         self.updates = DeferredAdamW(self.ws, self.file, self.scratch, self.params, self.roles, optimizer)
         self._expert = {id(p): (layer, i) for layer, ps in enumerate(self.params) for i, p in enumerate(ps)}
-        self.norms: list[list[Tensor | None]] = [[None] * len(self.roles) for _ in layers]
-        self.grad_accum, self._seen, self._next_scratch, self.scale = 1, [0] * len(layers), 0, 1.0
+        self.grad_accum, self._next_scratch, self.scale = 1, 0, 1.0
+        self.begin_step(1)
         self._write_back(with_state=False)
         self.experts: list[OffloadedExperts] = install(model, self.ws, self.file, self)
 
@@ -103,13 +114,19 @@ class ExpertOffload:
     def begin_step(self, grad_accum: int) -> None:
         """A new optimizer step of ``grad_accum`` micro-batches: its gradients start from zero."""
         self.grad_accum, self._seen = grad_accum, [0] * len(self.params)
-        self.norms = [[None] * len(self.roles) for _ in self.params]
+        self.norms: list[list[Tensor | None]] = [[None] * len(self.roles) for _ in self.params]
+        self._rows: list[Tensor | None] = [None] * len(self.params)  # this rank's rows per expert so far
+        self.routed: list[Experts] = [None] * len(self.params)  # experts with a token on any dp rank
 
-    def out(self, layer: int, grads: dict[str, Tensor]) -> None:
+    def out(self, layer: int, grads: dict[str, Tensor], rows_E: Tensor) -> None:
         """A layer's gradients of one micro-batch, as its backward ends: added to the step's and written
-        out; the last micro-batch's sums are reduced over the ranks first (in the background)."""
+        out; the last micro-batch's sums are reduced over the ranks first (in the background). ``rows_E``:
+        the rows each expert computed; an expert with none so far has a zero sum, neither written nor
+        read back (``LayerFile``: its tensors read as zeros)."""
         assert not self.updates.pending, "every update runs in forward, before a gradient is written over"
         micro, self._seen[layer] = self._seen[layer], self._seen[layer] + 1
+        before = self._rows[layer]
+        self._rows[layer] = rows = rows_E if before is None else before + rows_E
         buf = self.scratch[self._next_scratch]
         self._next_scratch = (self._next_scratch + 1) % SCRATCH
         sums = self.file.views(buf)
@@ -118,18 +135,22 @@ class ExpertOffload:
             for role in self.roles:
                 sums[role].copy_(grads[role])
         else:  # NOTE: old + new, as autograd accumulates into .grad: the same bits
-            self.ws.read(layer, "grad", buf).result()
+            assert before is not None
+            self.ws.read(layer, "grad", buf, experts_with_rows(before)).result()
             for role in self.roles:
                 sums[role].add_(grads[role])
         if micro + 1 == self.grad_accum:  # the step's gradient: reduced, then its norms kept and written
-            self.reduce.start(self.file.flat(buf), partial(self._reduced, layer, buf))
+            self.reduce.start(self.file.flat(buf), rows, partial(self._reduced, layer, buf))
         else:
-            self.ws.write(layer, "grad", buf)
+            self.ws.write(layer, "grad", buf, experts_with_rows(rows))
 
-    def _reduced(self, layer: int, buf: Tensor) -> None:
+    def _reduced(self, layer: int, buf: Tensor, rows_E: Tensor) -> None:
+        """``rows_E``: summed over dp. An expert without a row on any rank has a zero gradient: its norm
+        adds zero, and it stays off the disk (the AdamW step reads it as zeros)."""
         sums = self.file.views(buf)
         self.norms[layer] = list(torch._foreach_norm([sums[r] for r in self.roles], 2.0))
-        self.ws.write(layer, "grad", buf)
+        self.routed[layer] = experts_with_rows(rows_E)
+        self.ws.write(layer, "grad", buf, self.routed[layer])
 
     @torch.no_grad()
     def clip_gradients(self, params: list[nn.Parameter], max_norm: float) -> Tensor:
@@ -164,7 +185,7 @@ class ExpertOffload:
     def step(self) -> None:
         """AdamW over every layer's experts with the optimizer's hyperparameters (after ``optimizer.step()``):
         recorded now, run layer by layer as the next forward reaches each (``DeferredAdamW``)."""
-        self.updates.record(self.scale)
+        self.updates.record(self.scale, self.routed)
 
     def settle(self, upto: int | None = None) -> None:
         """Run the pending AdamW updates of layers up to ``upto`` (every layer: None), before their weights

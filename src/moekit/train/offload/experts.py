@@ -4,8 +4,10 @@
 and the optimizer see the same model) and computes the same ``expert_ffn`` over the weights of its
 layer's slot. In training, the weights enter autograd as fresh leaves aliasing the slot; the tensors
 autograd saves from the slot are packed as (layer, place) instead of kept, and unpacked in backward
-from the slot the layer is read into again (the lower layer being read meanwhile). When every leaf
-of the layer holds its gradient, the gradients go out (``ExpertState.out``) and the slot is released.
+from the slot the layer is read into again, only the experts that computed rows if it was evicted
+(``WorkingSet.route``), the lower layer being read meanwhile. When every leaf
+of the layer holds its gradient, the gradients go out (``ExpertState.out``), with the rows each
+expert computed in the forward (the routing, as the FFN received it), and the slot is released.
 Before a forward reads a layer's slot, the layer's pending optimizer update runs on it (``settle``).
 
 Legend: R rows sorted by expert, D model dim, E experts.
@@ -20,7 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from moekit.experts.grouped import GroupedExperts, Schedule, expert_ffn
-from moekit.train.offload.store import LayerFile
+from moekit.train.offload.store import LayerFile, experts_with_rows
 from moekit.train.offload.working_set import WorkingSet
 
 
@@ -29,8 +31,9 @@ class ExpertState(Protocol):
         """Run the pending optimizer updates of layers up to ``upto``: their slots hold the new weights."""
         ...
 
-    def out(self, layer: int, grads: dict[str, Tensor]) -> None:
-        """Take a layer's expert gradients (one micro-batch's, by role) once its backward is done."""
+    def out(self, layer: int, grads: dict[str, Tensor], rows_E: Tensor) -> None:
+        """Take a layer's expert gradients (one micro-batch's, by role) once its backward is done, and
+        the rows each expert computed (an expert with none has a zero gradient)."""
         ...
 
 
@@ -68,17 +71,28 @@ class OffloadedExperts(nn.Module):
             for role, leaf in leaves.items():
                 leaf.register_post_accumulate_grad_hook(partial(pending.add, role))
             with torch.autograd.graph.saved_tensors_hooks(partial(_pack, self.layer, buf), pending.unpack):
-                return self._run(x_RD, tokens_per_expert, schedule, leaves)
+                return self._run(x_RD, tokens_per_expert, schedule, leaves, pending)
         finally:
             self._ws.release(self.layer)
 
-    def _run(self, x_RD: Tensor, counts_E: Tensor | None, schedule: Schedule | None, w: dict[str, Tensor]) -> Tensor:
+    def _run(
+        self,
+        x_RD: Tensor,
+        counts_E: Tensor | None,
+        schedule: Schedule | None,
+        w: dict[str, Tensor],
+        pending: _LayerGrads | None = None,
+    ) -> Tensor:
+        ffn = partial(self._ffn, w=w, pending=pending)
         if schedule is not None:
-            return schedule(x_RD, partial(self._ffn, w=w))
+            return schedule(x_RD, ffn)
         assert counts_E is not None, "tokens_per_expert or a schedule"
-        return self._ffn(x_RD, counts_E, w)
+        return ffn(x_RD, counts_E)
 
-    def _ffn(self, x_RD: Tensor, counts_E: Tensor, w: dict[str, Tensor]) -> Tensor:
+    def _ffn(self, x_RD: Tensor, counts_E: Tensor, w: dict[str, Tensor], pending: _LayerGrads | None) -> Tensor:
+        if pending is not None:  # the rows each expert computes (under ep, those it received): the
+            pending.rows_E = counts_E.to("cpu", torch.int64, copy=True)  # experts its backward reads
+            self._ws.route(self.layer, experts_with_rows(pending.rows_E))
         return expert_ffn(
             x_RD, w["w_in"], w["w_out"], counts_E, self.activation, self.gemm, w.get("w_in_bias"), w.get("w_out_bias")
         )
@@ -103,6 +117,7 @@ class _LayerGrads:
         self.ws, self.sink = ws, sink
         self.grads: dict[str, Tensor] = {}
         self.buf: Tensor | None = None
+        self.rows_E: Tensor | None = None  # set by the forward's FFN
 
     def unpack(self, packed: Tensor | Packed) -> Tensor:
         if isinstance(packed, Tensor):
@@ -125,7 +140,8 @@ class _LayerGrads:
         if self.buf is not None:
             self.buf = None
             self.ws.release(self.layer)
-        self.sink.out(self.layer, grads)
+        assert self.rows_E is not None, "the forward ran the FFN"
+        self.sink.out(self.layer, grads, self.rows_E)
 
 
 def install(model: nn.Module, ws: WorkingSet, file: LayerFile, sink: ExpertState) -> list[OffloadedExperts]:

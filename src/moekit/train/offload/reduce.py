@@ -8,6 +8,11 @@ fp32 bucket) in one asynchronous all-reduce over dp, started as the layer's back
 finished when the next layer's gradients arrive (or before the clip), so that it overlaps the
 backward of the layer below. Sums are element-wise, so the bucket's extent does not change the bits
 where the reduction adds two values (dp = 2); the division is the in-memory one.
+
+The layer's rows per expert (this rank's, over the step's micro-batches) are summed over dp by a
+second, small all-reduce beside the bucket's: an expert that no rank of the dp group gave a token
+has an exactly-zero reduced gradient, which the engine then neither writes nor reads back. A rank's
+own count is not enough: an expert idle here may have computed rows on another rank.
 """
 
 from __future__ import annotations
@@ -19,27 +24,31 @@ from torch import Tensor
 
 
 class LayerGradReduce:
-    """At most one layer's reduction in flight; ``done`` runs once its bucket holds the mean."""
+    """At most one layer's reduction in flight; ``done`` runs once its bucket holds the mean, and is
+    given the layer's rows per expert summed over dp."""
 
     def __init__(self, dp_group: dist.ProcessGroup | None, batch_ranks: int) -> None:
         self.dp_group = dp_group  # None: nothing to sum (dp = 1)
         self.batch_ranks = batch_ranks  # dp x ep: the in-memory divisor (1: no division)
-        self._pending: tuple[Tensor, dist.Work | None, Callable[[], None]] | None = None
+        self._pending: tuple[Tensor, Tensor, list[dist.Work], Callable[[Tensor], None]] | None = None
 
-    def start(self, bucket: Tensor, done: Callable[[], None]) -> None:
-        """Begin reducing ``bucket`` (after finishing the previous layer's); ``done`` is called at ``wait``."""
+    def start(self, bucket: Tensor, rows_E: Tensor, done: Callable[[Tensor], None]) -> None:
+        """Begin reducing ``bucket`` and this rank's rows per expert ``rows_E`` (after finishing the
+        previous layer's); ``done(rows_E)`` is called at ``wait``."""
         self.wait()
-        work = dist.all_reduce(bucket, group=self.dp_group, async_op=True) if self.dp_group is not None else None
-        self._pending = (bucket, work, done)
+        works = []
+        if self.dp_group is not None:
+            works = [dist.all_reduce(t, group=self.dp_group, async_op=True) for t in (bucket, rows_E)]
+        self._pending = (bucket, rows_E, works, done)
 
     def wait(self) -> None:
         """Finish the reduction in flight, if any: the sum arrives, is divided, and handed on."""
         if self._pending is None:
             return
-        bucket, work, done = self._pending
+        bucket, rows_E, works, done = self._pending
         self._pending = None
-        if work is not None:
+        for work in works:
             work.wait()
         if self.batch_ranks > 1:
             bucket.div_(float(self.batch_ranks))
-        done()
+        done(rows_E)
