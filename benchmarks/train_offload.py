@@ -3,13 +3,17 @@
     python benchmarks/train_offload.py [--json] [--steps 50] [--rounds 3] [--threads 1] [--host-regions 0]
 
 A model whose experts' weights + gradients + AdamW moments are >= 4x ``train.memory_budget`` is
-trained for ``--steps`` steps in three ways (four with ``--host-regions``), each in its own child
+trained for ``--steps`` steps in four ways (five with ``--host-regions``), each in its own child
 process (its peak RSS is the child's own ``VmHWM`` from ``/proc/self/status``), taking turns for
 ``--rounds`` rounds:
 
 - ``memory``: every expert in RAM (the reference);
 - ``offload``: ``train.memory_budget``: layer-ahead prefetch on reader threads, write-behind;
-- ``naive``: the same store and budget with prefetch and write-behind off (every read and write waits);
+- ``sync``: the same store, budget and transfers with prefetch and write-behind off (every read and
+  write waits): what the overlap alone gives;
+- ``naive``: ``sync`` with the experts' AdamW step run as its own pass after each step, as
+  ``optimizer.step()`` runs it (every layer's weights, gradient and moments read, the weights and
+  moments written), so the next forward reads the weights again;
 - ``host``: ``offload`` with a host tier (``train.host_budget``) of ``--host-regions`` regions.
 
 Per step: median time (min .. max over rounds), bytes read and written on disk, and the bound
@@ -36,7 +40,7 @@ import tempfile
 import time
 from pathlib import Path
 
-MODES = ("memory", "offload", "naive", "host")
+MODES = ("memory", "offload", "sync", "naive", "host")
 MODEL = {
     "model.n_layers": "10",
     "model.d_model": "128",
@@ -84,7 +88,7 @@ def child(args: argparse.Namespace) -> dict:
     # before offloading moves them to disk (and hands the memory back).
     Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current VmRSS
     if offload is not None:
-        offload.ws.overlap = args.mode != "naive"
+        offload.ws.overlap = args.mode not in ("sync", "naive")
     times, losses, moved, skipped = [], [], [], []
     for step in range(args.steps):
         before = (
@@ -92,6 +96,8 @@ def child(args: argparse.Namespace) -> dict:
         )
         started = time.perf_counter()
         record = loop._train_step(run.pm, run.optimizer, run.corpus, cfg, run.dev, step, None, offload)
+        if args.mode == "naive":
+            offload.settle()
         times.append(time.perf_counter() - started)
         losses.append(record["loss"])
         if offload is not None:
@@ -229,6 +235,10 @@ def report(runs: dict[str, list[dict]], budget: int, read: float, written: float
                 "peak_rss_mb": {"median": statistics.median(peak), "min": min(peak), "max": max(peak)},
                 "x_memory": statistics.median(t) / memory,
                 "x_bound": statistics.median(t) / bounds[mode],
+                "disk_mb_per_step": [
+                    statistics.median([m[i] for run in runs[mode] for m in run["moved"][2:]] or [0]) / 1e6
+                    for i in (0, 1)
+                ],
             }
         )
     print(
@@ -251,17 +261,22 @@ def report(runs: dict[str, list[dict]], budget: int, read: float, written: float
         f"expert-gradient transfers skipped per step (no token): median {statistics.median(skipped):g} "
         f"(min {min(skipped)} .. max {max(skipped)}) of {first['gradient_transfers']}"
     )
-    print(f"{'mode':<8} {'step ms median (min .. max)':<30} {'x in-memory':>11} {'x bound':>8} {'peak RSS MB':>12}")
+    print(
+        f"{'mode':<8} {'step ms median (min .. max)':<30} {'x in-memory':>11} {'x bound':>8} {'peak RSS MB':>12} "
+        f"{'MB in / out':>14}"
+    )
     for row in rows:
         s = row["step_s"]
         span = f"{s['median'] * 1e3:.0f} ({s['min'] * 1e3:.0f} .. {s['max'] * 1e3:.0f})"
         print(
             f"{row['mode']:<8} {span:<30} {row['x_memory']:>11.2f} {row['x_bound']:>8.2f} "
-            f"{row['peak_rss_mb']['median']:>12.0f}"
+            f"{row['peak_rss_mb']['median']:>12.0f} {'{:.0f} / {:.0f}'.format(*row['disk_mb_per_step']):>14}"
         )
-    naive = statistics.median(step_times("naive")) / statistics.median(step_times("offload"))
+    offload_s = statistics.median(step_times("offload"))
+    faster = {m: statistics.median(step_times(m)) / offload_s for m in ("sync", "naive")}
     print(
-        f"offload is {naive:.2f}x faster than naive; peak RSS limit (base + 1.1 x (budget + non-expert state + "
+        f"offload is {faster['naive']:.2f}x faster than naive, {faster['sync']:.2f}x than its own transfers made "
+        f"synchronous (sync); peak RSS limit (base + 1.1 x (budget + non-expert state + "
         f"activations)) {limit / 1e6:.0f} MB; losses of all {args.steps} steps identical to in-memory: {same}"
     )
     if args.json:
@@ -279,7 +294,8 @@ def report(runs: dict[str, list[dict]], budget: int, read: float, written: float
             },
             "bound_s": bound,
             "rows": rows,
-            "naive_over_offload": naive,
+            "naive_over_offload": faster["naive"],
+            "sync_over_offload": faster["sync"],
             "rss_limit_bytes": limit,
             "losses_identical": same,
         }
