@@ -358,7 +358,7 @@ def decode_section(args: argparse.Namespace, run, prompts: list[str]) -> dict:
     hf = AutoModelForCausalLM.from_pretrained(args.cache / "hf", dtype=torch.float32).eval()
     decode: dict[str, list[float]] = {}
     for r in range(args.repeats):  # interleaved round by round
-        for name, ms in decode_ms(run, hf, list(prompts[r].encode()), args.max_tokens).items():
+        for name, ms in decode_ms(run, hf, list(prompts[r % len(prompts)].encode()), args.max_tokens).items():
             decode.setdefault(name, []).append(ms)
     print(f"\ndecode at batch 1, ms/token ({args.max_tokens} tokens after the prompt, greedy)")
     for name, values in decode.items():

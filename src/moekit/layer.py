@@ -21,7 +21,9 @@ class MoE(nn.Module):
     """A mixture-of-experts FFN. ``forward(x)`` maps ``[..., d_model]`` to the same shape.
 
     ``forward(x, return_stats=True)`` also returns the call's ``MoEStats``; the layer keeps none of
-    it. Hash routing needs ``token_ids`` (same leading shape as x).
+    it. With ``losses=False`` those carry the routing counts only (no balancing losses: decoding
+    through a KV cache reads the counts, and at a few tokens the losses cost more than the routing).
+    Hash routing needs ``token_ids`` (same leading shape as x).
     """
 
     def __init__(self, cfg: MoEConfig, index: int = 0) -> None:
@@ -42,7 +44,7 @@ class MoE(nn.Module):
         self.residual_mlp = DenseFFN(cfg.d_model, cfg.d_ff, cfg.activation) if cfg.residual else None
         self.residual_gate = nn.Linear(cfg.d_model, 2) if cfg.residual else None
 
-    def forward(self, x: Tensor, token_ids: Tensor | None = None, return_stats: bool = False):
+    def forward(self, x: Tensor, token_ids: Tensor | None = None, return_stats: bool = False, losses: bool = True):
         x_TD = x.reshape(-1, self.cfg.d_model)
         routing = self.router(x_TD, token_ids)
         y_TD, meta = self.dispatcher.apply(x_TD, routing, self.experts)
@@ -58,9 +60,11 @@ class MoE(nn.Module):
         y = y_TD.to(x.dtype).reshape(x.shape)
         if not return_stats:
             return y
-        return y, self._stats(routing, meta.tokens_per_expert, meta.routed_per_expert)
+        return y, self._stats(routing, meta.tokens_per_expert, meta.routed_per_expert, losses)
 
-    def _stats(self, routing: RouterOutput, kept: Tensor, routed: Tensor) -> MoEStats:
+    def _stats(self, routing: RouterOutput, kept: Tensor, routed: Tensor, losses: bool) -> MoEStats:
+        if not losses:
+            return MoEStats(None, None, None, routed, routed - kept, routing.num_tokens)
         zero = torch.zeros((), device=routed.device)
         has_scores = routing.probs is not None and routing.num_tokens > 0  # no tokens: no loss, not 0/0
         aux = switch_aux_loss(routing.probs, routed) if has_scores else zero

@@ -148,8 +148,11 @@ def limit_to_groups(scores_TE: Tensor, n_group: int, topk_group: int, group_scor
 def _fp32_logits(x_TD: Tensor, weight_ED: Tensor, bias_E: Tensor | None = None) -> Tensor:
     # NOTE: router logits and softmax stay in fp32 even under bf16 autocast (Switch Transformer):
     # small logit differences decide the routing, and bf16 rounds them away.
+    args = (x_TD.float(), weight_ED.float(), bias_E.float() if bias_E is not None else None)
+    if not torch.is_autocast_enabled(x_TD.device.type):  # at a decode step the context costs as much as the linear
+        return F.linear(*args)
     with torch.autocast(device_type=x_TD.device.type, enabled=False):
-        return F.linear(x_TD.float(), weight_ED.float(), bias_E.float() if bias_E is not None else None)
+        return F.linear(*args)
 
 
 def _k_major(values_TK: Tensor) -> Tensor:

@@ -23,9 +23,10 @@ from torch import Tensor
 class MoEStats:
     """Routing statistics and auxiliary losses of one forward call of one MoE layer."""
 
-    aux_loss: Tensor  # Switch load-balancing loss (1.0 = uniform), differentiable
-    z_loss: Tensor  # router z-loss, differentiable
-    loss: Tensor  # aux_loss_coef * aux_loss + z_loss_coef * z_loss: add this to the training loss
+    # The losses are None where the forward skipped them (``MoE.forward(losses=False)``: decoding).
+    aux_loss: Tensor | None  # Switch load-balancing loss (1.0 = uniform), differentiable
+    z_loss: Tensor | None  # router z-loss, differentiable
+    loss: Tensor | None  # aux_loss_coef * aux_loss + z_loss_coef * z_loss: add this to the training loss
     tokens_per_expert: Tensor  # [E] assignments routed to each expert (before capacity drops)
     dropped_per_expert: Tensor  # [E] assignments dropped by capacity limits
     num_tokens: int  # T

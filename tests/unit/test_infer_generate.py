@@ -57,6 +57,24 @@ def test_prefill_then_decode_steps_match_full_forward() -> None:
     assert cache.length == 12
 
 
+def test_forward_through_a_cache_reports_routing_counts_without_losses() -> None:
+    """Decoding reads the routing counts only; given targets, a cached forward still adds the
+    balancing losses to its loss."""
+    model = tiny_model()
+    prompt = torch.randint(0, 256, (1, 6), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        _, cache = prefill(model, prompt)
+        decoded = model(prompt[:, -1:], cache=cache)
+        _, cache = prefill(model, prompt[:, :-1])
+        scored = model(prompt[:, -1:], prompt[:, :1], cache=cache)
+    top_k = model.moe_cfg.top_k
+    assert decoded.moe_stats and all(
+        s.loss is None and int(s.tokens_per_expert.sum()) == top_k for s in decoded.moe_stats
+    )
+    assert all(s.loss is not None for s in scored.moe_stats)
+    torch.testing.assert_close(scored.loss, scored.lm_loss + sum(s.loss for s in scored.moe_stats))
+
+
 def test_generation_past_the_context_slides() -> None:
     model = tiny_model()
     out = generate(model, torch.zeros(1, 3, dtype=torch.long), 80, temperature=0)  # context is 32

@@ -118,6 +118,26 @@ def test_no_tokens(gemm: str) -> None:
     assert x.grad.shape == (0, 16)
 
 
+@pytest.mark.parametrize("tokens", [1, 2, 9])
+@pytest.mark.parametrize("case", ["topk-softmax", "capacity", "shared+gelu", "gpt-oss", "expert_choice"])
+def test_inference_path_matches_reference(case: str, tokens: int) -> None:
+    """Without autograd (decoding) the expert matmuls and SwiGLU skip their autograd.Functions: the
+    outputs equal those computed under autograd bit for bit, and the per-token reference's to ATOL;
+    stats without losses carry the same counts."""
+    moe = build(**ROUTER_CASES[case], gemm="per_expert_mm").eval()
+    x = torch.randn(tokens, 16)
+    y_recorded, stats = moe(x, return_stats=True)  # the parameters require grad: the Function path
+    assert y_recorded.requires_grad
+    with torch.no_grad():
+        y, counts = moe(x, return_stats=True, losses=False)
+        y_ref, _ = moe_per_token(moe, x)
+    assert torch.equal(y, y_recorded.detach())
+    torch.testing.assert_close(y, y_ref, atol=ATOL, rtol=0)
+    assert counts.aux_loss is None and counts.z_loss is None and counts.loss is None
+    assert torch.equal(counts.tokens_per_expert, stats.tokens_per_expert)
+    assert torch.equal(counts.dropped_per_expert, stats.dropped_per_expert) and counts.num_tokens == tokens
+
+
 def test_one_expert_top1_equals_dense_ffn() -> None:
     moe = build(num_experts=1, top_k=1)
     x = torch.randn(4, 7, 16)

@@ -20,9 +20,10 @@ from moekit.tokenizer import ByteTokenizer
 
 GQA = {"model.n_heads": "4", "model.n_kv_heads": "2"}
 MLA = {"model.attention": "mla", "model.n_heads": "2", "model.d_model": "32", "model.q_lora_rank": "8"}
+WINDOW = {**GQA, "model.sliding_window": "3", "model.full_attention_every": "2", "model.attn_sinks": "true"}
 
 
-@pytest.mark.parametrize("attention", [GQA, MLA], ids=["gqa", "mla"])
+@pytest.mark.parametrize("attention", [GQA, MLA, WINDOW], ids=["gqa", "mla", "window"])
 def test_paged_steps_of_mixed_chunks_equal_whole_sequences(attention: dict[str, str]) -> None:
     """Two sequences fed in chunks of different sizes, decode beside prefill: every position's logits
     equal the model run on the whole sequence at once (reference: no cache), to fp32 rounding. MLA's

@@ -17,12 +17,18 @@ import torch
 from torch import Tensor
 
 
+def per_expert_mm(x_RK: Tensor, w_EKN: Tensor, counts: list[int]) -> Tensor:
+    """One ``torch.mm`` per expert that received rows, into slices of one output."""
+    y_RN = x_RK.new_empty(x_RK.shape[0], w_EKN.shape[2])
+    for e, rows in _expert_slices(counts):
+        torch.mm(x_RK[rows], w_EKN[e], out=y_RN[rows])
+    return y_RN
+
+
 class _PerExpertMatmul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_RK: Tensor, w_EKN: Tensor, counts: list[int]) -> Tensor:
-        y_RN = x_RK.new_empty(x_RK.shape[0], w_EKN.shape[2])
-        for e, rows in _expert_slices(counts):
-            torch.mm(x_RK[rows], w_EKN[e], out=y_RN[rows])
+        y_RN = per_expert_mm(x_RK, w_EKN, counts)
         ctx.save_for_backward(x_RK, w_EKN)
         ctx.counts = counts
         return y_RN
@@ -75,6 +81,11 @@ def has_grouped_mm() -> bool:
     return hasattr(torch, "_grouped_mm")
 
 
+def records_grad(*tensors: Tensor) -> bool:
+    """Whether autograd records an op on ``tensors`` here (grad mode on and one of them requires grad)."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
 def resolve_backend(backend: str, x: Tensor, w: Tensor) -> str:
     """The grouped GEMM ``auto`` stands for: a fixed rule on device, dtype and grad mode.
 
@@ -93,8 +104,7 @@ def resolve_backend(backend: str, x: Tensor, w: Tensor) -> str:
     if x.device.type == "cuda":
         hopper = torch.cuda.get_device_capability(x.device) >= (9, 0)
         return "grouped_mm" if hopper and x.dtype == torch.bfloat16 else "per_expert_mm"
-    training = torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)
-    return "grouped_mm" if training else "per_expert_mm"
+    return "grouped_mm" if records_grad(x, w) else "per_expert_mm"
 
 
 def grouped_matmul(x_RK: Tensor, w_EKN: Tensor, tokens_per_expert: Tensor, backend: str = "auto") -> Tensor:
@@ -106,4 +116,6 @@ def grouped_matmul(x_RK: Tensor, w_EKN: Tensor, tokens_per_expert: Tensor, backe
         offsets = torch.cumsum(tokens_per_expert, dim=0, dtype=torch.int32)
         return _ContiguousGrad.apply(torch._grouped_mm(x_RK, w_EKN, offs=offsets))
     assert backend == "per_expert_mm", backend
+    if not records_grad(x_RK, w_EKN):  # no autograd.Function: its overhead is a share of a decode step
+        return per_expert_mm(x_RK, w_EKN, tokens_per_expert.tolist())
     return _PerExpertMatmul.apply(x_RK, w_EKN, tokens_per_expert.tolist())

@@ -29,7 +29,7 @@ class ModelOutput:
     logits: Tensor  # [B, L, vocab]
     loss: Tensor | None  # cross-entropy + every MoE layer's weighted aux losses (when targets given)
     lm_loss: Tensor | None  # cross-entropy alone
-    moe_stats: list[MoEStats]  # one per MoE block, in order
+    moe_stats: list[MoEStats]  # one per MoE block, in order (through a cache without targets: counts only)
 
 
 class Cache(Protocol):
@@ -206,6 +206,11 @@ class Attention(nn.Module):
         return self.out(y.transpose(1, 2).reshape(B, L, -1))
 
 
+def dropout(p: float) -> nn.Module:
+    """Dropout, or none at all when ``p`` is 0: each call of even an inactive dropout is an op."""
+    return nn.Dropout(p) if p else nn.Identity()
+
+
 def make_norm(cfg: ModelConfig) -> nn.Module:
     if cfg.norm == "layernorm":
         return nn.LayerNorm(cfg.d_model, bias=False, eps=1e-5 if cfg.norm_eps is None else cfg.norm_eps)
@@ -221,13 +226,14 @@ class Block(nn.Module):
         self.ffn = (
             MoE(moe_cfg, moe_index) if moe_cfg is not None else DenseFFN(cfg.d_model, cfg.d_ff, cfg.mlp_activation)
         )
-        self.drop = nn.Dropout(cfg.dropout)
+        self.drop = dropout(cfg.dropout)
 
-    def forward(self, x, freqs, cache, layer, token_ids) -> tuple[Tensor, MoEStats | None]:
+    def forward(self, x, freqs, cache, layer, token_ids, losses: bool = True) -> tuple[Tensor, MoEStats | None]:
+        """``losses``: whether the MoE statistics carry the balancing losses (``MoE.forward``)."""
         x = x + self.drop(self.attn(self.attn_norm(x), freqs, cache, layer))
         h = self.ffn_norm(x)
         if isinstance(self.ffn, MoE):
-            y, stats = self.ffn(h, token_ids=token_ids, return_stats=True)
+            y, stats = self.ffn(h, token_ids=token_ids, return_stats=True, losses=losses)
             return x + self.drop(y), stats
         return x + self.drop(self.ffn(h)), None
 
@@ -241,7 +247,7 @@ class Transformer(nn.Module):
         self.cfg, self.moe_cfg = cfg, moe_cfg
         experts = dict(zip(moe_layers, cfg.experts_per_layer or [None] * len(moe_layers), strict=True))
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.drop = nn.Dropout(cfg.dropout)
+        self.drop = dropout(cfg.dropout)
         self.blocks = nn.ModuleList(
             Block(cfg, self._layer_moe(moe_cfg, experts[i]), moe_layers.index(i), cfg.window(i))
             if i in experts
@@ -279,8 +285,9 @@ class Transformer(nn.Module):
             raise ValueError(f"sequence of {L} tokens exceeds model.context_length={self.cfg.context_length}")
         x = self.drop(self.embed(idx_BL))
         stats: list[MoEStats] = []
+        losses = cache is None or targets_BL is not None  # decoding reads the routing counts only
         for i, block in enumerate(self.blocks):
-            x, s = block(x, freqs, cache, i, idx_BL)
+            x, s = block(x, freqs, cache, i, idx_BL, losses)
             if s is not None:
                 stats.append(s)
         if cache is not None:

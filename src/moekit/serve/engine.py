@@ -112,7 +112,9 @@ class Engine:
         self.seconds = dict.fromkeys(("schedule", "forward", "emit", "idle"), 0.0)
         # Tokens routed to each expert, per MoE layer, since the start (read by /metrics).
         self.moe_layers = model.moe_layers()
-        self.expert_load = [torch.zeros(moe.cfg.num_experts, dtype=torch.long) for moe in self.moe_layers]
+        # One buffer, a view of it per layer: a step adds every layer's counts in one op.
+        self._load = torch.zeros(sum(moe.cfg.num_experts for moe in self.moe_layers), dtype=torch.long)
+        self.expert_load = list(self._load.split([moe.cfg.num_experts for moe in self.moe_layers]))
         self._routing: list = [None] * len(self.expert_load)
 
     # --- the API's side (any thread) -----------------------------------------------------------
@@ -223,8 +225,8 @@ class Engine:
                 hook.remove()
         for seq, n in plan.chunks:
             seq.computed += n
-        for load, stats in zip(self.expert_load, out.moe_stats, strict=True):
-            load += stats.tokens_per_expert.cpu()
+        if out.moe_stats:
+            self._load += torch.cat([stats.tokens_per_expert for stats in out.moe_stats]).cpu()
         self.steps += 1
         t2 = time.perf_counter()
         if sampling:
@@ -286,7 +288,8 @@ class Engine:
         seqs = [seq for _, seq in sampling]
         tokens = sample_rows(seqs, logits_RV)
         wanted = [r for r, seq in enumerate(seqs) if seq.params.logprobs is not None]
-        logprobs = top_logprobs(logits_RV[wanted], tokens[wanted], [seqs[r].params.logprobs for r in wanted])
+        counts = [seqs[r].params.logprobs for r in wanted]
+        logprobs = top_logprobs(logits_RV[wanted], tokens[wanted], counts) if wanted else []  # no empty indexing
         logprobs_of = dict(zip(wanted, logprobs, strict=True))
         now = time.monotonic()
         for r, ((index, seq), token) in enumerate(zip(sampling, tokens.tolist(), strict=True)):

@@ -117,31 +117,34 @@ class PagedStep:
         ends = [c.start + c.num_tokens for c in chunks]
         most_new = max(lengths)
         assert all(len(c.blocks) * P >= end for c, end in zip(chunks, ends, strict=True)), "blocks allocated first"
+        # NOTE: the step's indices are built as Python lists, each made a tensor once: at a decode
+        # step, tensor arithmetic over a handful of indices costs more than the lists do.
         positions = [p for c in chunks for p in range(c.start, c.start + c.num_tokens)]
+        # Slots in the flat pool of the step's new positions: slot = block * P + offset.
+        slots = [c.blocks[p // P] * P + p % P for c in chunks for p in range(c.start, c.start + c.num_tokens)]
         # Each sequence's first W blocks (block 0 past its own, masked), gathered whole: S = W * P keys.
         width = pool.blocks_for(max(ends))
-        table_BW = torch.tensor([c.blocks[:width] + [0] * (width - len(c.blocks[:width])) for c in chunks])
-        self.blocks = table_BW.flatten().to(device)
+        table = [b for c in chunks for b in c.blocks[:width] + [0] * (width - len(c.blocks[:width]))]
+        self.blocks = torch.tensor(table, device=device)
         self.shape = (len(chunks), most_new, width * P)
-        # Slots in the flat pool of the step's new positions: slot = block * P + offset.
-        seq_T = torch.repeat_interleave(torch.arange(len(chunks)), torch.tensor(lengths))
-        pos_T = torch.tensor(positions)
-        self.positions_T = pos_T.to(device)
-        self.slots_T = (table_BW[seq_T, pos_T // P] * P + pos_T % P).to(device)
+        self.positions_T = torch.tensor(positions, device=device)
+        self.slots_T = torch.tensor(slots, device=device)
         self.decode_only = most_new == 1
         self.fresh = all(c.start == 0 for c in chunks)  # nothing cached before: MLA expands its latents
         self.mla_expanded = False  # MLA caches its latents here
         # Query slot of each packed token in the padded [B, Lq] view (decode-only steps need none).
-        offsets = torch.tensor([0, *lengths[:-1]]).cumsum(0)
-        self.query_T = (seq_T * most_new + torch.arange(len(positions)) - offsets[seq_T]).to(device)
-        query_pos_BL = torch.tensor([c.start for c in chunks]).view(-1, 1) + torch.arange(most_new)
-        key_pos = torch.arange(width * P).view(1, 1, -1)
-        mask = (key_pos <= query_pos_BL.unsqueeze(-1)) & (key_pos < torch.tensor(ends).view(-1, 1, 1))
+        query = [b * most_new + i for b, n in enumerate(lengths) for i in range(n)]
+        self.query_T = None if self.decode_only else torch.tensor(query, device=device)
+        query_pos_BL = torch.tensor([c.start for c in chunks], device=device).view(-1, 1, 1)
+        if most_new > 1:
+            query_pos_BL = query_pos_BL + torch.arange(most_new, device=device).view(1, -1, 1)
+        key_pos = torch.arange(width * P, device=device)
+        mask = (key_pos <= query_pos_BL) & (key_pos < torch.tensor(ends, device=device).view(-1, 1, 1))
         # NOTE: a padding query (beyond its sequence's new tokens) still sees its sequence's keys, so
         # its softmax stays finite; its output is dropped.
-        self.visible = mask.unsqueeze(1).to(device)  # [B, 1, Lq, S]
-        self.query_pos = query_pos_BL.view(len(chunks), 1, most_new, 1).to(device)
-        self.key_pos = key_pos.view(1, 1, 1, -1).to(device)
+        self.visible = mask.unsqueeze(1)  # [B, 1, Lq, S]
+        self.query_pos = query_pos_BL.unsqueeze(1)  # [B, 1, Lq, 1]
+        self.key_pos = key_pos
         self._windowed: dict[int, Tensor] = {}
 
     def rope(self, freqs_Sd2: Tensor, num_tokens: int) -> Tensor:
