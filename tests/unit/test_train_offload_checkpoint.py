@@ -1,0 +1,165 @@
+"""Checkpoints of offloaded training (``train.memory_budget``), streamed between the offload file and
+DCP's files a region at a time (``moekit.train.offload.checkpoint``).
+
+Reference: the checkpoints of in-memory training of the same steps. Tolerance: none: every tensor of
+the sharded checkpoint (weights, AdamW moments and steps, RNG table), read back through DCP at full
+size in one process, is equal, and so are the bytes of every data file and of the consolidated
+``model.safetensors``. Memory: measured by the OS (``VmHWM``, reset to ``VmRSS`` through
+``/proc/self/clear_refs`` before each phase) in a child process whose expert state is several times
+its budget: saving and resuming each raise the peak by at most a few regions (``RISE_REGIONS``), where
+filling the whole expert state into RAM would raise it by every region of it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import test_train_offload as offload_tests
+import torch
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from moekit.run.layout import MODEL_FILE, SHARDED, checkpoint_dir, step_dirs
+from moekit.run.sharded import METADATA, read_metadata, read_tensors
+from moekit.train import loop
+from moekit.train.loop import train
+
+BUDGET, HOST, tiny = offload_tests.BUDGET, offload_tests.HOST, offload_tests.tiny
+corpus = offload_tests.corpus  # the fixture
+
+# The measured model: 12 MoE layers of 8 SwiGLU experts, d_model 128, d_ff 256 (one region: 3 MiB of
+# fp32 weights, or of one moment); a budget of 8 regions (24 MiB), so the checkpointed expert state
+# (weights and two moments, 36 regions, 108 MiB) is 4.5 times the budget.
+MEASURED = {
+    "model.n_layers": "12",
+    "model.d_model": "128",
+    "model.d_ff": "256",
+    "model.n_heads": "4",
+    "model.context_length": "32",
+    "moe.num_experts": "8",
+    "moe.top_k": "2",
+    "train.batch_size": "2",
+    "train.grad_accum": "1",
+    "train.sample_tokens": "0",
+}
+REGIONS = 8
+UNIT = 8 * (128 * 512 + 256 * 128) * 4  # bytes of one region: w_in [8, 128, 512] and w_out [8, 256, 128]
+# Allowed rise of the peak over the resident set before a save or a resume, in regions: a save holds
+# one expert tensor read for DCP's writer (at most a region), and the consolidation of the checkpoint
+# into model.safetensors one block's weights (a region and the block's attention); a resume, what DCP
+# reads of one saved chunk (a region), with torch's own transient copies. Plus SLACK_MB for the
+# allocator's and DCP's small allocations.
+RISE_REGIONS = 3
+SLACK_MB = 8
+
+
+def saved_tensors(sharded: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a sharded checkpoint at its full size, read through DCP in this process."""
+    metadata = read_metadata(sharded).state_dict_metadata
+    state = {
+        key: torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
+        for key, meta in metadata.items()
+        if isinstance(meta, TensorStorageMetadata)
+    }
+    read_tensors(sharded, state)
+    return state
+
+
+STEPS = {"train.steps": "2", "train.ckpt_every": "1", "train.eval_every": "2"}
+
+
+@pytest.fixture(scope="module")
+def in_memory(corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return train(tiny(corpus, **STEPS), tmp_path_factory.mktemp("memory") / "run", progress=False).run_dir
+
+
+@pytest.mark.parametrize("host", [{}, {"train.host_budget": HOST}], ids=["disk", "host_tier"])
+def test_offloaded_checkpoints_equal_in_memory_ones(
+    corpus: Path, in_memory: Path, tmp_path: Path, host: dict[str, str]
+) -> None:
+    """Checkpoints at steps 1 and 2, each taken with the step's AdamW updates still pending."""
+    train(tiny(corpus, **STEPS, **{"train.memory_budget": BUDGET} | host), tmp_path / "disk", progress=False)
+    memory, disk = step_dirs(checkpoint_dir(in_memory)), step_dirs(checkpoint_dir(tmp_path / "disk"))
+    assert [d.name for d in memory] == [d.name for d in disk] == ["step_000001", "step_000002"]
+    for a, b in zip(memory, disk, strict=True):
+        keys = read_metadata(a / SHARDED).state_dict_metadata.keys()
+        assert keys == read_metadata(b / SHARDED).state_dict_metadata.keys()
+        ta, tb = saved_tensors(a / SHARDED), saved_tensors(b / SHARDED)
+        assert any(".experts." in k and k.endswith("exp_avg_sq") for k in ta)
+        for key in ta:
+            assert torch.equal(ta[key], tb[key]), f"{a.name} {key}"
+        files = sorted(p.name for p in (a / SHARDED).iterdir() if p.name != METADATA)
+        assert files == sorted(p.name for p in (b / SHARDED).iterdir() if p.name != METADATA)
+        for name in [f"{SHARDED}/{f}" for f in files] + [MODEL_FILE]:
+            assert (a / name).read_bytes() == (b / name).read_bytes(), f"{a.name} {name}"
+
+
+def _status_bytes(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise KeyError(field)
+
+
+def _rise(phase) -> int:
+    """How far ``phase()`` raises this process's peak resident set above its resident set before it."""
+    before = _status_bytes("VmRSS")
+    Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current VmRSS
+    phase()
+    return _status_bytes("VmHWM") - before
+
+
+def measure(work: str, data: str) -> None:
+    """In a child process: one offloaded step, a checkpoint of it, and a resume from that checkpoint
+    into a new run; prints the rises of the peak RSS and the sizes as JSON."""
+    from moekit import runconfig
+
+    torch.set_num_threads(1)
+    work_dir = Path(work)
+
+    def setup(name: str) -> loop._Run:
+        overrides = MEASURED | {"data.path": data, "data.cache_dir": str(work_dir / "cache")}
+        overrides |= {"train.memory_budget": str(REGIONS * UNIT), "train.offload_dir": str(work_dir / name / "offload")}
+        return loop._setup(
+            runconfig.resolve("tiny", overrides), work_dir / name, False, torch.device("cpu"), False, None, False
+        )
+
+    run = setup("saved")
+    assert run.offload is not None and run.offload.file.unit == UNIT
+    record = loop._train_step(run.pm, run.optimizer, run.corpus, run.cfg, run.dev, 0, None, run.offload)
+    saved: list[Path | None] = []
+    save = _rise(lambda: saved.append(loop._save(run, 1, record, 0, None)))
+    layers = len(run.offload.params)
+    run.offload.close()
+    fresh = setup("resumed")
+    assert fresh.offload is not None and saved[0] is not None
+    resume = _rise(
+        lambda: loop._restore(fresh.saver, saved[0], fresh.local, fresh.optimizer, fresh.pm.full_model, fresh.offload)
+    )
+    fresh.offload.close()
+    print(json.dumps({"save": save, "resume": resume, "layers": layers}))
+
+
+def test_saving_and_resuming_keep_to_the_budget(corpus: Path, tmp_path: Path) -> None:
+    """The peak RSS of a save and of a resume, from the OS, in a child process of its own."""
+    here = Path(__file__).parent
+    child = f"import sys; sys.path[:0] = {[str(here), str(here.parent)]!r}; import {Path(__file__).stem} as t; "
+    child += f"t.measure({str(tmp_path)!r}, {str(corpus)!r})"
+    done = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=240, env=os.environ)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    whole = 3 * got["layers"] * UNIT  # what filling the expert state into RAM would add
+    limit = RISE_REGIONS * UNIT + SLACK_MB * 2**20
+    assert limit < whole / 3, "the limit tells streaming from filling the whole state"
+    for phase in ("save", "resume"):
+        assert got[phase] <= limit, (
+            f"{phase} raised the peak RSS by {got[phase] / 2**20:.1f} MiB (limit {limit / 2**20:.0f} MiB)"
+        )
+
+
+if __name__ == "__main__":
+    measure(*sys.argv[1:])
