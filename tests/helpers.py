@@ -11,9 +11,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import torch
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
 from moekit import runconfig
 from moekit.infer.offload import OffloadOptions, model_bytes
+from moekit.run.layout import MODEL_FILE, SHARDED, checkpoint_dir, step_dirs
 from moekit.run.load import load_run
+from moekit.run.sharded import METADATA, read_metadata, read_tensors
 from moekit.train.metrics import MetricsLogger
 
 PROSE = (
@@ -113,3 +118,34 @@ def rewind(run: Path, to: Path, step: int) -> Path:
             shutil.rmtree(later)
     (to / "checkpoints" / "latest").write_text(f"step_{step:06d}")
     return to
+
+
+def saved_tensors(sharded: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a sharded checkpoint at its full size, read through DCP in this process."""
+    metadata = read_metadata(sharded).state_dict_metadata
+    state = {
+        key: torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
+        for key, meta in metadata.items()
+        if isinstance(meta, TensorStorageMetadata)
+    }
+    read_tensors(sharded, state)
+    return state
+
+
+def assert_same_checkpoints(run: Path, reference: Path, steps: list[int]) -> None:
+    """``run``'s checkpoints are ``reference``'s, of ``steps``: the same keys, every tensor equal (read
+    back at full size), and the same bytes in every data file (and the consolidated weights, if any)."""
+    mine, theirs = step_dirs(checkpoint_dir(run)), step_dirs(checkpoint_dir(reference))
+    assert [d.name for d in mine] == [d.name for d in theirs] == [f"step_{s:06d}" for s in steps]
+    for a, b in zip(theirs, mine, strict=True):
+        keys = read_metadata(a / SHARDED).state_dict_metadata.keys()
+        assert keys == read_metadata(b / SHARDED).state_dict_metadata.keys()
+        ta, tb = saved_tensors(a / SHARDED), saved_tensors(b / SHARDED)
+        assert any(".experts." in k and k.endswith("exp_avg_sq") for k in ta), "expert moments saved"
+        for key in ta:
+            assert torch.equal(ta[key], tb[key]), f"{a.name} {key}"
+        files = sorted(f"{SHARDED}/{p.name}" for p in (a / SHARDED).iterdir() if p.name != METADATA)
+        assert files == sorted(f"{SHARDED}/{p.name}" for p in (b / SHARDED).iterdir() if p.name != METADATA)
+        files += [MODEL_FILE] if (a / MODEL_FILE).exists() else []
+        for name in files:
+            assert (a / name).read_bytes() == (b / name).read_bytes(), f"{a.name} {name}"
