@@ -24,9 +24,9 @@ import test_train_offload as offload_tests
 import torch
 from helpers import assert_same_checkpoints
 
-from moekit.run.layout import MODEL_FILE
+from moekit.run.layout import MODEL_FILE, checkpoint_dir, step_dirs
 from moekit.train import loop
-from moekit.train.loop import train
+from moekit.train.loop import TrainingError, train
 
 BUDGET, HOST, tiny = offload_tests.BUDGET, offload_tests.HOST, offload_tests.tiny
 corpus = offload_tests.corpus  # the fixture
@@ -77,6 +77,27 @@ def test_offloaded_checkpoints_equal_in_memory_ones(
     train(tiny(corpus, **STEPS, **{"train.memory_budget": BUDGET} | host), tmp_path / "disk", progress=False)
     assert_same_checkpoints(tmp_path / "disk", in_memory, [1, 2])
     assert (in_memory / "checkpoints" / "step_000002" / MODEL_FILE).exists(), "one process consolidates the weights"
+
+
+def test_a_non_finite_offloaded_weight_stops_the_save(corpus: Path, tmp_path: Path) -> None:
+    """The finite-weights check before a save reads the offloaded experts from their file."""
+    cfg = tiny(corpus, **{"train.memory_budget": BUDGET})
+    run = loop._setup(cfg, tmp_path / "run", False, torch.device("cpu"), False, None, False)
+    assert run.offload is not None
+    try:
+        record = loop._train_step(run.pm, run.optimizer, run.corpus, cfg, run.dev, 0, None, run.offload)
+        run.offload.settle()
+        run.offload.ws.flush()
+        run.offload.ws.forget()  # the file is changed below every resident layer
+        region = run.offload.file.buffer()
+        run.offload.file.read(2, "weight", region)
+        run.offload.file.views(region)["w_out"][1, 2, 3] = float("inf")
+        run.offload.file.write(2, "weight", region)
+        with pytest.raises(TrainingError, match="weights are not finite after step 1"):
+            loop._save(run, 1, record, 0, None)
+        assert not checkpoint_dir(tmp_path / "run").exists() or not step_dirs(checkpoint_dir(tmp_path / "run"))
+    finally:
+        run.offload.close()
 
 
 def _status_bytes(field: str) -> int:

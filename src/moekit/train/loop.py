@@ -350,20 +350,14 @@ def _save(run: _Run, step: int, record: dict[str, Any], streak: int, checkpoint:
     """Start a checkpoint of finite weights (or stop the run); returns the newest published one. Offloaded
     experts are streamed from their file into it (``offload/checkpoint.py``)."""
     with saving(run.offload, run.local) if run.offload else contextlib.nullcontext() as streamed:
-        return _save_state(run, step, record, streak, checkpoint, streamed)
-
-
-def _save_state(
-    run: _Run, step: int, record: dict[str, Any], streak: int, checkpoint: Path | None, streamed: StreamedExperts | None
-) -> Path | None:
-    if not _weights_finite(run.local, run.mesh, streamed):
-        checkpoint = run.saver.wait() or checkpoint
-        raise TrainingError(
-            f"weights are not finite after step {step}: checkpoint not saved, training stopped; "
-            + _last_good(checkpoint)
-        )
-    info = _checkpoint_info(step, run.cfg, run.layout, record, streak)
-    return run.saver.save(step, run.local, run.optimizer, info, run.pm.expert_slots(), streamed) or checkpoint
+        if not _weights_finite(run.local, run.mesh, streamed):
+            checkpoint = run.saver.wait() or checkpoint
+            raise TrainingError(
+                f"weights are not finite after step {step}: checkpoint not saved, training stopped; "
+                + _last_good(checkpoint)
+            )
+        info = _checkpoint_info(step, run.cfg, run.layout, record, streak)
+        return run.saver.save(step, run.local, run.optimizer, info, run.pm.expert_slots(), streamed) or checkpoint
 
 
 def _describe(layout) -> str:
