@@ -30,7 +30,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from conftest import write_corpus
-from helpers import rewind, train_routed
+from helpers import assert_same_checkpoints, rewind, train_routed
 
 from moekit import runconfig
 from moekit.run.load import load_run
@@ -166,6 +166,12 @@ def test_offloaded_equals_in_memory_bitwise(runs: Path, name: str) -> None:
     assert not any((runs / "offload").iterdir()), "every rank removes its offloaded state when training ends"
 
 
+@pytest.mark.parametrize("name", ["ep2", "dp2", "dp2xep2"])
+def test_offloaded_checkpoints_equal_in_memory_ones(runs: Path, name: str) -> None:
+    """Each rank streams its expert state into the checkpoint: the files are in-memory training's."""
+    assert_same_checkpoints(runs / f"{name}-disk", runs / f"{name}-memory", [HALF, STEPS])
+
+
 def test_offloaded_dp4_within_tolerance(runs: Path) -> None:
     losses = json.loads((runs / "dp4.json").read_text())
     torch.testing.assert_close(torch.tensor(losses["disk"]), torch.tensor(losses["memory"]), atol=DP4_TOL, rtol=0)
@@ -202,7 +208,9 @@ def test_an_expert_idle_on_one_dp_rank_only_keeps_its_gradient(runs: Path) -> No
     skip 2 more on rank 1 and give its AdamW step a zero gradient for expert 3: not in-memory's."""
     skipped = {}
     for rank in (0, 1):
-        memory, disk = (torch.load(runs / f"dp2-idle-{m}-rank{rank}.pt", weights_only=False) for m in ("memory", "disk"))
+        memory, disk = (
+            torch.load(runs / f"dp2-idle-{m}-rank{rank}.pt", weights_only=False) for m in ("memory", "disk")
+        )
         assert disk[0] == memory[0], f"rank {rank}: losses and gradient norms"
         assert memory[1].keys() == disk[1].keys() and any(k.endswith(":exp_avg") for k in memory[1])
         for key in memory[1]:
