@@ -50,12 +50,13 @@ def test_running_seconds_are_the_threads_own_cpu_time() -> None:
 def test_a_thread_sharing_its_cpu_with_a_busy_process_waits() -> None:
     """A spinning process pinned to the thread's CPU: the thread waits for it about as long as it runs."""
     cpu = min(os.sched_getaffinity(0))
-    code = f"import os, time\nos.sched_setaffinity(0, {{{cpu}}})\nt = time.time()\nwhile time.time() - t < 1.5: pass"
-    rival = subprocess.Popen([sys.executable, "-c", code])
+    code = f"import os\nos.sched_setaffinity(0, {{{cpu}}})\nprint('spinning', flush=True)\nwhile True: pass"
+    rival = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
-        time.sleep(0.3)  # the rival is up and spinning
+        assert rival.stdout.readline() == "spinning\n"
         own, scheduled = spun(0.2, cpu)
     finally:
+        rival.kill()
         rival.wait()
     assert scheduled is not None
     running, waiting = scheduled
