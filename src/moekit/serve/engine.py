@@ -142,6 +142,11 @@ class Engine:
         """(running, waiting) choices."""
         return len(self.running), len(self.waiting) + len(self._inbox) + self._forks_waiting
 
+    @property
+    def thread_id(self) -> int | None:
+        """The engine thread's id in the kernel (``None`` before ``start``): /metrics reads its CPU time."""
+        return None if self._thread is None else self._thread.native_id
+
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="moekit-engine", daemon=True)
         self._thread.start()
