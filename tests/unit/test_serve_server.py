@@ -27,7 +27,7 @@ from moekit.tokenizer import ByteTokenizer
 torch.set_num_threads(1)
 torch.manual_seed(0)
 sizes = {"model.d_model": "256", "model.n_layers": "4", "model.n_heads": "4", "model.d_ff": "512",
-         "model.context_length": "128", "model.tie_embeddings": "false", "moe.num_experts": "16"}
+         "model.context_length": "256", "model.tie_embeddings": "false", "moe.num_experts": "16"}
 cfg = runconfig.resolve("tiny", sizes)
 run = LoadedRun(Transformer(cfg.model, cfg.moe), ByteTokenizer(), cfg, Path("."))
 engine = Engine(run, EngineOptions(kv_budget=32 << 20))
@@ -45,7 +45,8 @@ def batch() -> None:
             finished.append(event)
             if len(finished) == 16:
                 done.set()
-    engine.submit([Seq([i + 1] * 48, SamplingParams(12, 0.0), emit, i) for i in range(16)])
+    # 16 prompts of 120 tokens: the prefill's buffers are big enough for glibc to hand them back
+    engine.submit([Seq([i + 1] * 120, SamplingParams(12, 0.0), emit, i) for i in range(16)])
     done.wait()
 
 batch()  # first touches
