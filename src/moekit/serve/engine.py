@@ -231,6 +231,7 @@ class Engine:
         for seq, n in plan.chunks:
             seq.computed += n
         if out.moe_stats:
+            assert len(out.moe_stats) == len(self.expert_load), "a routing count per MoE layer"
             self._load += torch.cat([stats.tokens_per_expert for stats in out.moe_stats]).cpu()
         self.steps += 1
         t2 = time.perf_counter()
