@@ -59,7 +59,10 @@ engine.stop()
 
 
 def faults_per_step(mode: str) -> float:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    # glibc's own allocator with its defaults: no other allocator preloaded, no malloc settings
+    env = {
+        k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k not in ("LD_PRELOAD", "GLIBC_TUNABLES")
+    }
     cmd = [sys.executable, "-c", ENGINE_FAULTS, mode]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True, timeout=120)
     return float(out.stdout.split()[-1])

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import assert_same_checkpoints
 from nan_watch import Watch
 
 from moekit import runconfig
@@ -293,6 +294,21 @@ def test_interrupted_resume_leaves_no_offloaded_state(
     with pytest.raises(KeyboardInterrupt):
         train(cfg, tmp_path / "run", resume=True, progress=False)
     assert offload_dir.is_dir() and not any(offload_dir.iterdir())
+
+
+def test_a_checkpoint_before_any_update_is_in_memory_trainings(corpus: Path, tmp_path: Path) -> None:
+    """The first step's gradients NaN (skipped, no update yet), a checkpoint after every step: torch
+    initialises the optimizer's state for the first save (an AdamW step at learning rate 0); the
+    offloaded run saves the same files and trains on with the same step counts, bit for bit."""
+    schedule = {"train.steps": "3", "train.grad_accum": "1", "train.eval_every": "3", "train.ckpt_every": "1"}
+    schedule["train.keep_checkpoints"] = "3"
+    runs = {}
+    for name, budget in (("memory", {}), ("disk", {"train.memory_budget": BUDGET})):
+        with Watch({1}):
+            runs[name] = train(tiny(corpus, **schedule, **budget), tmp_path / name, progress=False)
+    assert runs["memory"].skipped_steps == runs["disk"].skipped_steps == 1
+    assert runs["disk"].losses == runs["memory"].losses
+    assert_same_checkpoints(tmp_path / "disk", tmp_path / "memory", [1, 2, 3])
 
 
 @pytest.mark.parametrize("host", [{}, {"train.host_budget": HOST}], ids=["disk", "host_tier"])

@@ -104,6 +104,8 @@ def saving(offload: ExpertOffload, model: nn.Module) -> Iterator[StreamedExperts
     offload.settle()
     offload.ws.flush()
     state = offload.optimizer.state
+    if not state:
+        _first_state(offload, model)
     _in_parameter_order(offload.optimizer)
     # NOTE: .get: a defaultdict entry would count as optimizer state to torch's checkpoint code.
     stepped = [p for params in offload.params for p in params if "step" in state.get(p, {})]
@@ -140,6 +142,25 @@ def restoring(offload: ExpertOffload, model: nn.Module) -> Iterator[StreamedExpe
         raise
     finally:
         release_freed_memory()
+
+
+def _first_state(offload: ExpertOffload, model: nn.Module) -> None:
+    """The optimizer's state before its first update, as a save in memory makes it.
+
+    NOTE: with no state yet (every step so far skipped), torch's ``get_state_dict`` initialises it by one
+    AdamW step at learning rate 0 over every trainable parameter: zero moments and a step count of 1
+    for each, which the next real update then continues. The experts, which have no storage, are kept
+    out of that step and given its count; their moments in the file are still the zeros it makes."""
+    experts = [p for params in offload.params for p in params]
+    try:
+        for p in experts:
+            p.requires_grad_(False)
+        get_state_dict(model, offload.optimizer)
+    finally:
+        for p in experts:
+            p.requires_grad_(True)
+    for p in experts:  # NOTE: as fused AdamW counts: a float32 scalar
+        offload.optimizer.state[p]["step"] = torch.tensor(1.0, dtype=torch.float32)
 
 
 def _in_parameter_order(optimizer: torch.optim.Optimizer) -> None:
