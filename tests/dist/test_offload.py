@@ -106,7 +106,7 @@ def _idle_on_one_rank(rank: int, tmp: Path) -> None:
     """dp=2, after the first step: expert 2 kept from every token, expert 3 from rank 1's tokens only.
     Each rank saves its records, its final state and its count of expert transfers skipped."""
 
-    def bias_at(step: int) -> torch.Tensor:
+    def bias_at(step: int, micro: int) -> torch.Tensor:
         bias = torch.zeros(4)
         if step > 0:
             bias[2] = -1e4
