@@ -127,8 +127,8 @@ class ExpertOffload:
     def out(self, layer: int, grads: dict[str, Tensor], rows_E: Tensor) -> None:
         """A layer's gradients of one micro-batch, as its backward ends: added to the step's and written
         out; the last micro-batch's sums are reduced over the ranks first (in the background). ``rows_E``:
-        the rows each expert computed; an expert with none so far has a zero sum, neither written nor
-        read back (``LayerFile``: its tensors read as zeros)."""
+        the rows each expert computed; an expert with none so far has a zero sum whose pages are neither
+        written nor read back (``LayerFile``: its bytes outside the pages read are zeroed)."""
         assert not self.updates.pending, "every update runs in forward, before a gradient is written over"
         step = self.grads
         micro, step.seen[layer] = step.seen[layer], step.seen[layer] + 1

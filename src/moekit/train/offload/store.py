@@ -110,6 +110,7 @@ class LayerFile:
     def read(self, layer: int, kind: str, buf_U8: Tensor, experts: Experts = None, rest: Rest = Rest.ZERO) -> None:
         """Region (layer, kind) into ``buf_U8``; with ``experts``, only the pages of theirs, the other
         experts' bytes outside those pages as ``rest`` says."""
+        assert isinstance(rest, Rest), f"rest={rest!r}: a Rest"
         spans = self.spans(experts)
         self._transfer(layer, kind, buf_U8, spans, write=False)
         if rest is Rest.ZERO:
