@@ -16,7 +16,8 @@ real text (tinyshakespeare). Sections, each over --repeats rounds (median and mi
               fresh ``moekit serve --memory-budget`` (default flags, and the whole prefill in one step)
   profile     (--profile) one step at 16 decoding sequences: the engine's step against ``generate``'s
               decode step at batch 16, by phase and by torch op; the server's engine thread by phase
-              comes with ``batching`` (from /metrics)
+              and by CPU state (on a CPU, or ready and waiting for one), with the CPU the server, the
+              clients and the machine's other processes used, comes with ``batching`` (/metrics, /proc)
 The server is a real subprocess (the CLI); clients are threads of this process reading the SSE stream
 with ``http.client``; the baselines run here while the server idles.
 
@@ -195,16 +196,37 @@ def decode_ms(run, hf, prompt: list[int], tokens: int) -> dict[str, float]:
     return out
 
 
+THREAD_STATES = {"running": "on cpu", "waiting": "waiting for cpu"}
+
+
 def engine_seconds(server: Server) -> dict[str, float]:
-    """The server's engine thread seconds by phase and its steps so far (``/metrics``)."""
+    """The server's engine thread seconds by phase and by CPU state (where the kernel counts it), its
+    steps so far (``/metrics``), and the CPU seconds every process of the machine used so far."""
     text = urllib.request.urlopen(f"http://{server.host}:{server.port}/metrics", timeout=60).read().decode()
     out = {}
     for line in text.splitlines():
         if line.startswith('moekit_engine_seconds_total{phase="'):
             out[line.split('"')[1]] = float(line.rsplit(" ", 1)[1])
+        elif line.startswith('moekit_engine_thread_seconds_total{state="'):
+            out[THREAD_STATES[line.split('"')[1]]] = float(line.rsplit(" ", 1)[1])
         elif line.startswith("moekit_steps_total "):
             out["steps"] = float(line.split()[1])
-    return out
+    return {**out, **cpu_seconds(server.proc.pid)}
+
+
+def cpu_seconds(pid: int) -> dict[str, float]:
+    """CPU seconds so far of the whole machine, of the server (``pid``) and of this process (the clients),
+    from Linux's /proc; nothing elsewhere."""
+    try:
+        with open("/proc/stat") as f:
+            ticks = [int(v) for v in f.readline().split()[1:]]
+        with open(f"/proc/{pid}/stat") as f:
+            server = f.read().rsplit(")", 1)[1].split()[11:13]  # utime, stime
+    except OSError:
+        return {}
+    hz = os.sysconf("SC_CLK_TCK")
+    machine = (sum(ticks) - ticks[3] - ticks[4]) / hz  # all but idle and iowait
+    return {"machine cpu": machine, "server cpu": sum(map(int, server)) / hz, "client cpu": sum(os.times()[:2])}
 
 
 def static_and_sequential(run, prompts: list[str], max_tokens: int) -> dict[str, float]:
@@ -387,7 +409,14 @@ def batching_section(args: argparse.Namespace, run, run_dir: Path, prompts: list
                 after = engine_seconds(server)
                 batching.setdefault(f"16 streams ({name})", []).append(16 * args.max_tokens / wall)
                 steps = after["steps"] - before["steps"]
-                per_step = {p: (after[p] - before[p]) / steps * 1e3 for p in ("schedule", "forward", "emit", "idle")}
+                states = [k for k in ("schedule", "forward", "emit", "idle", *THREAD_STATES.values()) if k in after]
+                per_step = {p: (after[p] - before[p]) / steps * 1e3 for p in states}
+                if "machine cpu" in after:  # the CPU that neither the server nor its clients used
+                    kinds = ("machine cpu", "server cpu", "client cpu")
+                    used = {k: (after[k] - before[k]) / steps * 1e3 for k in kinds}
+                    machine = used.pop("machine cpu")
+                    per_step.update(used, **{"others' cpu": machine - sum(used.values())})
+                per_step["load average"] = os.getloadavg()[0]
                 for key, value in {"steps": steps, **per_step, "wall / step": wall / steps * 1e3}.items():
                     phases.setdefault(name, {}).setdefault(key, []).append(value)
                 arrivals.setdefault(name, []).append(arrival(server, run, prompts, args.max_tokens))
@@ -407,9 +436,10 @@ def batching_section(args: argparse.Namespace, run, run_dir: Path, prompts: list
         for k, v in ratio.items():
             print(f"    = {show(v, '.2f')}x {k}")
         figures[f"serve_engine_ms_per_step{suffix}"] = {k: spread(v, 2) for k, v in phases[name].items()}
-        print("    the server's engine thread, ms per step (steps: a count)")
+        print("    the server's engine thread, ms per step (steps: a count), by phase and by CPU state; the CPU")
+        print("    of the server, of the clients and of other processes; the 1-minute load average after each round")
         for phase, values in phases[name].items():
-            print(f"      {phase:<12} {show(values, '.2f')}")
+            print(f"      {phase:<15} {show(values, '.2f')}")
         figures[f"arrival{suffix}"] = {k: spread([a[k] for a in arrivals[name]]) for k in arrivals[name][0]}
         print("    a request arriving while 15 decode: TTFT vs its prefill alone + 2 decode steps (s)")
         for key in ("ttft", "bound", "prefill", "step"):

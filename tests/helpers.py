@@ -15,10 +15,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
 from moekit import runconfig
 from moekit.infer.offload import OffloadOptions, model_bytes
+from moekit.run.layout import MODEL_FILE, SHARDED, checkpoint_dir, step_dirs
 from moekit.run.load import load_run
+from moekit.run.sharded import METADATA, MODEL_PREFIX, read_metadata, read_tensors
 from moekit.train.metrics import MetricsLogger
+from moekit.train.offload.checkpoint import saving
 
 PROSE = (
     "the expert router picks two of eight experts for every token and the load balancing loss keeps "
@@ -136,10 +142,8 @@ def train_routed(cfg, run_dir: Path, bias_at: Callable[[int, int], Any]) -> Rout
     """Train ``cfg`` step by step (no evaluation, no checkpoint), every MoE router's selection bias set
     to ``bias_at(step, micro)`` as each micro-batch's forward reaches it: a bias of -1e4 keeps an expert
     from every token. Offloaded, the last step's pending AdamW updates are run and every transfer has
-    landed before the bytes are read; the state is then materialized, so the traffic counts training's
-    only."""
-    import torch
-
+    landed before the bytes are read; the state is then read as a checkpoint streams it, so the traffic
+    counts training's only."""
     from moekit.experts.grouped import local_tensor
     from moekit.train import loop
 
@@ -172,13 +176,50 @@ def train_routed(cfg, run_dir: Path, bias_at: Callable[[int, int], Any]) -> Rout
         )
         result.experts_skipped = dict(offload.file.experts_skipped)
         result.host_regions = sorted(offload.file.host)
+    names = {id(p): name for name, p in run.local.named_parameters()}
     try:
-        with offload.materialized() if offload is not None else contextlib.nullcontext():
-            names = {id(p): name for name, p in run.local.named_parameters()}
-            result.state = {k: local_tensor(v).clone() for k, v in run.local.state_dict().items()}
+        with saving(offload, run.local) if offload is not None else contextlib.nullcontext() as streamed:
+            streamed_keys = streamed.keys if streamed is not None else ()
+
+            def take(key: str, tensor: Any) -> Any:  # as a checkpoint saves it: this rank's piece
+                return streamed.read(key) if key in streamed_keys else local_tensor(tensor).clone()
+
+            result.state = {k: take(MODEL_PREFIX + k, v) for k, v in run.local.state_dict().items()}
             for p, moments in run.optimizer.state.items():
-                result.state |= {f"{names[id(p)]}:{k}": local_tensor(v).clone() for k, v in moments.items()}
+                name = names[id(p)]
+                result.state |= {f"{name}:{k}": take(f"optim.state.{name}.{k}", v) for k, v in moments.items()}
     finally:
         if offload is not None:
             offload.close()
     return result
+
+
+def saved_tensors(sharded: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a sharded checkpoint at its full size, read through DCP in this process."""
+    metadata = read_metadata(sharded).state_dict_metadata
+    state = {
+        key: torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
+        for key, meta in metadata.items()
+        if isinstance(meta, TensorStorageMetadata)
+    }
+    read_tensors(sharded, state)
+    return state
+
+
+def assert_same_checkpoints(run: Path, reference: Path, steps: list[int]) -> None:
+    """``run``'s checkpoints are ``reference``'s, of ``steps``: the same keys, every tensor equal (read
+    back at full size), and the same bytes in every data file (and the consolidated weights, if any)."""
+    mine, theirs = step_dirs(checkpoint_dir(run)), step_dirs(checkpoint_dir(reference))
+    assert [d.name for d in mine] == [d.name for d in theirs] == [f"step_{s:06d}" for s in steps]
+    for a, b in zip(theirs, mine, strict=True):
+        keys = read_metadata(a / SHARDED).state_dict_metadata.keys()
+        assert keys == read_metadata(b / SHARDED).state_dict_metadata.keys()
+        ta, tb = saved_tensors(a / SHARDED), saved_tensors(b / SHARDED)
+        assert any(".experts." in k and k.endswith("exp_avg_sq") for k in ta), "expert moments saved"
+        for key in ta:
+            assert torch.equal(ta[key], tb[key]), f"{a.name} {key}"
+        files = sorted(f"{SHARDED}/{p.name}" for p in (a / SHARDED).iterdir() if p.name != METADATA)
+        assert files == sorted(f"{SHARDED}/{p.name}" for p in (b / SHARDED).iterdir() if p.name != METADATA)
+        files += [MODEL_FILE] if (a / MODEL_FILE).exists() else []
+        for name in files:
+            assert (a / name).read_bytes() == (b / name).read_bytes(), f"{a.name} {name}"

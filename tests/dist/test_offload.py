@@ -30,7 +30,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from conftest import write_corpus
-from helpers import rewind, train_routed
+from helpers import assert_same_checkpoints, rewind, train_routed
 
 from moekit import runconfig
 from moekit.run.load import load_run
@@ -167,6 +167,12 @@ def test_offloaded_equals_in_memory_bitwise(runs: Path, name: str) -> None:
     for key in memory:
         assert torch.equal(memory[key], disk[key]), f"{name} {key}"
     assert not any((runs / "offload").iterdir()), "every rank removes its offloaded state when training ends"
+
+
+@pytest.mark.parametrize("name", ["ep2", "dp2", "dp2xep2"])
+def test_offloaded_checkpoints_equal_in_memory_ones(runs: Path, name: str) -> None:
+    """Each rank streams its expert state into the checkpoint: the files are in-memory training's."""
+    assert_same_checkpoints(runs / f"{name}-disk", runs / f"{name}-memory", [HALF, STEPS])
 
 
 def test_offloaded_dp4_within_tolerance(runs: Path) -> None:

@@ -58,8 +58,8 @@ def test_prefill_then_decode_steps_match_full_forward() -> None:
 
 
 def test_forward_through_a_cache_reports_routing_counts_without_losses() -> None:
-    """Decoding reads the routing counts only; given targets, a cached forward still adds the
-    balancing losses to its loss."""
+    """Decoding reads the routing counts only; given targets, or with autograd recording (a cached
+    rollout being learned from), a cached forward still has the balancing losses."""
     model = tiny_model()
     prompt = torch.randint(0, 256, (1, 6), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
@@ -67,11 +67,14 @@ def test_forward_through_a_cache_reports_routing_counts_without_losses() -> None
         decoded = model(prompt[:, -1:], cache=cache)
         _, cache = prefill(model, prompt[:, :-1])
         scored = model(prompt[:, -1:], prompt[:, :1], cache=cache)
+    _, cache = prefill(model, prompt[:, :-1])
+    learned = model(prompt[:, -1:], cache=cache)
     top_k = model.moe_cfg.top_k
     assert decoded.moe_stats and all(
         s.loss is None and int(s.tokens_per_expert.sum()) == top_k for s in decoded.moe_stats
     )
     assert all(s.loss is not None for s in scored.moe_stats)
+    assert learned.logits.requires_grad and all(s.loss is not None for s in learned.moe_stats)
     torch.testing.assert_close(scored.loss, scored.lm_loss + sum(s.loss for s in scored.moe_stats))
 
 

@@ -341,3 +341,5 @@ def test_metrics_count_tokens_latencies_and_expert_load(served: Served) -> None:
         assert name in text
     assert 'moekit_expert_tokens_total{expert="0",layer="0"}' in text
     assert "moekit_inter_token_latency_seconds_count" in text
+    running = float(text.split('moekit_engine_thread_seconds_total{state="running"} ')[1].split()[0])
+    assert 0 < running <= sum(served.state.engine.seconds.values()) + 0.5  # its CPU time, within its wall time

@@ -11,7 +11,6 @@ disk moves exactly the bytes of the regions left on it.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import re
 from pathlib import Path
@@ -25,12 +24,14 @@ from moekit.config import TrainConfig
 from moekit.model import Transformer
 from moekit.parallel.mesh import Layout, LayoutError
 from moekit.run.load import load_run
+from moekit.run.planners import MODEL_PREFIX
 from moekit.run.saver import Checkpointer
 from moekit.runconfig import RunConfig
 from moekit.train import loop
 from moekit.train.loop import train
 from moekit.train.metrics import METRICS_FILE
 from moekit.train.offload import offload_experts
+from moekit.train.offload.checkpoint import saving
 
 BUDGET = "800KB"  # the tiny model below: 98 KB of expert weights per layer, 2 slots + 6 scratch regions
 UNIT = 98304  # bytes of one (layer, kind) region of the tiny model's experts
@@ -144,6 +145,17 @@ def test_deferred_updates_follow_the_schedule_evaluations_and_checkpoints(
             assert torch.equal(a[key], b[key]), f"{run} {key}"
 
 
+def model_state(run: loop._Run) -> dict[str, torch.Tensor]:
+    """The run's weights as a checkpoint saves them (offloaded experts read from their file)."""
+    if run.offload is None:
+        return {k: v.clone() for k, v in run.local.state_dict().items()}
+    with saving(run.offload, run.local) as streamed:
+        return {
+            k: streamed.read(MODEL_PREFIX + k) if MODEL_PREFIX + k in streamed.keys else v.clone()
+            for k, v in run.local.state_dict().items()
+        }
+
+
 def _fail_once(module: torch.nn.Module) -> None:
     """The next forward of ``module`` raises (before it runs); later ones run."""
 
@@ -170,8 +182,7 @@ def test_a_forward_cut_short_leaves_the_rest_of_the_updates_pending(corpus: Path
                 run.optimizer.zero_grad(set_to_none=True)
             record = loop._train_step(run.pm, run.optimizer, run.corpus, run.cfg, run.dev, step, None, run.offload)
             losses.append(record["loss"])
-        with run.offload.materialized() if run.offload else contextlib.nullcontext():
-            state = {k: v.clone() for k, v in run.local.state_dict().items()}
+        state = model_state(run)
         if run.offload:
             assert not run.offload.updates.pending
             run.offload.close()

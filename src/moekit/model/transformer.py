@@ -285,7 +285,8 @@ class Transformer(nn.Module):
             raise ValueError(f"sequence of {L} tokens exceeds model.context_length={self.cfg.context_length}")
         x = self.drop(self.embed(idx_BL))
         stats: list[MoEStats] = []
-        losses = cache is None or targets_BL is not None  # decoding reads the routing counts only
+        # decoding (through a cache, nothing to learn from) reads the routing counts only
+        losses = cache is None or targets_BL is not None or torch.is_grad_enabled()
         for i, block in enumerate(self.blocks):
             x, s = block(x, freqs, cache, i, idx_BL, losses)
             if s is not None:

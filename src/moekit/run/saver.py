@@ -78,20 +78,22 @@ class Checkpointer:
         optimizer: torch.optim.Optimizer,
         info: dict[str, Any],
         slots: sharded.Slots | None = None,
+        streamed: sharded.Streamed | None = None,
     ) -> Path | None:
         """Checkpoint the state as it is now. Returns the published checkpoint on rank 0 (None while a
         background save is still being written, and on the other ranks).
 
         ``slots``: the live placement of re-placed experts (``ParallelModel.expert_slots``); their rows
-        are written in canonical order and the model is left as it is.
+        are written in canonical order and the model is left as it is. ``streamed``: state held outside
+        the model (offloaded experts), read as it is written; never in the background.
         """
         published = self.wait()
         try:
             tmp = self._begin(step)
             state = sharded.training_state(model, optimizer, self.group)
-            writer = sharded.RecordingWriter(tmp / SHARDED)
-            if self._thread is None:
-                sharded.save(state, writer, self.group, slots)
+            writer = sharded.RecordingWriter(tmp / SHARDED, serial=streamed is not None)
+            if self._thread is None or streamed is not None:
+                sharded.save(state, writer, self.group, slots, streamed)
                 return self._publish(step, tmp, info, self._finish_files(tmp, writer)) or published
             upload = sharded.save_async(state, writer, self.group, slots)
         except CheckpointError:
@@ -213,17 +215,19 @@ class Checkpointer:
         optimizer: torch.optim.Optimizer,
         whole: nn.Module,
         slots: sharded.Slots | None = None,
+        streamed: sharded.Streamed | None = None,
     ) -> dict:
         """Load a verified checkpoint into this rank's model and optimizer; return its manifest.
 
-        ``slots``: the live placement of re-placed experts (each expert is read into its slot)."""
+        ``slots``: the live placement of re-placed experts (each expert is read into its slot);
+        ``streamed``: state held outside the model (offloaded experts), which reads its keys itself."""
         manifest = load_manifest(path)
         if not (path / SHARDED).is_dir():
             raise CheckpointError(
                 f"{path}: holds weights only (a converted, upcycled or exported model): "
                 f"start from it with init={self.run_dir}"
             )
-        sharded.restore(path / SHARDED, model, optimizer, self.group, whole, slots)
+        sharded.restore(path / SHARDED, model, optimizer, self.group, whole, slots, streamed)
         return manifest
 
 

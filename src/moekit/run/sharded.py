@@ -7,11 +7,9 @@ is ``{"model": ..., "optim": ..., "rng": [world, n] uint8}`` (the RNG states of 
 resume at the same world size continues each rank's stream; at another size rank r takes the
 saved rank ``r % saved_world``'s).
 
-Experts re-placed by the rebalancer (``parallel/rebalance.py``) hold row s = slot s, not expert s.
-They are written and read in canonical order (row e = expert e) without moving them: the planners
-below describe each run of local rows holding consecutive experts as a chunk at its canonical offset,
-so the files look as if nothing had moved, and a load writes each expert's rows into whatever slot it
-occupies now. The live model is never touched by a save.
+Re-placed experts are written and read in canonical order, and offloaded training's expert state is
+streamed from and to files of its own, by the planners of ``planners.py``; either way the files are
+those of an in-memory model at the canonical placement.
 
 Publication (temporary directory, manifest, atomic rename, ``latest``) is ``checkpoint.py``'s; this
 module only reads and writes the ``sharded/`` directory inside a checkpoint.
@@ -20,7 +18,6 @@ module only reads and writes the ``sharded/`` directory inside a checkpoint.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import math
 import warnings
 from collections.abc import Iterable
@@ -31,18 +28,14 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
-from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner, FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, MetadataIndex, TensorStorageMetadata
-from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWriteData, WriteItem, WriteItemType
-from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from torch.distributed.tensor import DTensor
 
-from moekit.parallel.rebalance import MOMENTS  # AdamW's per-row state, permuted with the expert weights
 from moekit.run.layout import CheckpointError
+from moekit.run.planners import MODEL_PREFIX, Slots, Streamed, load_planner, save_planner
 
-MODEL_PREFIX = "model."
 METADATA = ".metadata"  # the file DCP's coordinator writes
 # DCP gathers every rank's failure into a CheckpointException, which is not an Exception.
 FAILURES = (Exception, CheckpointException)
@@ -126,10 +119,13 @@ def _dcp_call():
 
 class RecordingWriter(FileSystemWriter):
     """DCP's file writer, remembering the files this rank wrote (relative names): the manifest is
-    built from what every rank reports it wrote, not from one rank's view of the directory."""
+    built from what every rank reports it wrote, not from one rank's view of the directory.
 
-    def __init__(self, path: Path) -> None:
-        super().__init__(str(path))
+    ``serial``: tensors are resolved one at a time, each as it is written (no copying ahead), as a
+    streamed save needs."""
+
+    def __init__(self, path: Path, serial: bool = False) -> None:
+        super().__init__(str(path), **({"per_thread_copy_ahead": 0} if serial else {}))
         self.written: set[str] = set()
 
     def write_data(self, plan, planner):
@@ -142,10 +138,19 @@ class RecordingWriter(FileSystemWriter):
         self.written.add(METADATA)
 
 
-def save(state: dict, writer: RecordingWriter, group: dist.ProcessGroup | None, slots: Slots | None = None) -> None:
-    """Write ``state`` through ``writer`` (``slots``: expert rows to write in canonical order)."""
+def save(
+    state: dict,
+    writer: RecordingWriter,
+    group: dist.ProcessGroup | None,
+    slots: Slots | None = None,
+    streamed: Streamed | None = None,
+) -> None:
+    """Write ``state`` through ``writer`` (``slots``: expert rows to write in canonical order;
+    ``streamed``: keys read as the writer reaches them, through a ``serial`` writer)."""
+    planner = save_planner(slots, streamed)
+    assert streamed is None or (writer.per_thread_copy_ahead == 0 and writer.thread_count == 1), "a serial writer"
     with _dcp_call():
-        dcp.save(state, storage_writer=writer, planner=_save_planner(slots), process_group=group, no_dist=group is None)
+        dcp.save(state, storage_writer=writer, planner=planner, process_group=group, no_dist=group is None)
 
 
 def save_async(
@@ -154,127 +159,8 @@ def save_async(
     """Copy the state to CPU staging memory now; write it on a background thread (the returned future)."""
     with _dcp_call():
         return dcp.async_save(
-            state, storage_writer=writer, planner=_save_planner(slots), process_group=group, no_dist=group is None
+            state, storage_writer=writer, planner=save_planner(slots), process_group=group, no_dist=group is None
         )
-
-
-# --- expert rows in canonical order ------------------------------------------------------------------
-
-Slots = dict[str, tuple[int, ...]]  # expert parameter name -> its layer's expert_to_slot (non-identity only)
-
-
-def permuted_keys(slots: Slots) -> dict[str, tuple[int, ...]]:
-    """The flattened state-dict keys whose rows are slots: each expert weight and its AdamW moments."""
-    keys = {}
-    for name, expert_to_slot in slots.items():
-        keys[MODEL_PREFIX + name] = expert_to_slot
-        for moment in MOMENTS:
-            keys[f"optim.state.{name}.{moment}"] = expert_to_slot
-    return keys
-
-
-@dataclasses.dataclass(frozen=True)
-class _Run:
-    """Local rows ``[row, row + length)`` hold experts ``[expert, expert + length)``."""
-
-    row: int
-    expert: int
-    length: int
-
-
-def _runs(tensor: Tensor, expert_to_slot: tuple[int, ...]) -> list[_Run]:
-    """This rank's rows of ``tensor`` (a ``Shard(0)`` DTensor of slots) as runs of consecutive experts."""
-    assert isinstance(tensor, DTensor) and tensor.shape[0] == len(expert_to_slot), "expert rows are slots"
-    local = tensor.to_local()
-    first = tensor.__create_chunk_list__()[0].offsets[0]  # the first slot this rank holds
-    slot_to_expert = {slot: e for e, slot in enumerate(expert_to_slot)}
-    runs: list[_Run] = []
-    for row in range(local.shape[0]):
-        expert = slot_to_expert[first + row]
-        last = runs[-1] if runs else None
-        if last is not None and last.expert + last.length == expert:
-            runs[-1] = _Run(last.row, last.expert, last.length + 1)
-        else:
-            runs.append(_Run(row, expert, 1))
-    return runs
-
-
-def _chunk(tensor: Tensor, run: _Run) -> ChunkStorageMetadata:
-    rest = tuple(tensor.shape[1:])
-    offsets = torch.Size((run.expert, *[0] * len(rest)))
-    return ChunkStorageMetadata(offsets=offsets, sizes=torch.Size((run.length, *rest)))
-
-
-def _rows(state: dict, fqn: str, expert_to_slot: tuple[int, ...], offsets: torch.Size) -> Tensor:
-    """The local rows of ``state[fqn]`` that hold the chunk starting at canonical ``offsets``."""
-    tensor = state[fqn]
-    run = next(r for r in _runs(tensor, expert_to_slot) if r.expert == offsets[0])
-    return tensor.to_local()[run.row : run.row + run.length]
-
-
-class _CanonicalSavePlanner(DefaultSavePlanner):
-    """Writes the permuted keys as one chunk per run of consecutive experts, at canonical offsets."""
-
-    def __init__(self, keys: dict[str, tuple[int, ...]]) -> None:
-        super().__init__()
-        self.keys = keys
-
-    def create_local_plan(self) -> SavePlan:
-        plan = super().create_local_plan()
-        missing = [k for k in self.keys if k.startswith(MODEL_PREFIX) and k not in self.state_dict]
-        assert not missing, f"expert weights not in the state dict: {missing}"
-        items = [item for item in plan.items if item.index.fqn not in self.keys]
-        for fqn, expert_to_slot in self.keys.items():
-            tensor = self.state_dict.get(fqn)
-            if tensor is None:
-                continue  # moments before the first optimizer step
-            properties = next(i.tensor_data.properties for i in plan.items if i.index.fqn == fqn)
-            for run in _runs(tensor, expert_to_slot):
-                chunk = _chunk(tensor, run)
-                data = TensorWriteData(chunk=chunk, properties=properties, size=tensor.shape)
-                index = MetadataIndex(fqn, chunk.offsets)
-                items.append(WriteItem(index=index, type=WriteItemType.SHARD, tensor_data=data))
-        self.plan = dataclasses.replace(plan, items=items)
-        return self.plan
-
-    def resolve_data(self, write_item: WriteItem):
-        fqn = write_item.index.fqn
-        if fqn not in self.keys:
-            return super().resolve_data(write_item)
-        return _rows(self.state_dict, fqn, self.keys[fqn], write_item.index.offset)
-
-
-class _CanonicalLoadPlanner(DefaultLoadPlanner):
-    """Reads each run of consecutive experts from its canonical offset into the rows that hold it now."""
-
-    def __init__(self, keys: dict[str, tuple[int, ...]]) -> None:
-        super().__init__()
-        self.keys = keys
-
-    def create_local_plan(self) -> LoadPlan:
-        plan = super().create_local_plan()
-        assert self.metadata is not None
-        items = [item for item in plan.items if item.dest_index.fqn not in self.keys]
-        for fqn, expert_to_slot in self.keys.items():
-            tensor = self.state_dict.get(fqn)
-            if tensor is None:
-                continue
-            chunks = [_chunk(tensor, run) for run in _runs(tensor, expert_to_slot)]
-            items += create_read_items_for_chunk_list(fqn, self.metadata.state_dict_metadata[fqn], chunks)
-        return dataclasses.replace(plan, items=items)
-
-    def lookup_tensor(self, index: MetadataIndex) -> Tensor:
-        if index.fqn not in self.keys:
-            return super().lookup_tensor(index)
-        return _rows(self.state_dict, index.fqn, self.keys[index.fqn], index.offset)
-
-
-def _save_planner(slots: Slots | None) -> DefaultSavePlanner:
-    return _CanonicalSavePlanner(permuted_keys(slots)) if slots else DefaultSavePlanner()
-
-
-def _load_planner(slots: Slots | None) -> DefaultLoadPlanner:
-    return _CanonicalLoadPlanner(permuted_keys(slots)) if slots else DefaultLoadPlanner()
 
 
 def read_metadata(directory: Path) -> Metadata:
@@ -323,12 +209,14 @@ def restore(
     group: dist.ProcessGroup | None,
     whole: nn.Module,
     slots: Slots | None = None,
+    streamed: Streamed | None = None,
 ) -> None:
     """Load weights, optimizer state and this rank's RNG stream from a checkpoint of any layout.
 
     ``whole``: the full model (the structure every rank keeps), whose names and global shapes the
     checkpoint must match before any rank reads a byte. ``slots``: the live placement of re-placed
-    experts, whose canonical rows are read into the slots they occupy.
+    experts, whose canonical rows are read into the slots they occupy. ``streamed``: keys left to
+    their owner, which reads them last.
     """
     metadata = read_metadata(directory)
     check_fits(directory, metadata, _flat_shapes({"model": whole.state_dict()}))
@@ -339,15 +227,24 @@ def restore(
             dcp.load(
                 state,
                 checkpoint_id=str(directory),
-                planner=_load_planner(slots),
+                planner=load_planner(slots, streamed),
                 process_group=group,
                 no_dist=group is None,
             )
+        if streamed is not None:
+            streamed.load(directory)
     except FAILURES as err:
         raise CheckpointError(f"{directory}: could not be read ({describe(err)})") from None
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     rank = dist.get_rank(group) if group is not None else 0
     _set_rng_row(state["rng"][rank % state["rng"].shape[0]])
+
+
+def read_tensors(directory: Path, state: dict[str, Tensor]) -> None:
+    """Fill ``state``'s tensors (flattened keys; a DTensor takes its own piece) from a checkpoint of any
+    layout, in this process alone."""
+    with _dcp_call():
+        dcp.load(state, checkpoint_id=str(directory), no_dist=True)
 
 
 def model_groups(metadata: Metadata) -> list[list[str]]:
@@ -371,8 +268,7 @@ def read_weights(directory: Path, metadata: Metadata, keys: Iterable[str]) -> di
         assert isinstance(meta, TensorStorageMetadata)
         state[MODEL_PREFIX + key] = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
     try:
-        with _dcp_call():
-            dcp.load(state, checkpoint_id=str(directory), no_dist=True)
+        read_tensors(directory, state)
     except FAILURES as err:
         raise CheckpointError(f"{directory}: could not be read ({describe(err)})") from None
     return {k.removeprefix(MODEL_PREFIX): v for k, v in state.items()}

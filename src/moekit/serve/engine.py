@@ -142,6 +142,11 @@ class Engine:
         """(running, waiting) choices."""
         return len(self.running), len(self.waiting) + len(self._inbox) + self._forks_waiting
 
+    @property
+    def thread_id(self) -> int | None:
+        """The engine thread's id in the kernel (``None`` before ``start``): /metrics reads its CPU time."""
+        return None if self._thread is None else self._thread.native_id
+
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="moekit-engine", daemon=True)
         self._thread.start()
@@ -226,6 +231,7 @@ class Engine:
         for seq, n in plan.chunks:
             seq.computed += n
         if out.moe_stats:
+            assert len(out.moe_stats) == len(self.expert_load), "a routing count per MoE layer"
             self._load += torch.cat([stats.tokens_per_expert for stats in out.moe_stats]).cpu()
         self.steps += 1
         t2 = time.perf_counter()

@@ -2,7 +2,9 @@
 per server so that several can live in one process.
 
 Updated on the engine thread as tokens come out; what the engine already counts (queue, KV blocks,
-expert load, the expert cache) is read at scrape time instead of being copied every step.
+expert load, the expert cache) is read at scrape time instead of being copied every step, and so is
+the engine thread's CPU time from the kernel: a step slower in the server than in a quiet process
+shows there as time spent waiting for a CPU (other threads or processes) or asleep (the GIL).
 """
 
 from __future__ import annotations
@@ -53,6 +55,17 @@ class Metrics:
         return generate_latest(self.registry)
 
 
+def thread_cpu_seconds(thread_id: int) -> tuple[float, float] | None:
+    """Seconds a thread of this process has run on a CPU, and waited ready to run for one, as the kernel
+    counts them (Linux ``schedstat``); ``None`` where the kernel does not say."""
+    try:
+        with open(f"/proc/self/task/{thread_id}/schedstat") as f:
+            running, waiting = f.read().split()[:2]
+    except (OSError, ValueError):
+        return None
+    return int(running) / 1e9, int(waiting) / 1e9
+
+
 class _EngineCollector(Collector):
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
@@ -72,6 +85,17 @@ class _EngineCollector(Collector):
         for phase, seconds in e.seconds.items():
             phases.add_metric([phase], seconds)
         yield phases
+        scheduled = None if e.thread_id is None else thread_cpu_seconds(e.thread_id)
+        if scheduled is not None:
+            cpu = CounterMetricFamily(
+                "moekit_engine_thread_seconds",
+                "engine thread time on a CPU (running) and ready to run while other threads or processes held "
+                "the CPUs (waiting); the rest of its time it sleeps (idle, or waiting for the GIL)",
+                labels=["state"],
+            )
+            for state, seconds in zip(("running", "waiting"), scheduled, strict=True):
+                cpu.add_metric([state], seconds)
+            yield cpu
         load = CounterMetricFamily("moekit_expert_tokens", "tokens routed to each expert", labels=["layer", "expert"])
         for layer, counts in enumerate(e.expert_load):
             for expert, n in enumerate(counts.tolist()):

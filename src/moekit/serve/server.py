@@ -11,6 +11,7 @@ from pathlib import Path
 
 import uvicorn
 
+from moekit.hostmem import keep_freed_memory
 from moekit.run.load import LoadedRun
 from moekit.serve.app import ServeState, build_app
 from moekit.serve.chat import ChatTemplate
@@ -74,6 +75,18 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
+def start_engine(engine: Engine) -> None:
+    """Start the engine thread, with freed host memory kept when it runs on CPU.
+
+    NOTE: a thread allocates from a glibc arena of its own, which hands freed blocks back to the OS;
+    every step then faults their pages in again. On the serving benchmark's model at 16 sequences that
+    was ~240 faults and ~7 ms of CPU in a ~48 ms step, a cost the same step on a main thread never pays.
+    """
+    if engine.device.type == "cpu":
+        keep_freed_memory()
+    engine.start()
+
+
 def make_server(state: ServeState) -> DrainingServer:
     config = uvicorn.Config(build_app(state), log_level="warning", access_log=False, timeout_graceful_shutdown=5)
     return DrainingServer(config, state)
@@ -82,7 +95,7 @@ def make_server(state: ServeState) -> DrainingServer:
 def serve(state: ServeState, sock: socket.socket) -> None:
     """Serve until Ctrl-C or a drained SIGTERM (on the calling thread, the main one for signals)."""
     server = make_server(state)
-    state.engine.start()
+    start_engine(state.engine)
     try:
         server.run(sockets=[sock])
     finally:
@@ -92,7 +105,7 @@ def serve(state: ServeState, sock: socket.socket) -> None:
 def serve_in_thread(state: ServeState, sock: socket.socket) -> tuple[DrainingServer, threading.Thread]:
     """The same server on a daemon thread (no signal handling): set ``should_exit`` to stop it."""
     server = make_server(state)
-    state.engine.start()
+    start_engine(state.engine)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     return server, thread

@@ -35,6 +35,7 @@ from moekit.train.data import Corpus, prepare_corpus, resolve_files
 from moekit.train.interrupt import StopOnInterrupt, agree
 from moekit.train.metrics import MetricsLogger
 from moekit.train.offload import ExpertOffload, offload_experts
+from moekit.train.offload.checkpoint import StreamedExperts, restoring, saving
 from moekit.train.optim import build_optimizer, lr_at
 
 
@@ -222,8 +223,7 @@ def _setup(
     offload = offload_experts(cfg, run_dir, layout, mesh, dev, model, optimizer) if cfg.train.offloaded else None
     start_step = 0
     if resume_from is not None:
-        with offload.materialized(write_back=True) if offload else contextlib.nullcontext():
-            start_step = int(saver.restore(resume_from, local, optimizer, model)["step"])
+        start_step = _restore(saver, resume_from, local, optimizer, model, offload)
     return _Run(
         cfg=cfg,
         run_dir=run_dir,
@@ -244,6 +244,20 @@ def _setup(
         manifest=manifest,
         offload=offload,
     )
+
+
+def _restore(
+    saver: Checkpointer,
+    path: Path,
+    local: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    whole: torch.nn.Module,
+    offload: ExpertOffload | None,
+) -> int:
+    """Load checkpoint ``path`` into this rank's model and optimizer; returns its step. Offloaded experts
+    are streamed from it into their file (``offload/checkpoint.py``)."""
+    with restoring(offload, local) if offload else contextlib.nullcontext() as streamed:
+        return int(saver.restore(path, local, optimizer, whole, streamed=streamed)["step"])
 
 
 def _announce(run: _Run, init: Path | None) -> None:
@@ -313,8 +327,7 @@ def _steps(run: _Run, progress: bool, on_step: Callable[[dict[str, Any]], None] 
                 )
             stopping = agree(interrupt.requested, run.mesh)  # one collective per step decides for every rank
             if (tc.ckpt_every and step % tc.ckpt_every == 0) or step == tc.steps or stopping:
-                with run.offload.materialized() if run.offload else contextlib.nullcontext():
-                    checkpoint = _save(run, step, record, streak, checkpoint)
+                checkpoint = _save(run, step, record, streak, checkpoint)
             bar.update(1)
             bar.set_postfix(
                 loss=f"{record['loss']:.3f}",
@@ -334,30 +347,35 @@ def _steps(run: _Run, progress: bool, on_step: Callable[[dict[str, Any]], None] 
 
 
 def _save(run: _Run, step: int, record: dict[str, Any], streak: int, checkpoint: Path | None) -> Path | None:
-    """Start a checkpoint of finite weights (or stop the run); returns the newest published one."""
-    if not _weights_finite(run.local, run.mesh):
-        checkpoint = run.saver.wait() or checkpoint
-        raise TrainingError(
-            f"weights are not finite after step {step}: checkpoint not saved, training stopped; "
-            + _last_good(checkpoint)
-        )
-    info = _checkpoint_info(step, run.cfg, run.layout, record, streak)
-    return run.saver.save(step, run.local, run.optimizer, info, run.pm.expert_slots()) or checkpoint
+    """Start a checkpoint of finite weights (or stop the run); returns the newest published one. Offloaded
+    experts are streamed from their file into it (``offload/checkpoint.py``)."""
+    with saving(run.offload, run.local) if run.offload else contextlib.nullcontext() as streamed:
+        if not _weights_finite(run.local, run.mesh, streamed):
+            checkpoint = run.saver.wait() or checkpoint
+            raise TrainingError(
+                f"weights are not finite after step {step}: checkpoint not saved, training stopped; "
+                + _last_good(checkpoint)
+            )
+        info = _checkpoint_info(step, run.cfg, run.layout, record, streak)
+        return run.saver.save(step, run.local, run.optimizer, info, run.pm.expert_slots(), streamed) or checkpoint
 
 
 def _describe(layout) -> str:
     return " x ".join(f"{name}={getattr(layout, name)}" for name in ("dp", "ep", "tp", "pp"))
 
 
-def _weights_finite(model: torch.nn.Module, mesh) -> bool:
+def _weights_finite(model: torch.nn.Module, mesh, streamed: StreamedExperts | None = None) -> bool:
     """True on every rank if no rank holds a NaN or inf in a parameter or floating-point buffer: what a
-    checkpoint would save (a DTensor's local shard is enough, the ranks' verdicts are combined)."""
+    checkpoint would save (a DTensor's local shard is enough, the ranks' verdicts are combined;
+    ``streamed`` experts are read from their file)."""
+    offloaded = {id(p) for params in streamed.offload.params for p in params} if streamed else set()
     by_device: dict[torch.device, list[torch.Tensor]] = {}
     for t in (*model.parameters(), *model.buffers()):
         piece = t.to_local() if hasattr(t, "to_local") else t
-        if piece.is_floating_point():
+        if piece.is_floating_point() and id(t) not in offloaded:
             by_device.setdefault(piece.device, []).append(piece.detach().isfinite().all())
     local = all(bool(torch.stack(flags).all()) for flags in by_device.values())  # one sync per device
+    local = local and (streamed is None or streamed.weights_finite())
     return not agree(not local, mesh)
 
 

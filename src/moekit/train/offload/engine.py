@@ -31,20 +31,17 @@ Per optimizer step (on CPU, in each process: its own ep shard of every layer's e
    runs on them moves every expert's weights, idle or not). The arithmetic is ``torch.optim``'s
    fused AdamW on the same whole stacked tensors with the same step counts and hyperparameters, so
    the bits equal in-memory training's.
-   Whatever needs the whole state (a checkpoint, through ``materialized``) first runs every pending
-   update, in layer order.
+   Whatever needs the whole state (a checkpoint) first runs every pending update, in layer order.
 
 Non-expert weights stay in the model and take the ordinary optimizer step. The expert parameters
 stay in the model and the optimizer with their type and shape (a DTensor sharded over ep, under
-expert parallelism) but no storage; ``materialized`` fills them in place (and rebuilds their AdamW
-moments as in-memory training holds them) for a checkpoint or a resume, so checkpoints, sharded or
-not, are exactly those of in-memory training and load at any layout.
+expert parallelism) but no storage; a checkpoint streams them from and to the file a region at a
+time (``checkpoint.py``), so checkpoints, sharded or not, are exactly those of in-memory training,
+load at any layout, and keep to the budget.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -116,7 +113,7 @@ class ExpertOffload:
         self._expert = {id(p): (layer, i) for layer, ps in enumerate(self.params) for i, p in enumerate(ps)}
         self._next_scratch, self.scale = 0, 1.0
         self.grads = _StepGrads(1, len(layers), len(self.roles))
-        self._write_back(with_state=False)
+        self._write_back()
         self.experts: list[OffloadedExperts] = install(model, self.ws, self.file, self)
 
     # -- backward ----------------------------------------------------------------------------------
@@ -199,63 +196,21 @@ class ExpertOffload:
         are read: by a forward reaching layer ``upto``, or by whatever needs the whole state."""
         self.updates.settle(len(self.params) - 1 if upto is None else upto)
 
-    # -- checkpoints -------------------------------------------------------------------------------
-    @contextlib.contextmanager
-    def materialized(self, write_back: bool = False) -> Iterator[None]:
-        """The experts' weights and AdamW state in the model and optimizer, for a checkpoint to save
-        (or, with ``write_back``, for a resume to load, then written to disk). The whole expert state
-        is in RAM meanwhile: a checkpoint is not held to the budget."""
-        self.settle()
-        self.ws.flush()
-        buf = self.scratch[0]
-        for layer, params in enumerate(self.params):
-            for kind in ("weight", "exp_avg", "exp_avg_sq"):
-                # NOTE: .get: a defaultdict entry would count as optimizer state to torch's checkpoint
-                # code, which then skips initialising the rest of the model's before a load.
-                if kind != "weight" and "step" not in self.optimizer.state.get(params[0], {}):
-                    continue  # no AdamW step yet: no moments
-                self.file.read(layer, kind, buf)
-                for p, t in zip(params, self.file.views(buf).values(), strict=True):
-                    if kind == "weight":
-                        _refill(p, t)
-                    else:  # as fused AdamW makes them: like the parameter (a DTensor under ep)
-                        moment = torch.empty_like(p.detach())
-                        local_tensor(moment).copy_(t)
-                        self.optimizer.state[p][kind] = moment
-        try:
-            yield
-            if write_back:
-                self._write_back(with_state=True)
-                self.ws.forget()
-        except BaseException:
-            if write_back:  # a resume that failed: no run owns this state yet, so nothing else removes it
-                self.close()
-            raise
-        finally:
-            for p in (p for params in self.params for p in params):
-                _empty(p)
-                for kind in ("exp_avg", "exp_avg_sq"):
-                    self.optimizer.state.get(p, {}).pop(kind, None)
-            release_freed_memory()  # the process's resident memory back to the budget
-
-    def _write_back(self, with_state: bool) -> None:
-        """The model's expert weights (and AdamW moments, zero where there are none) to disk."""
+    def _write_back(self) -> None:
+        """The model's expert weights to disk (moments zero: no AdamW step yet), then freed from RAM."""
         buf = self.scratch[0]
         for layer, params in enumerate(self.params):
             for kind in ("weight", "exp_avg", "exp_avg_sq"):
                 views = self.file.views(buf)
                 for p, t in zip(params, views.values(), strict=True):
-                    state = self.optimizer.state.get(p, {}) if with_state else {}
-                    value = p.detach() if kind == "weight" else state.get(kind)
-                    if value is None:
-                        t.zero_()  # no AdamW step yet
+                    if kind == "weight":
+                        t.copy_(local_tensor(p.detach()))
                     else:
-                        t.copy_(local_tensor(value))
+                        t.zero_()
                 self.file.write(layer, kind, buf)
-        if not with_state:
-            for p in (p for params in self.params for p in params):
-                _empty(p)
-            release_freed_memory()
+        for p in (p for params in self.params for p in params):
+            _empty(p)
+        release_freed_memory()
 
     def close(self) -> None:
         """Remove the offloaded state, also after a failure; updates still pending go with it (a run's
@@ -299,11 +254,3 @@ class _StepGrads:
 def _empty(p: nn.Parameter) -> None:
     """Free this rank's storage of ``p``, keeping the parameter (its type, shape and placement)."""
     local_tensor(p.detach()).untyped_storage().resize_(0)
-
-
-@torch.no_grad()
-def _refill(p: nn.Parameter, values: Tensor) -> None:
-    """Give ``p`` its storage back, holding ``values`` (this rank's piece)."""
-    local = local_tensor(p.detach())
-    local.untyped_storage().resize_(local.numel() * local.element_size())
-    local.copy_(values)
