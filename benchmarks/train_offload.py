@@ -22,8 +22,9 @@ directory the way the offload uses the disk: direct whole-region reads on ``READ
 writes on one writer thread at the same time, in the step's read/write proportion (median of one
 measurement per round, taken after the runs).
 Also per step: how many expert-gradient transfers were skipped because the expert received no token
-in the step (each skips its gradient's writes and reads back), out of all of them (layers x experts x
-2 x grad_accum).
+in the step (each skips its gradient's writes and reads back; ``LayerFile.experts_skipped``: an idle
+expert sharing a page with a busy one moves with it and is not counted), out of all of them (layers
+x experts x 2 x grad_accum).
 Losses of every step must equal in-memory training's bit for bit. Prints a table; with ``--json``
 one JSON object on the last line.
 """

@@ -4,6 +4,7 @@ sys.path through the rootdir conftest, so every test imports them as ``helpers``
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import random
 import shutil
@@ -137,20 +138,32 @@ class RoutedRun:
     host_regions: list[tuple[int, str]] | None = None  # (layer, kind) held in the host tier
 
 
-def train_routed(cfg, run_dir: Path, bias_at: Callable[[int], Any]) -> RoutedRun:
+def train_routed(cfg, run_dir: Path, bias_at: Callable[[int, int], Any]) -> RoutedRun:
     """Train ``cfg`` step by step (no evaluation, no checkpoint), every MoE router's selection bias set
-    to ``bias_at(step)`` before each step: a bias of -1e4 keeps an expert from every token. Offloaded,
-    the last step's pending AdamW updates are run and every transfer has landed before the bytes are
-    read; the state is then read as a checkpoint streams it, so the traffic counts training's only."""
+    to ``bias_at(step, micro)`` as each micro-batch's forward reaches it: a bias of -1e4 keeps an expert
+    from every token. Offloaded, the last step's pending AdamW updates are run and every transfer has
+    landed before the bytes are read; the state is then read as a checkpoint streams it, so the traffic
+    counts training's only."""
     from moekit.experts.grouped import local_tensor
     from moekit.train import loop
 
     run = loop._setup(cfg, run_dir, False, torch.device("cpu"), False, None, False)
-    records = []
-    for step in range(cfg.train.steps):
-        for moe in run.pm.moe_layers():
-            moe.router.expert_bias.copy_(bias_at(step))
-        records.append(loop._train_step(run.pm, run.optimizer, run.corpus, cfg, run.dev, step, None, run.offload))
+    routers = [moe.router for moe in run.pm.moe_layers()]
+    forwards = itertools.count()  # of the first router: one per micro-batch
+    bias = {}
+
+    def set_bias(router: Any, _args: Any) -> None:
+        if router is routers[0]:
+            n = next(forwards)
+            bias["now"] = bias_at(n // cfg.train.grad_accum, n % cfg.train.grad_accum)
+        router.expert_bias.copy_(bias["now"])
+
+    for router in routers:
+        router.register_forward_pre_hook(set_bias)
+    records = [
+        loop._train_step(run.pm, run.optimizer, run.corpus, cfg, run.dev, step, None, run.offload)
+        for step in range(cfg.train.steps)
+    ]
     result = RoutedRun(records, {})
     offload = run.offload
     if offload is not None:

@@ -14,7 +14,7 @@ the same checkpoint in one process (the global batch kept), its losses are withi
 summation order: one process accumulates the four micro-batches' gradients itself).
 The budget leaves two layers' expert weights in RAM, so each of the three layers is read from disk
 in every pass. One offloaded dp=2 step is profiled: each layer's expert gradients travel in one
-all-reduce of the layer's whole gradient region.
+all-reduce of the layer's whole gradient region, its rows per expert at the end.
 A dp=2 run whose router biases keep, after the first step, expert 2 from every token and expert 3 from
 rank 1's only equals in-memory training bitwise on both ranks (losses, gradient norms, weights, AdamW
 moments): expert 2's gradient is zero and skips its transfers; expert 3's is not, though rank 1
@@ -106,7 +106,7 @@ def _idle_on_one_rank(rank: int, tmp: Path) -> None:
     """dp=2, after the first step: expert 2 kept from every token, expert 3 from rank 1's tokens only.
     Each rank saves its records, its final state and its count of expert transfers skipped."""
 
-    def bias_at(step: int) -> torch.Tensor:
+    def bias_at(step: int, micro: int) -> torch.Tensor:
         bias = torch.zeros(4)
         if step > 0:
             bias[2] = -1e4
@@ -123,17 +123,20 @@ def _idle_on_one_rank(rank: int, tmp: Path) -> None:
 
 def _count_expert_reductions(rank: int, tmp: Path) -> None:
     """Profile one offloaded dp=2 step: how many all-reduces carried a layer's whole expert-gradient
-    region (the fused bucket), and how many MoE layers there are."""
+    region and its rows per expert (the fused bucket), how many the rows alone, and how many MoE layers
+    there are."""
     cfg = _cfg(tmp, dp=2, offload=True)
     run = loop._setup(cfg, tmp / "dp2-profiled", False, torch.device("cpu"), False, None, False)
     assert run.offload is not None
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
         loop._train_step(run.pm, run.optimizer, run.corpus, cfg, run.dev, 0, None, run.offload)
-    bucket = [[run.offload.file.tensors_end // 4]]
-    buckets = sum(e.name == "gloo:all_reduce" and e.input_shapes == bucket for e in prof.events())
+    experts = run.offload.experts[0].num_experts
+    bucket, rows = [[run.offload.file.tensors_end // 4 + experts]], [[experts]]
+    reductions = [e.input_shapes for e in prof.events() if e.name == "gloo:all_reduce"]
     run.offload.close()
     if rank == 0:
-        (tmp / "dp2-reductions.json").write_text(json.dumps([buckets, len(run.offload.params)]))
+        counts = [reductions.count(bucket), reductions.count(rows), len(run.offload.params)]
+        (tmp / "dp2-reductions.json").write_text(json.dumps(counts))
 
 
 def _four_ranks(rank: int, world: int, tmp: Path) -> None:
@@ -221,6 +224,7 @@ def test_an_expert_idle_on_one_dp_rank_only_keeps_its_gradient(runs: Path) -> No
 
 
 def test_each_layer_is_reduced_in_one_fused_bucket(runs: Path) -> None:
-    """One all-reduce per MoE layer and step (of two micro-batches), of the layer's whole gradient region."""
-    buckets, layers = json.loads((runs / "dp2-reductions.json").read_text())
-    assert layers == 3 and buckets == layers
+    """One all-reduce per MoE layer and step (of two micro-batches), of the layer's whole gradient region
+    with its rows per expert; none of the rows alone."""
+    buckets, rows, layers = json.loads((runs / "dp2-reductions.json").read_text())
+    assert layers == 3 and buckets == layers and rows == 0

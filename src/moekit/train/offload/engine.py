@@ -11,9 +11,10 @@ Per optimizer step (on CPU, in each process: its own ep shard of every layer's e
    overlapping the backward of the layer below), then go to disk and their norms are kept. The
    routing already computed says which experts can skip that: an expert that received no token in
    any of the step's micro-batches on any rank of its dp group has an exactly-zero gradient, so its
-   gradient is neither written nor read back (the rows per expert are summed over dp beside the
-   bucket: idle here is not idle everywhere); between micro-batches, the running sum of an expert
-   idle so far on this rank is likewise kept off the disk. The AdamW step reads such a gradient as
+   gradient's pages are neither written nor read back (those it shares with a busy expert move; the
+   rows per expert are summed over dp at the end of the bucket: idle here is not idle everywhere);
+   between micro-batches, the running sum of an expert idle so far on this rank is likewise kept off
+   the disk. The AdamW step reads such a gradient as
    zeros and still updates the expert (its moments decay, its weights move), and its zero adds
    nothing to the norm;
 3. the global gradient norm combines those norms with the rest of the model's, by replica group, in
@@ -41,12 +42,14 @@ load at any layout, and keep to the budget.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
 import torch
 from torch import Tensor, nn
 
+from moekit.directio import aligned_empty
 from moekit.experts.grouped import local_tensor
 from moekit.hostmem import release_freed_memory
 from moekit.parallel.grads import clip_scale, combine_norms, replicas
@@ -95,37 +98,41 @@ class ExpertOffload:
                 f"weights and {SCRATCH} of gradients and AdamW moments, {format_bytes(self.file.unit)} each)"
             )
         self.ws = WorkingSet(self.file, regions - SCRATCH)
-        self.scratch = [self.file.buffer() for _ in range(SCRATCH)]
+        # each a region's buffer, with room after the tensors for the rows per expert that travel with
+        # the gradient in its reduction (past the region's page padding: a few bytes beside the budget)
+        experts = next(iter(shapes.values()))[0]
+        bucket_bytes = self.file.tensors_end + 4 * experts
+        held = [aligned_empty(max(self.file.unit, bucket_bytes)) for _ in range(SCRATCH)]
+        self.scratch = [b[: self.file.unit] for b in held]
+        self._buckets = [b[:bucket_bytes].view(torch.float32) for b in held]  # by scratch index
         self.reduce, self.stage_ranks, self.distributed = reduce, stage_ranks, distributed
         self.optimizer = optimizer
         self.params = [[p for _, p in moe.experts.named_parameters(recurse=False)] for moe in layers]
         self.roles = list(shapes)
         self.updates = DeferredAdamW(self.ws, self.file, self.scratch, self.params, self.roles, optimizer)
         self._expert = {id(p): (layer, i) for layer, ps in enumerate(self.params) for i, p in enumerate(ps)}
-        self.grad_accum, self._next_scratch, self.scale = 1, 0, 1.0
-        self.begin_step(1)
+        self._next_scratch, self.scale = 0, 1.0
+        self.grads = _StepGrads(1, len(layers), len(self.roles))
         self._write_back()
         self.experts: list[OffloadedExperts] = install(model, self.ws, self.file, self)
 
     # -- backward ----------------------------------------------------------------------------------
     def begin_step(self, grad_accum: int) -> None:
         """A new optimizer step of ``grad_accum`` micro-batches: its gradients start from zero."""
-        self.grad_accum, self._seen = grad_accum, [0] * len(self.params)
-        self.norms: list[list[Tensor | None]] = [[None] * len(self.roles) for _ in self.params]
-        self._rows: list[Tensor | None] = [None] * len(self.params)  # this rank's rows per expert so far
-        self.routed: list[Experts] = [None] * len(self.params)  # experts with a token on any dp rank
+        self.grads = _StepGrads(grad_accum, len(self.params), len(self.roles))
 
     def out(self, layer: int, grads: dict[str, Tensor], rows_E: Tensor) -> None:
         """A layer's gradients of one micro-batch, as its backward ends: added to the step's and written
         out; the last micro-batch's sums are reduced over the ranks first (in the background). ``rows_E``:
-        the rows each expert computed; an expert with none so far has a zero sum, neither written nor
-        read back (``LayerFile``: its tensors read as zeros)."""
+        the rows each expert computed; an expert with none so far has a zero sum whose pages are neither
+        written nor read back (``LayerFile``: its bytes outside the pages read are zeroed)."""
         assert not self.updates.pending, "every update runs in forward, before a gradient is written over"
-        micro, self._seen[layer] = self._seen[layer], self._seen[layer] + 1
-        before = self._rows[layer]
-        self._rows[layer] = rows = rows_E if before is None else before + rows_E
-        buf = self.scratch[self._next_scratch]
-        self._next_scratch = (self._next_scratch + 1) % SCRATCH
+        step = self.grads
+        micro, step.seen[layer] = step.seen[layer], step.seen[layer] + 1
+        before = step.rows[layer]
+        step.rows[layer] = rows = rows_E if before is None else before + rows_E
+        index, self._next_scratch = self._next_scratch, (self._next_scratch + 1) % SCRATCH
+        buf = self.scratch[index]
         sums = self.file.views(buf)
         if micro == 0:
             self.ws.wait_buffer(buf)
@@ -136,8 +143,8 @@ class ExpertOffload:
             self.ws.read(layer, "grad", buf, experts_with_rows(before)).result()
             for role in self.roles:
                 sums[role].add_(grads[role])
-        if micro + 1 == self.grad_accum:  # the step's gradient: reduced, then its norms kept and written
-            self.reduce.start(self.file.flat(buf), rows, partial(self._reduced, layer, buf))
+        if micro + 1 == step.grad_accum:  # the step's gradient: reduced, then its norms kept and written
+            self.reduce.start(self._buckets[index], rows, partial(self._reduced, layer, buf))
         else:
             self.ws.write(layer, "grad", buf, experts_with_rows(rows))
 
@@ -145,9 +152,9 @@ class ExpertOffload:
         """``rows_E``: summed over dp. An expert without a row on any rank has a zero gradient: its norm
         adds zero, and it stays off the disk (the AdamW step reads it as zeros)."""
         sums = self.file.views(buf)
-        self.norms[layer] = list(torch._foreach_norm([sums[r] for r in self.roles], 2.0))
-        self.routed[layer] = experts_with_rows(rows_E)
-        self.ws.write(layer, "grad", buf, self.routed[layer])
+        self.grads.norms[layer] = list(torch._foreach_norm([sums[r] for r in self.roles], 2.0))
+        self.grads.routed[layer] = experts_with_rows(rows_E)
+        self.ws.write(layer, "grad", buf, self.grads.routed[layer])
 
     @torch.no_grad()
     def clip_gradients(self, params: list[nn.Parameter], max_norm: float) -> Tensor:
@@ -166,7 +173,7 @@ class ExpertOffload:
         for p in params:
             if id(p) in self._expert:  # the parameter is placed as its gradient would be
                 layer, i = self._expert[id(p)]
-                norm = self.norms[layer][i]
+                norm = self.grads.norms[layer][i]
                 assert norm is not None, f"no gradient of MoE layer {layer}'s experts this step"
                 by_replicas.setdefault(replicas(p, self.stage_ranks), []).append(norm)
             elif p.grad is not None:
@@ -182,7 +189,7 @@ class ExpertOffload:
     def step(self) -> None:
         """AdamW over every layer's experts with the optimizer's hyperparameters (after ``optimizer.step()``):
         recorded now, run layer by layer as the next forward reaches each (``DeferredAdamW``)."""
-        self.updates.record(self.scale, self.routed)
+        self.updates.record(self.scale, self.grads.routed)
 
     def settle(self, upto: int | None = None) -> None:
         """Run the pending AdamW updates of layers up to ``upto`` (every layer: None), before their weights
@@ -223,6 +230,25 @@ class ExpertOffload:
     @property
     def bytes_written(self) -> int:
         return self.file.bytes_written
+
+
+@dataclass
+class _StepGrads:
+    """An optimizer step's expert gradients so far, by layer (``begin_step`` starts one)."""
+
+    grad_accum: int  # micro-batches in the step
+    layers: int
+    roles: int
+    seen: list[int] = field(init=False)  # micro-batches whose gradient is in
+    rows: list[Tensor | None] = field(init=False)  # this rank's rows per expert so far
+    norms: list[list[Tensor | None]] = field(init=False)  # of the reduced gradients, by role
+    routed: list[Experts] = field(init=False)  # experts with a token on any dp rank
+
+    def __post_init__(self) -> None:
+        self.seen = [0] * self.layers
+        self.rows = [None] * self.layers
+        self.norms = [[None] * self.roles for _ in range(self.layers)]
+        self.routed = [None] * self.layers
 
 
 def _empty(p: nn.Parameter) -> None:

@@ -90,8 +90,11 @@ class OffloadedExperts(nn.Module):
         return ffn(x_RD, counts_E)
 
     def _ffn(self, x_RD: Tensor, counts_E: Tensor, w: dict[str, Tensor], pending: _LayerGrads | None) -> Tensor:
-        if pending is not None:  # the rows each expert computes (under ep, those it received): the
-            pending.rows_E = counts_E.to("cpu", torch.int64, copy=True)  # experts its backward reads
+        if pending is not None:  # the rows each expert computes (under ep, those it received), summed
+            # over the calls of one forward (a schedule may run the FFN chunk by chunk): the experts
+            # its backward reads
+            rows_E = counts_E.to("cpu", torch.int64, copy=True)
+            pending.rows_E = rows_E if pending.rows_E is None else pending.rows_E + rows_E
             self._ws.route(self.layer, experts_with_rows(pending.rows_E))
         return expert_ffn(
             x_RD, w["w_in"], w["w_out"], counts_E, self.activation, self.gemm, w.get("w_in_bias"), w.get("w_out_bias")
@@ -117,7 +120,7 @@ class _LayerGrads:
         self.ws, self.sink = ws, sink
         self.grads: dict[str, Tensor] = {}
         self.buf: Tensor | None = None
-        self.rows_E: Tensor | None = None  # set by the forward's FFN
+        self.rows_E: Tensor | None = None  # summed by the forward's FFN calls
 
     def unpack(self, packed: Tensor | Packed) -> Tensor:
         if isinstance(packed, Tensor):

@@ -9,11 +9,15 @@ memory budget. Where the filesystem refuses direct I/O, plain ``preadv``/``pwrit
 
 An expert's tensors are one contiguous run of bytes per role (the stacked dim leads), so a
 transfer may move only some experts (``Experts``: a flag per expert): the direct-I/O pages that hold
-a moved expert's bytes, run by run, and no page that holds only other experts'. Reading that way
-sets every other expert's tensors in the buffer to zero, which is what a gradient region needs: an
-expert that received no token has an exactly-zero gradient (a backward's weights need only the
-experts with rows; ``rest="keep"`` completes such a buffer later). Where an expert's bytes are not a whole
-number of pages, the pages it shares with a neighbour move with it (bytes counted as moved).
+a moved expert's bytes, run by run, and no page that holds only other experts'. Where an expert's
+bytes are not a whole number of pages, the pages it shares with a neighbour (or every expert's small
+bias tensors, in one page) move with it, the neighbour's bytes too: counted as moved, and the
+neighbour is not counted in ``experts_skipped``. A read of some experts does one of three things
+with the rest of the buffer (``Rest``): zeroes the bytes outside the pages read, which is what a
+gradient region needs (an expert that received no token has an exactly-zero gradient, and the
+neighbour's bytes inside a page read are what the write of the same experts left there: zeros);
+leaves them as they are (a backward's weights: an expert without rows takes part in no product);
+or keeps them as read before (completing a partly read buffer).
 
 The host tier (``train.host_budget``) holds some regions in RAM instead: reading or writing one is a
 memory copy, counted apart from the disk's bytes. ``host_regions`` says which regions it holds. The
@@ -22,6 +26,7 @@ file keeps room for every region (those of the host tier are never read or writt
 
 from __future__ import annotations
 
+import enum
 import os
 import threading
 from pathlib import Path
@@ -36,8 +41,17 @@ Experts = tuple[bool, ...] | None  # the experts a transfer moves, a flag each (
 _ALIGN = 64  # offset of each tensor inside a region: aligned for any dtype view and SIMD loads
 
 
+class Rest(enum.Enum):
+    """What a read of some experts leaves in the buffer's bytes outside the pages it reads."""
+
+    ZERO = "zero"  # zeros: the experts left out are idle (a gradient); counted in ``experts_skipped``
+    UNUSED = "unused"  # whatever was there: the experts left out are idle and never read; counted
+    HELD = "held"  # kept: read before into this buffer (a read completing it); not counted
+
+
 class LayerFile:
-    """Read and write whole (layer, kind) regions of expert tensors; counts the bytes moved.
+    """Read and write (layer, kind) regions of expert tensors, whole or some experts' pages; counts the
+    bytes moved and the experts left out.
 
     ``shapes``: each role's stacked shape (the same in every layer), in the order of the module's
     parameters. Thread-safe: reader and writer threads call ``read`` and ``write`` concurrently on
@@ -64,7 +78,8 @@ class LayerFile:
         self.bytes_read = self.bytes_written = 0  # disk bytes
         self.host: dict[tuple[int, str], Tensor] = {}  # (layer, kind) -> the region, in the host tier
         self.host_bytes_read = self.host_bytes_written = 0
-        # by kind: experts left out of transfers as idle (a read that zeroes them, a write), either tier
+        # by kind: experts left out of transfers as idle none of whose bytes moved (a read or a write,
+        # either tier; a read completing a buffer, ``Rest.HELD``, counts none)
         self.experts_skipped = dict.fromkeys(KINDS, 0)
 
     def close(self) -> None:
@@ -85,10 +100,6 @@ class LayerFile:
             for (role, shape), off in zip(self.shapes.items(), self.offsets.values(), strict=True)
         }
 
-    def flat(self, buf_U8: Tensor) -> Tensor:
-        """Every tensor of a region's buffer as one fp32 vector (the alignment gaps between them ride along, unread)."""
-        return buf_U8[: self.tensors_end].view(torch.float32)
-
     def move_to_host(self, regions: list[tuple[int, str]]) -> None:
         """From now on hold ``regions`` in RAM (each read once from the file), not on disk."""
         for layer, kind in regions:
@@ -96,49 +107,23 @@ class LayerFile:
             self.read(layer, kind, region)
             self.host[(layer, kind)] = region
 
-    def read(self, layer: int, kind: str, buf_U8: Tensor, experts: Experts = None, rest: str = "zero") -> None:
-        """Region (layer, kind) into ``buf_U8``; with ``experts``, only theirs, every other expert's
-        tensors in ``buf_U8`` set to zero (``rest="zero"``: counted as skipped) or left as they are
-        (``rest="keep"``: the rest of a partly read buffer, read before; a shared page is read again)."""
-        held = self.host.get((layer, kind))
-        moved = 0
-        for start, end in self.spans(experts):
-            span = buf_U8[start:end]
-            if held is not None:
-                span.copy_(held[start:end])
-            else:
-                got = os.preadv(self._fd_for(buf_U8), [memoryview(span.numpy())], self._offset(layer, kind) + start)
-                if got != end - start:
-                    raise OSError(f"{self.path}: short read of layer {layer} {kind}: {got} of {end - start} bytes")
-            moved += end - start
-        idle = [e for e, moves in enumerate(experts or ()) if not moves] if rest == "zero" else []
-        if idle:
-            for t in self.views(buf_U8).values():
-                t.index_fill_(0, torch.tensor(idle), 0.0)
-        if held is not None:
-            self._count(kind, len(idle), host_read=moved)
-        else:
-            self._count(kind, len(idle), read=moved)
+    def read(self, layer: int, kind: str, buf_U8: Tensor, experts: Experts = None, rest: Rest = Rest.ZERO) -> None:
+        """Region (layer, kind) into ``buf_U8``; with ``experts``, only the pages of theirs, the other
+        experts' bytes outside those pages as ``rest`` says."""
+        assert isinstance(rest, Rest), f"rest={rest!r}: a Rest"
+        spans = self.spans(experts)
+        self._transfer(layer, kind, buf_U8, spans, write=False)
+        if rest is Rest.ZERO:
+            for start, end in _gaps(spans, self.tensors_end):
+                buf_U8[start:end].zero_()
+        self._count_skipped(kind, 0 if rest is Rest.HELD else self._untouched(experts, spans))
 
     def write(self, layer: int, kind: str, buf_U8: Tensor, experts: Experts = None) -> None:
         """``buf_U8`` to region (layer, kind); with ``experts``, only the pages holding theirs, which may
         hold other experts' bytes too: ``buf_U8`` holds every expert's (a gradient: zero if idle)."""
-        held = self.host.get((layer, kind))
-        moved = 0
-        for start, end in self.spans(experts):
-            span = buf_U8[start:end]
-            if held is not None:
-                held[start:end].copy_(span)
-            else:
-                put = os.pwritev(self._fd_for(buf_U8), [memoryview(span.numpy())], self._offset(layer, kind) + start)
-                if put != end - start:
-                    raise OSError(f"{self.path}: short write of layer {layer} {kind}: {put} of {end - start} bytes")
-            moved += end - start
-        skipped = 0 if experts is None else experts.count(False)
-        if held is not None:
-            self._count(kind, skipped, host_written=moved)
-        else:
-            self._count(kind, skipped, written=moved)
+        spans = self.spans(experts)
+        self._transfer(layer, kind, buf_U8, spans, write=True)
+        self._count_skipped(kind, self._untouched(experts, spans))
 
     def spans(self, experts: Experts) -> list[tuple[int, int]]:
         """The byte spans ``[start, end)`` of a region that a transfer of ``experts`` moves: the whole
@@ -146,12 +131,11 @@ class LayerFile:
         whole direct-I/O pages, the overlapping and touching ones merged."""
         if experts is None or all(experts):
             return [(0, self.unit)]
-        pages = []
-        for shape, offset in zip(self.shapes.values(), self.offsets.values(), strict=True):
-            per_expert = torch.Size(shape[1:]).numel() * 4
-            for e in (e for e, moves in enumerate(experts) if moves):
-                start, end = offset + e * per_expert, offset + (e + 1) * per_expert
-                pages.append((start - start % DIRECT_ALIGN, round_up(end, DIRECT_ALIGN)))
+        pages = [
+            (start - start % DIRECT_ALIGN, round_up(end, DIRECT_ALIGN))
+            for e in (e for e, moves in enumerate(experts) if moves)
+            for start, end in self._runs(e)
+        ]
         merged: list[tuple[int, int]] = []
         for start, end in sorted(pages):
             if merged and start <= merged[-1][1]:
@@ -159,6 +143,49 @@ class LayerFile:
             else:
                 merged.append((start, end))
         return merged
+
+    def _runs(self, expert: int) -> list[tuple[int, int]]:
+        """The byte runs ``[start, end)`` of ``expert``'s tensors in a region, one per role."""
+        runs = []
+        for shape, offset in zip(self.shapes.values(), self.offsets.values(), strict=True):
+            per_expert = torch.Size(shape[1:]).numel() * 4
+            runs.append((offset + expert * per_expert, offset + (expert + 1) * per_expert))
+        return runs
+
+    def _untouched(self, experts: Experts, spans: list[tuple[int, int]]) -> int:
+        """How many of the experts left out of a transfer have no byte in ``spans``."""
+
+        def moved(start: int, end: int) -> bool:
+            return any(start < span_end and span_start < end for span_start, span_end in spans)
+
+        left_out = (e for e, moves in enumerate(experts or ()) if not moves)
+        return sum(not any(moved(*run) for run in self._runs(e)) for e in left_out)
+
+    def _transfer(self, layer: int, kind: str, buf_U8: Tensor, spans: list[tuple[int, int]], write: bool) -> None:
+        """Move ``spans`` of ``buf_U8`` to (``write``) or from region (layer, kind), in either tier; counted."""
+        held = self.host.get((layer, kind))
+        fd, base = self._fd_for(buf_U8), self._offset(layer, kind)
+        moved = 0
+        for start, end in spans:
+            span = buf_U8[start:end]
+            if held is not None:
+                (held[start:end].copy_(span) if write else span.copy_(held[start:end]))
+            else:
+                io = os.pwritev if write else os.preadv
+                done = io(fd, [memoryview(span.numpy())], base + start)
+                if done != end - start:
+                    what = "write" if write else "read"
+                    raise OSError(f"{self.path}: short {what} of layer {layer} {kind}: {done} of {end - start} bytes")
+            moved += end - start
+        with self._lock:
+            if held is not None and write:
+                self.host_bytes_written += moved
+            elif held is not None:
+                self.host_bytes_read += moved
+            elif write:
+                self.bytes_written += moved
+            else:
+                self.bytes_read += moved
 
     def _fd_for(self, buf_U8: Tensor) -> int:
         assert buf_U8.numel() == self.unit and buf_U8.is_contiguous()
@@ -168,15 +195,21 @@ class LayerFile:
     def _offset(self, layer: int, kind: str) -> int:
         return (layer * len(KINDS) + KINDS.index(kind)) * self.unit
 
-    def _count(
-        self, kind: str, skipped: int, read: int = 0, written: int = 0, host_read: int = 0, host_written: int = 0
-    ) -> None:
+    def _count_skipped(self, kind: str, skipped: int) -> None:
         with self._lock:
             self.experts_skipped[kind] += skipped
-            self.bytes_read += read
-            self.bytes_written += written
-            self.host_bytes_read += host_read
-            self.host_bytes_written += host_written
+
+
+def _gaps(spans: list[tuple[int, int]], end: int) -> list[tuple[int, int]]:
+    """The byte spans of ``[0, end)`` outside the sorted, disjoint ``spans``."""
+    gaps, at = [], 0
+    for start, stop in spans:
+        if start > at:
+            gaps.append((at, min(start, end)))
+        at = max(at, stop)
+    if at < end:
+        gaps.append((at, end))
+    return [(a, b) for a, b in gaps if a < b]
 
 
 def experts_with_rows(rows_E: Tensor) -> Experts:
@@ -196,7 +229,10 @@ def host_regions(num_layers: int, weight_slots: int, grad_accum: int, capacity: 
     """The ``capacity`` regions the host tier holds: those that move the most disk bytes per step.
 
     Every region is ``unit`` bytes, so RAM is best spent on the regions moved most often. Per optimizer
-    step of ``grad_accum`` (A) micro-batches, a layer's regions move (validation passes aside):
+    step of ``grad_accum`` (A) micro-batches, a layer's regions move (validation passes aside; the
+    counts are of transfers, each whole or of some experts' pages: an idle expert's gradient pages
+    and a backward's unrouted experts' weight pages stay, so a region's bytes per transfer depend on
+    the routing, which is not known ahead; the ranking takes every transfer as whole):
 
     - gradient: 2A times (written by each micro-batch's backward, read back by the next one to add
       to it and by the AdamW step), whatever the working set holds;

@@ -7,7 +7,8 @@ the direction the pass walks the layers (forward, and the optimizer's updates th
 lowest layer, whose backward comes last; backward: the highest, whose next forward comes last).
 A backward pass needs only the experts that computed rows in the forward it differentiates: each
 layer's training forward names them (``route``), and a backward read of a layer that is not resident
-reads only theirs (the others' tensors zero, unused: an expert without rows takes part in no product).
+reads only theirs (the others' bytes in the slot left as they were, unused: an expert without rows
+takes part in no product, so its weights enter no forward output and no gradient).
 Such a slot is held partly; any other use of the layer (a forward, its AdamW step) first reads the
 rest into it. Forward reads stay whole: they start before the layer's router has run.
 Every region written to disk goes through ``write`` on one writer thread; a read of that region, and
@@ -25,7 +26,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from torch import Tensor
 
 from moekit.directio import READERS
-from moekit.train.offload.store import Experts, LayerFile, union
+from moekit.train.offload.store import Experts, LayerFile, Rest, union
 
 
 class WorkingSet:
@@ -63,7 +64,8 @@ class WorkingSet:
             slot, read, held = self.loaded[layer]
             wanted = union(held, need)
             if held is not None and wanted != held:
-                lacking = tuple(not h and (wanted is None or w) for h, w in zip(held, wanted or held, strict=True))
+                everyone = (True,) * len(held)
+                lacking = tuple(w and not h for h, w in zip(held, wanted or everyone, strict=True))
                 more = self._readers.submit(self._read_more, layer, self.slots[slot], read, lacking)
                 self.loaded[layer] = (slot, self._track(more), wanted)
             return True
@@ -147,15 +149,15 @@ class WorkingSet:
 
     def _read(self, layer: int, buf: Tensor, experts: Experts) -> None:
         self.wait_buffer(buf)
-        self._read_region(layer, "weight", buf, experts)
+        self._read_region(layer, "weight", buf, experts, Rest.UNUSED)
 
     def _read_more(self, layer: int, buf: Tensor, before: Future[None], lacking: tuple[bool, ...]) -> None:
         """The ``lacking`` experts' weights into a slot partly read by ``before``, the rest kept."""
         before.result()
-        self.file.read(layer, "weight", buf, lacking, rest="keep")
+        self.file.read(layer, "weight", buf, lacking, Rest.HELD)
 
-    def _read_region(self, layer: int, kind: str, buf: Tensor, experts: Experts = None) -> None:
+    def _read_region(self, layer: int, kind: str, buf: Tensor, experts: Experts, rest: Rest = Rest.ZERO) -> None:
         pending = self._writes.get((layer, kind))
         if pending is not None:
             pending.result()
-        self.file.read(layer, kind, buf, experts)
+        self.file.read(layer, kind, buf, experts, rest)
