@@ -299,7 +299,7 @@ def offloaded(args: argparse.Namespace) -> dict[str, list[float]]:
     servers = {"16 streams (serve)": (), "16 streams, prefill in one step": whole}
     out: dict[str, list[float]] = {}
     for _ in range(args.repeats):
-        opts = OffloadOptions(parse_bytes(budget), "lru", "router", drop_pages=True)
+        opts = OffloadOptions(parse_bytes(budget, "--offload-budget"), "lru", "router", drop_pages=True)
         run = load_run(run_dir, offload=opts)
         run.offloader.store.drop_page_cache()
         _, seconds = offload.timed(run.model, args.text, 16, n)
