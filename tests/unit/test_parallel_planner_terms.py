@@ -9,6 +9,7 @@ from helpers import toy_cluster
 
 from moekit import runconfig
 from moekit.parallel.planner import (
+    MEMORY_USABLE,
     OVERLAP_CHUNKS,
     Candidate,
     ModelSpec,
@@ -21,6 +22,7 @@ from moekit.parallel.planner import (
     gradient_sync_time,
     in_flight,
     layer_flops,
+    least_recompute,
     load_model,
     memory_bytes,
     model_flops_per_token,
@@ -153,12 +155,47 @@ def test_all_to_all_overlap_in_both_passes() -> None:
 
 
 def test_paired_share_leaves_out_warm_up_chunks() -> None:
-    """Interleaved pp 4, vp 2, 8 micro-batches: 16 chunks, 2 x 3 + 1 x 4 = 10 warm-up ones; plain 1F1B
-    pp 4: 3 of 8; no pipeline: the first of 4."""
-    assert paired_share(Candidate(1, 1, 1, 4, 8, vp=2)) == pytest.approx(6 / 16)
-    assert paired_share(Candidate(1, 1, 1, 4, 8)) == pytest.approx(5 / 8)
-    assert paired_share(Candidate(4, 1, 1, 1, 4)) == pytest.approx(3 / 4)
-    assert paired_share(Candidate(1, 1, 1, 4, 4, vp=2)) == 0.0
+    """Interleaved pp 4, vp 2, 8 micro-batches: 16 chunks, 2 x 3 + 1 x 4 = 10 warm-up ones; no pipeline:
+    the first of 4."""
+    assert paired_share(Candidate(1, 2, 1, 4, 8, overlap="both", vp=2)) == pytest.approx(6 / 16)
+    assert paired_share(Candidate(4, 2, 1, 1, 4, overlap="both")) == pytest.approx(3 / 4)
+    assert paired_share(Candidate(1, 2, 1, 4, 4, overlap="both", vp=2)) == 0.0
+
+
+def test_both_pass_overlap_is_refused_where_megatron_refuses_it() -> None:
+    """overlap_moe_expert_parallel_comm asserts virtual stages on a pipeline and no full recomputation."""
+    spec = _tiny()
+    with pytest.raises(ValueError, match="overlap=both: needs virtual pipeline stages"):
+        estimate(spec, Candidate(1, 1, 1, 4, 4, overlap="both"), CLUSTER)
+    with pytest.raises(ValueError, match="overlap=both: not with recompute=full"):
+        estimate(spec, Candidate(4, 4, 1, 1, 4, overlap="both", recompute="full"), CLUSTER)
+    with pytest.raises(ValueError, match="needs virtual pipeline stages"):
+        memory_bytes(spec, Candidate(1, 1, 1, 4, 4, overlap="both"))
+
+
+def test_both_pass_overlap_enumerated_only_where_megatron_runs_it() -> None:
+    """tiny: 4 layers, 16 sequences on 16 devices. With the overlap switched on, a pipeline without virtual
+    stages exchanges unoverlapped; no pipeline, or virtual stages, overlap in both passes."""
+    spec = _tiny(**{"moe.num_experts": "8"})
+    every = [c for c in candidates(spec, CLUSTER, parse_techniques("a2a_overlap,interleave")) if c.ep > 1]
+    assert {c.overlap for c in every if c.pp > 1 and c.vp == 1} == {"none"}
+    assert {c.overlap for c in every if c.pp == 1 or c.vp > 1} == {"both"}
+    assert any(c.pp > 1 and c.vp == 1 for c in every) and any(c.pp > 1 and c.vp > 1 for c in every)
+
+
+def test_full_recomputation_turns_the_both_pass_overlap_off() -> None:
+    """A device too small for anything less than full recomputation: the layout comes back with full
+    recomputation and its all-to-alls unoverlapped; one that fits without it keeps the overlap."""
+    spec, tech = _tiny(), parse_techniques("recompute,a2a_overlap")
+    both = Candidate(4, 4, 1, 1, 4, overlap="both")
+    full = memory_bytes(spec, dataclasses.replace(both, recompute="full", overlap="none"))
+    experts = memory_bytes(spec, dataclasses.replace(both, recompute="experts"))
+    assert full < experts
+    small = dataclasses.replace(CLUSTER, memory_gb=(full + experts) / 2 / 1e9 / MEMORY_USABLE)
+    picked = least_recompute(spec, both, small, tech, 1.0)
+    assert (picked.recompute, picked.overlap) == ("full", "none")
+    roomy = dataclasses.replace(CLUSTER, memory_gb=1e3)
+    assert least_recompute(spec, both, roomy, tech, 1.0) == both
 
 
 def test_deduplicated_dispatch_crosses_nodes_once_a_node() -> None:
@@ -260,7 +297,6 @@ def test_pipeline_ranks_in_flight() -> None:
     assert in_flight(Candidate(2, 1, 1, 4, 1)) == (1.0, 1.0)  # fewer micro-batches than stages
     # all-to-alls overlapped in both passes: one more warm-up chunk (Megatron's combined 1F1B) on every rank
     assert in_flight(Candidate(2, 2, 1, 4, 8, "flat", "both", vp=2)) == ((2 * 3 + 4 + 1 + 1) / 2, (4 + 1 + 1) / 2)
-    assert in_flight(Candidate(2, 2, 1, 4, 8, "flat", "both")) == (5.0, 2.0)
     assert in_flight(Candidate(2, 2, 1, 1, 4, "flat", "both")) == (2.0, 2.0)
 
 

@@ -155,8 +155,8 @@ def in_flight(cand: Candidate) -> tuple[float, float]:
     extra = 1 if cand.overlap == "both" else 0
     if cand.pp == 1:
         return (float(min(cand.micro, 1 + extra)),) * 2
-    if cand.vp == 1:
-        return float(min(cand.micro, cand.pp + extra)), float(min(cand.micro, 1 + extra))
+    if cand.vp == 1:  # never with the both-pass overlap (check_both_pass_overlap)
+        return float(min(cand.micro, cand.pp)), 1.0
     chunks = cand.micro * cand.vp
     first = min(chunks, 2 * (cand.pp - 1) + (cand.vp - 1) * cand.pp + 1 + extra)
     return first / cand.vp, min(chunks, (cand.vp - 1) * cand.pp + 1 + extra) / cand.vp
@@ -173,6 +173,7 @@ def memory_bytes(spec: ModelSpec, cand: Candidate, load_imbalance: float = 1.0) 
     the weight and its transpose, which the backward's data-gradient GEMM needs) and the gradient buffer
     (``grad_bytes``) whole on each rank, fp32 master weights and Adam's moments over the data ranks; the
     first rank holds the embedding, the last the output head."""
+    check_both_pass_overlap(cand)
     m, w = spec.model, spec.workload
     dense, experts = param_counts(spec)
     world = cand.dp * cand.cp * cand.tp * cand.pp
@@ -275,14 +276,29 @@ def _hidden(exchange_s: float, beside_s: float, c: Cluster) -> float:
     return c.overlap * min(exchange_s, beside_s)
 
 
+def check_both_pass_overlap(cand: Candidate) -> None:
+    """Refuse what Megatron's ``overlap_moe_expert_parallel_comm`` (the both-pass overlap costed here)
+    refuses: a pipeline without virtual stages, and full recomputation (its asserts in Megatron-Bridge's
+    ``training/comm_overlap.py``: "virtual_pipeline_model_parallel_size must be specified when
+    pipeline_model_parallel_size > 1", "disable full recomputation")."""
+    if cand.overlap != "both":
+        return
+    if cand.pp > 1 and cand.vp == 1:
+        raise ValueError(f"overlap=both: needs virtual pipeline stages (vp > 1) with pp={cand.pp}, got vp=1")
+    if cand.recompute == "full":
+        raise ValueError("overlap=both: not with recompute=full (choose selective recomputation or overlap=none)")
+
+
 def paired_share(cand: Candidate) -> float:
     """The share of a rank's micro-batch chunks whose forward runs beside another one's backward, which
     is what hides all-to-alls overlapped in both passes (Megatron's ``overlap_moe_expert_parallel_comm``
     merges a forward and a backward chunk of 1F1B's steady state; DeepSeek-V3's DualPipe pairs them the
     same way): all but the first rank's warm-up chunks, which run alone, as do as many cool-down ones:
-    ``2 (pp - 1) + (vp - 1) pp`` interleaved, ``pp - 1`` plain 1F1B, 1 without a pipeline."""
+    ``2 (pp - 1) + (vp - 1) pp`` interleaved, 1 without a pipeline (``check_both_pass_overlap``: never
+    plain 1F1B)."""
+    check_both_pass_overlap(cand)
     chunks = cand.micro * cand.vp
-    warm = 1 if cand.pp == 1 else cand.pp - 1 if cand.vp == 1 else 2 * (cand.pp - 1) + (cand.vp - 1) * cand.pp
+    warm = 1 if cand.pp == 1 else 2 * (cand.pp - 1) + (cand.vp - 1) * cand.pp
     return max(0, chunks - warm) / chunks
 
 

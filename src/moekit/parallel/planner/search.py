@@ -97,7 +97,9 @@ def candidates(spec: ModelSpec, c: Cluster, tech: Techniques = MOEKIT) -> list[C
                 forms = ("flat", "two_level") if 1 < local < ep else ("flat",)
                 if tech.deduplicated_dispatch and local < ep:
                     forms = (*forms, "deduplicated")
-                overlaps = ("none",) if ep == 1 else ("both",) if tech.a2a_overlap else ("none", "forward")
+                # Megatron's both-pass overlap needs virtual stages on a pipeline (check_both_pass_overlap).
+                both = ("both",) if pp == 1 or vp > 1 else ("none",)
+                overlaps = ("none",) if ep == 1 else both if tech.a2a_overlap else ("none", "forward")
                 for form, overlap in itertools.product(forms, overlaps):
                     out.append(
                         Candidate(
@@ -112,12 +114,15 @@ def candidates(spec: ModelSpec, c: Cluster, tech: Techniques = MOEKIT) -> list[C
 
 
 def least_recompute(spec: ModelSpec, cand: Candidate, c: Cluster, tech: Techniques, imbalance: float) -> Candidate:
-    """The candidate with the least recomputation that fits (recomputation only adds time)."""
+    """The candidate with the least recomputation that fits (recomputation only adds time); full
+    recomputation without the both-pass all-to-all overlap, which Megatron refuses beside it."""
     if not tech.recompute:
         return cand
     modes = ("none", "selective", "mla_up_proj", "experts", "full")
     for mode in modes if attention_dims(spec)["latent"] else (m for m in modes if m != "mla_up_proj"):
-        fitted = dataclasses.replace(cand, recompute=mode)
+        # Full recomputation turns the both-pass all-to-all overlap off (check_both_pass_overlap).
+        overlap = "none" if mode == "full" and cand.overlap == "both" else cand.overlap
+        fitted = dataclasses.replace(cand, recompute=mode, overlap=overlap)
         if memory_bytes(spec, fitted, imbalance) <= c.memory_gb * 1e9 * _USABLE:
             return fitted
     return cand
