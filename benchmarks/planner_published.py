@@ -188,7 +188,8 @@ HIDDEN = ("a2a", "cp", "pp", "grads")  # overlappable exchanges: what compute hi
 
 def explain(label: str, top: list[planner.Estimate], mine: planner.Estimate, gbs: int) -> None:
     """The planner's 5 fastest layouts beside the published one, step time by term (seconds a step), then
-    the seconds a step that overlap hides of each overlappable exchange (``h:``, not in the step)."""
+    the seconds a step that overlap hides of each overlappable exchange (``h:``, not in the step); then
+    what the published layout pays over the pick, term by term (what keeps it out of the top)."""
     print(f"\n{label}: the planner's 5 fastest layouts and the published one, seconds a step by term")
     print(f"{'':>4} {'tp':>2} {'cp':>2} {'pp':>2} {'vp':>2} {'ep':>3} {'etp':>3} {'mbs':>3} {'recomp':>11} "
           f"{'mem GB':>6} {'step':>6} " + " ".join(f"{t[:8]:>8}" for t in TERMS)
@@ -202,6 +203,10 @@ def explain(label: str, top: list[planner.Estimate], mine: planner.Estimate, gbs
             + " "
             + " ".join(f"{est.hidden.get(t, 0.0):>7.3f}" for t in HIDDEN)
         )
+    over = {t: mine.terms.get(t, 0.0) - top[0].terms.get(t, 0.0) for t in TERMS}
+    print(f"{'pub - 1':>8} {'':>45} {mine.step_s - top[0].step_s:>6.2f} " + " ".join(f"{over[t]:>8.3f}" for t in TERMS))
+    worst = sorted((t for t in TERMS if over[t] > 0), key=lambda t: -over[t])[:3]
+    print("  the published layout's largest excess over the pick: " + ", ".join(f"{t} +{over[t]:.2f} s" for t in worst))
 
 
 def _inconsistent_pairs(out: list[dict]) -> list[tuple[dict, dict]]:
