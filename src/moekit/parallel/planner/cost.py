@@ -11,7 +11,8 @@ rings, pipeline sends (hidden when interleaved), and moekit's FSDP, which gather
 micro-batch. An overlappable exchange hides ``cluster.overlap`` of itself, at most the compute that
 runs beside it (interleaved pipeline sends, which nothing waits for until a chunk later, all of it);
 all-to-alls overlapped in both passes only in the micro-batches paired with another one
-(``paired_share``). Ranks that share fewer cores than they are (CPU ranks) queue for them.
+(``paired_share``; refused where Megatron refuses it: ``check_both_pass_overlap``). Ranks that share
+fewer cores than they are (CPU ranks) queue for them.
 ``Estimate.terms`` names each term's seconds a step, ``Estimate.hidden`` what overlap hides of each
 overlappable exchange.
 
