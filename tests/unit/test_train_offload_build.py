@@ -9,9 +9,10 @@ tests/dist/test_offload.py's (ep = 2, dp = 2, dp x ep), which compare whole runs
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
-import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -19,11 +20,15 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import write_corpus
+from helpers import assert_same_checkpoints
+from safetensors.torch import load_file
 
 from moekit import runconfig
 from moekit.model import Transformer
-from moekit.train.loop import TrainingError, train
+from moekit.run.layout import MANIFEST, MODEL_FILE, CheckpointError, latest_checkpoint
+from moekit.train.loop import train
 from moekit.train.offload import ExpertWriter
+from moekit.train.offload.init import load_streamed
 
 SEED = 7
 # Blocks 0 and 2 dense, 1, 3 and 5 MoE (4 MoE-side draws each beside the experts': router, shared expert,
@@ -76,11 +81,54 @@ def test_experts_streamed_to_the_file_equal_a_model_built_whole(tmp_path: Path, 
     file.close()
 
 
-def test_init_from_another_run_is_refused_with_a_memory_budget(tmp_path: Path) -> None:
-    """``init`` would load every expert weight into RAM: refused, naming both options."""
-    cfg = runconfig.resolve("tiny", {"data.path": str(tmp_path / "c.txt"), "train.memory_budget": "1MB"})
-    with pytest.raises(TrainingError, match=re.escape("init=") + ".*" + re.escape("train.memory_budget='1MB'")):
-        train(cfg, tmp_path / "run", init=tmp_path / "other", progress=False)
+def test_init_streams_another_runs_weights_as_in_memory_training_loads_them(tmp_path: Path) -> None:
+    """``init`` from a run's ``model.safetensors``: the experts streamed a layer at a time into the file;
+    the losses and checkpoints of two steps from there are in-memory training's, bitwise (with the
+    first run's fresh init instead, every loss would differ). A sharded checkpoint (a multi-rank run's:
+    the same one without its consolidated weights) is refused, naming the export that consolidates it."""
+    values = {
+        "data.path": str(write_corpus(tmp_path / "corpus.txt")),
+        "data.cache_dir": str(tmp_path / "cache"),
+        "model.n_layers": "3",
+        "train.steps": "2",
+        "train.batch_size": "4",
+        "train.eval_every": "2",
+        "train.eval_iters": "1",
+        "train.ckpt_every": "2",
+        "train.sample_tokens": "0",
+    }
+    train(runconfig.resolve("tiny", values), tmp_path / "source", progress=False)
+    shutil.copytree(tmp_path / "source", tmp_path / "sharded")
+    checkpoint = latest_checkpoint(tmp_path / "sharded")
+    (checkpoint / MODEL_FILE).unlink()
+    manifest = json.loads((checkpoint / MANIFEST).read_text())
+    for listed in (manifest["files"], manifest.get("sizes", {})):
+        listed.pop(MODEL_FILE, None)
+    (checkpoint / MANIFEST).write_text(json.dumps(manifest))
+    model = runconfig.from_json(tmp_path / "source" / "config.json").model
+    memory = dataclasses.replace(runconfig.resolve("tiny", values), model=model)
+    disk = dataclasses.replace(runconfig.resolve("tiny", values | {"train.memory_budget": "800KB"}), model=model)
+    with pytest.raises(CheckpointError, match="consolidate it first with moekit export"):
+        train(disk, tmp_path / "refused", init=tmp_path / "sharded", progress=False)
+    in_memory = train(memory, tmp_path / "memory", init=tmp_path / "source", progress=False)
+    offloaded = train(disk, tmp_path / "disk", init=tmp_path / "source", progress=False)
+    assert offloaded.losses == in_memory.losses
+    assert_same_checkpoints(tmp_path / "disk", tmp_path / "memory", [2])
+
+    # ep rank 1 of 2 streams rows 2 and 3 of each layer's experts (``apply_ep``'s shard of the loaded model)
+    writer = ExpertWriter(tmp_path / "ep1of2.bin", 3, "800KB", ep_rank=1, ep=2)
+    built = Transformer(model, memory.moe, expert_sink=writer)
+    source = latest_checkpoint(tmp_path / "source")
+    load_streamed(source, built, writer)
+    key_of = {id(p): name for name, p in built.named_parameters()}
+    names = [{role: key_of[id(p)] for role, p in moe.experts.named_parameters()} for moe in built.moe_layers()]
+    file, saved = writer.finish(built), load_file(source / MODEL_FILE)
+    buf = file.buffer()
+    for layer, roles in enumerate(names):
+        file.read(layer, "weight", buf)
+        for role, key in roles.items():
+            assert torch.equal(file.views(buf)[role], saved[key][2:4]), key
+    file.close()
 
 
 # 32 MoE layers of 16 experts, d_model 128, expert d_ff 256 (SwiGLU): 6.3 MB of expert weights per layer,

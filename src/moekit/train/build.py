@@ -18,7 +18,8 @@ from moekit.run.layout import CheckpointError, latest_checkpoint
 from moekit.run.load import load_model_weights
 from moekit.run.manifest import read_manifest
 from moekit.runconfig import RunConfig
-from moekit.train.offload import ExpertOffload, expert_writer, offload_experts
+from moekit.train.offload import ExpertOffload, ExpertWriter, expert_writer, offload_experts
+from moekit.train.offload.init import load_streamed
 from moekit.train.optim import build_optimizer
 
 
@@ -34,7 +35,7 @@ def build_model(
         if writer is None:
             model = model.to(dev)
         if init is not None:
-            _load_init(Path(init), model)
+            _load_init(Path(init), model, writer)
         pm = ParallelModel(model, cfg, dev, layout, mesh)
         file = writer.finish(model) if writer is not None else None
         optimizer = build_optimizer(pm.named_parameters(), cfg.train)
@@ -46,10 +47,14 @@ def build_model(
     return model, pm, optimizer, offload
 
 
-def _load_init(init: Path, model: torch.nn.Module) -> None:
-    """Load the latest weights of run ``init`` (checksums verified) into ``model``."""
+def _load_init(init: Path, model: torch.nn.Module, writer: ExpertWriter | None) -> None:
+    """Load the latest weights of run ``init`` (checksums verified) into ``model``; offloaded experts
+    (``writer``) are streamed into their file a layer at a time (``offload/init.py``)."""
     path = latest_checkpoint(init)
     if path is None:
         raise CheckpointError(f"init={init}: has no checkpoint to start from")
     read_manifest(path)
-    load_model_weights(path, model)
+    if writer is None:
+        load_model_weights(path, model)
+    else:
+        load_streamed(path, model, writer)

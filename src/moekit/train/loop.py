@@ -185,11 +185,6 @@ def _setup(
         raise TrainingError(
             f"init={init}: starts a new run from another run's weights; it cannot be combined with resume=True"
         )
-    if init is not None and cfg.train.offloaded:
-        raise TrainingError(
-            f"init={init}: loads every expert weight into RAM; it cannot be combined with "
-            f"train.memory_budget={cfg.train.memory_budget!r}"
-        )
     main = global_rank() == 0  # before the process group: rank 0 alone creates the run directory
     say = tqdm.write if progress and main else (lambda msg: print(msg, file=sys.stderr))
     resume = resume or (init is None and _elastic_restart(run_dir))

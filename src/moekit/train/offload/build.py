@@ -8,7 +8,8 @@ comes here: this rank's ep shard of it (the experts ``apply_ep`` would keep) is 
 region buffer and the draw is dropped. A layer's buffer goes to its weight region once the next layer
 starts (biases: zeros, as built), with zero AdamW moments. Start-up RAM beyond the non-expert model
 and the budget: one stacked weight of one layer, every ep rank's experts (drawn whole to keep the
-stream), and one region.
+stream), and one region. Another run's weights (``init``) replace a layer's the same way
+(``rewrite``, from ``init.py``).
 
 Once the model is placed on the mesh (its ep shards meta DTensors), ``finish`` swaps each expert
 parameter for one of the same type, shape and placement on the CPU without storage: what the
@@ -17,6 +18,7 @@ optimizer and ``ExpertOffload`` take.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -51,8 +53,22 @@ class ExpertWriter:
             assert moe.index == self.written, f"MoE layer {moe.index} drawn after {self.written} layers"
             self._layer = moe.index
         assert self.file is not None and self._buf is not None
-        n = values.shape[0] // self.ep
-        self.file.views(self._buf)[role].copy_(values[self.ep_rank * n : (self.ep_rank + 1) * n])
+        view = self.file.views(self._buf)[role]
+        view.copy_(values[self._rows(view.shape[0])])
+
+    def rewrite(self, layer: int, read: Callable[[str, slice], Tensor]) -> None:
+        """Layer ``layer``'s weights replaced by another run's (``init``): ``read(role, rows)`` gives
+        role's rows of this rank's ep shard; the moments stay zero."""
+        self._flush()
+        assert self.file is not None and self._buf is not None
+        for role, view in self.file.views(self._buf).items():
+            view.copy_(read(role, self._rows(view.shape[0])))
+        self.file.write(layer, "weight", self._buf)
+        self._buf.zero_()
+
+    def _rows(self, local: int) -> slice:
+        """This rank's experts of a stacked weight, ``local`` of them (``apply_ep``'s ``Shard(0)``)."""
+        return slice(self.ep_rank * local, (self.ep_rank + 1) * local)
 
     def _open(self, experts: nn.Module) -> None:
         shapes = {}
