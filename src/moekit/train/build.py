@@ -32,10 +32,10 @@ def build_model(
     try:
         with large_blocks_returned() if writer is not None else contextlib.nullcontext():
             model = Transformer(cfg.model, cfg.moe if cfg.is_moe else None, expert_sink=writer)
-        if writer is None:
-            model = model.to(dev)
-        if init is not None:
-            _load_init(Path(init), model, writer)
+            if writer is None:
+                model = model.to(dev)
+            if init is not None:
+                _load_init(Path(init), model, writer)
         pm = ParallelModel(model, cfg, dev, layout, mesh)
         file = writer.finish(model) if writer is not None else None
         optimizer = build_optimizer(pm.named_parameters(), cfg.train)
