@@ -88,8 +88,8 @@ def child(args: argparse.Namespace) -> dict:
     run = loop._setup(cfg, Path(tempfile.mkdtemp(dir=args.work)), False, torch.device("cpu"), False, None, False)
     offload: ExpertOffload | None = run.offload
     setup_kib = status_kib("VmRSS")
-    # NOTE: the peak is taken over the steps: building the model allocates every expert weight once,
-    # before offloading moves them to disk (and hands the memory back).
+    # NOTE: the peak is taken over the steps alone; the start-up's (the experts built into the file a
+    # MoE layer at a time) is tests/unit/test_train_offload_build.py's.
     Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current VmRSS
     if offload is not None:
         offload.ws.overlap = args.mode not in ("sync", "naive")

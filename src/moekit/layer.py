@@ -26,7 +26,8 @@ class MoE(nn.Module):
     Hash routing needs ``token_ids`` (same leading shape as x).
     """
 
-    def __init__(self, cfg: MoEConfig, index: int = 0) -> None:
+    def __init__(self, cfg: MoEConfig, index: int = 0, experts_device: torch.device | str | None = None) -> None:
+        """``experts_device="meta"``: the routed experts built without storage (``GroupedExperts``)."""
         super().__init__()
         self.cfg = cfg
         self.index = index  # position among the model's MoE layers: the order of stats and loads
@@ -36,7 +37,13 @@ class MoE(nn.Module):
         )
         activation = Activation(cfg.activation, cfg.swiglu_alpha, cfg.swiglu_limit)
         self.experts = GroupedExperts(
-            cfg.num_experts, cfg.d_model, cfg.d_ff, activation, cfg.gemm, bias=cfg.expert_ffn_bias
+            cfg.num_experts,
+            cfg.d_model,
+            cfg.d_ff,
+            activation,
+            cfg.gemm,
+            bias=cfg.expert_ffn_bias,
+            device=experts_device,
         )
         self.shared = DenseFFN(cfg.d_model, cfg.shared_hidden, cfg.activation) if cfg.num_shared_experts else None
         # Qwen2-MoE: the shared experts' output is scaled per token by sigmoid(x @ w_gate).

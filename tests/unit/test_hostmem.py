@@ -60,3 +60,33 @@ def test_leaves_a_users_allocator_choice_alone(monkeypatch):
     monkeypatch.delenv("MALLOC_TRIM_THRESHOLD_")
     monkeypatch.setenv("LD_PRELOAD", "/usr/lib/libjemalloc.so.2")
     assert keep_freed_memory() is False
+
+
+RETURNED = """
+import torch
+from pathlib import Path
+from moekit.hostmem import keep_freed_memory, large_blocks_returned
+
+def rss():
+    status = Path("/proc/self/status").read_text()
+    return int(next(line for line in status.splitlines() if line.startswith("VmRSS:")).split()[1]) * 1024
+
+def dropped_on_free():
+    held = torch.ones(8 << 20, dtype=torch.uint8)
+    before = rss()
+    del held
+    return before - rss()
+
+assert keep_freed_memory()
+with large_blocks_returned():
+    returned = dropped_on_free()
+print(returned, dropped_on_free())
+"""
+
+
+def test_large_blocks_go_back_to_the_os_while_asked():
+    """An 8 MiB block freed inside ``large_blocks_returned`` leaves RSS at once (its own mmap); the same
+    block freed after it stays resident in the heap ``keep_freed_memory`` keeps."""
+    out = subprocess.run([sys.executable, "-c", RETURNED], capture_output=True, text=True, check=True, env=os.environ)
+    returned, kept = map(int, out.stdout.split())
+    assert returned >= 7 << 20 and kept < 1 << 20, (returned, kept)

@@ -22,7 +22,6 @@ from nan_watch import Watch
 
 from moekit import runconfig
 from moekit.config import TrainConfig
-from moekit.model import Transformer
 from moekit.parallel.mesh import Layout, LayoutError
 from moekit.run.load import load_run
 from moekit.run.planners import MODEL_PREFIX
@@ -31,7 +30,7 @@ from moekit.runconfig import RunConfig
 from moekit.train import loop
 from moekit.train.loop import train
 from moekit.train.metrics import METRICS_FILE
-from moekit.train.offload import offload_experts
+from moekit.train.offload import expert_writer
 from moekit.train.offload.checkpoint import saving
 
 BUDGET = "800KB"  # the tiny model below: 98 KB of expert weights per layer, 2 slots + 6 scratch regions
@@ -316,9 +315,8 @@ def test_untested_layouts_are_refused_by_name(corpus: Path, layout: Layout, over
     """What a multi-rank run meets (checked on the layout, before any offload file or collective); the
     layouts offloading runs (dp, ep, dp x ep with replicated experts) are tests/dist/test_offload.py's."""
     cfg = tiny(corpus, **{"train.memory_budget": BUDGET, **overrides})
-    model = Transformer(cfg.model, cfg.moe)
     with pytest.raises(LayoutError, match=re.escape(named)):
-        offload_experts(cfg, corpus.parent / "run", layout, None, torch.device("cpu"), model, None)
+        expert_writer(cfg, corpus.parent / "run", layout, None, torch.device("cpu"))
     assert not (corpus.parent / "run").exists()
 
 

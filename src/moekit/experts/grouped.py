@@ -24,6 +24,16 @@ def local_tensor(w: Tensor) -> Tensor:
     return w.to_local() if isinstance(w, DTensor) else w
 
 
+def draw_normal_(p: Tensor, std: float) -> Tensor:
+    """``nn.init.normal_(p, std=std)``; returns the values drawn. A tensor on the meta device (a weight
+    kept outside the module, such as offloaded training's experts) draws the same numbers into a new
+    tensor on the default device, so the generator's stream goes on as it would with storage and every
+    later draw is the same (under ``torch.device("meta")``, a model built whole on meta, none is drawn)."""
+    if not p.is_meta:
+        return nn.init.normal_(p, std=std)
+    return torch.empty(p.shape, dtype=p.dtype).normal_(0.0, std)
+
+
 def compute_dtype(x: Tensor) -> torch.dtype:
     """The dtype the expert matmuls run in: autocast's if it is on, else the input's."""
     if torch.is_autocast_enabled(x.device.type):
@@ -142,20 +152,22 @@ class GroupedExperts(nn.Module):
         activation: Activation | str = "swiglu",
         gemm: str = "auto",
         bias: bool = False,
+        device: torch.device | str | None = None,
     ) -> None:
+        """``device="meta"``: built without storage, the weights kept elsewhere (``draw_normal_``)."""
         super().__init__()
         self.activation = Activation(activation) if isinstance(activation, str) else activation
         self.gemm = gemm
         width_in = 2 * d_ff if self.activation.gated else d_ff
-        self.w_in = nn.Parameter(torch.empty(num_experts, d_model, width_in))
-        self.w_out = nn.Parameter(torch.empty(num_experts, d_ff, d_model))
-        self.w_in_bias = nn.Parameter(torch.zeros(num_experts, width_in)) if bias else None
-        self.w_out_bias = nn.Parameter(torch.zeros(num_experts, d_model)) if bias else None
+        self.w_in = nn.Parameter(torch.empty(num_experts, d_model, width_in, device=device))
+        self.w_out = nn.Parameter(torch.empty(num_experts, d_ff, d_model, device=device))
+        self.w_in_bias = nn.Parameter(torch.zeros(num_experts, width_in, device=device)) if bias else None
+        self.w_out_bias = nn.Parameter(torch.zeros(num_experts, d_model, device=device)) if bias else None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        nn.init.normal_(self.w_in, std=self.w_in.shape[1] ** -0.5)
-        nn.init.normal_(self.w_out, std=self.w_out.shape[1] ** -0.5)
+        draw_normal_(self.w_in, std=self.w_in.shape[1] ** -0.5)
+        draw_normal_(self.w_out, std=self.w_out.shape[1] ** -0.5)
         for bias in (self.w_in_bias, self.w_out_bias):
             if bias is not None:
                 nn.init.zeros_(bias)

@@ -17,6 +17,7 @@ from torch import Tensor, nn
 
 from moekit.config import ModelConfig, MoEConfig
 from moekit.experts import DenseFFN
+from moekit.experts.grouped import draw_normal_
 from moekit.layer import MoE
 from moekit.model.mla import MLA, LatentAttention
 from moekit.model.rope import apply_rope, rope_table
@@ -125,6 +126,13 @@ class KVCache:
         self.length += num_tokens
 
 
+class ExpertSink(Protocol):
+    """Where a model built with its routed experts on the meta device puts their weights: each stacked
+    weight of each MoE layer once, in init order, as its init draws it whole (``[E, ...]``, all experts)."""
+
+    def __call__(self, moe: MoE, role: str, values: Tensor) -> None: ...
+
+
 class QKNorm(nn.Module):
     """RMSNorm of the queries and of the keys before RoPE: over the whole projection (OLMoE) or,
     with ``model.qk_head_norm``, over each head with one weight of head_dim (Qwen3).
@@ -218,13 +226,22 @@ def make_norm(cfg: ModelConfig) -> nn.Module:
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, moe_cfg: MoEConfig | None, moe_index: int = 0, window: int = 0) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        moe_cfg: MoEConfig | None,
+        moe_index: int = 0,
+        window: int = 0,
+        experts_device: torch.device | str | None = None,
+    ) -> None:
         super().__init__()
         self.attn_norm = make_norm(cfg)
         self.attn = MLA(cfg) if cfg.attention == "mla" else Attention(cfg, window)
         self.ffn_norm = make_norm(cfg)
         self.ffn = (
-            MoE(moe_cfg, moe_index) if moe_cfg is not None else DenseFFN(cfg.d_model, cfg.d_ff, cfg.mlp_activation)
+            MoE(moe_cfg, moe_index, experts_device)
+            if moe_cfg is not None
+            else DenseFFN(cfg.d_model, cfg.d_ff, cfg.mlp_activation)
         )
         self.drop = dropout(cfg.dropout)
 
@@ -239,7 +256,13 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
-    def __init__(self, cfg: ModelConfig, moe_cfg: MoEConfig | None = None) -> None:
+    """``expert_sink``: the routed experts are built on the meta device (no storage) and ``expert_sink``
+    takes their weights as the init draws them; every other weight, and the generator's stream after
+    the build, are those of a model built whole."""
+
+    def __init__(
+        self, cfg: ModelConfig, moe_cfg: MoEConfig | None = None, expert_sink: ExpertSink | None = None
+    ) -> None:
         super().__init__()
         moe_layers = cfg.moe_layers()
         if moe_layers and moe_cfg is None:
@@ -249,7 +272,13 @@ class Transformer(nn.Module):
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.drop = dropout(cfg.dropout)
         self.blocks = nn.ModuleList(
-            Block(cfg, self._layer_moe(moe_cfg, experts[i]), moe_layers.index(i), cfg.window(i))
+            Block(
+                cfg,
+                self._layer_moe(moe_cfg, experts[i]),
+                moe_layers.index(i),
+                cfg.window(i),
+                "meta" if expert_sink is not None else None,
+            )
             if i in experts
             else Block(cfg, None, window=cfg.window(i))
             for i in range(cfg.n_layers)
@@ -259,21 +288,26 @@ class Transformer(nn.Module):
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
         self.register_buffer("rope_freqs", rope_table(cfg), persistent=False)
-        self.reset_parameters()
+        self.reset_parameters(expert_sink)
 
     @staticmethod
     def _layer_moe(moe_cfg: MoEConfig, num_experts: int | None) -> MoEConfig:
         return moe_cfg if num_experts is None else replace(moe_cfg, num_experts=num_experts)
 
-    def reset_parameters(self) -> None:
-        """GPT-2 init: N(0, init_std), residual output projections scaled by 1/sqrt(2 * n_layers)."""
+    def reset_parameters(self, expert_sink: ExpertSink | None = None) -> None:
+        """GPT-2 init: N(0, init_std), residual output projections scaled by 1/sqrt(2 * n_layers).
+        Experts on the meta device draw their values all the same (``draw_normal_``), handed to
+        ``expert_sink`` when given."""
         std = self.cfg.init_std
         out_std = std / math.sqrt(2 * self.cfg.n_layers)
+        owners = {id(p): (moe, role) for moe in self.moe_layers() for role, p in moe.experts.named_parameters()}
         for name, p in self.named_parameters():
             if p.dim() < 2 or "router" in name or name.endswith("_bias"):
                 continue  # norms keep ones, biases zeros; routers keep their own init
             is_output = name.endswith(("attn.out.weight", "w_out.weight", "experts.w_out"))
-            nn.init.normal_(p, std=out_std if is_output else std)
+            values = draw_normal_(p, std=out_std if is_output else std)
+            if p.is_meta and expert_sink is not None:
+                expert_sink(*owners[id(p)], values)
 
     def moe_layers(self) -> list[MoE]:
         return [b.ffn for b in self.blocks if isinstance(b.ffn, MoE)]
@@ -309,7 +343,7 @@ class Transformer(nn.Module):
         """Parameters one token uses: everything except the routed experts it does not pick."""
         inactive = 0
         for moe in self.moe_layers():
-            per_expert = sum(p[0].numel() for p in moe.experts.parameters())
+            per_expert = sum(p.shape[1:].numel() for p in moe.experts.parameters())
             inactive += per_expert * (moe.cfg.num_experts - moe.cfg.top_k)
         return self.num_params() - inactive
 

@@ -37,7 +37,10 @@ def shard_moe(moe: MoE, mesh: RunMesh, groups: EPGroups, cfg: ParallelConfig) ->
     """One MoE layer: its experts sharded over ``mesh["ep"]``, its dispatcher the all-to-all one (per
     expert, or per rank with ``parallel.dispatch_dedup``)."""
     for name, weight in list(moe.experts.named_parameters(recurse=False)):
-        sharded = distribute_tensor(weight.detach(), mesh["ep"], [Shard(0)])
+        # NOTE: rank 0's experts are scattered; weights on the meta device (kept elsewhere, each rank its
+        # own shard: offloaded training) have nothing to scatter, and are only split
+        source = None if weight.is_meta else 0
+        sharded = distribute_tensor(weight.detach(), mesh["ep"], [Shard(0)], src_data_rank=source)
         setattr(moe.experts, name, nn.Parameter(sharded, requires_grad=weight.requires_grad))
     if cfg.dispatch_dedup:
         moe.dispatcher = DedupDispatcher(moe.cfg.num_experts, groups)

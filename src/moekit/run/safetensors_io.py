@@ -99,6 +99,16 @@ def read_header(path: Path, check_size: bool = True) -> dict[str, Entry]:
     return entries
 
 
+def rows(entry: Entry, start: int, stop: int) -> Entry:
+    """Rows ``[start, stop)`` of ``entry``'s leading dim (contiguous bytes) as an entry of their own: one
+    rank's experts of a stacked weight, read without the rest."""
+    assert 0 <= start <= stop <= entry.shape[0], (entry.name, start, stop, entry.shape)
+    row = nbytes(entry.dtype, entry.shape[1:])
+    return Entry(
+        entry.name, entry.dtype, (stop - start, *entry.shape[1:]), entry.begin + start * row, entry.begin + stop * row
+    )
+
+
 def read_tensor(path: Path, entry: Entry) -> Tensor:
     """Tensor ``entry`` of the file at ``path``, read into memory of its own (no map of the file)."""
     out = torch.empty(entry.shape, dtype=entry.dtype)

@@ -20,23 +20,22 @@ from tqdm.auto import tqdm
 
 from moekit.errors import MoekitError
 from moekit.hostmem import keep_freed_memory
-from moekit.model import Transformer
 from moekit.parallel.compile import CompileWatch
 from moekit.parallel.mesh import Layout, LayoutError
 from moekit.parallel.runtime import ParallelModel, collective_errors, global_rank, init_distributed
-from moekit.run.layout import LATEST, CheckpointError, checkpoint_dir, complete_checkpoints, latest_checkpoint
-from moekit.run.load import load_model_weights
-from moekit.run.manifest import load_manifest, read_manifest
+from moekit.run.layout import LATEST, checkpoint_dir, complete_checkpoints
+from moekit.run.manifest import load_manifest
 from moekit.run.saver import Checkpointer
 from moekit.run.sharded import local_model
 from moekit.runconfig import RunConfig
 from moekit.stats import StepStats
+from moekit.train.build import build_model
 from moekit.train.data import Corpus, prepare_corpus, resolve_files
 from moekit.train.interrupt import StopOnInterrupt, agree
 from moekit.train.metrics import MetricsLogger
-from moekit.train.offload import ExpertOffload, offload_experts
+from moekit.train.offload import ExpertOffload
 from moekit.train.offload.checkpoint import StreamedExperts, restoring, saving
-from moekit.train.optim import build_optimizer, lr_at
+from moekit.train.optim import lr_at
 
 
 class TrainingError(MoekitError):
@@ -209,18 +208,13 @@ def _setup(
     if main:
         (run_dir / "config.json").write_text(cfg.to_json())
         corpus.tokenizer.save(run_dir)
-    model = Transformer(cfg.model, cfg.moe if cfg.is_moe else None).to(dev)
-    if init is not None:
-        _load_init(Path(init), model)
+    model, pm, optimizer, offload = build_model(cfg, run_dir, dev, layout, mesh, init)
     flops_per_token = model.flops_per_token()
     summary = (
         f"{model.num_params() / 1e6:.2f}M parameters ({model.num_active_params() / 1e6:.2f}M active per token, "
         f"{flops_per_token / 1e6:.1f} MFLOPs per token trained), {len(model.moe_layers())} MoE blocks"
     )
-    pm = ParallelModel(model, cfg, dev, layout, mesh)
     local = local_model(pm.modules)
-    optimizer = build_optimizer(pm.named_parameters(), cfg.train)
-    offload = offload_experts(cfg, run_dir, layout, mesh, dev, model, optimizer) if cfg.train.offloaded else None
     start_step = 0
     if resume_from is not None:
         start_step = _restore(saver, resume_from, local, optimizer, model, offload)
@@ -466,12 +460,3 @@ def _checkpoint_info(step: int, cfg: RunConfig, layout: Layout, record: dict[str
         "skipped_steps": record.get("skipped_steps", 0),  # steps whose update a non-finite gradient norm skipped
         "nonfinite_streak": streak,  # of them, how many in a row end at this step
     }
-
-
-def _load_init(init: Path, model: torch.nn.Module) -> None:
-    """Load the latest weights of run ``init`` (checksums verified) into ``model``."""
-    path = latest_checkpoint(init)
-    if path is None:
-        raise CheckpointError(f"init={init}: has no checkpoint to start from")
-    read_manifest(path)
-    load_model_weights(path, model)

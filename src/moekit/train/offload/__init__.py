@@ -11,27 +11,21 @@ from torch import nn
 
 from moekit.parallel.mesh import Layout, LayoutError, RunMesh
 from moekit.runconfig import RunConfig
+from moekit.train.offload.build import ExpertWriter
 from moekit.train.offload.engine import ExpertOffload
 from moekit.train.offload.reduce import LayerGradReduce
-from moekit.train.offload.store import host_regions
+from moekit.train.offload.store import LayerFile, host_regions
 from moekit.units import format_bytes, parse_bytes
 
-__all__ = ["ExpertOffload", "offload_experts"]
+__all__ = ["ExpertOffload", "ExpertWriter", "expert_writer", "offload_experts"]
 
 
-def offload_experts(
-    cfg: RunConfig,
-    run_dir: Path,
-    layout: Layout,
-    mesh: RunMesh | None,
-    device: torch.device,
-    model: nn.Module,
-    optimizer,
-) -> ExpertOffload:
-    """Offload this rank's experts of ``model`` under ``cfg.train.memory_budget``, or refuse a run it does
-    not support. Each rank offloads its own ep shard to its own file; the layouts tested against
-    in-memory training are dp, ep and dp x ep with replicated experts. With ``cfg.train.host_budget``,
-    each rank holds that many bytes of its regions in RAM instead of its file (``store.host_regions``)."""
+def expert_writer(
+    cfg: RunConfig, run_dir: Path, layout: Layout, mesh: RunMesh | None, device: torch.device
+) -> ExpertWriter:
+    """Where this rank's experts go as the model is built (``build.py``), or a refusal of a run offloading
+    does not support. Each rank offloads its own ep shard to its own file; the layouts tested against
+    in-memory training are dp, ep and dp x ep with replicated experts."""
     tc, p = cfg.train, cfg.parallel
     budget = f"train.memory_budget={tc.memory_budget!r}"
     layouts = [
@@ -66,10 +60,21 @@ def offload_experts(
             raise ValueError(f"{budget}: {why}")
     directory = Path(tc.offload_dir) if tc.offload_dir else Path(run_dir) / "offload"
     rank = dist.get_rank() if mesh is not None else 0
+    ep_rank = mesh["ep"].get_local_rank() if mesh is not None and layout.ep > 1 else 0
+    path = directory / f"experts-rank{rank}.bin"
+    return ExpertWriter(path, len(cfg.model.moe_layers()), tc.memory_budget, ep_rank, layout.ep)
+
+
+def offload_experts(
+    cfg: RunConfig, layout: Layout, mesh: RunMesh | None, model: nn.Module, optimizer, file: LayerFile
+) -> ExpertOffload:
+    """Train ``model``'s experts from ``file`` (``ExpertWriter.finish``) under ``cfg.train.memory_budget``.
+    With ``cfg.train.host_budget``, each rank holds that many bytes of its regions in RAM instead of its
+    file (``store.host_regions``)."""
+    tc = cfg.train
     dp_group = mesh["dp"].get_group() if mesh is not None and layout.dp > 1 else None
     reduce = LayerGradReduce(dp_group, layout.batch_ranks)
-    path = directory / f"experts-rank{rank}.bin"
-    offload = ExpertOffload(model, optimizer, tc.memory_budget, path, reduce, layout.world, mesh is not None)
+    offload = ExpertOffload(model, optimizer, tc.memory_budget, file, reduce, layout.world, mesh is not None)
     if tc.host_budget:
         try:
             _host_tier(offload, tc.host_budget, tc.grad_accum)

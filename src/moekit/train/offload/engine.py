@@ -33,25 +33,24 @@ Per optimizer step (on CPU, in each process: its own ep shard of every layer's e
    the bits equal in-memory training's.
    Whatever needs the whole state (a checkpoint) first runs every pending update, in layer order.
 
-Non-expert weights stay in the model and take the ordinary optimizer step. The expert parameters
-stay in the model and the optimizer with their type and shape (a DTensor sharded over ep, under
-expert parallelism) but no storage; a checkpoint streams them from and to the file a region at a
-time (``checkpoint.py``), so checkpoints, sharded or not, are exactly those of in-memory training,
-load at any layout, and keep to the budget.
+The file starts with every layer's weights and zero moments, written as the model was built, a layer
+at a time (``build.py``): the experts are never whole in RAM. Non-expert weights stay in the model and
+take the ordinary optimizer step. The expert parameters are in the model and the optimizer with
+their type and shape (a DTensor sharded over ep, under expert parallelism) but no storage; a
+checkpoint streams them from and to the file a region at a time (``checkpoint.py``), so checkpoints,
+sharded or not, are exactly those of in-memory training, load at any layout, and keep to the budget.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import partial
-from pathlib import Path
 
 import torch
 from torch import Tensor, nn
 
 from moekit.directio import aligned_empty
 from moekit.experts.grouped import local_tensor
-from moekit.hostmem import release_freed_memory
 from moekit.parallel.grads import clip_scale, combine_norms, replicas
 from moekit.train.offload.adamw import MOMENTS, DeferredAdamW
 from moekit.train.offload.experts import OffloadedExperts, install
@@ -62,6 +61,17 @@ from moekit.units import format_bytes, parse_bytes
 
 SCRATCH = 2 * len(MOMENTS)  # RAM regions for gradients in backward, then the AdamW step double-buffered
 MIN_REGIONS = SCRATCH + 2  # and two weight slots: one computes while the next is read
+
+
+def regions_in_budget(budget: str, unit: int) -> int:
+    """How many regions of ``unit`` bytes ``budget`` (``train.memory_budget``) holds; too few to train is refused."""
+    regions = parse_bytes(budget, "train.memory_budget") // unit
+    if regions < MIN_REGIONS:
+        raise ValueError(
+            f"train.memory_budget={budget!r}: offloaded training needs at least {format_bytes(MIN_REGIONS * unit)} "
+            f"(two layers' expert weights and {SCRATCH} of gradients and AdamW moments, {format_bytes(unit)} each)"
+        )
+    return regions
 
 
 class ExpertOffload:
@@ -76,27 +86,22 @@ class ExpertOffload:
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
         budget: str,
-        path: Path,
+        file: LayerFile,
         reduce: LayerGradReduce,
         stage_ranks: int = 1,
         distributed: bool = False,
     ) -> None:
+        """``file``: holds every layer's weights and zero moments (``build.ExpertWriter``); the expert
+        parameters have no storage."""
         layers = model.moe_layers()
-        shapes = {name: tuple(local_tensor(p).shape) for name, p in layers[0].experts.named_parameters(recurse=False)}
+        shapes = file.shapes
         for moe in layers:
             for name, p in moe.experts.named_parameters(recurse=False):
                 local = local_tensor(p)
                 assert p.dtype == torch.float32 and tuple(local.shape) == shapes[name], "experts alike, in fp32"
-                assert local.is_contiguous() and local.untyped_storage().nbytes() == local.numel() * 4, "own storage"
-        self.file = LayerFile(path, len(layers), shapes)
-        regions = parse_bytes(budget, "train.memory_budget") // self.file.unit
-        if regions < MIN_REGIONS:
-            need = format_bytes(MIN_REGIONS * self.file.unit)
-            self.file.close()
-            raise ValueError(
-                f"train.memory_budget={budget!r}: offloaded training needs at least {need} (two layers' expert "
-                f"weights and {SCRATCH} of gradients and AdamW moments, {format_bytes(self.file.unit)} each)"
-            )
+                assert local.device.type == "cpu" and local.untyped_storage().nbytes() == 0, "no storage"
+        self.file = file
+        regions = regions_in_budget(budget, file.unit)
         self.ws = WorkingSet(self.file, regions - SCRATCH)
         # each a region's buffer, with room after the tensors for the rows per expert that travel with
         # the gradient in its reduction (past the region's page padding: a few bytes beside the budget)
@@ -113,7 +118,6 @@ class ExpertOffload:
         self._expert = {id(p): (layer, i) for layer, ps in enumerate(self.params) for i, p in enumerate(ps)}
         self._next_scratch, self.scale = 0, 1.0
         self.grads = _StepGrads(1, len(layers), len(self.roles))
-        self._write_back()
         self.experts: list[OffloadedExperts] = install(model, self.ws, self.file, self)
 
     # -- backward ----------------------------------------------------------------------------------
@@ -196,22 +200,6 @@ class ExpertOffload:
         are read: by a forward reaching layer ``upto``, or by whatever needs the whole state."""
         self.updates.settle(len(self.params) - 1 if upto is None else upto)
 
-    def _write_back(self) -> None:
-        """The model's expert weights to disk (moments zero: no AdamW step yet), then freed from RAM."""
-        buf = self.scratch[0]
-        for layer, params in enumerate(self.params):
-            for kind in ("weight", "exp_avg", "exp_avg_sq"):
-                views = self.file.views(buf)
-                for p, t in zip(params, views.values(), strict=True):
-                    if kind == "weight":
-                        t.copy_(local_tensor(p.detach()))
-                    else:
-                        t.zero_()
-                self.file.write(layer, kind, buf)
-        for p in (p for params in self.params for p in params):
-            _empty(p)
-        release_freed_memory()
-
     def close(self) -> None:
         """Remove the offloaded state, also after a failure; updates still pending go with it (a run's
         last checkpoint ran them)."""
@@ -249,8 +237,3 @@ class _StepGrads:
         self.rows = [None] * self.layers
         self.norms = [[None] * self.roles for _ in range(self.layers)]
         self.routed = [None] * self.layers
-
-
-def _empty(p: nn.Parameter) -> None:
-    """Free this rank's storage of ``p``, keeping the parameter (its type, shape and placement)."""
-    local_tensor(p.detach()).untyped_storage().resize_(0)
