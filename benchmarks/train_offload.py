@@ -4,7 +4,8 @@
 
 A model whose experts' weights + gradients + AdamW moments are >= 4x ``train.memory_budget`` is
 trained for ``--steps`` steps in four ways (five with ``--host-regions``), each in its own child
-process (its peak RSS is the child's own ``VmHWM`` from ``/proc/self/status``), taking turns for
+process (its peak RSS is the child's own ``VmHWM`` from ``/proc/self/status``, start-up included: an
+offloaded run builds its experts into the file a MoE layer at a time), taking turns for
 ``--rounds`` rounds:
 
 - ``memory``: every expert in RAM (the reference);
@@ -88,9 +89,6 @@ def child(args: argparse.Namespace) -> dict:
     run = loop._setup(cfg, Path(tempfile.mkdtemp(dir=args.work)), False, torch.device("cpu"), False, None, False)
     offload: ExpertOffload | None = run.offload
     setup_kib = status_kib("VmRSS")
-    # NOTE: the peak is taken over the steps alone; the start-up's (the experts built into the file a
-    # MoE layer at a time) is tests/unit/test_train_offload_build.py's.
-    Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current VmRSS
     if offload is not None:
         offload.ws.overlap = args.mode not in ("sync", "naive")
     times, losses, moved, skipped = [], [], [], []
