@@ -286,8 +286,9 @@ def report(runs: dict[str, list[dict]], budget: int, read: float, written: float
         f"naive over the in-memory step), {faster['sync']:.2f}x than its own transfers made synchronous (sync)"
     )
     print(
-        f"peak RSS limit: base + 1.1 x (budget + non-expert weights and moments + activations "
-        f"{activations / 1e6:.0f} MB) = {limit / 1e6:.0f} MB; losses of all {args.steps} steps identical to "
+        f"peak RSS limit: base + 1.1 x (budget + non-expert weights and moments + the rest of in-memory "
+        f"training's peak {activations / 1e6:.0f} MB: activations, data, allocator slack) = "
+        f"{limit / 1e6:.0f} MB; losses of all {args.steps} steps identical to "
         f"in-memory: {same}"
     )
     if args.json:
