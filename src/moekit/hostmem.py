@@ -21,6 +21,7 @@ _M_MMAP_THRESHOLD = -3
 _TRIM_THRESHOLD = 1 << 30  # keep up to 1 GiB of freed heap
 _MMAP_THRESHOLD = 32 << 20  # glibc's largest; only blocks above it come from mmap
 _USER_CHOICES = ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TOP_PAD_")
+_kept = False  # keep_freed_memory's thresholds are in effect in this process
 
 
 def _tunable() -> bool:
@@ -32,22 +33,26 @@ def _tunable() -> bool:
 
 def keep_freed_memory() -> bool:
     """Tune glibc malloc to reuse freed memory; True when it did (glibc, no allocator chosen by the user)."""
+    global _kept
     if not _tunable():
         return False
     libc = ctypes.CDLL(None)
-    return bool(libc.mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD) and libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD))
+    _kept = bool(libc.mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD) and libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD))
+    return _kept
 
 
 @contextlib.contextmanager
 def large_blocks_returned(threshold: int = 1 << 20) -> Iterator[None]:
     """Inside, blocks of ``threshold`` bytes or more come from their own mmaps, each handed back to the OS
-    as it is freed; then ``keep_freed_memory``'s threshold again.
+    as it is freed; then ``keep_freed_memory``'s threshold again. Only where ``keep_freed_memory`` is in
+    effect: glibc has no getter for its thresholds, so any other state could not be restored, and its
+    default adaptive threshold already serves a block that size from an mmap until one is freed.
 
     NOTE: a build that draws and drops one large temporary after another (offloaded experts, a MoE layer
     at a time) between small allocations would otherwise grow the heap: a small block lands in the freed
     temporary's place, the next temporary goes above it, and the freed pages stay resident (measured:
     32 layers' 6 MB temporaries left 120 MB more at the peak in some runs, none in others)."""
-    if not _tunable():
+    if not _kept:
         yield
         return
     libc = ctypes.CDLL(None)

@@ -90,3 +90,31 @@ def test_large_blocks_go_back_to_the_os_while_asked():
     out = subprocess.run([sys.executable, "-c", RETURNED], capture_output=True, text=True, check=True, env=os.environ)
     returned, kept = map(int, out.stdout.split())
     assert returned >= 7 << 20 and kept < 1 << 20, (returned, kept)
+
+
+DEFAULTS_KEPT = """
+import ctypes, torch
+from pathlib import Path
+from moekit.hostmem import large_blocks_returned
+
+def rss():
+    status = Path("/proc/self/status").read_text()
+    return int(next(line for line in status.splitlines() if line.startswith("VmRSS:")).split()[1]) * 1024
+
+with large_blocks_returned():
+    pass
+held = torch.ones(8 << 20, dtype=torch.uint8)
+pin = ctypes.CDLL(None).malloc(64)  # above it, were it in the heap: the heap's top could not be trimmed
+before = rss()
+del held
+print(before - rss())
+"""
+
+
+def test_leaves_glibcs_defaults_where_memory_is_not_kept():
+    """In a process that never called ``keep_freed_memory``, glibc's default (adaptive) threshold still
+    serves the first 8 MiB block from its own mmap after ``large_blocks_returned``: freed, it leaves RSS.
+    A fixed 32 MiB threshold left behind would put it in the heap, under a small block, resident."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    out = subprocess.run([sys.executable, "-c", DEFAULTS_KEPT], capture_output=True, text=True, check=True, env=env)
+    assert int(out.stdout.split()[-1]) >= 7 << 20, out.stdout
