@@ -289,11 +289,20 @@ def test_bad_offload_fields_name_the_field(fields: dict[str, str], named: str) -
         ({"train.memory_budget": BUDGET, "train.dtype": "bf16"}, "train.dtype='bf16'"),
         ({"train.memory_budget": BUDGET, "train.async_checkpoint": "true"}, "train.async_checkpoint"),
         ({"train.memory_budget": BUDGET, "model.experts_per_layer": "4,2,4"}, r"model.experts_per_layer=\[4, 2, 4\]"),
+        ({"train.memory_budget": BUDGET, "train.compile": "true"}, "train.compile=true"),
+        ({"train.memory_budget": BUDGET, "model.first_dense_layers": "3"}, "the model has no MoE layers"),
     ],
 )
 def test_unsupported_offloaded_runs_are_refused(corpus: Path, tmp_path: Path, overrides: dict, named: str) -> None:
     with pytest.raises(ValueError, match=named):
         train(tiny(corpus, **overrides), tmp_path / "run", progress=False)
+
+
+def test_offloaded_runs_off_cpu_are_refused(corpus: Path) -> None:
+    """Checked before the device is used: a ``meta`` device stands in for a GPU here."""
+    cfg = tiny(corpus, **{"train.memory_budget": BUDGET})
+    with pytest.raises(ValueError, match="device=meta: offloaded training runs on cpu"):
+        expert_writer(cfg, corpus.parent / "run", Layout(1, 1, 1, 1, 1), None, torch.device("meta"))
 
 
 EP2 = Layout(1, 2, 1, 1, 2)
