@@ -1,4 +1,4 @@
-"""Offloaded experts built into each rank's file at ep = 2 (``train.build.build_model`` on two gloo ranks).
+"""Offloaded experts built into each rank's file at ep = 2 (``train.model_build.build_model`` on two gloo ranks).
 
 Reference: a plain ``Transformer`` built whole from the same seed in each rank. Tolerance: none
 (bitwise): each rank's file holds its ep shard of every layer's experts (the shard ``apply_ep``
@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor
 from moekit import runconfig
 from moekit.model import Transformer
 from moekit.parallel.runtime import init_distributed
-from moekit.train.build import build_model
+from moekit.train.model_build import build_model
 
 from .spawn import run_ranks
 
@@ -65,4 +65,4 @@ def _compare(rank: int, world: int, tmp: Path) -> None:
 
 
 def test_each_rank_builds_its_ep_shard_into_its_file(tmp_path: Path) -> None:
-    run_ranks(_compare, 2, tmp_path, tmp_path=tmp_path, preload=("moekit.train.build",))
+    run_ranks(_compare, 2, tmp_path, tmp_path=tmp_path, preload=("moekit.train.model_build",))

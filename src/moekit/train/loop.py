@@ -29,10 +29,10 @@ from moekit.run.saver import Checkpointer
 from moekit.run.sharded import local_model
 from moekit.runconfig import RunConfig
 from moekit.stats import StepStats
-from moekit.train.build import build_model
 from moekit.train.data import Corpus, prepare_corpus, resolve_files
 from moekit.train.interrupt import StopOnInterrupt, agree
 from moekit.train.metrics import MetricsLogger
+from moekit.train.model_build import build_model
 from moekit.train.offload import ExpertOffload
 from moekit.train.offload.checkpoint import StreamedExperts, restoring, saving
 from moekit.train.optim import lr_at

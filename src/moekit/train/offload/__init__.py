@@ -17,14 +17,25 @@ from moekit.train.offload.reduce import LayerGradReduce
 from moekit.train.offload.store import LayerFile, host_regions
 from moekit.units import format_bytes, parse_bytes
 
-__all__ = ["ExpertOffload", "ExpertWriter", "expert_writer", "offload_experts"]
+__all__ = ["ExpertOffload", "ExpertWriter", "check_offloadable", "expert_writer", "offload_experts"]
 
 
 def expert_writer(
     cfg: RunConfig, run_dir: Path, layout: Layout, mesh: RunMesh | None, device: torch.device
 ) -> ExpertWriter:
-    """Where this rank's experts go as the model is built (``build.py``), or a refusal of a run offloading
-    does not support. Each rank offloads its own ep shard to its own file; the layouts tested against
+    """Where this rank's experts go as the model is built (``build.py``), once ``check_offloadable``
+    passes. Each rank offloads its own ep shard to its own file."""
+    check_offloadable(cfg, layout, device)
+    tc = cfg.train
+    directory = Path(tc.offload_dir) if tc.offload_dir else Path(run_dir) / "offload"
+    rank = dist.get_rank() if mesh is not None else 0
+    ep_rank = mesh["ep"].get_local_rank() if mesh is not None and layout.ep > 1 else 0
+    path = directory / f"experts-rank{rank}.bin"
+    return ExpertWriter(path, len(cfg.model.moe_layers()), tc.memory_budget, ep_rank, layout.ep)
+
+
+def check_offloadable(cfg: RunConfig, layout: Layout, device: torch.device) -> None:
+    """Refuse, naming the option, a run offloading does not support: the layouts tested against
     in-memory training are dp, ep and dp x ep with replicated experts."""
     tc, p = cfg.train, cfg.parallel
     budget = f"train.memory_budget={tc.memory_budget!r}"
@@ -58,11 +69,6 @@ def expert_writer(
     for refused, why in refusals:
         if refused:
             raise ValueError(f"{budget}: {why}")
-    directory = Path(tc.offload_dir) if tc.offload_dir else Path(run_dir) / "offload"
-    rank = dist.get_rank() if mesh is not None else 0
-    ep_rank = mesh["ep"].get_local_rank() if mesh is not None and layout.ep > 1 else 0
-    path = directory / f"experts-rank{rank}.bin"
-    return ExpertWriter(path, len(cfg.model.moe_layers()), tc.memory_budget, ep_rank, layout.ep)
 
 
 def offload_experts(
