@@ -2,17 +2,16 @@
 layout of another model at another rank count.
 
 Calibration: model A on ``--calibrate-ranks`` gloo ranks (default 2) measures the primitives the cost
-model uses, every rank busy at once and the measurements interleaved round by round: forward + backward
-at two micro-batch sizes (the FLOP rate and the fixed cost per block pass), all-to-all at two sizes
-(latency and bandwidth) and the one-sequence pass sharded by FSDP (the fixed cost per FSDP collective).
-Validation: model B (other width, depth and expert count) on ``--ranks`` (default 4): the planner ranks
-every layout it enumerates, and every one of them is built and then trained a step at a time, round by
-round in a shuffled order (same global batch, median step time). Reported per repeat (a fresh
-calibration and fresh measurements each): Spearman and Kendall tau-b between predicted and measured step
-times over all layouts, and the top-1 regret (the measured step time of the planner's pick over the
-fastest measured). ``--calibrate-ranks 4`` leaves only the model out of sample; ``--in-sample``
-calibrates on model B at ``--ranks`` instead. Timing on a shared CPU is noisy, and 4 ranks on 2 cores
-share them.
+model uses, every rank busy at once and the measurements interleaved round by round: forward +
+backward at two micro-batch sizes (the FLOP rate and the fixed cost per block pass), all-to-all at
+two sizes (latency and bandwidth) and the one-sequence pass sharded by FSDP (the fixed cost per FSDP
+collective). Validation: model B (other width, depth and expert count) on ``--ranks`` (default 4): the
+planner ranks every layout it enumerates, and every one of them trains for a few steps (same global
+batch, median step time), in a shuffled order. Reported per repeat (a fresh calibration and fresh
+measurements each): Spearman and Kendall tau-b between predicted and measured step times over all
+layouts, and the top-1 regret (the measured step time of the planner's pick over the fastest
+measured). ``--calibrate-ranks 4`` leaves only the model out of sample; ``--in-sample`` calibrates on
+model B at ``--ranks`` instead. Timing on a shared CPU is noisy, and 4 ranks on 2 cores share them.
 
     python benchmarks/planner_calibration.py [--json] [--repeats 3] [--steps 3] [--in-sample]
 """
@@ -179,24 +178,22 @@ def label(cand: planner.Candidate) -> str:
 def _measure(
     rank: int, world: int, overrides: dict, layouts: list[planner.Candidate], text: str, steps: int
 ) -> list[float]:
-    """Rank 0's median step time of each layout: every layout is built first, then each round trains
-    one step of every layout in the given order (a warm-up round, then ``steps`` timed ones), so a
-    machine whose speed drifts (other work, 4 ranks sharing 2 cores) slows every layout alike."""
+    """Rank 0's median step time of each layout, trained in the given order (after one warm-up step)."""
     from moekit.train import loop
 
     dist.init_process_group("gloo")
-    runs = []
+    medians = []
     for cand in layouts:
         cfg = runconfig.resolve("tiny", {**overrides, **overrides_for(cand), "data.path": text})
-        runs.append((cfg, *training_rank(cfg, rank)))
-    times: list[list[float]] = [[] for _ in layouts]
-    for step in range(steps + 1):
-        for (cfg, pm, opt, corpus), out in zip(runs, times, strict=True):
+        pm, opt, corpus = training_rank(cfg, rank)
+        times = []
+        for step in range(steps + 1):
             dist.barrier()
             started = time.perf_counter()
             loop._train_step(pm, opt, corpus, cfg, torch.device("cpu"), step, None)
-            out.append(time.perf_counter() - started)
-    return [statistics.median(t[1:]) for t in times]
+            times.append(time.perf_counter() - started)
+        medians.append(statistics.median(times[1:]))
+    return medians
 
 
 # --- rank statistics --------------------------------------------------------------------------------
