@@ -14,17 +14,33 @@ reported as median and min-max. Also: hit rate, bytes read per token, the read-b
 offline replay of the recorded routing trace through each policy and Belady's optimum. The int8 row
 shows speed only (random weights say nothing of quality: see benchmarks/quant_quality.py).
 
-    python benchmarks/offload.py [--json] [--budget 512MB] [--repeats 3] [--batches 1 16] [--variants naive int8 ...]
+``--device cuda``: the fast tier is GPU memory, the slow tier page-locked host memory that every expert
+is copied into from the file once per configuration, before the clock starts (``infer.loaders.PinnedExperts``).
+resident holds every weight on the GPU; moekit copies single experts into its budgeted GPU cache on a
+side stream (``CudaLoader``); naive copies each MoE layer's experts whole on every call, as one copy of
+the layer's contiguous block of pinned memory queued on the compute stream (its matmuls wait for all of
+it; no cache, no prefetch). The bound is the measured pinned host->GPU copy bandwidth (a 1 GiB copy,
+median of 5, each round) / bytes copied per token; it bounds naive too, whose copies are the large
+contiguous ones it is measured on. No page cache or ``O_DIRECT`` lies between pinned memory and the GPU:
+no warm rows, nothing dropped. The clock starts and stops on a synchronized device; greedy tokens are
+compared with resident's on the same device. ``--json`` prints the table to stderr as well.
+
+    python benchmarks/offload.py [--json] [--device cpu|cuda] [--budget 512MB] [--repeats 3] [--batches 1 16]
+        [--variants naive int8 ...]
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import sys
 import time
+import traceback
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -32,10 +48,11 @@ from torch import Tensor, nn
 
 from moekit import runconfig
 from moekit.directio import READERS, aligned_empty
-from moekit.experts.grouped import apply_activation
+from moekit.experts.grouped import Activation, apply_activation
 from moekit.infer.cache import POLICIES, replay
 from moekit.infer.expert_store import ExpertStore
 from moekit.infer.generate import generate, left_pad
+from moekit.infer.loaders import PinnedExperts
 from moekit.infer.offload import OffloadOptions, model_bytes
 from moekit.infer.quant import matmul, roles
 from moekit.model import Transformer
@@ -44,7 +61,9 @@ from moekit.run.load import load_run
 from moekit.tokenizer import ByteTokenizer
 from moekit.units import format_bytes, parse_bytes
 
-DEFAULT_TEXT = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "tinyshakespeare.txt"
+REPO = Path(__file__).resolve().parents[1]
+# the shared data beside the repository, or a copy of it inside (where the repository travels alone)
+TEXTS = [root / "shared" / "data" / "tinyshakespeare.txt" for root in (REPO.parent, REPO)]
 # Fine-grained experts (DeepSeek-MoE, OLMoE): 128 per layer, so a batch of 16 top-2 tokens needs
 # about a fifth of a layer's experts, the case expert-granular offload is for.
 OVERRIDES = {
@@ -93,23 +112,48 @@ def build_run(run_dir: Path) -> Path:
 class NaiveLayerExperts(nn.Module):
     """Accelerate-style offload: every call reads all of its layer's experts, computes, forgets them."""
 
-    def __init__(self, store: ExpertStore, block: int, num_experts: int, activation: str) -> None:
+    def __init__(self, store: ExpertStore, block: int, buffer_ES: Tensor, activation: Activation) -> None:
+        """``buffer_ES``: room for every expert of the layer, one ``store.slot_bytes`` row each."""
         super().__init__()
         self.store, self.block, self.activation = store, block, activation
-        self.buffer = aligned_empty(num_experts * store.slot_bytes).view(num_experts, store.slot_bytes)
+        self.buffer = buffer_ES
         self.bytes_read = 0
 
+    def fetch(self) -> int:
+        """Bring every expert of the layer into the buffer: here, read from the store's file."""
+        return sum(self.store.read_into((self.block, e), self.buffer[e]) for e in range(self.buffer.shape[0]))
+
     def forward(self, x_RD: Tensor, tokens_per_expert: Tensor) -> Tensor:
-        for e in range(self.buffer.shape[0]):
-            self.bytes_read += self.store.read_into((self.block, e), self.buffer[e])
+        counts = tokens_per_expert.tolist()  # first: on a GPU, waiting for it does not wait for the fetch
+        self.bytes_read += self.fetch()
         y_RD, start = torch.empty_like(x_RD), 0
-        for e, n in enumerate(tokens_per_expert.tolist()):
+        for e, n in enumerate(counts):
             if n:
                 views = self.store.views((self.block, e), self.buffer[e])
                 h = apply_activation(matmul("fp", views, "w_in", x_RD[start : start + n]), self.activation)
                 y_RD[start : start + n] = matmul("fp", views, "w_out", h)
             start += n
         return y_RD
+
+
+class NaiveCopiedLayerExperts(NaiveLayerExperts):
+    """The same on a GPU: every call copies all of its layer's experts from pinned host memory, as one
+    copy of their contiguous block, queued on the compute stream so the layer's matmuls wait for it."""
+
+    def __init__(self, store: ExpertStore, block: int, host_ES: Tensor, activation: Activation, device: str) -> None:
+        super().__init__(store, block, torch.empty_like(host_ES, device=device), activation)
+        self.host = host_ES
+
+    def fetch(self) -> int:
+        self.buffer.copy_(self.host, non_blocking=True)
+        return self.host.shape[0] * self.store.bytes_per_expert  # the bytes of the tensors, as a read counts
+
+
+def pinned_layer(pinned: PinnedExperts, block: int, num_experts: int) -> Tensor:
+    """The layer's experts in the pinned host copy: rows stored one after another, [E, slot_bytes]."""
+    first = pinned.index[(block, 0)]
+    assert [pinned.index[(block, e)] for e in range(num_experts)] == list(range(first, first + num_experts))
+    return pinned.host[first : first + num_experts]
 
 
 def prompts(text: Path, batch: int, length: int = 32) -> tuple[Tensor, Tensor]:
@@ -130,10 +174,34 @@ def read_bandwidth(store: ExpertStore, count: int = 48) -> float:
     return total / (time.perf_counter() - start)
 
 
+def synchronize(device: torch.device) -> None:
+    """Wait for the work queued on a GPU (which runs behind the host), so the clock reads it all."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, repeats: int = 5) -> float:
+    """Bytes/s of one large copy from pinned host memory to the GPU (the slow tier's best rate): the
+    median of ``repeats`` copies after a first, unmeasured one."""
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    gpu = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    seconds = []
+    for _ in range(repeats + 1):
+        synchronize(device)
+        start = time.perf_counter()
+        gpu.copy_(host, non_blocking=True)
+        synchronize(device)
+        seconds.append(time.perf_counter() - start)
+    return nbytes / statistics.median(seconds[1:])
+
+
 def timed(model: Transformer, text: Path, batch: int, new_tokens: int) -> tuple[Tensor, float]:
-    ids, pad = prompts(text, batch)
+    device = model.embed.weight.device
+    ids, pad = (t.to(device) for t in prompts(text, batch))
+    synchronize(device)
     start = time.perf_counter()
     out = generate(model, ids, new_tokens, temperature=0, left_pad_B=pad)
+    synchronize(device)
     return out, time.perf_counter() - start
 
 
@@ -151,7 +219,7 @@ def median_row(runs: list[dict]) -> dict:
     for key, value in row.items():
         if isinstance(value, bool):
             row[key] = all(r[key] for r in runs)
-        elif isinstance(value, int | float):
+        elif isinstance(value, int | float) and key != "batch":  # the batch names the row
             row[key] = (max if key.startswith("max_") else statistics.median)(r[key] for r in runs)
     speeds = [r["tokens_per_s"] for r in runs]
     row.update(runs=len(runs), tokens_per_s_min=min(speeds), tokens_per_s_max=max(speeds))
@@ -160,8 +228,10 @@ def median_row(runs: list[dict]) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--data", type=Path, default=DEFAULT_TEXT, help="prompt text (tinyshakespeare)")
-    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    text = next((p for p in TEXTS if p.is_file()), TEXTS[0])
+    parser.add_argument("--data", type=Path, default=text, help="prompt text (tinyshakespeare)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object (the table goes to stderr)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: experts in pinned host memory")
     parser.add_argument("--cache-dir", type=Path, default=Path("/tmp/moekit-offload-bench"))
     parser.add_argument("--budget", default="512MB", help="memory budget of the offloaded runs")
     parser.add_argument("--new-tokens", type=int, default=8, help="tokens generated per prompt")
@@ -174,8 +244,12 @@ def main() -> None:
     args = parser.parse_args()
     if not args.data.is_file():
         parser.error(f"--data: no such file: {args.data}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: torch sees no CUDA device")
     if args.threads:
         torch.set_num_threads(args.threads)
+    device, on_cpu = torch.device(args.device), args.device == "cpu"
+    variants = [v for v in args.variants if on_cpu or v != "warm"]  # no page cache between pinned memory and GPU
     run_dir = build_run(args.cache_dir / "run")
     budget = parse_bytes(args.budget, "--budget")
     cfg = runconfig.from_json(run_dir / "config.json")
@@ -183,7 +257,8 @@ def main() -> None:
     runs: dict[tuple[str, int], list[dict]] = {}
     reference: dict[int, Tensor] = {}
     traces: dict[int, tuple[list, int]] = {}
-    bandwidths: list[float] = []  # cold read bandwidth, measured at the start of each round
+    bandwidths: list[float] = []  # cold read (cuda: pinned copy) bandwidth, measured at the start of each round
+    failures: list[str] = []  # configurations that raised: reported, the others still run
 
     def record(
         name: str, batch: int, out: Tensor, seconds: float, compare: bool = True, bound: bool = True, **figures
@@ -193,7 +268,7 @@ def main() -> None:
         reference.setdefault(batch, out)
         same = bool(torch.equal(out, reference[batch])) if compare else None
         row = dict(config=name, batch=batch, tokens_per_s=batch * args.new_tokens / seconds, same_tokens=same)
-        if bound and figures.get("bytes_per_token"):  # this round's disk: its speed drifts on a shared machine
+        if bound and figures.get("bytes_per_token"):  # this round's bandwidth: it drifts on a shared machine
             row["bound_tokens_per_s"] = bandwidths[-1] / figures["bytes_per_token"]
             row["of_bound"] = row["tokens_per_s"] / row["bound_tokens_per_s"]
         runs.setdefault((name, batch), []).append({**row, **figures})
@@ -201,21 +276,24 @@ def main() -> None:
 
     def offloaded(name: str, batch: int, first_round: bool, warm: bool = False, **options) -> None:
         replayed = name == "moekit-lru+prefetch" and not warm and first_round  # its routing trace is replayed offline
+        cold = on_cpu and not warm  # cuda: the file is read once into pinned memory, before the clock
         opts = OffloadOptions(
             memory_budget=budget,
-            direct_io=not warm,
-            drop_pages=not warm,
+            direct_io=cold,
+            drop_pages=cold,
             record_trace=TRACE_LEN if replayed else 0,
             **options,
         )
-        run = load_run(run_dir, offload=opts)
+        run = load_run(run_dir, args.device, offload=opts)
         off = run.offloader
         if warm:
             warm_page_cache(off.store.path)
-        else:
+        elif cold:
             off.store.drop_page_cache()
-        out, seconds = timed(run.model, args.data, batch, args.new_tokens)
-        off.close()
+        try:
+            out, seconds = timed(run.model, args.data, batch, args.new_tokens)
+        finally:
+            off.close()
         stats, tokens, router = off.stats, batch * args.new_tokens, opts.prefetch == "router"
         record(
             name + (" (warm page cache)" if warm else ""),
@@ -237,38 +315,61 @@ def main() -> None:
             traces[batch] = (off.trace.routing(), off.cache.num_slots)
 
     def naive(batch: int) -> None:
-        """The same model with every MoE layer's experts read whole on each call."""
-        run = load_run(run_dir, offload=OffloadOptions(memory_budget=budget, prefetch="off", drop_pages=True))
-        run.offloader.store.drop_page_cache()
+        """The same model with every MoE layer's experts read (cuda: copied) whole on each call."""
+        opts = OffloadOptions(memory_budget=budget, prefetch="off", direct_io=on_cpu, drop_pages=on_cpu)
+        run = load_run(run_dir, args.device, offload=opts)
+        off = run.offloader
         layers = []
-        for block in run.offloader.blocks:
+        for block in off.blocks:
             moe = run.model.blocks[block].ffn
-            moe.experts = NaiveLayerExperts(run.offloader.store, block, moe.cfg.num_experts, moe.cfg.activation)
+            E, activation = moe.cfg.num_experts, moe.experts.activation
+            if on_cpu:
+                buffer = aligned_empty(E * off.store.slot_bytes).view(E, off.store.slot_bytes)
+                moe.experts = NaiveLayerExperts(off.store, block, buffer, activation)
+            else:  # the offloader's pinned copy of the experts (CudaLoader's) is naive's source; its cache stays unused
+                host_ES = pinned_layer(off.loader.host, block, E)
+                moe.experts = NaiveCopiedLayerExperts(off.store, block, host_ES, activation, args.device)
             layers.append(moe.experts)
-        out, seconds = timed(run.model, args.data, batch, args.new_tokens)
-        run.offloader.close()
+        if on_cpu:
+            off.store.drop_page_cache()
+        try:
+            out, seconds = timed(run.model, args.data, batch, args.new_tokens)
+        finally:
+            off.close()
         read = sum(n.bytes_read for n in layers)
-        # NOTE: no bound: reading whole layers in file order is sequential, faster than moekit's scattered reads
+        # NOTE: no bound on the CPU: reading whole layers in file order is sequential, faster than moekit's
+        # scattered reads; on a GPU the bandwidth is measured on such whole, contiguous copies.
         tokens = batch * args.new_tokens
-        record("naive (whole layers, no cache)", batch, out, seconds, bound=False, bytes_per_token=read / tokens)
+        record("naive (whole layers, no cache)", batch, out, seconds, bound=not on_cpu, bytes_per_token=read / tokens)
 
-    resident = load_run(run_dir).model
+    def attempt(name: str, batch: int, run_one: Callable[[], None]) -> None:
+        """Run one configuration; a failure is reported and the benchmark goes on with the others."""
+        try:
+            run_one()
+        except Exception as err:  # one configuration's failure must not cost the others' figures
+            traceback.print_exc()
+            failures.append(f"{name} batch {batch}, round {len(bandwidths)}: {type(err).__name__}: {err}")
+        gc.collect()  # each offloaded model pins or reads gigabytes: release them before the next one's
+
+    resident = load_run(run_dir, args.device).model
     resident_bytes = model_bytes(resident)
     blocks = dict.fromkeys(cfg.model.moe_layers(), cfg.moe.num_experts)
+    if not on_cpu:  # the CUDA context's lazy start (cuBLAS handles, kernels loaded) outside every clock
+        timed(resident, args.data, 1, 2)
     for round_ in range(args.repeats):
         first = round_ == 0
         with ExpertStore(weights, blocks, roles("fp"), drop_pages=True) as store:
-            bandwidths.append(read_bandwidth(store))
+            bandwidths.append(read_bandwidth(store) if on_cpu else copy_bandwidth(device))
             direct = store.direct
         for batch in args.batches:
             out, seconds = timed(resident, args.data, batch, args.new_tokens)
             record("resident", batch, out, seconds)  # first: the tokens the others must match
-            for variant in args.variants:
+            for variant in variants:
                 if variant == "naive":
-                    naive(batch)
+                    attempt(variant, batch, partial(naive, batch))
                 else:
                     label, options = OFFLOADED[variant]
-                    offloaded(label, batch, first, **options)
+                    attempt(variant, batch, partial(offloaded, label, batch, first, **options))
         print(f"# round {round_ + 1}/{args.repeats} done", file=sys.stderr, flush=True)
 
     expert_bytes = len(store.pieces) * store.bytes_per_expert
@@ -277,18 +378,25 @@ def main() -> None:
         batch: {p: replay(trace, slots, p) for p in (*POLICIES, "belady")} for batch, (trace, slots) in traces.items()
     }
     result = dict(
+        device=args.device,
+        gpu=None if on_cpu else torch.cuda.get_device_name(device),
         expert_bytes_on_disk=expert_bytes,
         budget=budget,
         non_expert_bytes=resident_bytes - expert_bytes,
         read_bandwidth=statistics.median(bandwidths),
         read_bandwidth_min=min(bandwidths),
         read_bandwidth_max=max(bandwidths),
-        direct_reads=direct,
+        direct_reads=direct if on_cpu else None,
         repeats=args.repeats,
         rows=rows,
         replay_hit_rates=replays,
+        failures=failures,
     )
-    print(json.dumps(result, indent=2) if args.json else table(result))
+    if args.json:
+        print(json.dumps(result, indent=2))
+    print(table(result), file=sys.stderr if args.json else sys.stdout)
+    if failures:
+        sys.exit(1)
 
 
 def cell(row: dict, key: str, fmt: str, scale: float = 1.0) -> str:
@@ -297,15 +405,24 @@ def cell(row: dict, key: str, fmt: str, scale: float = 1.0) -> str:
 
 
 def table(r: dict) -> str:
-    bandwidth = f"{format_bytes(r['read_bandwidth'])}/s ({format_bytes(r['read_bandwidth_min'])}-"
+    bandwidth = (
+        f"{format_bytes(r['read_bandwidth'])}/s ({format_bytes(r['read_bandwidth_min'])}-"
+        f"{format_bytes(r['read_bandwidth_max'])}/s"
+    )
+    if r["device"] == "cpu":
+        tier = f"cold read bandwidth {bandwidth}, {'direct' if r['direct_reads'] else 'buffered'}, {READERS} readers)"
+    else:
+        tier = (
+            f"on {r['gpu']}: slow tier pinned host memory (filled from the file before the clock), host->GPU copy "
+            f"bandwidth {bandwidth}, 1 GiB copies); no warm rows: no page cache or O_DIRECT between pinned memory "
+            "and the GPU"
+        )
     lines = [
-        f"experts on disk {format_bytes(r['expert_bytes_on_disk'])}, budget {format_bytes(r['budget'])} "
-        f"(non-expert weights {format_bytes(r['non_expert_bytes'])}), cold read bandwidth {bandwidth}"
-        f"{format_bytes(r['read_bandwidth_max'])}/s, {'direct' if r['direct_reads'] else 'buffered'}, "
-        f"{READERS} readers)",
+        f"experts {format_bytes(r['expert_bytes_on_disk'])}, budget {format_bytes(r['budget'])} "
+        f"(non-expert weights {format_bytes(r['non_expert_bytes'])}), {tier}",
         f"median (min-max) of {r['repeats']} runs of each configuration, interleaved round by round; "
-        "other figures: medians (bound: the round's read bandwidth / MB per token); same: greedy tokens equal to "
-        "the resident model's in every run",
+        "other figures: medians (bound: the round's bandwidth / MB per token); same: greedy tokens equal to "
+        "the resident model's (on the same device) in every run",
         f"{'config':36} {'batch':>5} {'tok/s':>8} {'(min-max)':>15} {'hit':>6} {'MB/tok':>8} {'bound':>8} "
         f"{'of bound':>8} {'recall':>6} {'prec.':>6} {'same':>5}",
     ]
@@ -320,6 +437,7 @@ def table(r: dict) -> str:
     for batch, rates in r["replay_hit_rates"].items():
         lines.append(f"replay batch {batch}: " + ", ".join(f"{p} {h:.1%}" for p, h in rates.items()))
     lines.append(COMPUTE_NOTE + " Quality on a trained model: benchmarks/quant_quality.py.")
+    lines += [f"FAILED: {failure}" for failure in r["failures"]]
     return "\n".join(lines)
 
 
