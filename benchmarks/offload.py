@@ -25,8 +25,7 @@ contiguous ones it is measured on. No page cache or ``O_DIRECT`` lies between pi
 no warm rows, nothing dropped. The clock starts and stops on a synchronized device; greedy tokens are
 compared with resident's on the same device. ``--json`` prints the table to stderr as well.
 
-    python benchmarks/offload.py [--json] [--device cpu|cuda] [--budget 512MB] [--repeats 3] [--batches 1 16]
-        [--variants naive int8 ...]
+    python benchmarks/offload.py [--json] [--device cuda] [--budget 512MB] [--repeats 3] [--variants naive int8 ...]
 """
 
 from __future__ import annotations
@@ -113,10 +112,9 @@ class NaiveLayerExperts(nn.Module):
     """Accelerate-style offload: every call reads all of its layer's experts, computes, forgets them."""
 
     def __init__(self, store: ExpertStore, block: int, buffer_ES: Tensor, activation: Activation) -> None:
-        """``buffer_ES``: room for every expert of the layer, one ``store.slot_bytes`` row each."""
         super().__init__()
         self.store, self.block, self.activation = store, block, activation
-        self.buffer = buffer_ES
+        self.buffer = buffer_ES  # room for every expert of the layer, one store.slot_bytes row each
         self.bytes_read = 0
 
     def fetch(self) -> int:
@@ -181,8 +179,7 @@ def synchronize(device: torch.device) -> None:
 
 
 def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, repeats: int = 5) -> float:
-    """Bytes/s of one large copy from pinned host memory to the GPU (the slow tier's best rate): the
-    median of ``repeats`` copies after a first, unmeasured one."""
+    """Bytes/s of a large pinned host->GPU copy (the slow tier's best rate): median of ``repeats`` after one more."""
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     gpu = torch.empty(nbytes, dtype=torch.uint8, device=device)
     seconds = []
@@ -339,8 +336,8 @@ def main() -> None:
         read = sum(n.bytes_read for n in layers)
         # NOTE: no bound on the CPU: reading whole layers in file order is sequential, faster than moekit's
         # scattered reads; on a GPU the bandwidth is measured on such whole, contiguous copies.
-        tokens = batch * args.new_tokens
-        record("naive (whole layers, no cache)", batch, out, seconds, bound=not on_cpu, bytes_per_token=read / tokens)
+        per_token = read / (batch * args.new_tokens)
+        record("naive (whole layers, no cache)", batch, out, seconds, bound=not on_cpu, bytes_per_token=per_token)
 
     def attempt(name: str, batch: int, run_one: Callable[[], None]) -> None:
         """Run one configuration; a failure is reported and the benchmark goes on with the others."""
@@ -356,21 +353,28 @@ def main() -> None:
     blocks = dict.fromkeys(cfg.model.moe_layers(), cfg.moe.num_experts)
     if not on_cpu:  # the CUDA context's lazy start (cuBLAS handles, kernels loaded) outside every clock
         timed(resident, args.data, 1, 2)
-    for round_ in range(args.repeats):
-        first = round_ == 0
-        with ExpertStore(weights, blocks, roles("fp"), drop_pages=True) as store:
-            bandwidths.append(read_bandwidth(store) if on_cpu else copy_bandwidth(device))
-            direct = store.direct
-        for batch in args.batches:
-            out, seconds = timed(resident, args.data, batch, args.new_tokens)
-            record("resident", batch, out, seconds)  # first: the tokens the others must match
-            for variant in variants:
-                if variant == "naive":
-                    attempt(variant, batch, partial(naive, batch))
-                else:
-                    label, options = OFFLOADED[variant]
-                    attempt(variant, batch, partial(offloaded, label, batch, first, **options))
-        print(f"# round {round_ + 1}/{args.repeats} done", file=sys.stderr, flush=True)
+    gpu = None if on_cpu else torch.cuda.get_device_name(device)  # asked before an error can poison the device
+    try:
+        for round_ in range(args.repeats):
+            first = round_ == 0
+            with ExpertStore(weights, blocks, roles("fp"), drop_pages=True) as store:
+                bandwidths.append(read_bandwidth(store) if on_cpu else copy_bandwidth(device))
+                direct = store.direct
+            for batch in args.batches:
+                out, seconds = timed(resident, args.data, batch, args.new_tokens)
+                record("resident", batch, out, seconds)  # first: the tokens the others must match
+                for variant in variants:
+                    if variant == "naive":
+                        attempt(variant, batch, partial(naive, batch))
+                    else:
+                        label, options = OFFLOADED[variant]
+                        attempt(variant, batch, partial(offloaded, label, batch, first, **options))
+            print(f"# round {round_ + 1}/{args.repeats} done", file=sys.stderr, flush=True)
+    except Exception as err:  # a GPU error poisons every later call: report what was measured up to it
+        if not bandwidths:
+            raise
+        traceback.print_exc()
+        failures.append(f"stopped in round {len(bandwidths)}: {type(err).__name__}: {err}")
 
     expert_bytes = len(store.pieces) * store.bytes_per_expert
     rows = [median_row(r) for r in runs.values()]
@@ -379,7 +383,7 @@ def main() -> None:
     }
     result = dict(
         device=args.device,
-        gpu=None if on_cpu else torch.cuda.get_device_name(device),
+        gpu=gpu,
         expert_bytes_on_disk=expert_bytes,
         budget=budget,
         non_expert_bytes=resident_bytes - expert_bytes,
