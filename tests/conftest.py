@@ -8,6 +8,7 @@ Layout: the tests mirror the package.
   ``moekit.cli.main``); e2e/test_bad_input.py is the table of bad input across commands.
 - dist/ spawns gloo ranks; parity/ compares with transformers (both named by what they check; a
   parity test may drive the CLI when its input is a transformers model).
+- cuda/ runs where a CUDA device is (skipped elsewhere): the GPU paths against CPU references.
 Helpers used by more than one file live in helpers.py, fixtures here.
 """
 
