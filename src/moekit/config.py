@@ -417,7 +417,7 @@ class TrainConfig:
     ckpt_every: int = 100  # steps between checkpoints (and one at the end); 0 = only at the end
     keep_checkpoints: int = 2  # newest checkpoints kept on disk
     async_checkpoint: bool = False  # write checkpoints on a background thread while training goes on
-    peak_tflops: float = 0.5  # device peak for MFU (2-core CPU ~0.5 fp32; H100 bf16 dense ~989)
+    peak_tflops: float | None = None  # device peak for MFU; None: a known GPU's bf16 dense peak, 0.5 on a CPU
     sample_tokens: int = 200  # tokens generated into sample.txt at the end; 0 = none
     # Training beyond memory: MoE experts' weights and AdamW state kept on disk, a budgeted working set in RAM.
     memory_budget: str = ""  # RAM for the experts' working set (e.g. 4GB); "" = every expert stays in memory
@@ -443,7 +443,7 @@ class TrainConfig:
         _require(self.lr > 0, "train.lr", self.lr, "must be > 0")
         _require(0 <= self.min_lr <= self.lr, "train.min_lr", self.min_lr, f"must be in [0, lr={self.lr}]")
         _require(self.grad_clip >= 0, "train.grad_clip", self.grad_clip, "must be >= 0")
-        _require(self.peak_tflops > 0, "train.peak_tflops", self.peak_tflops, "must be > 0")
+        _require(self.peak_tflops is None or self.peak_tflops > 0, "train.peak_tflops", self.peak_tflops, "must be > 0")
         _one_of("train.dtype", self.dtype, DTYPES)
         self._check_offload()
 

@@ -1,8 +1,10 @@
 """Training on a CUDA device: fp32 losses equal the CPU run's to rounding, bf16 trains with fp32 master
-weights, and a checkpoint written on the GPU loads on the CPU with the same outputs."""
+weights and an MFU read against the GPU's peak, and a checkpoint written on the GPU loads on the CPU
+with the same outputs."""
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -12,6 +14,7 @@ from helpers import tiny
 
 from moekit.run.load import load_run
 from moekit.train.loop import train
+from moekit.train.peak import gpu_peak_tflops
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -31,6 +34,11 @@ def test_bf16_trains_and_its_checkpoint_loads_on_the_cpu(corpus_file: Path, tmp_
     result = train(cfg, tmp_path / "run", device="cuda", progress=False)
     assert all(math.isfinite(x) for x in result.losses)
     assert sum(result.losses[-3:]) / 3 < sum(result.losses[:3]) / 3 - 0.5
+    mfu = [json.loads(line).get("mfu") for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    if gpu_peak_tflops(torch.cuda.get_device_name()) is None:
+        assert mfu == [None] * 20  # an unknown GPU: no MFU
+    else:  # read against the GPU's peak, not the CPU default
+        assert all(0 < m < 1 for m in mfu)
     on_gpu, on_cpu = load_run(tmp_path / "run", "cuda").model, load_run(tmp_path / "run").model
     assert all(w.dtype == torch.float32 for w in on_cpu.state_dict().values())  # fp32 master weights
     ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))

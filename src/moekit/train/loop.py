@@ -36,6 +36,7 @@ from moekit.train.model_build import build_model
 from moekit.train.offload import ExpertOffload
 from moekit.train.offload.checkpoint import StreamedExperts, restoring, saving
 from moekit.train.optim import lr_at
+from moekit.train.peak import peak_tflops
 
 
 class TrainingError(MoekitError):
@@ -277,7 +278,7 @@ def _steps(run: _Run, progress: bool, on_step: Callable[[dict[str, Any]], None] 
     cfg, pm, saver, main = run.cfg, run.pm, run.saver, run.main
     tc = cfg.train
     tokens_per_step = tc.batch_size * cfg.model.context_length * tc.grad_accum * run.layout.batch_ranks
-    peak_flops = tc.peak_tflops * 1e12 * run.layout.world
+    peak = peak_tflops(tc.peak_tflops, run.dev)
     losses: list[float] = []
     val_loss: float | None = None
     checkpoint = run.resume_from if main else None
@@ -294,7 +295,8 @@ def _steps(run: _Run, progress: bool, on_step: Callable[[dict[str, Any]], None] 
             record = _train_step(pm, run.optimizer, run.corpus, cfg, run.dev, step, checkpoint, run.offload)
             step += 1
             record["tokens_per_s"] = tokens_per_step / (time.perf_counter() - started)
-            record["mfu"] = run.flops_per_token * record["tokens_per_s"] / peak_flops
+            if peak is not None:  # an unknown GPU: no MFU rather than one read against a guess
+                record["mfu"] = run.flops_per_token * record["tokens_per_s"] / (peak * 1e12 * run.layout.world)
             if tc.compile:
                 record.update(compiled.record())  # cumulative: a recompile after warm-up shows as a rise
                 if main and step == run.start_step + 1:
