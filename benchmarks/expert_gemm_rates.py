@@ -1,6 +1,7 @@
 """Measured rate of the experts' grouped GEMMs at the planner presets' expert shapes, on this device.
 
     python benchmarks/expert_gemm_rates.py --device cuda [--out rates.json] [--rows 64,...] [--json]
+    python benchmarks/expert_gemm_rates.py --fit rates.json   # the planner's gemm_half_rows from a table
 
 For each model preset's expert shape (d_model k, expert width n) and rows per expert m, times
 moekit's expert FFN (``expert_ffn``: SwiGLU, gate and up fused in one [k, 2n] grouped GEMM, down
@@ -11,16 +12,22 @@ that forward+backward. On CUDA each figure is the median of ``--reps`` calls tim
 after ``--warmup`` untimed ones, over fresh random inputs per point (not zeros). The planner reads
 the JSON (``--out``) as its measured expert-GEMM rates; the rows per expert a layout gives are
 tokens per micro-batch x top-k x ep / experts.
+
+``--fit`` reads such a table and fits the planner's one small-GEMM constant, ``gemm_half_rows`` h
+(an expert GEMM of m rows runs at m / (m + h) of the large-GEMM rate), to each shape's forward+backward
+rate relative to its best, by least squares in log space over a grid of h, and to all shapes at once.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import time
 from importlib import resources
+from pathlib import Path
 
 import torch
 
@@ -88,6 +95,30 @@ def measure(k: int, n: int, m: int, experts: int, device: torch.device, dtype: t
     }
 
 
+def fit_half_rows(points: list[dict]) -> float:
+    """The h of m / (m + h) closest (least squares of the logs) to each point's rate over its shape's best."""
+    best: dict[tuple[int, int], float] = {}
+    for p in points:
+        best[p["k"], p["n"]] = max(best.get((p["k"], p["n"]), 0.0), p["fwd_bwd_tflops"])
+    relative = [(p["m"], p["fwd_bwd_tflops"] / best[p["k"], p["n"]]) for p in points]
+    grid = [2 ** (i / 8) for i in range(0, 8 * 14)]  # 1 .. 16k rows
+
+    def error(h: float) -> float:
+        return sum((math.log(r) - math.log(m / (m + h))) ** 2 for m, r in relative)
+
+    return min(grid, key=error)
+
+
+def print_fit(path: str) -> None:
+    table = json.loads(Path(path).read_text())
+    print(f"{table['device']}, {table['dtype']}, {table['experts']} experts per grouped GEMM")
+    shapes = sorted({(p["k"], p["n"]) for p in table["points"]})
+    for k, n in shapes:
+        mine = [p for p in table["points"] if (p["k"], p["n"]) == (k, n)]
+        print(f"k {k:5} n {n:6}: gemm_half_rows {fit_half_rows(mine):7.1f}")
+    print(f"all shapes: gemm_half_rows {fit_half_rows(table['points']):.1f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda", help="cuda (bf16) or cpu (fp32; for a quick check only)")
@@ -98,7 +129,10 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--out", help="write the table as JSON here")
     parser.add_argument("--json", action="store_true", help="print the JSON on the last line")
+    parser.add_argument("--fit", metavar="TABLE", help="fit gemm_half_rows to a table written by --out, and stop")
     args = parser.parse_args()
+    if args.fit:
+        return print_fit(args.fit)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device here")

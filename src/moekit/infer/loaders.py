@@ -17,7 +17,7 @@ orders each move against the computations that read the slot. One load, as the o
   (``PinnedExperts``, filled from the file once). Each load queues a DMA copy on a side CUDA stream
   and returns; the copy records an event the compute stream waits for before using the slot, and
   each computation records an event the next copy into that slot waits for, so transfers overlap
-  compute without synchronising the device. Written for CUDA; not yet run on a GPU.
+  compute without synchronising the device. Its tests run where a GPU is (``.ci/cuda``).
 """
 
 from __future__ import annotations
