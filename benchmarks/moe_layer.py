@@ -194,9 +194,6 @@ def time_shape(
         target.free_memory()
 
     for name, case in cases.items():  # untimed warm-up calls of each, the first checked against moekit's
-        if "moekit-dropless" in failed:
-            fail(name, "moekit-dropless, the reference, failed")
-            continue
         try:
             warmup[name], y, dx = timed(case, backward, grads, target)
             if target.cuda:  # the first call paid for lazy kernel loading and cuBLAS set-up
@@ -207,17 +204,20 @@ def time_shape(
         got = [y, dx] if backward else [y]
         if name == "moekit-dropless":
             want = got
-        elif case.checked:
+        elif case.checked and want:
             errors[name] = relative_error(got, want, kept)
             if errors[name] > tolerance:
                 fail(name, f"disagrees with moekit-dropless: relative error {errors[name]:.1e} > {tolerance:.1e}")
     del want, y, dx
+    if "moekit-dropless" in failed:  # the other rows still say what they measure
+        notes.append("moekit-dropless, the reference, failed: the other impls ran unchecked")
     agree = {n: e for n, e in errors.items() if n not in failed}
     if agree:
         worst = max(agree, key=agree.__getitem__)
         notes.append(f"{len(agree)} impls agree with moekit-dropless; worst {worst}, {agree[worst]:.1e}")
     names = [n for n in cases if n not in failed]
-    slow = {n for n in names if warmup[n] > SLOW * warmup["moekit-dropless"]}
+    reference = warmup.get("moekit-dropless", min(warmup.values(), default=0.0))
+    slow = {n for n in names if warmup[n] > SLOW * reference}
     notes += [f"{n}: timed in the first {SLOW_ROUNDS} rounds only, over {SLOW}x moekit's time" for n in sorted(slow)]
     calls = {n: max(1, min(MAX_CALLS, math.ceil(MIN_ROUND_S / warmup[n]))) for n in names}
     if any(c > 1 for c in calls.values()):
