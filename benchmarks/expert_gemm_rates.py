@@ -1,7 +1,7 @@
 """Measured rate of the experts' grouped GEMMs at the planner presets' expert shapes, on this device.
 
     python benchmarks/expert_gemm_rates.py --device cuda [--out rates.json] [--rows 64,...] [--json]
-    python benchmarks/expert_gemm_rates.py --fit rates.json   # the planner's gemm_half_rows from a table
+    python benchmarks/expert_gemm_rates.py --fit rates.json [more.json ...]   # the planner's two constants
 
 For each model preset's expert shape (d_model k, expert width n) and rows per expert m, times
 moekit's expert FFN (``expert_ffn``: SwiGLU, gate and up fused in one [k, 2n] grouped GEMM, down
@@ -13,9 +13,10 @@ after ``--warmup`` untimed ones, over fresh random inputs per point (not zeros).
 the JSON (``--out``) as its measured expert-GEMM rates; the rows per expert a layout gives are
 tokens per micro-batch x top-k x ep / experts.
 
-``--fit`` reads such a table and fits the planner's one small-GEMM constant, ``gemm_half_rows`` h
-(an expert GEMM of m rows runs at m / (m + h) of the large-GEMM rate), to each shape's forward+backward
-rate relative to its best, by least squares in log space over a grid of h, and to all shapes at once.
+``--fit`` reads such tables (several ``--experts`` counts belong together) and fits the planner's
+small-GEMM constants: a grouped GEMM of m rows an expert and w multiply-adds over its G experts
+(G * m * k * n) runs at m / (m + gemm_half_rows) x w / (w + gemm_half_work) of the large-GEMM rate,
+each shape's forward+backward rate taken relative to its best, by least squares of the logs on a grid.
 """
 
 from __future__ import annotations
@@ -95,28 +96,33 @@ def measure(k: int, n: int, m: int, experts: int, device: torch.device, dtype: t
     }
 
 
-def fit_half_rows(points: list[dict]) -> float:
-    """The h of m / (m + h) closest (least squares of the logs) to each point's rate over its shape's best."""
+def fit_size_factor(points: list[dict]) -> tuple[float, float, float]:
+    """The planner's (gemm_half_rows, gemm_half_work) closest to the measured forward+backward rates,
+    each over its shape's best, by least squares of the logs on a grid; and the fit's rms log error."""
     best: dict[tuple[int, int], float] = {}
     for p in points:
         best[p["k"], p["n"]] = max(best.get((p["k"], p["n"]), 0.0), p["fwd_bwd_tflops"])
-    relative = [(p["m"], p["fwd_bwd_tflops"] / best[p["k"], p["n"]]) for p in points]
-    grid = [2 ** (i / 8) for i in range(0, 8 * 14)]  # 1 .. 16k rows
+    relative = [
+        (p["m"], p["experts"] * p["m"] * p["k"] * p["n"], math.log(p["fwd_bwd_tflops"] / best[p["k"], p["n"]]))
+        for p in points
+    ]
 
-    def error(h: float) -> float:
-        return sum((math.log(r) - math.log(m / (m + h))) ** 2 for m, r in relative)
+    def error(h: float, w: float) -> float:
+        return sum((r - math.log(m / (m + h) * work / (work + w))) ** 2 for m, work, r in relative)
 
-    return min(grid, key=error)
+    grid = [(2 ** (i / 4), 10 ** (j / 16)) for i in range(0, 4 * 13) for j in range(16 * 7, 16 * 12)]
+    h, w = min(grid, key=lambda hw: error(*hw))
+    return h, w, math.sqrt(error(h, w) / len(relative))
 
 
-def print_fit(path: str) -> None:
-    table = json.loads(Path(path).read_text())
-    print(f"{table['device']}, {table['dtype']}, {table['experts']} experts per grouped GEMM")
-    shapes = sorted({(p["k"], p["n"]) for p in table["points"]})
-    for k, n in shapes:
-        mine = [p for p in table["points"] if (p["k"], p["n"]) == (k, n)]
-        print(f"k {k:5} n {n:6}: gemm_half_rows {fit_half_rows(mine):7.1f}")
-    print(f"all shapes: gemm_half_rows {fit_half_rows(table['points']):.1f}")
+def print_fit(paths: list[str]) -> None:
+    points = []
+    for path in paths:
+        table = json.loads(Path(path).read_text())
+        points += [dict(p, experts=table["experts"]) for p in table["points"]]
+        print(f"{path}: {table['device']}, {table['dtype']}, {table['experts']} experts per grouped GEMM")
+    h, w, rms = fit_size_factor(points)
+    print(f"gemm_half_rows = {h:.0f}, gemm_half_work = {w:.3g} (rms log error {rms:.2f}, {len(points)} points)")
 
 
 def main() -> None:
@@ -129,7 +135,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--out", help="write the table as JSON here")
     parser.add_argument("--json", action="store_true", help="print the JSON on the last line")
-    parser.add_argument("--fit", metavar="TABLE", help="fit gemm_half_rows to a table written by --out, and stop")
+    parser.add_argument("--fit", metavar="TABLE", nargs="+", help="fit the planner's constants to tables, and stop")
     args = parser.parse_args()
     if args.fit:
         return print_fit(args.fit)

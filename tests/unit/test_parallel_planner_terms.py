@@ -336,11 +336,15 @@ def test_terms_add_up_to_the_step() -> None:
 
 def test_only_the_expert_gemms_slow_down_when_small() -> None:
     """128 tokens a rank, top-2 of 4 experts, all local: 64 rows an expert, half rate at gemm_half_rows 64;
-    the dense GEMMs (all 128 rows against the model width) keep the large-GEMM rate."""
+    one grouped GEMM does 4 experts x 64 rows x 32 x 64 multiply-adds, half rate at gemm_half_work of
+    that; both: a quarter. The dense GEMMs (all 128 rows against the model width) keep the large-GEMM rate."""
     spec, cand = _tiny(), Candidate(4, 1, 1, 1, 1)
-    base, small = estimate(spec, cand, CLUSTER), estimate(spec, cand, dataclasses.replace(CLUSTER, gemm_half_rows=64))
-    assert small.terms["gemm"] == pytest.approx(base.terms["gemm"])
-    assert small.terms["gemm_experts"] == pytest.approx(2 * base.terms["gemm_experts"])
+    work = 4 * 64 * 32 * 64
+    base = estimate(spec, cand, CLUSTER)
+    for rows, half_work, slower in ((64, 0, 2), (0, work, 2), (64, work, 4), (64, 3 * work, 8)):
+        small = estimate(spec, cand, dataclasses.replace(CLUSTER, gemm_half_rows=rows, gemm_half_work=half_work))
+        assert small.terms["gemm"] == pytest.approx(base.terms["gemm"])
+        assert small.terms["gemm_experts"] == pytest.approx(slower * base.terms["gemm_experts"])
 
 
 def test_interleaved_pipeline_sends_hide_plain_ones_wait() -> None:

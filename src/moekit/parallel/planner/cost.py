@@ -267,9 +267,11 @@ def route_reach(spec: ModelSpec, nodes: int) -> int:
     return nodes
 
 
-def _size_factor(rows: float, c: Cluster) -> float:
-    """A GEMM of ``rows`` rows runs at rows / (rows + c.gemm_half_rows) of the large-GEMM rate."""
-    return rows / (rows + c.gemm_half_rows)
+def _size_factor(rows: float, work: float, c: Cluster) -> float:
+    """The share of the large-GEMM rate a grouped expert GEMM reaches with ``rows`` rows an expert and
+    ``work`` multiply-adds over all its experts (``Cluster.gemm_half_rows``, ``gemm_half_work``)."""
+    by_rows = rows / (rows + c.gemm_half_rows) if c.gemm_half_rows else 1.0
+    return by_rows * (work / (work + c.gemm_half_work) if c.gemm_half_work else 1.0)
 
 
 def _hidden(exchange_s: float, beside_s: float, c: Cluster) -> float:
@@ -325,7 +327,9 @@ def estimate(spec: ModelSpec, cand: Candidate, c: Cluster, load_imbalance: float
     # NOTE: the dense GEMMs (a whole micro-batch's rows, thousands, against d_model-wide weights) run at the
     # large-GEMM rate; only the per-expert GEMMs (a few hundred rows each) are small enough to slow down.
     dense_rate = gemm_rate
-    expert_rate = gemm_rate * _size_factor(rows * cand.ep * e.top_k / e.num_experts, c)  # rows per local expert
+    per_expert = rows * cand.ep * e.top_k / e.num_experts  # rows of each local expert
+    work = e.num_experts / cand.ep * per_expert * D * e.d_ff / cand.etp  # one grouped GEMM's multiply-adds
+    expert_rate = gemm_rate * _size_factor(per_expert, work, c)
     expert_s = (3 + extra_experts) * experts / expert_rate
     terms = {
         "gemm": ((3 + extra_dense) * (attn + dense) + redone) / dense_rate,

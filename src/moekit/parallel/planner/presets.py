@@ -52,9 +52,12 @@ class Cluster:
     hbm_gbps: float = 0.0
     # FP8 GEMMs' rate over bf16 GEMMs' as reached by real layers (peak is 2x; fitted).
     fp8_speedup: float = 1.0
-    # Rows (tokens) at which one expert's GEMM reaches half of its large-GEMM rate: a few tokens per
-    # expert make small, slow grouped GEMMs; 0 leaves it out.
+    # A grouped expert GEMM runs at rows / (rows + gemm_half_rows) x work / (work + gemm_half_work) of
+    # the large-GEMM rate: rows, an expert's (a tile's rows left empty), and work, the multiply-adds of
+    # one grouped GEMM over a rank's local experts (too few to fill the device and hide the launches).
+    # Measured on the device (benchmarks/expert_gemm_rates.py --fit); 0 leaves a factor out.
     gemm_half_rows: float = 0.0
+    gemm_half_work: float = 0.0
     # Fraction of an overlappable exchange (gradient reduce-scatter / all-gather, all-to-all with both
     # passes overlapped, cp exchanges) hidden under the compute that runs beside it (fitted).
     overlap: float = 0.0
