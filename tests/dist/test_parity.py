@@ -37,7 +37,7 @@ from moekit.parallel.runtime import ParallelModel, init_distributed
 from moekit.stats import StepStats
 from moekit.train.optim import build_optimizer
 
-from .spawn import run_ranks
+from .spawn import MOEKIT, run_ranks
 
 BASE = {
     "model.n_layers": "2",
@@ -68,7 +68,6 @@ MLA_GROUPS = {
     "moe.group_score": "top2_sum",
     "moe.route_scale": "2.5",
 }
-PRELOAD = ("moekit.parallel.runtime", "moekit.model", "moekit.train.optim")  # imported once, not per rank
 GRAD_TOL = 1e-5  # gradients, gradient norm and loss of the first step
 LOSS_TOL = 1e-4  # losses of steps 2..STEPS
 
@@ -307,7 +306,7 @@ def test_layouts_match_single_process(world: int, tmp_path) -> None:
     """One set of spawned ranks per world size runs every layout of that size (process start-up is
     most of the cost); a failure names each layout that differs. ``-s`` prints the differences."""
     names = [name for name, (w, _) in LAYOUTS.items() if w == world]
-    run_ranks(_check_all, world, names, tmp_path=tmp_path, preload=PRELOAD)
+    run_ranks(_check_all, world, names, tmp_path=tmp_path, preload=MOEKIT)
 
 
 @pytest.mark.parametrize(
