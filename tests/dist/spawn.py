@@ -9,6 +9,10 @@ from pathlib import Path
 
 import torch.multiprocessing as mp
 
+# What the ranks' fork server imports once: torch and the training stack. One server serves a whole
+# test session (the first list given starts it), so every test names these same modules.
+MOEKIT = ("moekit.train.loop", "moekit.run.load")
+
 
 def free_port() -> int:
     with socket.socket() as s:

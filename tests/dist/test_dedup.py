@@ -25,7 +25,7 @@ from moekit.layer import MoE
 from moekit.parallel.ep import ep_groups, shard_moe
 from moekit.parallel.mesh import Layout, build_mesh
 
-from .spawn import run_ranks
+from .spawn import MOEKIT, run_ranks
 
 W, EXPERTS, TOKENS, D = 4, 8, 12, 16  # ranks, experts, tokens per rank, model dim
 TOL = 1e-5
@@ -147,4 +147,4 @@ def _check_all(rank: int, world: int) -> None:
 
 
 def test_dedup_dispatch_matches_single_process_and_per_expert(tmp_path) -> None:
-    run_ranks(_check_all, W, tmp_path=tmp_path)
+    run_ranks(_check_all, W, tmp_path=tmp_path, preload=MOEKIT)

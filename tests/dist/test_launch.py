@@ -22,7 +22,7 @@ from moekit.parallel.mesh import LayoutError
 from moekit.parallel.runtime import RankFailure, collective_errors, exit_after_rank_failure, init_distributed
 from moekit.train.loop import train
 
-from .spawn import run_ranks
+from .spawn import MOEKIT, run_ranks
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
@@ -95,7 +95,7 @@ def _peer_hung_in_an_expert_exchange(rank: int, world: int, done: Path) -> None:
 
 def test_a_rank_hung_in_an_expert_exchange_fails_after_the_timeout(tmp_path) -> None:
     done = tmp_path / "rank0-done"
-    run_ranks(_peer_hung_in_an_expert_exchange, 2, done, tmp_path=tmp_path)
+    run_ranks(_peer_hung_in_an_expert_exchange, 2, done, tmp_path=tmp_path, preload=MOEKIT)
     assert done.exists()
 
 

@@ -38,7 +38,7 @@ from moekit.train import loop
 from moekit.train.loop import train
 from moekit.train.metrics import METRICS_FILE
 
-from .spawn import run_ranks
+from .spawn import MOEKIT, run_ranks
 
 STEPS, HALF = 4, 2
 RESHARD_TOL = 1e-5
@@ -47,7 +47,6 @@ DP4_TOL = 1e-6
 # rank: 4 experts (98 KB per layer), 2 under ep=2, 1 under ep=4.
 BUDGET = {1: "800KB", 2: "400KB", 4: "250KB"}
 HOST = {"dp2xep2": "200KB"}  # 4 regions of 49 KB: the 3 layers' gradients and one layer's weights
-PRELOAD = ("moekit.train.loop", "moekit.run.load")
 
 
 def _cfg(
@@ -149,8 +148,8 @@ def _four_ranks(rank: int, world: int, tmp: Path) -> None:
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     tmp = tmp_path_factory.mktemp("offload")
     write_corpus(tmp / "corpus.txt")
-    run_ranks(_two_ranks, 2, tmp, tmp_path=tmp, preload=PRELOAD)
-    run_ranks(_four_ranks, 4, tmp, tmp_path=tmp, preload=PRELOAD)
+    run_ranks(_two_ranks, 2, tmp, tmp_path=tmp, preload=MOEKIT)
+    run_ranks(_four_ranks, 4, tmp, tmp_path=tmp, preload=MOEKIT)
     return tmp
 
 

@@ -19,7 +19,7 @@ from moekit.model import Transformer
 from moekit.parallel.runtime import init_distributed
 from moekit.train.model_build import build_model
 
-from .spawn import run_ranks
+from .spawn import MOEKIT, run_ranks
 
 SEED = 3
 
@@ -65,4 +65,4 @@ def _compare(rank: int, world: int, tmp: Path) -> None:
 
 
 def test_each_rank_builds_its_ep_shard_into_its_file(tmp_path: Path) -> None:
-    run_ranks(_compare, 2, tmp_path, tmp_path=tmp_path, preload=("moekit.train.model_build",))
+    run_ranks(_compare, 2, tmp_path, tmp_path=tmp_path, preload=MOEKIT)

@@ -15,7 +15,7 @@ from moekit.model import Transformer
 from moekit.parallel.runtime import ParallelModel, init_distributed
 from moekit.train.optim import build_optimizer, decays
 
-from .spawn import run_ranks
+from .spawn import MOEKIT, run_ranks
 
 BASE = {
     "model.n_layers": "2",
@@ -57,4 +57,4 @@ def _groups(rank: int, world: int, overrides: dict[str, str]) -> None:
 
 @pytest.mark.parametrize("overrides", [{"parallel.dp": "2"}, {"parallel.ep": "2", "parallel.dp": "1"}])
 def test_sharded_parameters_keep_their_names_and_decay(overrides: dict[str, str], tmp_path: Path) -> None:
-    run_ranks(_groups, 2, overrides, tmp_path=tmp_path)
+    run_ranks(_groups, 2, overrides, tmp_path=tmp_path, preload=MOEKIT)

@@ -14,7 +14,7 @@ from moekit.parallel.runtime import ParallelModel, init_distributed
 from moekit.train import loop
 from moekit.train.optim import build_optimizer
 
-from .spawn import run_ranks
+from .spawn import MOEKIT, run_ranks
 
 STEPS = 8
 BASE = {
@@ -133,4 +133,4 @@ def test_placement_and_shadows_keep_gradients_and_losses(tmp_path: Path) -> None
     """One set of 4 ranks (start-up is most of the cost): shadow gradients, then three 8-step runs."""
     text = tmp_path / "corpus.txt"
     text.write_text("".join(f"line {i}: the quick brown fox jumps over the lazy dog.\n" for i in range(400)))
-    run_ranks(_both, 4, text, tmp_path / "cache", tmp_path=tmp_path)
+    run_ranks(_both, 4, text, tmp_path / "cache", tmp_path=tmp_path, preload=MOEKIT)

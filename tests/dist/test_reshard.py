@@ -31,7 +31,7 @@ from moekit.run.layout import CheckpointError, latest_checkpoint
 from moekit.run.export import export_run
 from moekit.train.loop import _rebatch, train
 
-from .spawn import run_ranks
+from .spawn import MOEKIT, run_ranks
 
 STEPS, HALF = 4, 2
 TOL = 1e-5
@@ -87,7 +87,7 @@ def sharded_run(tmp_path_factory) -> Path:
 
     tmp = tmp_path_factory.mktemp("reshard")
     corpus = write_corpus(tmp / "corpus.txt")
-    run_ranks(_reference_then_ep4, 4, corpus, tmp, tmp_path=tmp)
+    run_ranks(_reference_then_ep4, 4, corpus, tmp, tmp_path=tmp, preload=MOEKIT)
     return tmp
 
 
@@ -104,7 +104,7 @@ def test_resume_at_other_layouts_gives_the_same_losses(sharded_run: Path) -> Non
     assert json.loads((tmp / "ep1" / "config.json").read_text())["train"]["grad_accum"] == 4
     rewind(ref, tmp / "pp2", HALF)
     rewind(ref, tmp / "tp2", HALF)
-    run_ranks(_resume_pp2_and_tp2, 2, tmp / "corpus.txt", tmp, tmp_path=tmp)
+    run_ranks(_resume_pp2_and_tp2, 2, tmp / "corpus.txt", tmp, tmp_path=tmp, preload=MOEKIT)
 
 
 def _damaged(tmp: Path, name: str, damage) -> Path:
@@ -259,7 +259,7 @@ def test_a_checkpoint_leaves_live_placement_and_resumes_at_another_layout(tmp_pa
     from conftest import write_corpus
 
     corpus = write_corpus(tmp_path / "corpus.txt")
-    run_ranks(_save_with_placement, 4, corpus, tmp_path, tmp_path=tmp_path)
+    run_ranks(_save_with_placement, 4, corpus, tmp_path, tmp_path=tmp_path, preload=MOEKIT)
     want = json.loads((tmp_path / "placed-losses.json").read_text())[PLACED_SAVE:]
     cfg = _placed_cfg(corpus, tmp_path / "cache", ep="1")
     resumed = train(cfg, tmp_path / "placed", resume=True, progress=False)

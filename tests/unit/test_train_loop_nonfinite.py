@@ -128,7 +128,7 @@ def _nan_on_rank_one(rank: int, world: int, corpus: Path, tmp: Path) -> None:
 
 
 def test_every_rank_skips_a_step_that_is_nan_on_one(corpus_file: Path, tmp_path: Path) -> None:
-    from dist.spawn import run_ranks  # the tests directory is on sys.path (rootdir conftest)
+    from dist.spawn import MOEKIT, run_ranks  # the tests directory is on sys.path (rootdir conftest)
 
-    run_ranks(_nan_on_rank_one, 2, corpus_file, tmp_path, tmp_path=tmp_path)
+    run_ranks(_nan_on_rank_one, 2, corpus_file, tmp_path, tmp_path=tmp_path, preload=MOEKIT)
     assert [r["skipped"] for r in read_metrics(tmp_path / "run")] == [False, False, True, False]
