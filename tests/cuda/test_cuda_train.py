@@ -1,6 +1,6 @@
 """Training on a CUDA device: fp32 losses equal the CPU run's to rounding, bf16 trains with fp32 master
-weights and an MFU read against the GPU's peak, and a checkpoint written on the GPU loads on the CPU
-with the same outputs."""
+weights and an MFU read against the GPU's peak, a checkpoint written on the GPU loads on the CPU with
+the same outputs, and per-block torch.compile (inductor's GPU kernels) trains to eager's losses."""
 
 from __future__ import annotations
 
@@ -44,3 +44,18 @@ def test_bf16_trains_and_its_checkpoint_loads_on_the_cpu(corpus_file: Path, tmp_
     ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(on_gpu(ids.cuda()).logits.cpu(), on_cpu(ids).logits, atol=1e-4, rtol=1e-4)
+
+
+def test_compiled_training_matches_eager_and_does_not_recompile(corpus_file: Path, tmp_path: Path) -> None:
+    """Tolerance 1e-5 on every loss over 10 steps, as on the CPU (inductor fuses and reorders float
+    reductions); a wrong fused kernel moves the first loss by far more."""
+    run = {"model.moe_every": "2", "train.steps": "10", "train.eval_every": "10", "train.sample_tokens": "0"}
+    eager = train(tiny(corpus_file, tmp_path / "cache", **run), tmp_path / "eager", device="cuda", progress=False)
+    compiled_cfg = tiny(corpus_file, tmp_path / "cache", **run, **{"train.compile": "true"})
+    compiled = train(compiled_cfg, tmp_path / "compiled", device="cuda", progress=False)
+    assert max(abs(a - b) for a, b in zip(eager.losses, compiled.losses, strict=True)) <= 1e-5
+    records = [json.loads(line) for line in (tmp_path / "compiled" / "metrics.jsonl").read_text().splitlines()]
+    assert records[0]["compile_s"] > 0 and records[0]["compiled_graphs"] >= 2
+    assert {(r["compiled_graphs"], r["recompiles"]) for r in records[:-1]} == {
+        (records[0]["compiled_graphs"], records[0]["recompiles"])
+    }
