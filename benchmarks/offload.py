@@ -14,16 +14,14 @@ reported as median and min-max. Also: hit rate, bytes read per token, the read-b
 offline replay of the recorded routing trace through each policy and Belady's optimum. The int8 row
 shows speed only (random weights say nothing of quality: see benchmarks/quant_quality.py).
 
-``--device cuda``: the fast tier is GPU memory, the slow tier page-locked host memory that every expert
-is copied into from the file once per configuration, before the clock starts (``infer.loaders.PinnedExperts``).
-resident holds every weight on the GPU; moekit copies single experts into its budgeted GPU cache on a
-side stream (``CudaLoader``); naive copies each MoE layer's experts whole on every call, as one copy of
-the layer's contiguous block of pinned memory queued on the compute stream (its matmuls wait for all of
-it; no cache, no prefetch). The bound is the measured pinned host->GPU copy bandwidth (a 1 GiB copy,
-median of 5, each round) / bytes copied per token; it bounds naive too, whose copies are the large
-contiguous ones it is measured on. No page cache or ``O_DIRECT`` lies between pinned memory and the GPU:
-no warm rows, nothing dropped. The clock starts and stops on a synchronized device; greedy tokens are
-compared with resident's on the same device. ``--json`` prints the table to stderr as well.
+``--device cuda``: the fast tier is GPU memory, the slow tier page-locked host memory filled from the file
+before the clock (``infer.loaders.PinnedExperts``). resident holds every weight on the GPU; moekit copies
+single experts into its budgeted GPU cache on a side stream (``CudaLoader``); naive copies each MoE
+layer's experts whole on every call into one layer's buffer, as one copy queued on the compute stream.
+The bound is the measured pinned host->GPU copy bandwidth (a 1 GiB copy, median of 5, each round) /
+bytes copied per token, naive's too. No page cache lies between pinned memory and the GPU: no warm rows.
+The clock starts and stops on a synchronized device; greedy tokens are compared with resident's on the
+same device. ``--json`` prints the table to stderr as well.
 
     python benchmarks/offload.py [--json] [--device cuda] [--budget 512MB] [--repeats 3] [--variants naive int8 ...]
 """
@@ -136,10 +134,11 @@ class NaiveLayerExperts(nn.Module):
 
 class NaiveCopiedLayerExperts(NaiveLayerExperts):
     """The same on a GPU: every call copies all of its layer's experts from pinned host memory, as one
-    copy of their contiguous block, queued on the compute stream so the layer's matmuls wait for it."""
+    copy of their contiguous block, queued on the compute stream so the layer's matmuls wait for it
+    (and the next layer's copy into the shared buffer waits for them)."""
 
-    def __init__(self, store: ExpertStore, block: int, host_ES: Tensor, activation: Activation, device: str) -> None:
-        super().__init__(store, block, torch.empty_like(host_ES, device=device), activation)
+    def __init__(self, store: ExpertStore, block: int, host_ES: Tensor, buffer_ES: Tensor, activation: Activation):
+        super().__init__(store, block, buffer_ES, activation)
         self.host = host_ES
 
     def fetch(self) -> int:
@@ -317,15 +316,19 @@ def main() -> None:
         run = load_run(run_dir, args.device, offload=opts)
         off = run.offloader
         layers = []
+        # One layer's room, shared by the layers in turn: naive holds one layer of experts, not all of them.
+        E = max(run.model.blocks[block].ffn.cfg.num_experts for block in off.blocks)
+        buffer = aligned_empty(E * off.store.slot_bytes).view(E, off.store.slot_bytes)
+        if not on_cpu:
+            buffer = torch.empty_like(buffer, device=args.device)
         for block in off.blocks:
             moe = run.model.blocks[block].ffn
             E, activation = moe.cfg.num_experts, moe.experts.activation
             if on_cpu:
-                buffer = aligned_empty(E * off.store.slot_bytes).view(E, off.store.slot_bytes)
-                moe.experts = NaiveLayerExperts(off.store, block, buffer, activation)
+                moe.experts = NaiveLayerExperts(off.store, block, buffer[:E], activation)
             else:  # the offloader's pinned copy of the experts (CudaLoader's) is naive's source; its cache stays unused
                 host_ES = pinned_layer(off.loader.host, block, E)
-                moe.experts = NaiveCopiedLayerExperts(off.store, block, host_ES, activation, args.device)
+                moe.experts = NaiveCopiedLayerExperts(off.store, block, host_ES, buffer[:E], activation)
             layers.append(moe.experts)
         if on_cpu:
             off.store.drop_page_cache()

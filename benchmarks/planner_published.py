@@ -10,8 +10,8 @@ published one, term by term (what makes the planner prefer them), with what over
 exchange. A table row that contradicts itself is taken from its recipe, the table's reading ranked
 beside it; two rows of one layout whose published figures contradict their recipes are named. The
 cluster's calibration constants (GEMM efficiency, fp8 speedup, overlap fraction) are fitted by least
-squares on log tokens/s (the rows at which an expert's GEMM runs at half rate are not fitted: the
-cluster preset's, from the GEMM tile). Every row's prediction, rank and error is out of sample, by
+squares on log tokens/s (the expert GEMMs' small-size slowdown is not fitted: the cluster preset's,
+measured on an H100 by benchmarks/expert_gemm_rates.py). Every row's prediction, rank and error is out of sample, by
 model: the constants it uses are fitted on the other models' rows only (two rows of one model at the
 same layout would otherwise be fitted on each other). The constants fitted on every row (printed
 first) are the DGX-H100 preset's.

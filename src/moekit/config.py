@@ -417,7 +417,7 @@ class TrainConfig:
     ckpt_every: int = 100  # steps between checkpoints (and one at the end); 0 = only at the end
     keep_checkpoints: int = 2  # newest checkpoints kept on disk
     async_checkpoint: bool = False  # write checkpoints on a background thread while training goes on
-    peak_tflops: float | None = None  # device peak for MFU; None: a known GPU's bf16 dense peak, 0.5 on a CPU
+    peak_tflops: float | None = None  # device peak for MFU; None: a known GPU's dense peak in train.dtype, 0.5 on a CPU
     sample_tokens: int = 200  # tokens generated into sample.txt at the end; 0 = none
     # Training beyond memory: MoE experts' weights and AdamW state kept on disk, a budgeted working set in RAM.
     memory_budget: str = ""  # RAM for the experts' working set (e.g. 4GB); "" = every expert stays in memory

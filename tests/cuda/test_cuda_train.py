@@ -35,7 +35,7 @@ def test_bf16_trains_and_its_checkpoint_loads_on_the_cpu(corpus_file: Path, tmp_
     assert all(math.isfinite(x) for x in result.losses)
     assert sum(result.losses[-3:]) / 3 < sum(result.losses[:3]) / 3 - 0.5
     mfu = [json.loads(line).get("mfu") for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    if gpu_peak_tflops(torch.cuda.get_device_name()) is None:
+    if gpu_peak_tflops(torch.cuda.get_device_name(), "bf16") is None:
         assert mfu == [None] * 20  # an unknown GPU: no MFU
     else:  # read against the GPU's peak, not the CPU default
         assert all(0 < m < 1 for m in mfu)

@@ -278,7 +278,7 @@ def _steps(run: _Run, progress: bool, on_step: Callable[[dict[str, Any]], None] 
     cfg, pm, saver, main = run.cfg, run.pm, run.saver, run.main
     tc = cfg.train
     tokens_per_step = tc.batch_size * cfg.model.context_length * tc.grad_accum * run.layout.batch_ranks
-    peak = peak_tflops(tc.peak_tflops, run.dev)
+    peak = peak_tflops(tc.peak_tflops, run.dev, tc.dtype)
     losses: list[float] = []
     val_loss: float | None = None
     checkpoint = run.resume_from if main else None

@@ -53,8 +53,9 @@ class Cluster:
     # FP8 GEMMs' rate over bf16 GEMMs' as reached by real layers (peak is 2x; fitted).
     fp8_speedup: float = 1.0
     # A grouped expert GEMM runs at rows / (rows + gemm_half_rows) x work / (work + gemm_half_work) of
-    # the large-GEMM rate: rows, an expert's (a tile's rows left empty), and work, the multiply-adds of
-    # one grouped GEMM over a rank's local experts (too few to fill the device and hide the launches).
+    # the large-GEMM rate: rows, an expert's (a tile's rows left empty), and work, a rank's local experts x
+    # rows x d_model x expert width (the down projection's multiply-adds; too few to fill the device and
+    # hide the launches).
     # Measured on the device (benchmarks/expert_gemm_rates.py --fit); 0 leaves a factor out.
     gemm_half_rows: float = 0.0
     gemm_half_work: float = 0.0
