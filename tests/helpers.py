@@ -26,6 +26,25 @@ from moekit.run.sharded import METADATA, MODEL_PREFIX, read_metadata, read_tenso
 from moekit.train.metrics import MetricsLogger
 from moekit.train.offload.checkpoint import saving
 
+# The MoE layer's router and expert configurations that its tests run against the per-token reference.
+ROUTER_CASES = {
+    "topk-softmax": dict(router="topk"),
+    "topk-softmax-after": dict(router="topk", softmax_before_topk=False),
+    "topk-unnormalised": dict(router="topk", normalize_topk=False),
+    "topk-sigmoid": dict(router="topk", score_func="sigmoid", route_scale=2.5),
+    "switch": dict(router="switch", top_k=1),
+    "gshard": dict(router="gshard", top_k=2),
+    "noisy_topk": dict(router="noisy_topk"),
+    "expert_choice": dict(router="expert_choice"),
+    "hash": dict(router="hash"),
+    "capacity": dict(router="topk", capacity_factor=0.75),
+    "shared+gelu": dict(num_shared_experts=2, activation="gelu"),
+    "residual": dict(residual=True),
+    "gpt-oss": dict(
+        softmax_before_topk=False, activation="clamped_swiglu", swiglu_limit=0.8, expert_ffn_bias=True, router_bias=True
+    ),
+}
+
 PROSE = (
     "the expert router picks two of eight experts for every token and the load balancing loss keeps "
     "them busy while a shared expert sees all tokens; capacity factor drops overflow naïvely. "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import ROUTER_CASES
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -12,24 +13,6 @@ from moekit import MoE, MoEConfig
 from moekit.reference import moe_per_token
 
 ATOL = 1e-5
-
-ROUTER_CASES = {
-    "topk-softmax": dict(router="topk"),
-    "topk-softmax-after": dict(router="topk", softmax_before_topk=False),
-    "topk-unnormalised": dict(router="topk", normalize_topk=False),
-    "topk-sigmoid": dict(router="topk", score_func="sigmoid", route_scale=2.5),
-    "switch": dict(router="switch", top_k=1),
-    "gshard": dict(router="gshard", top_k=2),
-    "noisy_topk": dict(router="noisy_topk"),
-    "expert_choice": dict(router="expert_choice"),
-    "hash": dict(router="hash"),
-    "capacity": dict(router="topk", capacity_factor=0.75),
-    "shared+gelu": dict(num_shared_experts=2, activation="gelu"),
-    "residual": dict(residual=True),
-    "gpt-oss": dict(
-        softmax_before_topk=False, activation="clamped_swiglu", swiglu_limit=0.8, expert_ffn_bias=True, router_bias=True
-    ),
-}
 
 
 def build(seed: int = 0, **overrides) -> MoE:
