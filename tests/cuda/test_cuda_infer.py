@@ -37,4 +37,4 @@ def test_cli_generate_offloaded_on_cuda_equals_resident(run_dir: Path) -> None:
     on_cpu = moekit_cli(*argv, "--device", "cpu")
     assert resident.returncode == offloaded.returncode == on_cpu.returncode == 0, offloaded.stderr
     assert resident.stdout == offloaded.stdout == on_cpu.stdout and resident.stdout.startswith("the king")
-    assert "hit rate" in offloaded.stderr
+    assert "hit rate" in offloaded.stderr and "prefetch recall" not in offloaded.stderr  # auto: none on a GPU

@@ -22,7 +22,7 @@ from moekit.infer.expert_store import (
 )
 from moekit.infer.generate import generate, generate_texts, left_pad
 from moekit.infer.loaders import CudaLoader, FileLoader, PinnedExperts
-from moekit.infer.offload import OffloadOptions, model_bytes
+from moekit.infer.offload import OffloadOptions, model_bytes, resolve_prefetch
 from moekit.model import Transformer
 from moekit.run.load import load_run
 from moekit.units import parse_bytes
@@ -79,8 +79,15 @@ def test_cpu_offload_reads_the_file(run_dir: Path) -> None:
     run = load_run(run_dir, offload=OffloadOptions(memory_budget=budget_for(run_dir, 2)))
     try:
         assert isinstance(run.offloader.loader, FileLoader) and not run.offloader.cache.arena.is_cuda
+        assert run.offloader.prefetch == "router"  # auto: predict the next layer's reads from a disk
     finally:
         run.offloader.close()
+
+
+def test_auto_prefetch_predicts_reads_from_a_disk_but_not_copies_to_a_gpu() -> None:
+    assert resolve_prefetch("auto", torch.device("cpu")) == "router"
+    assert resolve_prefetch("auto", torch.device("cuda")) == "off"
+    assert [resolve_prefetch(m, torch.device("cuda")) for m in ("router", "all", "off")] == ["router", "all", "off"]
 
 
 @pytest.mark.parametrize("prefetch", ["router", "all", "off"])

@@ -144,7 +144,9 @@ def add_run_flags(parser: argparse.ArgumentParser) -> None:
     )
     off.add_argument("--policy", default="lru", help="expert cache eviction: lru, lfu, fifo (default: %(default)s)")
     off.add_argument(
-        "--prefetch", default="router", help="router (predict the next layer), all (ring), off (default: %(default)s)"
+        "--prefetch",
+        default="auto",
+        help="router (predict the next layer), all (ring), off; auto: router on a CPU, off on a GPU (default: auto)",
     )
     off.add_argument("--expert-format", default="fp", help="fp, int8 or int4 expert weights (default: %(default)s)")
 

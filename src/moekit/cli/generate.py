@@ -70,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
     if loaded.offloader is not None:
         stats = loaded.offloader.stats
         report += f", expert cache hit rate {stats.hit_rate:.1%}, read {format_bytes(stats.bytes_read)}"
-        if args.prefetch == "router":
+        if loaded.offloader.prefetch == "router":
             report += (
                 f", prefetch recall {stats.prediction_recall:.1%} precision {stats.prediction_precision:.1%}"
                 f" ({stats.prefetch_reads} reads)"
