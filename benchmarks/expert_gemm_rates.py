@@ -16,7 +16,8 @@ tokens per micro-batch x top-k x ep / experts.
 ``--fit`` reads such tables (several ``--experts`` counts belong together) and fits the planner's
 small-GEMM constants: a grouped GEMM of m rows an expert and w multiply-adds over its G experts
 (G * m * k * n) runs at m / (m + gemm_half_rows) x w / (w + gemm_half_work) of the large-GEMM rate,
-each shape's forward+backward rate taken relative to its best, by least squares of the logs on a grid.
+each shape's forward+backward rate taken relative to its best, by least squares of the logs on a grid;
+and ``expert_efficiency``, the large grouped GEMMs' rate over the device's peak.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import torch
 
 from moekit.experts.grouped import Activation, expert_ffn
 from moekit.parallel.planner.presets import load_model
+from moekit.train.peak import gpu_peak_tflops
 
 ROWS = (64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
@@ -115,14 +117,27 @@ def fit_size_factor(points: list[dict]) -> tuple[float, float, float]:
     return h, w, math.sqrt(error(h, w) / len(relative))
 
 
+def large_gemm_efficiency(points: list[dict], peak: float) -> float:
+    """The planner's ``expert_efficiency``: the median over shapes of each shape's best forward+backward
+    rate, over the device's peak."""
+    best: dict[tuple[int, int], float] = {}
+    for p in points:
+        best[p["k"], p["n"]] = max(best.get((p["k"], p["n"]), 0.0), p["fwd_bwd_tflops"])
+    return statistics.median(best.values()) / peak
+
+
 def print_fit(paths: list[str]) -> None:
-    points = []
+    points, devices = [], set()
     for path in paths:
         table = json.loads(Path(path).read_text())
         points += [dict(p, experts=table["experts"]) for p in table["points"]]
+        devices.add(table["device"])
         print(f"{path}: {table['device']}, {table['dtype']}, {table['experts']} experts per grouped GEMM")
     h, w, rms = fit_size_factor(points)
     print(f"gemm_half_rows = {h:.0f}, gemm_half_work = {w:.3g} (rms log error {rms:.2f}, {len(points)} points)")
+    peak = gpu_peak_tflops(devices.pop(), "bf16") if len(devices) == 1 else None
+    if peak:
+        print(f"expert_efficiency = {large_gemm_efficiency(points, peak):.2f} (of a {peak:g} TFLOP/s peak)")
 
 
 def main() -> None:

@@ -8,13 +8,17 @@ and cluster size, with the gap between their predicted step times (a rank among 
 percent of each other means little), and for each model the planner's 5 fastest layouts beside the
 published one, term by term (what makes the planner prefer them), with what overlap hides of each
 exchange. A table row that contradicts itself is taken from its recipe, the table's reading ranked
-beside it; two rows of one layout whose published figures contradict their recipes are named. The
-cluster's calibration constants (GEMM efficiency, fp8 speedup, overlap fraction) are fitted by least
-squares on log tokens/s (the expert GEMMs' small-size slowdown is not fitted: the cluster preset's,
-measured on an H100 by benchmarks/expert_gemm_rates.py). Every row's prediction, rank and error is out of sample, by
-model: the constants it uses are fitted on the other models' rows only (two rows of one model at the
-same layout would otherwise be fitted on each other). The constants fitted on every row (printed
-first) are the DGX-H100 preset's.
+beside it; two rows of one layout whose published figures contradict their recipes are named.
+
+The cluster's rates are measured on one H100 SXM, not fitted to these runs: large dense GEMMs, fp8
+GEMMs, causal attention and elementwise work by benchmarks/device_rates.py, the grouped expert GEMMs
+and their small-size slowdown by benchmarks/expert_gemm_rates.py (tables in benchmarks/measured/).
+One constant is fitted, by least squares on log tokens/s: ``overlap``, the share of an overlappable
+exchange that the compute beside it hides. Every row's prediction, rank and error is out of sample,
+by model: the overlap it uses is fitted on the other models' rows only (two rows of one model at the
+same layout would otherwise be fitted on each other). Two rows of one layout whose published figures
+contradict each other are predicted and reported but not fitted on. The overlap fitted on every other
+row (printed first) is the DGX-H100 preset's.
 
 Model TFLOP/s follow each source's own count (planner.model_flops_per_token's flags): a published
 TFLOP/s figure is tokens/s times that count. Megatron-Core's Mixtral figure gives TFLOP/s only; its
@@ -106,11 +110,7 @@ ROWS = [
     Row("Qwen3-235B-A22B 25.09", MB, "NeMo 25.09", "qwen3-235b-a22b", "fp8", 256, 2048, 1, 4096, 2, 8, 1, 4, 32,
         1204, 178, MB_COUNT, "precision not in the table; token-drop"),
 ]  # fmt: skip
-GRID = {
-    "efficiency": [x / 100 for x in range(30, 81, 2)],
-    "fp8_speedup": [1 + x / 20 for x in range(0, 17)],
-    "overlap": [x / 10 for x in range(0, 11)],
-}
+GRID = {"overlap": [x / 20 for x in range(0, 21)]}  # the fitted constants and the values tried
 
 
 @functools.cache
@@ -209,16 +209,18 @@ def explain(label: str, top: list[planner.Estimate], mine: planner.Estimate, gbs
     print("  the published layout's largest excess over the pick: " + ", ".join(f"{t} +{over[t]:.2f} s" for t in worst))
 
 
-def _inconsistent_pairs(out: list[dict]) -> list[tuple[dict, dict]]:
+def inconsistent_pairs(rows: list[Row]) -> list[tuple[Row, Row]]:
     """(slower, faster) rows of one model at one layout and dispatcher whose published tokens/s are more
     than 30% apart although their recipes are the same, or although the slower one overlaps its
-    all-to-alls and the faster one does not."""
+    all-to-alls and the faster one does not: no one cost model predicts both, so neither is fitted on."""
     pairs = []
-    for a, b in itertools.combinations(out, 2):
-        slow, fast = sorted((a, b), key=lambda r: r["tokens_pub"])
-        same = a["run"].split()[0] == b["run"].split()[0] and a["layout"] == b["layout"]
-        same = same and a["dispatch"] == b["dispatch"]
-        if same and fast["tokens_pub"] > 1.3 * slow["tokens_pub"] and slow["a2a_overlap"] >= fast["a2a_overlap"]:
+    for a, b in itertools.combinations(rows, 2):
+        slow, fast = sorted((a, b), key=lambda r: _published_tokens(r, _setup(r)[0]))
+        layout = (a.gpus, a.gbs, a.mbs, a.seq, a.tp, a.pp, a.cp, a.vp, a.ep, a.precision, a.dispatch)
+        same = a.model == b.model and layout == (b.gpus, b.gbs, b.mbs, b.seq, b.tp, b.pp, b.cp, b.vp, b.ep,
+                                                 b.precision, b.dispatch)  # fmt: skip
+        faster = _published_tokens(fast, _setup(fast)[0]) > 1.3 * _published_tokens(slow, _setup(slow)[0])
+        if same and faster and slow.a2a_overlap >= fast.a2a_overlap:
             pairs.append((slow, fast))
     return pairs
 
@@ -227,9 +229,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="also print the figures as JSON on the last line")
     args = parser.parse_args()
-    constants = fit(ROWS)
-    print("fitted on every row (the preset's):", ", ".join(f"{k}={v:g}" for k, v in constants.items()))
-    held_out = {m: fit([r for r in ROWS if r.model != m]) for m in dict.fromkeys(r.model for r in ROWS)}
+    contradicting = inconsistent_pairs(ROWS)
+    fitted = [r for r in ROWS if not any(r in pair for pair in contradicting)]
+    constants = fit(fitted)
+    print(f"fitted on {len(fitted)} rows (the preset's):", ", ".join(f"{k}={v:g}" for k, v in constants.items()))
+    held_out = {m: fit([r for r in fitted if r.model != m]) for m in dict.fromkeys(r.model for r in ROWS)}
     for model, fitted in held_out.items():
         print(f"  fitted without {model}:", ", ".join(f"{k}={v:g}" for k, v in fitted.items()))
     head = f"{'run':<24} {'prec':<4} {'GPUs':>4} {'tp':>2} {'pp':>2} {'vp':>2} {'ep':>2} {'mbs':>3} "
@@ -294,12 +298,12 @@ def main() -> None:
     for r in out:
         if r["note"]:
             print(f"  {r['run']}: {r['note']}")
-    for slow, fast in _inconsistent_pairs(out):
+    for slow, fast in contradicting:
         on = {True: "on", False: "off"}
+        ratio = _published_tokens(fast, _setup(fast)[0]) / _published_tokens(slow, _setup(slow)[0])
         print(
-            f"  inconsistent pair: {slow['run']} ({slow['tokens_pub']:.0f} tokens/s/GPU, all-to-all overlap "
-            f"{on[slow['a2a_overlap']]}) and {fast['run']} ({fast['tokens_pub']:.0f}, {on[fast['a2a_overlap']]}) "
-            f"publish one layout {fast['tokens_pub'] / slow['tokens_pub']:.2f}x apart, the slower with no less "
+            f"  inconsistent pair, not fitted on: {slow.label} (all-to-all overlap {on[slow.a2a_overlap]}) and "
+            f"{fast.label} ({on[fast.a2a_overlap]}) publish one layout {ratio:.2f}x apart, the slower with no less "
             "overlap: no one cost model predicts both"
         )
     for r in out:

@@ -156,12 +156,12 @@ def test_pass_overhead_and_fsdp_are_paid_per_micro_batch() -> None:
 
 def test_enumeration_and_memory_rejection() -> None:
     spec = load_model("mixtral-8x7b")
-    h100 = load_cluster("h100x8")
+    h100 = load_cluster("dgx-h100", nodes=1)
     every = candidates(spec, h100)
     assert every and all(c.dp * c.tp * c.pp == 8 and c.dp % c.ep == 0 for c in every)
     assert not any(estimate(spec, c, h100).fits for c in every), "46.7B parameters x 16 bytes > 8 x 80 GB"
     assert plan(spec, h100) == []
-    rows = plan(spec, load_cluster("h100-ib-32"), top=5)
+    rows = plan(spec, load_cluster("dgx-h100", nodes=4), top=5)
     assert rows and all(r.fits and r.memory_gb <= 80 * 0.9 for r in rows)
     assert [r.step_s for r in rows] == sorted(r.step_s for r in rows)
 
@@ -176,3 +176,31 @@ def test_rescore_with_skewed_loads_prefers_placement() -> None:
     assert r.placed.step_s == pytest.approx(r.estimate.step_s) and not r.switch
     ep2 = rescore(spec, c, [estimate(spec, Candidate(4, 2, 1, 1, 1, "flat", "none"), c)], skewed, 100)[0]
     assert ep2.placed.step_s < ep2.estimate.step_s
+
+
+def test_dgx_h100_rates_are_the_measured_ones() -> None:
+    """The DGX-H100 preset's device rates are the H100 measurements in benchmarks/measured (written by
+    benchmarks/device_rates.py and benchmarks/expert_gemm_rates.py), as rounded in the preset."""
+    import json
+    import sys
+    from pathlib import Path
+
+    measured = Path(__file__).resolve().parents[2] / "benchmarks" / "measured"
+    sys.path.insert(0, str(measured.parent))
+    try:
+        from expert_gemm_rates import fit_size_factor, large_gemm_efficiency
+    finally:
+        sys.path.remove(str(measured.parent))
+    c = load_cluster("dgx-h100")
+    rates = json.loads((measured / "h100-device-rates.json").read_text())
+    assert "H100" in rates["device"] and rates["peak_tflops"] == c.peak_tflops
+    for name in ("efficiency", "attention_efficiency", "fp8_speedup"):
+        assert getattr(c, name) == round(rates[name], 2), name
+    assert c.hbm_gbps == round(rates["hbm_gbps"])
+    points = []
+    for path in sorted(measured.glob("h100-expert-gemm-*.json")):
+        table = json.loads(path.read_text())
+        points += [dict(p, experts=table["experts"]) for p in table["points"]]
+    half_rows, half_work, _ = fit_size_factor(points)
+    assert (c.gemm_half_rows, c.gemm_half_work) == (round(half_rows), float(f"{half_work:.1g}"))
+    assert c.expert_efficiency == round(large_gemm_efficiency(points, c.peak_tflops), 2)

@@ -115,6 +115,29 @@ def test_fp8_speeds_only_the_gemms() -> None:
     assert saved == pytest.approx(gemms / 1e12 / 2)
 
 
+def test_fp8_casts_cost_memory_traffic() -> None:
+    """Under fp8 each GEMM's input is cast in the forward (the QKV projection's 32 wide, the output
+    projection's 32, and each of the 2 routed copies' 32 and 64), an output gradient as wide in the
+    backward: 2 passes x 4 bytes a value x 128 rows x 4 blocks, over 1 GB/s."""
+    spec, c = _tiny(), dataclasses.replace(CLUSTER, hbm_gbps=1.0)
+    bf16, fp8 = Candidate(4, 1, 1, 1, 1), Candidate(4, 1, 1, 1, 1, fp8=True)
+    extra = estimate(spec, fp8, c).terms["elementwise"] - estimate(spec, bf16, c).terms["elementwise"]
+    assert extra == pytest.approx(2 * 4 * 128 * 4 * (32 + 32 + 2 * (32 + 64)) / 1e9)
+
+
+def test_attention_and_expert_gemms_at_their_own_rates() -> None:
+    """attention_efficiency and expert_efficiency set the rates of the attention scores (3 x 128 tokens x
+    4 blocks x their forward FLOPs a step) and of the routed experts' GEMMs; the other GEMMs keep
+    efficiency's; 0 falls back to it."""
+    spec, cand = _tiny(), Candidate(4, 1, 1, 1, 1)
+    base = estimate(spec, cand, CLUSTER)
+    own = estimate(spec, cand, dataclasses.replace(CLUSTER, attention_efficiency=0.5, expert_efficiency=0.25))
+    assert base.terms["attention"] == pytest.approx(3 * 128 * 4 * layer_flops(spec, True)["core"] / 1e12)
+    assert own.terms["attention"] == pytest.approx(2 * base.terms["attention"])
+    assert own.terms["gemm_experts"] == pytest.approx(4 * base.terms["gemm_experts"])
+    assert own.terms["gemm"] == pytest.approx(base.terms["gemm"])
+
+
 def test_overlapped_gradients_once_a_step() -> None:
     spec = _tiny()
     cand = Candidate(16, 1, 1, 1, 2, grad_sync="overlapped")

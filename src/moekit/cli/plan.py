@@ -17,7 +17,7 @@ def add_parser(commands) -> None:
     )
     plan.set_defaults(run=run)
     plan.add_argument("--model", required=True, help="model preset (mixtral-8x7b, qwen3-30b-a3b, ...) or a .toml file")
-    plan.add_argument("--cluster", required=True, help="cluster preset (dgx-h100, h100-ib-32, ...) or a .toml file")
+    plan.add_argument("--cluster", required=True, help="cluster preset (dgx-h100) or a .toml file")
     plan.add_argument("--nodes", type=int, help="nodes of the cluster (default: the preset's)")
     plan.add_argument("--global-batch", type=int, help="sequences per step (default: the model preset's)")
     plan.add_argument(

@@ -2,9 +2,10 @@
 
 One step is ``micro + (pp - 1) / vp`` pipeline slots (the interleaved bubble; ``vp`` 1 is plain 1F1B)
 of one micro-batch through the busiest stage, plus the exposed part of the once-per-step gradient
-synchronisation. A micro-batch's time is its GEMMs (fp8 ones faster by ``fp8_speedup``; attention
-scores in bf16; each expert's GEMM slower when it has few rows), the elementwise work between them
-(bytes over HBM bandwidth), recomputation, and the exchanges left exposed: tp all-reduces (or
+synchronisation. A micro-batch's time is its GEMMs (at ``efficiency`` of peak, the experts' at
+``expert_efficiency`` and slower when they have few rows, fp8 ones faster by ``fp8_speedup``), the
+attention scores (bf16, at ``attention_efficiency``), the elementwise work between them (bytes over
+``hbm_gbps``, with the casts into fp8), recomputation, and the exchanges left exposed: tp all-reduces (or
 sequence-parallel all-gather + reduce-scatter, the same bytes, never hidden), the expert all-to-alls
 (flat, two-level, or deduplicated: one copy a destination node), expert-tp gathers, context-parallel KV
 rings, pipeline sends (hidden when interleaved), and moekit's FSDP, which gathers every unit every
@@ -30,6 +31,9 @@ from moekit.parallel.planner.flops import _blocks, attention_dims, layer_flops, 
 from moekit.parallel.planner.presets import Cluster, ModelSpec
 
 MEMORY_USABLE = 0.9  # NOTE: workspace, fragmentation and the allocator's caches take the rest
+# Bytes a value of a GEMM input costs to cast to fp8: 2 read, 1 written and 1 for its transpose, which
+# the backward's other GEMM reads (Transformer Engine on Hopper).
+FP8_CAST_BYTES = 4
 OVERLAP_CHUNKS = 2  # chunks of an overlapped dispatch (parallel.overlap_chunks)
 
 
@@ -316,10 +320,12 @@ def estimate(spec: ModelSpec, cand: Candidate, c: Cluster, load_imbalance: float
     rows = tokens / sp  # a rank's tokens entering the MoE layer (tp ranks repeat them without sp)
     moe_f, dense_f = layer_flops(spec, True), layer_flops(spec, False)
     extra_dense, extra_experts = RECOMPUTE_GEMMS[cand.recompute]
-    gemm_rate = c.flops * (c.fp8_speedup if cand.fp8 else 1.0)
+    fp8 = c.fp8_speedup if cand.fp8 else 1.0
+    gemm_rate = c.flops * fp8
+    a = attention_dims(spec)
     # Forward FLOPs of one micro-batch on the busiest rank.
     attn = tokens * blocks * moe_f["attention"] / cand.tp
-    redone = tokens * blocks * 2 * attention_dims(spec)["up"] / cand.tp if cand.recompute == "mla_up_proj" else 0.0
+    redone = tokens * blocks * 2 * a["up"] / cand.tp if cand.recompute == "mla_up_proj" else 0.0
     core = tokens * blocks * moe_f["core"] / cand.tp
     dense = tokens * (n_moe * moe_f["dense"] + (blocks - n_moe) * dense_f["dense"]) / cand.tp
     experts = rows * n_moe * moe_f["experts"] * load_imbalance
@@ -329,18 +335,26 @@ def estimate(spec: ModelSpec, cand: Candidate, c: Cluster, load_imbalance: float
     dense_rate = gemm_rate
     per_expert = rows * cand.ep * e.top_k / e.num_experts  # rows of each local expert
     work = e.num_experts / cand.ep * per_expert * D * e.d_ff / cand.etp  # one grouped GEMM's multiply-adds
-    expert_rate = gemm_rate * _size_factor(per_expert, work, c)
+    expert_peak = c.peak_tflops * 1e12 * (c.expert_efficiency or c.efficiency) * fp8
+    expert_rate = expert_peak * _size_factor(per_expert, work, c)
     expert_s = (3 + extra_experts) * experts / expert_rate
     terms = {
         "gemm": ((3 + extra_dense) * (attn + dense) + redone) / dense_rate,
         "gemm_experts": expert_s,
-        "attention": (3 + extra_dense) * core / c.flops,
+        "attention": (3 + extra_dense) * core / (c.peak_tflops * 1e12 * (c.attention_efficiency or c.efficiency)),
         "overhead": blocks * c.pass_overhead_us * 1e-6,
     }
     if c.hbm_gbps:  # elementwise: norms and residuals, token permutes, activation functions; backward 2x
         per_row = dt * (8 * D + e.top_k * load_imbalance * (4 * D + 3 * e.d_ff))
         elementwise = rows * (n_moe * per_row + (blocks - n_moe) * dt * (8 * D + 3 * m.d_ff / cand.tp))
-        terms["elementwise"] = (3 + extra_dense) * elementwise / (c.hbm_gbps * 1e9)
+        elementwise *= 3 + extra_dense
+        if cand.fp8:  # each GEMM's input cast in every forward, an output gradient as wide in the backward
+            attn_in = D + a["q"] / cand.tp
+            moe_in = attn_in + e.top_k * load_imbalance * (D + e.d_ff / cand.etp)
+            dense_in = attn_in + D + m.d_ff / cand.tp
+            casts = rows * (n_moe * moe_in + (blocks - n_moe) * dense_in) * FP8_CAST_BYTES
+            elementwise += (2 + extra_dense) * casts
+        terms["elementwise"] = elementwise / (c.hbm_gbps * 1e9)
     blocks_s = sum(terms.values())
     compute_s = with_head(blocks_s, 3 * head / c.flops, blocks, spec, cand)
     terms["head"] = compute_s - blocks_s

@@ -28,7 +28,7 @@ class Cluster:
     nodes: int  # machines
     gpus_per_node: int  # devices per machine sharing the fast intra-node link
     peak_tflops: float  # dense matmul peak per device in bf16 (or the training dtype)
-    efficiency: float  # fraction of peak reached by real layers' GEMMs (fitted: benchmarks/planner_published.py)
+    efficiency: float  # fraction of peak that large GEMMs reach (measured: benchmarks/device_rates.py)
     memory_gb: float  # device memory
     intra_gbps: float  # GB/s per device within a node (NVLink)
     intra_latency_us: float  # per message within a node
@@ -47,10 +47,15 @@ class Cluster:
     # fewer cores than devices time-share them (benchmarks/planner_calibration.py sets it), and pay an
     # all-to-all's latency once a peer where devices pay it once (comm.posted_latency).
     cores: int = 0
-    # Memory bandwidth for the elementwise work between GEMMs (norms, SwiGLU, token permutes); 0 leaves
-    # it out (the CPU calibration folds it into the FLOP rate).
+    # Bytes a second of the elementwise work between GEMMs (norms, SwiGLU, token permutes, casts into
+    # fp8), counted once a tensor read or written; 0 leaves it out (the CPU calibration folds it into the
+    # FLOP rate).
     hbm_gbps: float = 0.0
-    # FP8 GEMMs' rate over bf16 GEMMs' as reached by real layers (peak is 2x; fitted).
+    # Fractions of peak that causal flash attention (forward + backward, 3x the forward's score FLOPs)
+    # and large grouped expert GEMMs reach (0: ``efficiency``).
+    attention_efficiency: float = 0.0
+    expert_efficiency: float = 0.0
+    # FP8 GEMMs' rate over bf16 GEMMs' (peak is 2x).
     fp8_speedup: float = 1.0
     # A grouped expert GEMM runs at rows / (rows + gemm_half_rows) x work / (work + gemm_half_work) of
     # the large-GEMM rate: rows, an expert's (a tile's rows left empty), and work, a rank's local experts x
