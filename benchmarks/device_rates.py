@@ -13,6 +13,7 @@
   score FLOPs over a causal half) over the peak.
 - ``hbm_gbps``: bytes a second of elementwise work (SwiGLU forward on a micro-batch's rows: read 2 x
   width, write 1 x), the rate the planner divides the bytes between GEMMs by.
+- ``optimizer_gbps``: bytes a second of a fused AdamW step on 2^30 fp32 parameters (28 bytes each).
 
 Each figure is the median of ``--reps`` calls timed with CUDA events after ``--warmup`` untimed ones, on
 random inputs; the constant is the median over shapes (each shape's figure printed). On a CPU (fp32, no
@@ -93,6 +94,16 @@ def swiglu_gbps(width: int, device, dtype, warmup: int, reps: int) -> float:
     return 3 * ROWS * width * h.element_size() / timed(step, device, warmup, reps) / 1e9
 
 
+def adamw_gbps(params: int, device, warmup: int, reps: int) -> float:
+    """Bytes a second of a fused AdamW step (moekit's optimizer) over ``params`` fp32 parameters in
+    tensors of 16M: each parameter's weight, gradient and two moments read, weight and moments written."""
+    weights = [torch.zeros(2**24, device=device, requires_grad=True) for _ in range(params // 2**24)]
+    for w in weights:
+        w.grad = torch.randn_like(w)
+    opt = torch.optim.AdamW(weights, lr=1e-4, fused=True)
+    return 28 * len(weights) * 2**24 / timed(opt.step, device, warmup, reps) / 1e9
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda", help="cuda (bf16 and fp8) or cpu (fp32; a quick check only)")
@@ -150,7 +161,10 @@ def main() -> None:
     out["elementwise_gbps"] = dict(zip(map(str, widths), elementwise, strict=True))
     out["hbm_gbps"] = statistics.median(elementwise)
 
-    keys = ("efficiency", "fp8_speedup", "attention_efficiency", "hbm_gbps")
+    out["optimizer_gbps"] = adamw_gbps(2**30 if cuda else 2**25, device, args.warmup, args.reps)
+    print(f"fused AdamW step: {out['optimizer_gbps']:7.0f} GB/s")
+
+    keys = ("efficiency", "fp8_speedup", "attention_efficiency", "hbm_gbps", "optimizer_gbps")
     print("constants: " + ", ".join(f"{k} = {out[k]:.3g}" for k in keys if k in out))
     if args.out:
         Path(args.out).write_text(json.dumps(out, indent=1))

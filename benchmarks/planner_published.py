@@ -182,7 +182,20 @@ def rank(row: Row, constants: dict) -> tuple[int, int, float, list[planner.Estim
     return 1 + sum(est.step_s < step for est in best.values()), len(best), gap, top
 
 
-TERMS = ("gemm", "gemm_experts", "attention", "elementwise", "head", "a2a", "tp", "cp", "pp", "bubble", "grads")
+TERMS = (
+    "gemm",
+    "gemm_experts",
+    "attention",
+    "elementwise",
+    "head",
+    "a2a",
+    "tp",
+    "cp",
+    "pp",
+    "bubble",
+    "grads",
+    "optimizer",
+)
 HIDDEN = ("a2a", "cp", "pp", "grads")  # overlappable exchanges: what compute hides of them, beside the step
 
 
@@ -206,7 +219,8 @@ def explain(label: str, top: list[planner.Estimate], mine: planner.Estimate, gbs
     over = {t: mine.terms.get(t, 0.0) - top[0].terms.get(t, 0.0) for t in TERMS}
     print(f"{'pub - 1':>8} {'':>45} {mine.step_s - top[0].step_s:>6.2f} " + " ".join(f"{over[t]:>8.3f}" for t in TERMS))
     worst = sorted((t for t in TERMS if over[t] > 0), key=lambda t: -over[t])[:3]
-    print("  the published layout's largest excess over the pick: " + ", ".join(f"{t} +{over[t]:.2f} s" for t in worst))
+    excess = ", ".join(f"{t} +{over[t]:.2f} s" for t in worst) or "none (it is the pick)"
+    print(f"  the published layout's largest excess over the pick: {excess}")
 
 
 def inconsistent_pairs(rows: list[Row]) -> list[tuple[Row, Row]]:

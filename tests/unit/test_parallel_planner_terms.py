@@ -138,6 +138,18 @@ def test_attention_and_expert_gemms_at_their_own_rates() -> None:
     assert own.terms["gemm"] == pytest.approx(base.terms["gemm"])
 
 
+def test_the_optimizer_step_once_a_step_on_each_ranks_shard() -> None:
+    """An AdamW step moves 28 bytes a parameter, every parameter updated once over all the ranks, at
+    optimizer_gbps; in compute, not in the exchanges."""
+    spec, c = _tiny(), dataclasses.replace(CLUSTER, optimizer_gbps=1.0)
+    for cand in (Candidate(4, 1, 1, 1, 2), Candidate(2, 2, 1, 2, 4, grad_sync="overlapped")):
+        est, base = estimate(spec, cand, c), estimate(spec, cand, CLUSTER)
+        want = 28 * sum(param_counts(spec)) / 4 / 1e9
+        assert est.terms["optimizer"] == pytest.approx(want)
+        assert est.step_s - base.step_s == pytest.approx(want)
+        assert est.compute_s - base.compute_s == pytest.approx(want) and est.sync_s == base.sync_s
+
+
 def test_overlapped_gradients_once_a_step() -> None:
     spec = _tiny()
     cand = Candidate(16, 1, 1, 1, 2, grad_sync="overlapped")

@@ -2,7 +2,8 @@
 
 One step is ``micro + (pp - 1) / vp`` pipeline slots (the interleaved bubble; ``vp`` 1 is plain 1F1B)
 of one micro-batch through the busiest stage, plus the exposed part of the once-per-step gradient
-synchronisation. A micro-batch's time is its GEMMs (at ``efficiency`` of peak, the experts' at
+synchronisation and the optimizer step (``OPTIMIZER_BYTES`` a parameter over ``optimizer_gbps``). A
+micro-batch's time is its GEMMs (at ``efficiency`` of peak, the experts' at
 ``expert_efficiency`` and slower when they have few rows, fp8 ones faster by ``fp8_speedup``), the
 attention scores (bf16, at ``attention_efficiency``), the elementwise work between them (bytes over
 ``hbm_gbps``, with the casts into fp8), recomputation, and the exchanges left exposed: tp all-reduces (or
@@ -34,6 +35,8 @@ MEMORY_USABLE = 0.9  # NOTE: workspace, fragmentation and the allocator's caches
 # Bytes a value of a GEMM input costs to cast to fp8: 2 read, 1 written and 1 for its transpose, which
 # the backward's other GEMM reads (Transformer Engine on Hopper).
 FP8_CAST_BYTES = 4
+# Bytes an AdamW step moves a parameter: fp32 weight, gradient and two moments read, weight and moments written.
+OPTIMIZER_BYTES = 28
 OVERLAP_CHUNKS = 2  # chunks of an overlapped dispatch (parallel.overlap_chunks)
 
 
@@ -70,7 +73,7 @@ class Candidate:
 class Estimate:
     candidate: Candidate
     step_s: float
-    compute_s: float  # GEMMs, elementwise work and recomputation, with the pipeline bubble
+    compute_s: float  # GEMMs, elementwise work and recomputation, with the pipeline bubble; the optimizer step
     a2a_s: float  # expert-parallel exchanges on the critical path
     sync_s: float  # gradient and FSDP collectives, tp, cp and pipeline exchanges left exposed
     memory_gb: float  # peak per device
@@ -420,18 +423,24 @@ def estimate(spec: ModelSpec, cand: Candidate, c: Cluster, load_imbalance: float
         step_hidden["grads"] = _hidden(grads, compute_s + a2a, c)
         step_sync = grads - step_hidden["grads"]
         step_terms["grads"] = step_sync
+    optimizer = 0.0
+    if c.optimizer_gbps:  # once a step, each rank updating its shard: every parameter over every rank
+        world = cand.dp * cand.cp * cand.tp * cand.pp
+        optimizer = step_terms["optimizer"] = (
+            sum(param_counts(spec)) * OPTIMIZER_BYTES / world / (c.optimizer_gbps * 1e9)
+        )
     queued = 0.0
     if c.cores and c.gpus_per_node > c.cores:
         # Ranks sharing fewer cores (CPU ranks): a rank's step is at least its share of every rank's
         # work; a rank idle in the pipeline bubble gives its core to the others, so the bubble is free.
-        busy = cand.micro * (compute_s + a2a + sync) + step_sync
-        queued = max(0.0, c.gpus_per_node / c.cores * busy - (slots * (compute_s + a2a + sync) + step_sync))
+        busy = cand.micro * (compute_s + a2a + sync) + step_sync + optimizer
+        queued = max(0.0, c.gpus_per_node / c.cores * busy - (slots * (compute_s + a2a + sync) + step_sync + optimizer))
         step_terms["cores"] = queued
     mem = memory_bytes(spec, cand, load_imbalance)
     return Estimate(
         cand,
-        step_s=slots * (compute_s + a2a + sync) + step_sync + queued,
-        compute_s=slots * compute_s + queued,
+        step_s=slots * (compute_s + a2a + sync) + step_sync + optimizer + queued,
+        compute_s=slots * compute_s + optimizer + queued,
         a2a_s=slots * a2a,
         sync_s=slots * sync + step_sync,
         memory_gb=mem / 1e9,

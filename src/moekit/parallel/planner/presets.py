@@ -55,6 +55,8 @@ class Cluster:
     # and large grouped expert GEMMs reach (0: ``efficiency``).
     attention_efficiency: float = 0.0
     expert_efficiency: float = 0.0
+    # Bytes a second of the optimizer step (fused AdamW); 0 leaves the step out.
+    optimizer_gbps: float = 0.0
     # FP8 GEMMs' rate over bf16 GEMMs' (peak is 2x).
     fp8_speedup: float = 1.0
     # A grouped expert GEMM runs at rows / (rows + gemm_half_rows) x work / (work + gemm_half_work) of
