@@ -11,13 +11,14 @@
 - ``attention_efficiency``: causal scaled-dot-product attention, forward and backward, at the presets'
   head sizes and 4096 tokens, fastest of torch's backends, with the planner's count (3 x the forward's
   score FLOPs over a causal half) over the peak.
-- ``hbm_gbps``: bytes a second of elementwise work (SwiGLU forward on a micro-batch's rows: read 2 x
-  width, write 1 x), the rate the planner divides the bytes between GEMMs by.
+- ``hbm_gbps``: the planner's count of elementwise bytes (each tensor once read or written) a second,
+  as eager kernels run them: a SwiGLU forward on a micro-batch's rows counted as 2 x width read and 1 x
+  written, though its two kernels (silu, then the product) move 5 x width.
 - ``optimizer_gbps``: bytes a second of a fused AdamW step on 2^30 fp32 parameters (28 bytes each).
 
 Each figure is the median of ``--reps`` calls timed with CUDA events after ``--warmup`` untimed ones, on
 random inputs; the constant is the median over shapes (each shape's figure printed). On a CPU (fp32, no
-fp8) it only checks that the script runs.
+fp8, 64 rows, 256 tokens) it only checks that the script runs.
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ from expert_gemm_rates import timed  # noqa: E402
 
 from moekit.train.peak import peak_tflops  # noqa: E402
 
-ROWS = 8192  # a micro-batch's tokens: 2 sequences of 4096
+ROWS, SEQ = 8192, 4096  # a micro-batch's tokens (2 sequences of 4096), attention's sequence
+CPU_ROWS, CPU_SEQ = 64, 256  # on a CPU: only a check that the script runs
 # (d_model, out width) of the presets' dense GEMMs: Mixtral's QKV and FFN, Qwen3-30B's QKV, Qwen3-235B's
 # QKV, gpt-oss's QKV, DeepSeek-V3's dense FFN, and an output head's vocabulary slice.
 GEMMS = ((4096, 6144), (4096, 28672), (2048, 5120), (4096, 9216), (2880, 5120), (7168, 36864), (4096, 32768))
@@ -50,12 +52,12 @@ BACKENDS = {
 }
 
 
-def gemm_seconds(k: int, n: int, device, dtype, fp8: bool, warmup: int, reps: int) -> float:
-    """Forward + backward seconds of ``[ROWS, k] @ [k, n]``: the output, the input gradient and the
-    weight gradient, three GEMMs of ``2 ROWS k n`` FLOPs each."""
-    x = torch.randn(ROWS, k, device=device, dtype=dtype)
+def gemm_seconds(rows: int, k: int, n: int, device, dtype, fp8: bool, warmup: int, reps: int) -> float:
+    """Forward + backward seconds of ``[rows, k] @ [k, n]``: the output, the input gradient and the
+    weight gradient, three GEMMs of ``2 rows k n`` FLOPs each."""
+    x = torch.randn(rows, k, device=device, dtype=dtype)
     w = torch.randn(n, k, device=device, dtype=dtype) * k**-0.5
-    g = torch.randn(ROWS, n, device=device, dtype=dtype)
+    g = torch.randn(rows, n, device=device, dtype=dtype)
     if not fp8:
         return timed(lambda: (x @ w.t(), g @ w, g.t() @ x), device, warmup, reps)
     e4, e5, one = torch.float8_e4m3fn, torch.float8_e5m2, torch.ones((), device=device)
@@ -72,9 +74,9 @@ def gemm_seconds(k: int, n: int, device, dtype, fp8: bool, warmup: int, reps: in
     return timed(step, device, warmup, reps)
 
 
-def attention_seconds(heads: int, head: int, backend, device, dtype, warmup: int, reps: int) -> float:
-    q, k, v = (torch.randn(1, heads, 4096, head, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
-    grad = torch.randn(1, heads, 4096, head, device=device, dtype=dtype)
+def attention_seconds(seq: int, heads: int, head: int, backend, device, dtype, warmup: int, reps: int) -> float:
+    q, k, v = (torch.randn(1, heads, seq, head, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+    grad = torch.randn(1, heads, seq, head, device=device, dtype=dtype)
 
     def step() -> None:
         q.grad = k.grad = v.grad = None
@@ -84,14 +86,14 @@ def attention_seconds(heads: int, head: int, backend, device, dtype, warmup: int
     return timed(step, device, warmup, reps)
 
 
-def swiglu_gbps(width: int, device, dtype, warmup: int, reps: int) -> float:
-    h = torch.randn(ROWS, 2 * width, device=device, dtype=dtype)
+def swiglu_gbps(rows: int, width: int, device, dtype, warmup: int, reps: int) -> float:
+    h = torch.randn(rows, 2 * width, device=device, dtype=dtype)
 
     def step() -> None:
         gate, up = h.chunk(2, dim=-1)
         F.silu(gate) * up
 
-    return 3 * ROWS * width * h.element_size() / timed(step, device, warmup, reps) / 1e9
+    return 3 * rows * width * h.element_size() / timed(step, device, warmup, reps) / 1e9
 
 
 def adamw_gbps(params: int, device, warmup: int, reps: int) -> float:
@@ -116,6 +118,7 @@ def main() -> None:
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device here")
     cuda = device.type == "cuda"
+    rows, seq = (ROWS, SEQ) if cuda else (CPU_ROWS, CPU_SEQ)
     dtype = torch.bfloat16 if cuda else torch.float32
     name = torch.cuda.get_device_name(device) if cuda else "cpu"
     peak = peak_tflops(None, device, "bf16" if cuda else "fp32")
@@ -124,40 +127,41 @@ def main() -> None:
     out: dict = dict(device=name, torch=torch.__version__, dtype=str(dtype).removeprefix("torch."), peak_tflops=peak)
     print(f"{name}, {out['dtype']}, dense peak {peak:g} TFLOP/s; medians of {args.reps} calls")
 
-    rows = []
+    gemms = []
     for k, n in GEMMS:
-        flops = 3 * 2 * ROWS * k * n
-        bf16 = flops / gemm_seconds(k, n, device, dtype, False, args.warmup, args.reps) / 1e12
-        fp8 = flops / gemm_seconds(k, n, device, dtype, True, args.warmup, args.reps) / 1e12 if cuda else None
-        rows.append(dict(k=k, n=n, tflops=bf16, fp8_tflops=fp8))
+        flops = 3 * 2 * rows * k * n
+        bf16 = flops / gemm_seconds(rows, k, n, device, dtype, False, args.warmup, args.reps) / 1e12
+        fp8 = flops / gemm_seconds(rows, k, n, device, dtype, True, args.warmup, args.reps) / 1e12 if cuda else None
+        gemms.append(dict(k=k, n=n, tflops=bf16, fp8_tflops=fp8))
         fp8_text = f", fp8 {fp8:6.1f} ({fp8 / bf16:.2f}x)" if fp8 else ""
-        print(f"GEMM [{ROWS}, {k}] @ [{k}, {n}] fwd+bwd: {bf16:6.1f} TFLOP/s{fp8_text}", flush=True)
-    out["gemms"] = rows
-    out["efficiency"] = statistics.median(r["tflops"] for r in rows) / peak
+        print(f"GEMM [{rows}, {k}] @ [{k}, {n}] fwd+bwd: {bf16:6.1f} TFLOP/s{fp8_text}", flush=True)
+    out["gemms"] = gemms
+    out["efficiency"] = statistics.median(r["tflops"] for r in gemms) / peak
     if cuda:
-        out["fp8_speedup"] = statistics.median(r["fp8_tflops"] / r["tflops"] for r in rows)
+        out["fp8_speedup"] = statistics.median(r["fp8_tflops"] / r["tflops"] for r in gemms)
 
     attention = []
     for heads, head in ATTENTION:
-        flops = 3 * 2 * 2 * heads * head * 4096 * 4096 / 2  # QK^T and PV over a causal half, x3 fwd+bwd
+        flops = 3 * 2 * 2 * heads * head * seq * seq / 2  # QK^T and PV over a causal half, x3 fwd+bwd
         rates = {}
         for label, backend in BACKENDS.items() if cuda else [("math", SDPBackend.MATH)]:
             try:
-                rates[label] = flops / attention_seconds(heads, head, backend, device, dtype, 2, args.reps) / 1e12
+                seconds = attention_seconds(seq, heads, head, backend, device, dtype, 2, args.reps)
+                rates[label] = flops / seconds / 1e12
             except RuntimeError as exc:  # a backend that does not take this shape or device
                 print(f"attention {heads}x{head} {label}: not run ({str(exc).splitlines()[0][:80]})")
         best = max(rates, key=rates.get)
         attention.append(dict(heads=heads, head=head, tflops=rates[best], backend=best, rates=rates))
         print(
-            f"attention {heads} heads x {head}, 4096 causal, fwd+bwd: {rates[best]:6.1f} TFLOP/s ({best})", flush=True
+            f"attention {heads} heads x {head}, {seq} causal, fwd+bwd: {rates[best]:6.1f} TFLOP/s ({best})", flush=True
         )
     out["attention"] = attention
     out["attention_efficiency"] = statistics.median(a["tflops"] for a in attention) / peak
 
     widths = (768, 2880, 14336)
-    elementwise = [swiglu_gbps(w, device, dtype, args.warmup, args.reps) for w in widths]
+    elementwise = [swiglu_gbps(rows, w, device, dtype, args.warmup, args.reps) for w in widths]
     for w, gbps in zip(widths, elementwise, strict=True):
-        print(f"SwiGLU forward on [{ROWS}, 2 x {w}]: {gbps:7.0f} GB/s")
+        print(f"SwiGLU forward on [{rows}, 2 x {w}]: {gbps:7.0f} GB/s")
     out["elementwise_gbps"] = dict(zip(map(str, widths), elementwise, strict=True))
     out["hbm_gbps"] = statistics.median(elementwise)
 

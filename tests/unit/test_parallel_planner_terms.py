@@ -19,6 +19,7 @@ from moekit.parallel.planner import (
     candidates,
     deduplicated_time,
     estimate,
+    fp8_cast_values,
     gradient_sync_time,
     in_flight,
     layer_flops,
@@ -116,26 +117,42 @@ def test_fp8_speeds_only_the_gemms() -> None:
 
 
 def test_fp8_casts_cost_memory_traffic() -> None:
-    """Under fp8 each GEMM's input is cast in the forward (the QKV projection's 32 wide, the output
-    projection's 32, and each of the 2 routed copies' 32 and 64), an output gradient as wide in the
-    backward: 2 passes x 4 bytes a value x 128 rows x 4 blocks, over 1 GB/s."""
-    spec, c = _tiny(), dataclasses.replace(CLUSTER, hbm_gbps=1.0)
-    bf16, fp8 = Candidate(4, 1, 1, 1, 1), Candidate(4, 1, 1, 1, 1, fp8=True)
-    extra = estimate(spec, fp8, c).terms["elementwise"] - estimate(spec, bf16, c).terms["elementwise"]
-    assert extra == pytest.approx(2 * 4 * 128 * 4 * (32 + 32 + 2 * (32 + 64)) / 1e9)
+    """Values cast into fp8 a micro-batch, by hand: 4 blocks (the first dense, 3 MoE with a shared expert
+    of 64) of d 32, 2 query heads of 16 and 1 KV head, 2 of 4 experts of 64; tp 2 with sp, etp 2,
+    recomputed experts: 256 attention tokens a rank, 128 rows. Forward | backward of each:
+    attention: the output projection's input 256 x 32 / 2 | QKV's output gradients 256 x (32 + 32) / 2
+    and the output projection's 128 x 32; a dense FFN or the shared expert: 256 x 64 / 2 | 256 x 2 x 64
+    / 2 and 128 x 32; the routed copies (256, gathered over etp): 256 x (2 x 32 + 64), twice (recomputed)
+    | 256 x (2 x 64 + 2 x 32). The elementwise term pays 4 bytes each at hbm_gbps."""
+    spec = _tiny(**{"model.n_kv_heads": "1", "model.first_dense_layers": "1", "moe.num_shared_experts": "1"})
+    cand = Candidate(2, 2, 2, 1, 1, etp=2, sp=True, recompute="experts", fp8=True)
+    attention = 256 * 32 / 2 + 256 * (32 + 32) / 2 + 128 * 32
+    ffn = 256 * 64 / 2 + 256 * 2 * 64 / 2 + 128 * 32
+    routed = 2 * 256 * (2 * 32 + 64) + 256 * (2 * 64 + 2 * 32)
+    want = 4 * attention + ffn + 3 * (ffn + routed)
+    assert fp8_cast_values(spec, cand, tokens=256) == pytest.approx(want)
+    c = dataclasses.replace(CLUSTER, hbm_gbps=1.0)
+    extra = (
+        estimate(spec, cand, c).terms["elementwise"]
+        - estimate(spec, dataclasses.replace(cand, fp8=False), c).terms["elementwise"]
+    )
+    assert extra == pytest.approx(4 * want / 1e9)
 
 
 def test_attention_and_expert_gemms_at_their_own_rates() -> None:
-    """attention_efficiency and expert_efficiency set the rates of the attention scores (3 x 128 tokens x
-    4 blocks x their forward FLOPs a step) and of the routed experts' GEMMs; the other GEMMs keep
-    efficiency's; 0 falls back to it."""
+    """attention_efficiency and expert_efficiency replace efficiency for the attention scores (3 x 128
+    tokens x 4 blocks x their forward FLOPs a step) and the routed experts' GEMMs (3 x 128 rows x 4 blocks
+    x theirs); the other GEMMs keep efficiency's; 0 falls back to it."""
     spec, cand = _tiny(), Candidate(4, 1, 1, 1, 1)
-    base = estimate(spec, cand, CLUSTER)
-    own = estimate(spec, cand, dataclasses.replace(CLUSTER, attention_efficiency=0.5, expert_efficiency=0.25))
-    assert base.terms["attention"] == pytest.approx(3 * 128 * 4 * layer_flops(spec, True)["core"] / 1e12)
-    assert own.terms["attention"] == pytest.approx(2 * base.terms["attention"])
-    assert own.terms["gemm_experts"] == pytest.approx(4 * base.terms["gemm_experts"])
-    assert own.terms["gemm"] == pytest.approx(base.terms["gemm"])
+    half = dataclasses.replace(CLUSTER, efficiency=0.5)
+    own = estimate(spec, cand, dataclasses.replace(half, attention_efficiency=0.25, expert_efficiency=0.125))
+    flops = layer_flops(spec, True)
+    assert own.terms["attention"] == pytest.approx(3 * 128 * 4 * flops["core"] / (0.25 * 1e12))
+    assert own.terms["gemm_experts"] == pytest.approx(3 * 128 * 4 * flops["experts"] / (0.125 * 1e12))
+    fallback = estimate(spec, cand, half)
+    assert fallback.terms["attention"] == pytest.approx(own.terms["attention"] / 2)
+    assert fallback.terms["gemm_experts"] == pytest.approx(own.terms["gemm_experts"] / 4)
+    assert own.terms["gemm"] == pytest.approx(fallback.terms["gemm"])
 
 
 def test_the_optimizer_step_once_a_step_on_each_ranks_shard() -> None:
@@ -287,6 +304,17 @@ def test_context_parallel_only_where_each_share_is_long() -> None:
     assert {k.cp for k in candidates(_tiny(), CLUSTER, tech)} == {1}  # 32 tokens
     long = _tiny(**{"model.context_length": "8192"})
     assert {k.cp for k in candidates(long, CLUSTER, tech)} == {1, 2, 4}
+
+
+def test_context_parallel_ring_hides_behind_the_attention_scores() -> None:
+    """With all of an overlappable exchange hidable, cp's ring hides behind the attention scores beside it
+    (3 x 128 tokens x 4 blocks x their forward FLOPs, at attention_efficiency), up to all of itself."""
+    spec, cand = _tiny(), Candidate(2, 1, 1, 1, 1, cp=2)
+    exposed = estimate(spec, cand, CLUSTER).terms["cp"]
+    for rate in (1e-3, 1e2):
+        c = dataclasses.replace(CLUSTER, overlap=1.0, attention_efficiency=rate)
+        scores = 3 * 128 * 4 * layer_flops(spec, True)["core"] / (rate * 1e12)
+        assert estimate(spec, cand, c).hidden["cp"] == pytest.approx(min(exposed, scores))
 
 
 def test_parse_techniques() -> None:

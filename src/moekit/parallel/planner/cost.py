@@ -28,12 +28,12 @@ import math
 from dataclasses import dataclass, field
 
 from moekit.parallel.planner.comm import all_to_all_time, deduplicated_time, members_per_node, p2p_time, ring_time
-from moekit.parallel.planner.flops import _blocks, attention_dims, layer_flops, param_counts
+from moekit.parallel.planner.flops import _blocks, _mult, attention_dims, layer_flops, param_counts
 from moekit.parallel.planner.presets import Cluster, ModelSpec
 
 MEMORY_USABLE = 0.9  # NOTE: workspace, fragmentation and the allocator's caches take the rest
-# Bytes a value of a GEMM input costs to cast to fp8: 2 read, 1 written and 1 for its transpose, which
-# the backward's other GEMM reads (Transformer Engine on Hopper).
+# Bytes a value costs to cast into fp8 (``fp8_cast_values``): 2 read, 1 written and 1 for its transpose,
+# which the other GEMM of the backward reads (Transformer Engine on Hopper).
 FP8_CAST_BYTES = 4
 # Bytes an AdamW step moves a parameter: fp32 weight, gradient and two moments read, weight and moments written.
 OPTIMIZER_BYTES = 28
@@ -312,6 +312,40 @@ def paired_share(cand: Candidate) -> float:
     return max(0, chunks - warm) / chunks
 
 
+def fp8_cast_values(spec: ModelSpec, cand: Candidate, tokens: float, load_imbalance: float = 1.0) -> float:
+    """Values one micro-batch casts into fp8 on a rank (``tokens`` its attention tokens; rows, the tokens
+    over sp, enter the MoE layer), in Transformer Engine's fp8 training: each GEMM's input in the forward,
+    except a norm's output (the fused norm writes it cast: LayerNormLinear), each GEMM's output gradient
+    in the backward; a recomputed forward casts again. A block's:
+
+    - attention: the output projection's input ``v / tp`` | the QKV GEMMs' output gradients ``(q + kv) /
+      tp`` and the output projection's ``D``;
+    - a dense FFN or shared experts of width ``F``: the second GEMM's input ``F / tp`` | the first GEMM's
+      output gradient ``(mult - 1) F / tp`` and the second's ``D``;
+    - each routed copy: the permuted row ``D`` and the second GEMM's input ``F`` | the output gradients
+      ``(mult - 1) F`` and ``D``; with expert tp, gathered rows: ``etp D`` and ``F`` a rank.
+
+    D-wide tensors are split over tp with sequence parallelism (``rows``), tp-split ones are not."""
+    m, e = spec.model, spec.moe
+    D, a, tp, etp = m.d_model, attention_dims(spec), cand.tp, cand.etp
+    rows = tokens / (tp if cand.sp else 1)
+    blocks, n_moe = stage_blocks(spec, cand)
+    extra_dense, extra_experts = RECOMPUTE_GEMMS[cand.recompute]
+
+    def ffn(width: float, activation: str) -> tuple[float, float]:  # (forward, backward) of a dense FFN
+        if not width:
+            return 0.0, 0.0
+        return tokens * width / tp, tokens * (_mult(activation) - 1) * width / tp + rows * D
+
+    attention = tokens * a["v"] / tp, tokens * (a["q"] + a["kv_act"]) / tp + rows * D
+    dense, shared = ffn(m.d_ff, m.mlp_activation), ffn(e.shared_hidden, e.activation)
+    copies = rows * e.top_k * load_imbalance
+    routed = copies * (etp * D + e.d_ff), copies * ((_mult(e.activation) - 1) * e.d_ff + etp * D)
+    per_pass = [(attention, blocks), (dense, blocks - n_moe), (shared, n_moe)]
+    values = sum(n * ((1 + extra_dense) * fwd + bwd) for (fwd, bwd), n in per_pass)
+    return values + n_moe * ((1 + extra_experts) * routed[0] + routed[1])
+
+
 def estimate(spec: ModelSpec, cand: Candidate, c: Cluster, load_imbalance: float = 1.0) -> Estimate:
     """Predicted step time and memory of one layout; ``load_imbalance`` is the max/mean rank load of
     the experts (1.0 balanced), which slows the busiest rank's GEMMs and exchanges."""
@@ -325,10 +359,10 @@ def estimate(spec: ModelSpec, cand: Candidate, c: Cluster, load_imbalance: float
     extra_dense, extra_experts = RECOMPUTE_GEMMS[cand.recompute]
     fp8 = c.fp8_speedup if cand.fp8 else 1.0
     gemm_rate = c.flops * fp8
-    a = attention_dims(spec)
+    attention_rate = c.peak_tflops * 1e12 * (c.attention_efficiency or c.efficiency)
     # Forward FLOPs of one micro-batch on the busiest rank.
     attn = tokens * blocks * moe_f["attention"] / cand.tp
-    redone = tokens * blocks * 2 * a["up"] / cand.tp if cand.recompute == "mla_up_proj" else 0.0
+    redone = tokens * blocks * 2 * attention_dims(spec)["up"] / cand.tp if cand.recompute == "mla_up_proj" else 0.0
     core = tokens * blocks * moe_f["core"] / cand.tp
     dense = tokens * (n_moe * moe_f["dense"] + (blocks - n_moe) * dense_f["dense"]) / cand.tp
     experts = rows * n_moe * moe_f["experts"] * load_imbalance
@@ -344,19 +378,16 @@ def estimate(spec: ModelSpec, cand: Candidate, c: Cluster, load_imbalance: float
     terms = {
         "gemm": ((3 + extra_dense) * (attn + dense) + redone) / dense_rate,
         "gemm_experts": expert_s,
-        "attention": (3 + extra_dense) * core / (c.peak_tflops * 1e12 * (c.attention_efficiency or c.efficiency)),
+        "attention": (3 + extra_dense) * core / attention_rate,
         "overhead": blocks * c.pass_overhead_us * 1e-6,
     }
     if c.hbm_gbps:  # elementwise: norms and residuals, token permutes, activation functions; backward 2x
-        per_row = dt * (8 * D + e.top_k * load_imbalance * (4 * D + 3 * e.d_ff))
+        # NOTE: not the routed experts' activation: their measured rate (expert_efficiency) includes it.
+        per_row = dt * (8 * D + e.top_k * load_imbalance * 4 * D)
         elementwise = rows * (n_moe * per_row + (blocks - n_moe) * dt * (8 * D + 3 * m.d_ff / cand.tp))
         elementwise *= 3 + extra_dense
-        if cand.fp8:  # each GEMM's input cast in every forward, an output gradient as wide in the backward
-            attn_in = D + a["q"] / cand.tp
-            moe_in = attn_in + e.top_k * load_imbalance * (D + e.d_ff / cand.etp)
-            dense_in = attn_in + D + m.d_ff / cand.tp
-            casts = rows * (n_moe * moe_in + (blocks - n_moe) * dense_in) * FP8_CAST_BYTES
-            elementwise += (2 + extra_dense) * casts
+        if cand.fp8:
+            elementwise += FP8_CAST_BYTES * fp8_cast_values(spec, cand, tokens, load_imbalance)
         terms["elementwise"] = elementwise / (c.hbm_gbps * 1e9)
     blocks_s = sum(terms.values())
     compute_s = with_head(blocks_s, 3 * head / c.flops, blocks, spec, cand)
@@ -398,7 +429,7 @@ def estimate(spec: ModelSpec, cand: Candidate, c: Cluster, load_imbalance: float
     if cand.cp > 1:  # ring attention: K, V round the ring in the forward, K, V and their grads back
         kv = tokens * attention_dims(spec)["kv_act"] / cand.tp * dt
         cp_s = (1 + extra_dense + 2) * blocks * (cand.cp - 1) * p2p_time(kv, cand.tp, c, cand.cp)
-        hidden["cp"] = _hidden(cp_s, (3 + extra_dense) * core / c.flops, c)
+        hidden["cp"] = _hidden(cp_s, (3 + extra_dense) * core / attention_rate, c)
         exchanges["cp"] = cp_s - hidden["cp"]
     if cand.pp > 1:  # activations to the next stage, gradients back, once per virtual stage
         pp_s = 2 * cand.vp * p2p_time(tokens * D * dt / sp, cand.tp * cand.cp * cand.dp, c, cand.pp)

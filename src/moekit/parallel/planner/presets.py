@@ -47,12 +47,12 @@ class Cluster:
     # fewer cores than devices time-share them (benchmarks/planner_calibration.py sets it), and pay an
     # all-to-all's latency once a peer where devices pay it once (comm.posted_latency).
     cores: int = 0
-    # Bytes a second of the elementwise work between GEMMs (norms, SwiGLU, token permutes, casts into
-    # fp8), counted once a tensor read or written; 0 leaves it out (the CPU calibration folds it into the
-    # FLOP rate).
+    # The elementwise work between GEMMs (norms, dense SwiGLU, token permutes, casts into fp8), its bytes
+    # counted once a tensor read or written, a second, as eager kernels run it (which move more than
+    # that: benchmarks/device_rates.py); 0 leaves it out (the CPU calibration folds it into the FLOP rate).
     hbm_gbps: float = 0.0
-    # Fractions of peak that causal flash attention (forward + backward, 3x the forward's score FLOPs)
-    # and large grouped expert GEMMs reach (0: ``efficiency``).
+    # Fractions of peak that causal fused attention (forward + backward, 3x the forward's score FLOPs)
+    # and the routed experts' large grouped FFNs (their activation included) reach (0: ``efficiency``).
     attention_efficiency: float = 0.0
     expert_efficiency: float = 0.0
     # Bytes a second of the optimizer step (fused AdamW); 0 leaves the step out.
