@@ -10,8 +10,9 @@ planner ranks every layout it enumerates, and every one of them trains for a few
 batch, median step time), in a shuffled order. Reported per repeat (a fresh calibration and fresh
 measurements each): Spearman and Kendall tau-b between predicted and measured step times over all
 layouts, and the top-1 regret (the measured step time of the planner's pick over the fastest
-measured). ``--calibrate-ranks 4`` leaves only the model out of sample; ``--in-sample`` calibrates on
-model B at ``--ranks`` instead. Timing on a shared CPU is noisy, and 4 ranks on 2 cores share them.
+measured); then each repeat's Spearman against the median of every repeat's measured step times.
+``--calibrate-ranks 4`` leaves only the model out of sample; ``--in-sample`` calibrates on model B at
+``--ranks`` instead. Timing on a shared CPU is noisy, and 4 ranks on 2 cores share them.
 
     python benchmarks/planner_calibration.py [--json] [--repeats 3] [--steps 3] [--in-sample]
 """
@@ -280,6 +281,15 @@ def ceiling(repeats: list[dict]) -> list[float]:
     return [spearman(list(a.values()), [b[k] for k in a]) for i, a in enumerate(measured) for b in measured[i + 1 :]]
 
 
+def against_median(repeats: list[dict]) -> list[float]:
+    """Spearman of each repeat's predicted step times against the median over all repeats of the measured
+    ones, layout by layout: the prediction against the least noisy measurement this run has."""
+    measured = [{row["layout"]: row["measured_s"] for row in r["rows"]} for r in repeats]
+    median = {k: statistics.median(m[k] for m in measured) for k in measured[0]}
+    predicted = [{row["layout"]: row["predicted_s"] for row in r["rows"]} for r in repeats]
+    return [spearman([p[k] for k in median], list(median.values())) for p in predicted]
+
+
 def _spread(values: list[float]) -> str:
     return f"{min(values):.2f}-{max(values):.2f}"
 
@@ -306,6 +316,7 @@ def main() -> None:
         key: [r[key] for r in repeats] for key in ("spearman", "kendall_tau_b", "regret", "measured_over_predicted")
     }
     summary["ceiling"] = ceiling(repeats)
+    summary["spearman_vs_median"] = against_median(repeats) if len(repeats) > 1 else []
     n = len(repeats[0]["rows"])
     print(f"{mode}; ranked: model B ({_describe(MODEL_B)}), global batch {GLOBAL_BATCH}, {args.ranks} gloo ranks")
     print(f"{n} of {repeats[0]['enumerated']} enumerated layouts fit; all {n} measured, {args.steps} steps each")
@@ -326,7 +337,8 @@ def main() -> None:
         spread = f"{statistics.median(ms):.1f} ({ms[0]:.1f}-{ms[-1]:.1f})"
         print(f"{row['layout']:>34} {pred:>22.1f} {spread:>24}")
     print(" ".join(f"{k} {_spread(v)}" for k, v in summary.items() if v), f"(min-max over {len(repeats)} repeats;")
-    print("ceiling: Spearman of one repeat's measured step times against another's, over each pair of repeats)")
+    print("ceiling: Spearman of one repeat's measured step times against another's, over each pair of repeats;")
+    print("spearman_vs_median: each repeat's predictions against the median of all repeats' measured step times)")
     if args.json:
         print(json.dumps({"mode": mode, "model_b": MODEL_B, "ranks": args.ranks, "repeats": repeats, **summary}))
 
