@@ -248,8 +248,8 @@ def main() -> None:
     constants = fit(fitted)
     print(f"fitted on {len(fitted)} rows (the preset's):", ", ".join(f"{k}={v:g}" for k, v in constants.items()))
     held_out = {m: fit([r for r in fitted if r.model != m]) for m in dict.fromkeys(r.model for r in ROWS)}
-    for model, fitted in held_out.items():
-        print(f"  fitted without {model}:", ", ".join(f"{k}={v:g}" for k, v in fitted.items()))
+    for model, held in held_out.items():
+        print(f"  fitted without {model}:", ", ".join(f"{k}={v:g}" for k, v in held.items()))
     head = f"{'run':<24} {'prec':<4} {'GPUs':>4} {'tp':>2} {'pp':>2} {'vp':>2} {'ep':>2} {'mbs':>3} "
     head += f"{'recomp':>11} {'mem GB':>6} {'tok/s pred':>10} {'pub':>6} {'ratio':>5} {'TFLOP/s pred':>12} {'pub':>4} "
     head += f"{'rank':>9} {'gap':>5}"

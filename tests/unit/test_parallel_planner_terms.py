@@ -18,6 +18,7 @@ from moekit.parallel.planner import (
     block_activation_bytes,
     candidates,
     deduplicated_time,
+    elementwise_bytes,
     estimate,
     fp8_cast_values,
     gradient_sync_time,
@@ -116,27 +117,61 @@ def test_fp8_speeds_only_the_gemms() -> None:
     assert saved == pytest.approx(gemms / 1e12 / 2)
 
 
+# 4 blocks of d 32 (the first dense, SwiGLU of 48; 3 MoE, top-3 GELU experts of 40 and a GELU shared
+# expert of 24), 4 query heads of 8 and 1 KV head: q and v 32, K and V 16; 4-byte values.
+UNEVEN = {
+    "model.n_layers": "4", "model.n_heads": "4", "model.n_kv_heads": "1", "model.first_dense_layers": "1",
+    "model.d_ff": "48", "moe.d_ff": "40", "moe.top_k": "3", "moe.num_experts": "6", "moe.activation": "gelu",
+    "moe.num_shared_experts": "1", "moe.shared_d_ff": "24",
+}  # fmt: skip
+# tp 2 with sp, etp 4, full recomputation, 256 attention tokens (128 rows), load imbalance 1.5 | tp 2
+# without sp, pp 2 (2 blocks a stage, 1.5 of them MoE on average), recomputed experts, 256 tokens and rows.
+SP_FULL = Candidate(4, 2, 2, 1, 1, etp=4, sp=True, recompute="full", fp8=True)
+PP_EXPERTS = Candidate(1, 1, 2, 2, 2, recompute="experts", fp8=True)
+
+
 def test_fp8_casts_cost_memory_traffic() -> None:
-    """Values cast into fp8 a micro-batch, by hand: 4 blocks (the first dense, 3 MoE with a shared expert
-    of 64) of d 32, 2 query heads of 16 and 1 KV head, 2 of 4 experts of 64; tp 2 with sp, etp 2,
-    recomputed experts: 256 attention tokens a rank, 128 rows. Forward | backward of each:
-    attention: the output projection's input 256 x 32 / 2 | QKV's output gradients 256 x (32 + 32) / 2
-    and the output projection's 128 x 32; a dense FFN or the shared expert: 256 x 64 / 2 | 256 x 2 x 64
-    / 2 and 128 x 32; the routed copies (256, gathered over etp): 256 x (2 x 32 + 64), twice (recomputed)
-    | 256 x (2 x 64 + 2 x 32). The elementwise term pays 4 bytes each at hbm_gbps."""
-    spec = _tiny(**{"model.n_kv_heads": "1", "model.first_dense_layers": "1", "moe.num_shared_experts": "1"})
-    cand = Candidate(2, 2, 2, 1, 1, etp=2, sp=True, recompute="experts", fp8=True)
-    attention = 256 * 32 / 2 + 256 * (32 + 32) / 2 + 128 * 32
-    ffn = 256 * 64 / 2 + 256 * 2 * 64 / 2 + 128 * 32
-    routed = 2 * 256 * (2 * 32 + 64) + 256 * (2 * 64 + 2 * 32)
-    want = 4 * attention + ffn + 3 * (ffn + routed)
-    assert fp8_cast_values(spec, cand, tokens=256) == pytest.approx(want)
+    """Values cast into fp8 a micro-batch, tensor by tensor (forward | backward): attention's output
+    projection input 256 x 32 / 2 | QKV's output gradients 256 x (32 + 16) / 2 and the output
+    projection's D a row; the dense FFN's second input 256 x 48 / 2 | its first output gradient 256 x 2 x
+    48 / 2 and D a row; the shared expert's input D a row and its second input 256 x 24 / 2 | 256 x 1 x 24
+    / 2 and D a row; each routed copy's etp x D and 40 | 1 x 40 and etp x D. Recomputed forwards cast
+    again. The elementwise term pays 4 bytes each at hbm_gbps."""
+    spec = _tiny(**UNEVEN)
+    rows, copies = 128, 128 * 3 * 1.5
+    attention = (256 * 32 / 2, 256 * (32 + 16) / 2 + rows * 32)
+    dense = (256 * 48 / 2, 256 * 2 * 48 / 2 + rows * 32)
+    shared = (rows * 32 + 256 * 24 / 2, 256 * 24 / 2 + rows * 32)
+    routed = (copies * (4 * 32 + 40), copies * (40 + 4 * 32))
+    want = sum(n * (2 * fwd + bwd) for (fwd, bwd), n in ((attention, 4), (dense, 1), (shared, 3), (routed, 3)))
+    assert fp8_cast_values(spec, SP_FULL, 256, 1.5) == pytest.approx(want)
+
+    rows, copies = 256, 256 * 3
+    attention = (256 * 32 / 2, 256 * (32 + 16) / 2 + rows * 32)
+    dense = (256 * 48 / 2, 256 * 2 * 48 / 2 + rows * 32)
+    shared = (rows * 32 + 256 * 24 / 2, 256 * 24 / 2 + rows * 32)
+    routed = (copies * (32 + 40), copies * (40 + 32))
+    want = 2 * sum(attention) + 0.5 * sum(dense) + 1.5 * sum(shared) + 1.5 * (2 * routed[0] + routed[1])
+    assert fp8_cast_values(spec, PP_EXPERTS, 256) == pytest.approx(want)
+
     c = dataclasses.replace(CLUSTER, hbm_gbps=1.0)
-    extra = (
-        estimate(spec, cand, c).terms["elementwise"]
-        - estimate(spec, dataclasses.replace(cand, fp8=False), c).terms["elementwise"]
-    )
-    assert extra == pytest.approx(4 * want / 1e9)
+    bf16 = dataclasses.replace(PP_EXPERTS, fp8=False)
+    extra = estimate(spec, PP_EXPERTS, c).terms["elementwise"] - estimate(spec, bf16, c).terms["elementwise"]
+    tokens = 16 * 32 / (1 * 2)  # a micro-batch's tokens; 2 micro-batches a step
+    assert extra == pytest.approx(2 * 4 * fp8_cast_values(spec, PP_EXPERTS, tokens) / 1e9)
+
+
+def test_elementwise_bytes_by_hand() -> None:
+    """4-byte values, forward then twice in the backward, recomputed forwards again: per block the norms
+    and residuals 8 x 32 a row; the dense SwiGLU 3 x 48 / 2 a token; the shared GELU 2 x 24 / 2 a token;
+    each routed copy's permutes and combine 4 x 32 (the routed activation is in the experts' rate)."""
+    spec = _tiny(**UNEVEN)
+    dense = 4 * 128 * 8 * 32 + 1 * 256 * 3 * 48 / 2 + 3 * 256 * 2 * 24 / 2
+    routed = 3 * 128 * 3 * 1.5 * 4 * 32
+    assert elementwise_bytes(spec, SP_FULL, 256, 1.5) == pytest.approx(4 * (4 * dense + 4 * routed))
+    dense = 2 * 256 * 8 * 32 + 0.5 * 256 * 3 * 48 / 2 + 1.5 * 256 * 2 * 24 / 2
+    routed = 1.5 * 256 * 3 * 4 * 32
+    assert elementwise_bytes(spec, PP_EXPERTS, 256) == pytest.approx(4 * (3 * dense + 4 * routed))
 
 
 def test_attention_and_expert_gemms_at_their_own_rates() -> None:

@@ -312,16 +312,35 @@ def paired_share(cand: Candidate) -> float:
     return max(0, chunks - warm) / chunks
 
 
+def elementwise_bytes(spec: ModelSpec, cand: Candidate, tokens: float, load_imbalance: float = 1.0) -> float:
+    """Bytes of the elementwise work between one micro-batch's GEMMs on a rank, each tensor counted once
+    read or written, forward then backward (twice the forward's) and a recomputed forward again: per block
+    the norms and residuals ``8 D`` a row; a dense FFN's or the shared experts' activation ``mult F / tp``
+    a token (SwiGLU reads 2 F and writes F, GELU reads and writes F); per routed copy its permute in and
+    out and the weighted combine ``4 D``. Not the routed experts' activation: their measured rate
+    (``expert_efficiency``, the whole expert FFN) includes it."""
+    m, e = spec.model, spec.moe
+    D, tp = m.d_model, cand.tp
+    rows = tokens / (tp if cand.sp else 1)
+    blocks, n_moe = stage_blocks(spec, cand)
+    extra_dense, extra_experts = RECOMPUTE_GEMMS[cand.recompute]
+    dense = blocks * rows * 8 * D + (blocks - n_moe) * tokens * _mult(m.mlp_activation) * m.d_ff / tp
+    dense += n_moe * tokens * _mult(e.activation) * e.shared_hidden / tp
+    routed = n_moe * rows * e.top_k * load_imbalance * 4 * D
+    return spec.workload.dtype_bytes * ((3 + extra_dense) * dense + (3 + extra_experts) * routed)
+
+
 def fp8_cast_values(spec: ModelSpec, cand: Candidate, tokens: float, load_imbalance: float = 1.0) -> float:
     """Values one micro-batch casts into fp8 on a rank (``tokens`` its attention tokens; rows, the tokens
     over sp, enter the MoE layer), in Transformer Engine's fp8 training: each GEMM's input in the forward,
-    except a norm's output (the fused norm writes it cast: LayerNormLinear), each GEMM's output gradient
-    in the backward; a recomputed forward casts again. A block's:
+    except a fused norm's output (LayerNormLinear writes it cast), each GEMM's output gradient in the
+    backward; a recomputed forward casts again. A block's:
 
     - attention: the output projection's input ``v / tp`` | the QKV GEMMs' output gradients ``(q + kv) /
-      tp`` and the output projection's ``D``;
-    - a dense FFN or shared experts of width ``F``: the second GEMM's input ``F / tp`` | the first GEMM's
-      output gradient ``(mult - 1) F / tp`` and the second's ``D``;
+      tp`` and the output projection's ``D`` (NOTE: MLA's down- and up-projections counted as these widths);
+    - a dense FFN of width ``F``: the second GEMM's input ``F / tp`` | the first GEMM's output gradient
+      ``(mult - 1) F / tp`` and the second's ``D``; shared experts the same, and their input ``D`` (the
+      MoE layer's norm is not fused into them);
     - each routed copy: the permuted row ``D`` and the second GEMM's input ``F`` | the output gradients
       ``(mult - 1) F`` and ``D``; with expert tp, gathered rows: ``etp D`` and ``F`` a rank.
 
@@ -332,13 +351,13 @@ def fp8_cast_values(spec: ModelSpec, cand: Candidate, tokens: float, load_imbala
     blocks, n_moe = stage_blocks(spec, cand)
     extra_dense, extra_experts = RECOMPUTE_GEMMS[cand.recompute]
 
-    def ffn(width: float, activation: str) -> tuple[float, float]:  # (forward, backward) of a dense FFN
+    def ffn(width: float, activation: str, own_input: float) -> tuple[float, float]:  # (forward, backward)
         if not width:
             return 0.0, 0.0
-        return tokens * width / tp, tokens * (_mult(activation) - 1) * width / tp + rows * D
+        return own_input + tokens * width / tp, tokens * (_mult(activation) - 1) * width / tp + rows * D
 
     attention = tokens * a["v"] / tp, tokens * (a["q"] + a["kv_act"]) / tp + rows * D
-    dense, shared = ffn(m.d_ff, m.mlp_activation), ffn(e.shared_hidden, e.activation)
+    dense, shared = ffn(m.d_ff, m.mlp_activation, 0.0), ffn(e.shared_hidden, e.activation, rows * D)
     copies = rows * e.top_k * load_imbalance
     routed = copies * (etp * D + e.d_ff), copies * ((_mult(e.activation) - 1) * e.d_ff + etp * D)
     per_pass = [(attention, blocks), (dense, blocks - n_moe), (shared, n_moe)]
@@ -381,11 +400,8 @@ def estimate(spec: ModelSpec, cand: Candidate, c: Cluster, load_imbalance: float
         "attention": (3 + extra_dense) * core / attention_rate,
         "overhead": blocks * c.pass_overhead_us * 1e-6,
     }
-    if c.hbm_gbps:  # elementwise: norms and residuals, token permutes, activation functions; backward 2x
-        # NOTE: not the routed experts' activation: their measured rate (expert_efficiency) includes it.
-        per_row = dt * (8 * D + e.top_k * load_imbalance * 4 * D)
-        elementwise = rows * (n_moe * per_row + (blocks - n_moe) * dt * (8 * D + 3 * m.d_ff / cand.tp))
-        elementwise *= 3 + extra_dense
+    if c.hbm_gbps:  # elementwise work, and under fp8 the casts, both at the rate eager kernels reach
+        elementwise = elementwise_bytes(spec, cand, tokens, load_imbalance)
         if cand.fp8:
             elementwise += FP8_CAST_BYTES * fp8_cast_values(spec, cand, tokens, load_imbalance)
         terms["elementwise"] = elementwise / (c.hbm_gbps * 1e9)
