@@ -61,20 +61,14 @@ def _expert_slices(counts: list[int]):
         start += n
 
 
-class _ContiguousGrad(torch.autograd.Function):
-    """Identity whose backward makes the incoming gradient contiguous.
+def _contiguous(grad: Tensor) -> Tensor:
+    """Gradient hook for ``torch._grouped_mm``'s output.
 
     NOTE: torch 2.13's CPU backward of ``torch._grouped_mm`` rejects gradients with zero strides,
-    which is what ``y.sum().backward()`` produces; this guard makes the op safe to differentiate.
+    which is what ``y.sum().backward()`` produces. A hook, not an identity autograd.Function: the
+    Function's output would be a view, which FSDP2 warns about on a sharded module's output.
     """
-
-    @staticmethod
-    def forward(ctx, x: Tensor) -> Tensor:
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor) -> Tensor:
-        return grad.contiguous()
+    return grad.contiguous()
 
 
 def has_grouped_mm() -> bool:
@@ -114,7 +108,10 @@ def grouped_matmul(x_RK: Tensor, w_EKN: Tensor, tokens_per_expert: Tensor, backe
         if not has_grouped_mm():
             raise RuntimeError("gemm='grouped_mm' needs torch._grouped_mm (torch >= 2.8); use gemm='auto'")
         offsets = torch.cumsum(tokens_per_expert, dim=0, dtype=torch.int32)
-        return _ContiguousGrad.apply(torch._grouped_mm(x_RK, w_EKN, offs=offsets))
+        y_RN = torch._grouped_mm(x_RK, w_EKN, offs=offsets)
+        if y_RN.requires_grad:
+            y_RN.register_hook(_contiguous)
+        return y_RN
     assert backend == "per_expert_mm", backend
     if not records_grad(x_RK, w_EKN):  # no autograd.Function: its overhead is a share of a decode step
         return per_expert_mm(x_RK, w_EKN, tokens_per_expert.tolist())

@@ -36,13 +36,16 @@ SCHEDULES = {
 
 
 class _AttachAuxLoss(torch.autograd.Function):
-    """Identity on ``x`` whose backward also starts the backward of ``aux`` (with gradient ``scale``)."""
+    """Identity on ``x`` whose backward also starts the backward of ``aux`` (with gradient ``scale``).
+
+    Returns a copy, not a view of ``x``: a view ending a stage is what FSDP2 warns about on a sharded
+    module's output (a later in-place op on it would skip the stage's pre-backward all-gather)."""
 
     @staticmethod
     def forward(ctx, x: Tensor, aux: Tensor, scale: float) -> Tensor:
         ctx.scale = scale
         ctx.aux_shape, ctx.aux_dtype = aux.shape, aux.dtype
-        return x.view_as(x)
+        return x.clone()
 
     @staticmethod
     def backward(ctx, grad: Tensor):
