@@ -7,11 +7,12 @@ backward at two micro-batch sizes (the FLOP rate and the fixed cost per block pa
 two sizes (latency and bandwidth) and the one-sequence pass sharded by FSDP (the fixed cost per FSDP
 collective). Validation: model B (other width, depth and expert count) on ``--ranks`` (default 4): the
 planner ranks every layout it enumerates, and every one of them trains for a few steps (same global
-batch, median step time), in a shuffled order. Reported per repeat (a fresh calibration and fresh
-measurements each): Spearman and Kendall tau-b between predicted and measured step times over all
-layouts, and the top-1 regret (the measured step time of the planner's pick over the fastest
-measured); then each repeat's Spearman against the median of the other repeats' measured step times,
-beside its measurements' own against that median (the ceiling for that reference).
+batch, median step time), all built at once and stepped one step each a round, in a shuffled order.
+Reported per repeat (a fresh calibration and fresh measurements each): Spearman and Kendall tau-b
+between predicted and measured step times over all layouts, and the top-1 regret (the measured step
+time of the planner's pick over the fastest measured); then each repeat's Spearman against the median
+of the other repeats' measured step times, beside its measurements' own against that median (the
+ceiling for that reference).
 ``--calibrate-ranks 4`` leaves only the model out of sample; ``--in-sample`` calibrates on model B at
 ``--ranks`` instead. Timing on a shared CPU is noisy, and 4 ranks on 2 cores share them.
 
@@ -178,24 +179,29 @@ def label(cand: planner.Candidate) -> str:
 
 
 def _measure(
-    rank: int, world: int, overrides: dict, layouts: list[planner.Candidate], text: str, steps: int
+    rank: int, world: int, overrides: dict, layouts: list[planner.Candidate], text: str, steps: int, seed: int
 ) -> list[float]:
-    """Rank 0's median step time of each layout, trained in the given order (after one warm-up step)."""
+    """Rank 0's median step time of each layout: every layout built first, then ``steps + 1`` rounds of
+    one step each, in a fresh shuffled order every round (the first round a warm-up), so a machine
+    busy with other work for a while slows every layout alike instead of the few measured then."""
     from moekit.train import loop
 
     dist.init_process_group("gloo")
-    medians = []
+    built = []
     for cand in layouts:
         cfg = runconfig.resolve("tiny", {**overrides, **overrides_for(cand), "data.path": text})
-        pm, opt, corpus = training_rank(cfg, rank)
-        times = []
-        for step in range(steps + 1):
+        built.append((cfg, *training_rank(cfg, rank)))
+    times: list[list[float]] = [[] for _ in layouts]
+    shuffle = random.Random(seed)  # the same order on every rank
+    for step in range(steps + 1):
+        for i in shuffle.sample(range(len(layouts)), len(layouts)):
+            cfg, pm, opt, corpus = built[i]
             dist.barrier()
             started = time.perf_counter()
             loop._train_step(pm, opt, corpus, cfg, torch.device("cpu"), step, None)
-            times.append(time.perf_counter() - started)
-        medians.append(statistics.median(times[1:]))
-    return medians
+            if step:
+                times[i].append(time.perf_counter() - started)
+    return [statistics.median(t) for t in times]
 
 
 # --- rank statistics --------------------------------------------------------------------------------
@@ -239,7 +245,7 @@ def _sign(x: float) -> int:
 
 
 def run_once(repeat: int, args: argparse.Namespace, text: str) -> dict:
-    """One fresh calibration, then every fitting layout of model B measured in a shuffled order."""
+    """One fresh calibration, then every fitting layout of model B measured, interleaved (``_measure``)."""
     calib_model, calib_world = (MODEL_B, args.ranks) if args.in_sample else (MODEL_A, args.calibrate_ranks)
     measured_cluster = run_ranks(_calibrate, calib_world, calib_model)
     cores = len(os.sched_getaffinity(0))  # the ranks share this machine's cores
@@ -247,11 +253,7 @@ def run_once(repeat: int, args: argparse.Namespace, text: str) -> dict:
     spec = _spec(MODEL_B)
     enumerated = planner.candidates(spec, cluster)
     ranked = planner.plan(spec, cluster, top=len(enumerated))  # the planner's order, fastest first
-    order = random.Random(repeat).sample(range(len(ranked)), len(ranked))
-    times = run_ranks(_measure, args.ranks, MODEL_B, [ranked[i].candidate for i in order], text, args.steps)
-    measured = [0.0] * len(ranked)
-    for i, t in zip(order, times, strict=True):
-        measured[i] = t
+    measured = run_ranks(_measure, args.ranks, MODEL_B, [est.candidate for est in ranked], text, args.steps, repeat)
     predicted = [est.step_s for est in ranked]
     best = min(range(len(ranked)), key=measured.__getitem__)
     return {
