@@ -1,8 +1,8 @@
 """The planner against published large-scale MoE runs on DGX-H100 systems.
 
 For each published run: predict tokens/s/GPU and model TFLOP/s/GPU for its layout (the planner's
-step time with the run's precision, its recipe's token dispatcher and all-to-all overlap, the other
-techniques on), print them beside the published figures and their ratio, then where the planner ranks
+step time with the run's precision, its recipe's token dispatcher, all-to-all overlap and recomputation,
+the other techniques on), print them beside the published figures and their ratio, then where the planner ranks
 the published layout among all the layouts it enumerates for that model, global batch, sequence length
 and cluster size, with the gap between their predicted step times (a rank among layouts within a few
 percent of each other means little), and for each model the planner's 5 fastest layouts beside the
@@ -77,6 +77,9 @@ class Row:
     # The table's micro-batch size where it contradicts the table's other columns and the recipe's (which
     # ``mbs`` then holds): that reading is ranked too, and printed beside it.
     table_mbs: int = 0
+    # The recipe's recomputation as the planner names it; "" where the source does not say (the least
+    # that fits the planner's memory model is taken).
+    recompute: str = ""
 
 
 # The recipes behind the rows: 25.11 from the performance scripts at the commit MB documents
@@ -96,19 +99,22 @@ ROWS = [
     Row("GPT-OSS-120B 25.11", MB, "NeMo 25.11", "gpt-oss-120b", "bf16", 64, 512, 1, 4096, 1, 4, 1, 1, 8,
         5630, 153, (*MB_COUNT, ("gated", False)),
         "inconsistent row: the table's MBS 4 and GA 2 make 4 x 2 x DP 16 = 128 sequences, not its GBS 512 (they are "
-        "its B200 row's, at PP 1); taken from the recipe: PP 4 on the base config's micro_batch_size 1 (GA 32), "
-        "recompute layernorm and moe_act", table_mbs=4),
+        "its B200 row's, at PP 1); taken from the recipe: PP 4 on the base config's micro_batch_size 1 (GA 32); its "
+        "recompute_modules (layernorm, moe_act) do nothing without recompute_granularity selective, which it leaves "
+        "unset", table_mbs=4, recompute="none"),
     Row("Qwen3-30B-A3B 25.11", MB, "NeMo 25.11", "qwen3-30b-a3b", "fp8", 16, 512, 2, 4096, 1, 2, 1, 24, 8,
-        5275, 121, MB_COUNT, "recipe says vp=12", a2a_overlap=True),
+        5275, 121, MB_COUNT, "recipe says vp=12", a2a_overlap=True, recompute="none"),
     Row("Qwen3-235B-A22B 25.11", MB, "NeMo 25.11", "qwen3-235b-a22b", "fp8", 256, 2048, 1, 4096, 2, 8, 1, 4, 32,
-        1575, 233, MB_COUNT, a2a_overlap=True),
+        1575, 233, MB_COUNT, a2a_overlap=True, recompute="none"),
     Row("DeepSeek-V3 25.09", MB, "NeMo 25.09", "deepseek-v3", "fp8", 1024, 8192, 1, 4096, 2, 8, 1, 4, 64,
-        1297, 338, MB_COUNT, "precision not in the table (its note is on fp8 scaling); dropless, MTP",
-        dispatch="deduplicated", a2a_overlap=True),
+        1297, 338, MB_COUNT, "precision not in the table (its note is on fp8 scaling); dropless, MTP; recompute "
+        "mla_up_proj and the 3 dense layers' MLPs (the latter not costed); gradient reduce not overlapped "
+        "(overlap_grad_reduce false), predicted overlapped", dispatch="deduplicated", a2a_overlap=True,
+        recompute="mla_up_proj"),
     Row("Qwen3-30B-A3B 25.09", MB, "NeMo 25.09", "qwen3-30b-a3b", "fp8", 16, 512, 2, 4096, 1, 2, 1, 24, 8,
-        10494, 241, MB_COUNT, "precision not in the table; token-drop"),
+        10494, 241, MB_COUNT, "precision not in the table; token-drop", recompute="none"),
     Row("Qwen3-235B-A22B 25.09", MB, "NeMo 25.09", "qwen3-235b-a22b", "fp8", 256, 2048, 1, 4096, 2, 8, 1, 4, 32,
-        1204, 178, MB_COUNT, "precision not in the table; token-drop"),
+        1204, 178, MB_COUNT, "precision not in the table; token-drop", recompute="none"),
 ]  # fmt: skip
 GRID = {"overlap": [x / 20 for x in range(0, 21)]}  # the fitted constants and the values tried
 
@@ -143,9 +149,14 @@ def _published_tokens(row: Row, spec: planner.ModelSpec) -> float:
 
 
 def predict(row: Row, constants: dict) -> tuple[planner.Estimate, float]:
-    """The planner's estimate for the published layout (the least recomputation that fits) and its tokens/s/GPU."""
+    """The planner's estimate for the published layout (its recipe's recomputation, else the least that
+    fits) and its tokens/s/GPU."""
     spec, cluster, tech = _setup(row)
-    cand = planner.least_recompute(spec, published_candidate(row, spec), cluster, tech, 1.0)
+    cand = published_candidate(row, spec)
+    if row.recompute:
+        cand = dataclasses.replace(cand, recompute=row.recompute)
+    else:
+        cand = planner.least_recompute(spec, cand, cluster, tech, 1.0)
     cluster = dataclasses.replace(cluster, **constants)
     est = planner.estimate(spec, cand, cluster)
     return est, planner.throughput(spec, est, cluster).tokens_per_s
@@ -280,7 +291,8 @@ def main() -> None:
         print(
             f"{row.label:<24} {row.precision:<4} {row.gpus:>4} {row.tp:>2} "
             f"{row.pp:>2} "
-            f"{row.vp:>2} {row.ep:>2} {row.mbs:>3} {est.candidate.recompute:>11} {est.memory_gb:>6.1f} {tokens:>10.0f} "
+            f"{row.vp:>2} {row.ep:>2} {row.mbs:>3} {est.candidate.recompute:>11} "
+            f"{est.memory_gb:>5.1f}{' ' if est.fits else '!'} {tokens:>10.0f} "
             f"{published:>6.0f}{'*' if row.tokens is None else ' '}{ratio:>5.2f} {tflops:>12.0f} {row.tflops:>4.0f} "
             f"{place:>4}/{total:<4} {gap - 1:>5.1%}"
         )
@@ -293,7 +305,7 @@ def main() -> None:
     }
     for row in ROWS:
         if row.table_mbs:
-            table_row = dataclasses.replace(row, mbs=row.table_mbs)
+            table_row = dataclasses.replace(row, mbs=row.table_mbs, recompute="")  # the least that fits
             place, total, gap, _ = rank(table_row, held_out[row.model])
             est, tokens = predict(table_row, held_out[row.model])
             ratio = tokens / _published_tokens(row, _setup(row)[0])
@@ -303,6 +315,8 @@ def main() -> None:
                 f"rank {place}/{total}, gap {gap - 1:.1%}"
             )
     print("* derived from the published TFLOP/s under the source's FLOP count")
+    if not all(r["fits"] for r in out):
+        print("! over the planner's usable memory (its recipe's recomputation, which the run fitted)")
     print("gap: the published layout's predicted step time over the planner's pick's, minus 1")
     print(
         f"out of sample (constants fitted without the row's model): median |error| {summary['abs_err_median']:.0%}, "

@@ -159,10 +159,10 @@ def test_enumeration_and_memory_rejection() -> None:
     h100 = load_cluster("dgx-h100", nodes=1)
     every = candidates(spec, h100)
     assert every and all(c.dp * c.tp * c.pp == 8 and c.dp % c.ep == 0 for c in every)
-    assert not any(estimate(spec, c, h100).fits for c in every), "46.7B parameters x 16 bytes > 8 x 80 GB"
+    assert not any(estimate(spec, c, h100).fits for c in every), "46.7B parameters x 16 bytes > 8 x 85.5 GB"
     assert plan(spec, h100) == []
     rows = plan(spec, load_cluster("dgx-h100", nodes=4), top=5)
-    assert rows and all(r.fits and r.memory_gb <= 80 * 0.9 for r in rows)
+    assert rows and all(r.fits and r.memory_gb <= 85.5 * 0.9 for r in rows)
     assert [r.step_s for r in rows] == sorted(r.step_s for r in rows)
 
 

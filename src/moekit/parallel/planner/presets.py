@@ -29,7 +29,7 @@ class Cluster:
     gpus_per_node: int  # devices per machine sharing the fast intra-node link
     peak_tflops: float  # dense matmul peak per device in bf16 (or the training dtype)
     efficiency: float  # fraction of peak that large GEMMs reach (measured: benchmarks/device_rates.py)
-    memory_gb: float  # device memory
+    memory_gb: float  # device memory in GB of 1e9 bytes, as NVML counts it (an "80GB" H100: 81559 MiB = 85.5 GB)
     intra_gbps: float  # GB/s per device within a node (NVLink)
     intra_latency_us: float  # per message within a node
     inter_gbps: float  # GB/s per device across nodes (InfiniBand)
