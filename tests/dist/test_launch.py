@@ -50,6 +50,18 @@ def test_nproc_launches_an_expert_parallel_run(corpus_file, tmp_path) -> None:
     assert len(rank_logs) == 2 and "moekit rank 1/2" in rank_logs[1].read_text()
 
 
+def test_a_data_parallel_run_raises_no_fsdp_view_warning(corpus_file, tmp_path) -> None:
+    """FSDP2 warns when a sharded module returns a view (an in-place op on it would skip the module's
+    pre-backward all-gather); the experts' grouped GEMM output and the blocks' outputs must not be one."""
+    run_dir = tmp_path / "run"
+    flags = ["--preset", "tiny", "--data", str(corpus_file), "--run-dir", str(run_dir), "--quiet"]
+    done = _moekit("train", "--nproc", "2", *flags, "--train.steps", "2", "--train.eval_every", "2")
+    assert done.returncode == 0, done.stderr[-3000:]
+    logs = [done.stderr] + [log.read_text() for log in (run_dir / "logs").rglob("stderr.log")]
+    assert len(logs) == 3 and "moekit rank 1/2" in "".join(logs)
+    assert not [log for log in logs if "returned a view tensor" in log]
+
+
 def test_bad_layout_fails_before_launching(tmp_path) -> None:
     done = _moekit("train", "--nproc", "2", "--preset", "tiny", "--parallel.ep", "3", "--run-dir", str(tmp_path))
     assert done.returncode == 2
