@@ -172,6 +172,13 @@ def test_elementwise_bytes_by_hand() -> None:
     dense = 2 * 256 * 8 * 32 + 0.5 * 256 * 3 * 48 / 2 + 1.5 * 256 * 2 * 24 / 2
     routed = 1.5 * 256 * 3 * 4 * 32
     assert elementwise_bytes(spec, PP_EXPERTS, 256) == pytest.approx(4 * (3 * dense + 4 * routed))
+    # selective (norms and routed activations again), tp 2 with sp, etp 4: the norms 4 x 32 a row of 128 in
+    # 4 blocks; each routed copy's GELU 2 x 40 / 4, 3 x 1.5 copies a row in 3 MoE blocks
+    selective = dataclasses.replace(SP_FULL, recompute="selective")
+    dense = 4 * 128 * 8 * 32 + 1 * 256 * 3 * 48 / 2 + 3 * 256 * 2 * 24 / 2
+    routed = 3 * 128 * 3 * 1.5 * 4 * 32
+    redone = 4 * 128 * 4 * 32 + 3 * 128 * 3 * 1.5 * 2 * 40 / 4
+    assert elementwise_bytes(spec, selective, 256, 1.5) == pytest.approx(4 * (3 * dense + 3 * routed + redone))
 
 
 def test_attention_and_expert_gemms_at_their_own_rates() -> None:

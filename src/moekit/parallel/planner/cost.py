@@ -318,7 +318,9 @@ def elementwise_bytes(spec: ModelSpec, cand: Candidate, tokens: float, load_imba
     the norms and residuals ``8 D`` a row; a dense FFN's or the shared experts' activation ``mult F / tp``
     a token (SwiGLU reads 2 F and writes F, GELU reads and writes F); per routed copy its permute in and
     out and the weighted combine ``4 D``. Not the routed experts' activation: their measured rate
-    (``expert_efficiency``, the whole expert FFN) includes it."""
+    (``expert_efficiency``, the whole expert FFN) includes it. Selective recomputation (Megatron's
+    ``layernorm`` and ``moe_act``) runs the two norms again, ``4 D`` a row, and each routed copy's
+    activation, ``mult F / etp``."""
     m, e = spec.model, spec.moe
     D, tp = m.d_model, cand.tp
     rows = tokens / (tp if cand.sp else 1)
@@ -326,8 +328,11 @@ def elementwise_bytes(spec: ModelSpec, cand: Candidate, tokens: float, load_imba
     extra_dense, extra_experts = RECOMPUTE_GEMMS[cand.recompute]
     dense = blocks * rows * 8 * D + (blocks - n_moe) * tokens * _mult(m.mlp_activation) * m.d_ff / tp
     dense += n_moe * tokens * _mult(e.activation) * e.shared_hidden / tp
-    routed = n_moe * rows * e.top_k * load_imbalance * 4 * D
-    return spec.workload.dtype_bytes * ((3 + extra_dense) * dense + (3 + extra_experts) * routed)
+    copies = n_moe * rows * e.top_k * load_imbalance
+    redone = 0.0
+    if cand.recompute == "selective":
+        redone = blocks * rows * 4 * D + copies * _mult(e.activation) * e.d_ff / cand.etp
+    return spec.workload.dtype_bytes * ((3 + extra_dense) * dense + (3 + extra_experts) * copies * 4 * D + redone)
 
 
 def fp8_cast_values(spec: ModelSpec, cand: Candidate, tokens: float, load_imbalance: float = 1.0) -> float:
