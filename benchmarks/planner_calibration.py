@@ -7,7 +7,8 @@ backward at two micro-batch sizes (the FLOP rate and the fixed cost per block pa
 two sizes (latency and bandwidth) and the one-sequence pass sharded by FSDP (the fixed cost per FSDP
 collective). Validation: model B (other width, depth and expert count) on ``--ranks`` (default 4): the
 planner ranks every layout it enumerates, and every one of them trains for a few steps (same global
-batch, median step time), all built at once and stepped one step each a round, in a shuffled order.
+batch, median step time), all built at once and visited once a round in a shuffled order, two steps a
+visit with the second timed (``_measure``); Spearman is also reported within each micro-batch count.
 Reported per repeat (a fresh calibration and fresh measurements each): Spearman and Kendall tau-b
 between predicted and measured step times over all layouts, and the top-1 regret (the measured step
 time of the planner's pick over the fastest measured); then each repeat's Spearman against the median
@@ -16,7 +17,7 @@ ceiling for that reference).
 ``--calibrate-ranks 4`` leaves only the model out of sample; ``--in-sample`` calibrates on model B at
 ``--ranks`` instead. Timing on a shared CPU is noisy, and 4 ranks on 2 cores share them.
 
-    python benchmarks/planner_calibration.py [--json] [--repeats 3] [--steps 3] [--in-sample]
+    python benchmarks/planner_calibration.py [--json] [--repeats 3] [--steps 3] [--seed 0] [--in-sample]
 """
 
 from __future__ import annotations
@@ -180,10 +181,12 @@ def label(cand: planner.Candidate) -> str:
 
 def _measure(
     rank: int, world: int, overrides: dict, layouts: list[planner.Candidate], text: str, steps: int, seed: int
-) -> list[float]:
-    """Rank 0's median step time of each layout: every layout built first, then ``steps + 1`` rounds of
-    one step each, in a fresh shuffled order every round (the first round a warm-up), so a machine
-    busy with other work for a while slows every layout alike instead of the few measured then."""
+) -> list[list[float]]:
+    """Rank 0's timed step times of each layout: every layout built first, then ``steps + 1`` rounds
+    visiting each layout once, in a fresh shuffled order every round (the first round a warm-up). A visit
+    runs two steps and times the second: the first brings the layout's weights and buffers back into
+    the caches, as consecutive steps of a real run find them; interleaving the visits makes a machine
+    busy with other work for a while slow every layout alike instead of the few measured then."""
     from moekit.train import loop
 
     dist.init_process_group("gloo")
@@ -193,15 +196,16 @@ def _measure(
         built.append((cfg, *training_rank(cfg, rank)))
     times: list[list[float]] = [[] for _ in layouts]
     shuffle = random.Random(seed)  # the same order on every rank
-    for step in range(steps + 1):
+    for visit in range(steps + 1):
         for i in shuffle.sample(range(len(layouts)), len(layouts)):
             cfg, pm, opt, corpus = built[i]
+            loop._train_step(pm, opt, corpus, cfg, torch.device("cpu"), 2 * visit, None)
             dist.barrier()
             started = time.perf_counter()
-            loop._train_step(pm, opt, corpus, cfg, torch.device("cpu"), step, None)
-            if step:
+            loop._train_step(pm, opt, corpus, cfg, torch.device("cpu"), 2 * visit + 1, None)
+            if visit:
                 times[i].append(time.perf_counter() - started)
-    return [statistics.median(t) for t in times]
+    return times
 
 
 # --- rank statistics --------------------------------------------------------------------------------
@@ -241,6 +245,19 @@ def _sign(x: float) -> int:
     return (x > 0) - (x < 0)
 
 
+def by_micro(ranked: list[planner.Estimate], predicted: list[float], measured: list[float]) -> dict[int, float]:
+    """Spearman within each group of layouts with the same micro-batch count (of 4 layouts or more):
+    more micro-batches are slower almost by themselves, so this is the ranking without that trend."""
+    groups: dict[int, list[int]] = {}
+    for i, est in enumerate(ranked):
+        groups.setdefault(est.candidate.micro, []).append(i)
+    return {
+        micro: spearman([predicted[i] for i in idx], [measured[i] for i in idx])
+        for micro, idx in sorted(groups.items())
+        if len(idx) >= 4
+    }
+
+
 # --- driver -----------------------------------------------------------------------------------------
 
 
@@ -253,7 +270,9 @@ def run_once(repeat: int, args: argparse.Namespace, text: str) -> dict:
     spec = _spec(MODEL_B)
     enumerated = planner.candidates(spec, cluster)
     ranked = planner.plan(spec, cluster, top=len(enumerated))  # the planner's order, fastest first
-    measured = run_ranks(_measure, args.ranks, MODEL_B, [est.candidate for est in ranked], text, args.steps, repeat)
+    seed = args.seed * 1000 + repeat
+    times = run_ranks(_measure, args.ranks, MODEL_B, [est.candidate for est in ranked], text, args.steps, seed)
+    measured = [statistics.median(t) for t in times]
     predicted = [est.step_s for est in ranked]
     best = min(range(len(ranked)), key=measured.__getitem__)
     return {
@@ -265,9 +284,12 @@ def run_once(repeat: int, args: argparse.Namespace, text: str) -> dict:
                 "candidate": dataclasses.asdict(est.candidate),
                 "predicted_s": est.step_s,
                 "measured_s": m,
+                "times_s": t,
             }
-            for est, m in zip(ranked, measured, strict=True)
+            for est, m, t in zip(ranked, measured, times, strict=True)
         ],
+        "shuffle_seed": seed,
+        "spearman_by_micro": by_micro(ranked, predicted, measured),
         "spearman": spearman(predicted, measured),
         "kendall_tau_b": kendall_tau_b(predicted, measured),
         "regret": measured[0] / measured[best],  # ranked[0] is the planner's pick
@@ -310,7 +332,10 @@ def main() -> None:
     parser.add_argument("--calibrate-ranks", type=int, default=2, help="ranks model A calibrates on")
     parser.add_argument("--in-sample", action="store_true", help="calibrate on model B at --ranks instead")
     parser.add_argument("--repeats", type=int, default=3, help="calibrations + full measurements")
-    parser.add_argument("--steps", type=int, default=3, help="timed steps per layout (after one warm-up step)")
+    parser.add_argument("--steps", type=int, default=3, help="timed visits per layout (after a warm-up round)")
+    parser.add_argument(
+        "--seed", type=int, default=0, help="of the measuring order (repeat r shuffles by seed * 1000 + r)"
+    )
     parser.add_argument("--json", action="store_true", help="also print the figures as JSON on the last line")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
@@ -331,7 +356,10 @@ def main() -> None:
     summary["ceiling_vs_others"] = against_the_others(repeats, "measured_s") if many else []
     n = len(repeats[0]["rows"])
     print(f"{mode}; ranked: model B ({_describe(MODEL_B)}), global batch {GLOBAL_BATCH}, {args.ranks} gloo ranks")
-    print(f"{n} of {repeats[0]['enumerated']} enumerated layouts fit; all {n} measured, {args.steps} steps each")
+    print(
+        f"{n} of {repeats[0]['enumerated']} enumerated layouts fit; all {n} measured, {args.steps} timed visits each "
+        "(two steps a visit, the second timed)"
+    )
     for i, r in enumerate(repeats):
         c = r["cluster"]
         print(
@@ -339,7 +367,8 @@ def main() -> None:
             f"block pass, {c['fsdp_overhead_us'] / 1e3:.2f} ms per FSDP collective, "
             f"{c['chunk_overhead_us'] / 1e3:.2f} ms per overlap chunk, all-to-all "
             f"{c['intra_latency_us']:.0f} us per message, {c['intra_gbps']:.2f} GB/s | Spearman {r['spearman']:.2f} "
-            f"Kendall {r['kendall_tau_b']:.2f} regret {r['regret']:.2f} (pick {r['pick']}, best {r['best']})"
+            f"Kendall {r['kendall_tau_b']:.2f} regret {r['regret']:.2f} (pick {r['pick']}, best {r['best']}); "
+            "within micro-batch counts " + ", ".join(f"mb{k} {v:.2f}" for k, v in r["spearman_by_micro"].items())
         )
     print(f"{'layout (repeat 0 planner order)':>34} {'predicted ms (median)':>22} {'measured ms (min-max)':>24}")
     by_layout = [{row["layout"]: row for row in r["rows"]} for r in repeats]
@@ -353,7 +382,13 @@ def main() -> None:
     print("*_vs_others: each repeat's predicted (measured) step times against the median of the other repeats'")
     print("measured ones)")
     if args.json:
-        print(json.dumps({"mode": mode, "model_b": MODEL_B, "ranks": args.ranks, "repeats": repeats, **summary}))
+        settings = {
+            "ranks": args.ranks,
+            "calibrate_ranks": args.calibrate_ranks,
+            "steps": args.steps,
+            "seed": args.seed,
+        }
+        print(json.dumps({"mode": mode, "model_b": MODEL_B, **settings, "repeats": repeats, **summary}))
 
 
 if __name__ == "__main__":

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -12,6 +14,7 @@ _PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "planner_calibratio
 _SPEC = importlib.util.spec_from_file_location("planner_calibration", _PATH)
 calibration = importlib.util.module_from_spec(_SPEC)
 _SPEC.loader.exec_module(calibration)
+sys.path.remove(str(_PATH.parent))  # the script puts its folder first on the path for its own imports
 
 
 def test_spearman_and_kendall_without_ties() -> None:
@@ -51,3 +54,26 @@ def test_each_repeat_is_scored_against_the_other_repeats_only() -> None:
     assert calibration.against_the_others(repeats, "predicted_s")[0] == pytest.approx(1.0)
     # each pair of repeats, by hand from their ranks: (0, 1) -4 / 5, (0, 2) 0, (1, 2) 2 / 5
     assert calibration.ceiling(repeats) == pytest.approx([-0.8, 0.0, 0.4])
+
+
+def test_the_others_are_taken_by_their_median() -> None:
+    """Four repeats: repeat 0's reference is the median of three, (2, 3, 1, 3), against which (1, 2, 3, 4)
+    scores 1 / sqrt(22.5); their mean would score 0.4, a median with repeat 0's own 0.8."""
+    predicted = [1.0, 2.0, 3.0, 4.0]
+    repeats = [
+        _repeat([1.0, 2.0, 3.0, 4.0], predicted),
+        _repeat([4.0, 3.0, 1.0, 2.0], predicted),
+        _repeat([2.0, 4.0, 1.0, 3.0], predicted),
+        _repeat([1.0, 1.0, 4.0, 9.0], predicted),
+    ]
+    assert calibration.against_the_others(repeats, "measured_s")[0] == pytest.approx(1 / math.sqrt(22.5))
+
+
+def test_spearman_within_each_micro_batch_count() -> None:
+    """Groups of 4 or more layouts with one micro-batch count, each ranked on its own: the trend between
+    the groups (more micro-batches, slower) does not enter; the group of 2 is left out."""
+    micros = [1, 1, 1, 1, 2, 2, 2, 2, 4, 4]
+    ranked = [SimpleNamespace(candidate=SimpleNamespace(micro=m)) for m in micros]
+    predicted = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0]
+    measured = [14.0, 13.0, 12.0, 11.0, 21.0, 23.0, 22.0, 24.0, 1.0, 2.0]
+    assert calibration.by_micro(ranked, predicted, measured) == pytest.approx({1: -1.0, 2: 0.8})
