@@ -201,7 +201,7 @@ def train_routed(cfg, run_dir: Path, bias_at: Callable[[int, int], Any]) -> Rout
             streamed_keys = streamed.keys if streamed is not None else ()
 
             def take(key: str, tensor: Any) -> Any:  # as a checkpoint saves it: this rank's piece
-                return streamed.read(key) if key in streamed_keys else local_tensor(tensor).clone()
+                return streamed.read(key).clone() if key in streamed_keys else local_tensor(tensor).clone()
 
             result.state = {k: take(MODEL_PREFIX + k, v) for k, v in run.local.state_dict().items()}
             for p, moments in run.optimizer.state.items():

@@ -151,7 +151,7 @@ def model_state(run: loop._Run) -> dict[str, torch.Tensor]:
         return {k: v.clone() for k, v in run.local.state_dict().items()}
     with saving(run.offload, run.local) as streamed:
         return {
-            k: streamed.read(MODEL_PREFIX + k) if MODEL_PREFIX + k in streamed.keys else v.clone()
+            k: streamed.read(MODEL_PREFIX + k).clone() if MODEL_PREFIX + k in streamed.keys else v.clone()
             for k, v in run.local.state_dict().items()
         }
 

@@ -145,7 +145,8 @@ class Streamed(Protocol):
     keys: Collection[str]  # their flattened state-dict keys ("model.<name>", "optim.state.<name>.<moment>")
 
     def read(self, key: str) -> Tensor:
-        """This rank's local tensor of ``key``, read now into storage of its own."""
+        """This rank's local tensor of ``key``, read now into storage of its own (exactly its size, so
+        DCP's writer does not copy it), valid until the next ``read``."""
         ...
 
     def load(self, directory: Path) -> None:
@@ -156,30 +157,25 @@ class Streamed(Protocol):
 class _StreamingSavePlanner(DefaultSavePlanner):
     """Resolves each streamed key by reading it (``Streamed.read``) when the writer asks for it.
 
-    NOTE: DCP's file writer keeps every tensor it wrote referenced until its file is closed, so the
-    previous streamed tensor's storage is freed here as the next item is asked for: the serial writer
-    has written it by then. At most one streamed tensor is in memory at a time.
+    NOTE: a read overwrites the previous one, which a serial writer has written by then. DCP's file
+    writer keeps every tensor it wrote referenced until its file is closed, but uses them again only
+    for the safetensors format (refused in ``sharded.save``).
     """
 
     def __init__(self, streamed: Streamed) -> None:
         super().__init__()
         self.streamed = streamed
-        self._last: Tensor | None = None
 
     def create_local_plan(self) -> SavePlan:
         _check_streamed(self.streamed.keys, self.state_dict)
         return super().create_local_plan()
 
     def resolve_data(self, write_item: WriteItem):
-        if self._last is not None:
-            self._last.untyped_storage().resize_(0)
-            self._last = None
         fqn = write_item.index.fqn
         if fqn not in self.streamed.keys:
             return super().resolve_data(write_item)
         tensor = self.streamed.read(fqn)
         assert write_item.tensor_data is not None and tensor.shape == write_item.tensor_data.chunk.sizes
-        self._last = tensor
         return tensor
 
 

@@ -30,6 +30,7 @@ import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.filesystem import SerializationFormat
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -148,7 +149,11 @@ def save(
     """Write ``state`` through ``writer`` (``slots``: expert rows to write in canonical order;
     ``streamed``: keys read as the writer reaches them, through a ``serial`` writer)."""
     planner = save_planner(slots, streamed)
-    assert streamed is None or (writer.per_thread_copy_ahead == 0 and writer.thread_count == 1), "a serial writer"
+    assert streamed is None or (
+        writer.per_thread_copy_ahead == 0
+        and writer.thread_count == 1
+        and writer.serialization_format is SerializationFormat.TORCH_SAVE
+    ), "a serial writer that writes each tensor as it is given (torch.save)"
     with _dcp_call():
         dcp.save(state, storage_writer=writer, planner=planner, process_group=group, no_dist=group is None)
 
