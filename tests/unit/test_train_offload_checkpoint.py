@@ -53,7 +53,7 @@ UNIT = 8 * (128 * 512 + 256 * 128) * 4  # bytes of one region: w_in [8, 128, 512
 # consolidation of the checkpoint into model.safetensors one block's weights as DCP reads them (the
 # tensors, the bytes read and the bytes written: about three regions); a resume, the rest of the
 # optimizer's state that torch makes before a load and what DCP reads of one saved chunk. Measured
-# over 8 runs of two saves each: 12 to 17 MiB to save, 17 to 19 MiB to resume; filling the expert
+# over 8 runs (the larger of two saves): 12 to 16 MiB to save, 16 to 18 MiB to resume; filling the expert
 # state into RAM raised them by 120 and 154 MiB. (A fresh copy of each tensor instead of the reused
 # region let the heap grow by 70 MiB in about half the saves.) Plus SLACK_MB for the allocator's and
 # DCP's small allocations: 23 MiB in all, within the budget (24 MiB).

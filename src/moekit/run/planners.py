@@ -7,8 +7,8 @@
   occupies now. The live model is never touched by a save.
 - Streamed state (``Streamed``: offloaded training's expert state, held in files of its own): its
   state-dict entries are storage-less tensors that carry only their type, shape and placement, which
-  is all planning reads. A save reads each of them when the writer reaches it and frees it once
-  written; a load leaves them to their owner, which reads them afterwards.
+  is all planning reads. A save reads each of them when the writer reaches it, over the previous
+  one; a load leaves them to their owner, which reads them afterwards.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ shapes and files are those of in-memory training (``sharded.Streamed``).
 
 - ``saving``: the pending AdamW updates run first, layer by layer as a forward would run them; then
   DCP's writer reads each expert tensor from the file as it reaches it (through the scratch
-  regions, one per kind) and frees it once written.
+  regions, one per kind), into one tensor per role that every read reuses.
 - ``restoring``: torch initialises the optimizer's state before a load with one zero step over every
   parameter that requires a gradient; the experts, which have no storage, are kept out of it and
   given only the step count the load fills. Everything else is loaded as in memory, then each
