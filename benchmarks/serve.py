@@ -122,6 +122,7 @@ def stream(
         time.sleep(max(0.0, start - time.perf_counter()))
     conn = http.client.HTTPConnection(server.host, server.port, timeout=600)
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "seed": seed, "stream": True}
+    body["stream_options"] = {"include_usage": True}
     sent = time.perf_counter()
     conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
     reply = conn.getresponse()

@@ -28,7 +28,10 @@ class Tokenizer(Protocol):
     name: str  # byte | char | bpe
     vocab_size: int
 
-    def encode(self, text: str) -> list[int]: ...
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Ids of ``text``; ``add_special_tokens``: as its post-processor frames a text (a Hugging Face
+        tokenizer's BOS), off for text that holds its special tokens already (a rendered chat)."""
+        ...
 
     def decode(self, ids: list[int]) -> str: ...
 
@@ -41,7 +44,7 @@ class ByteTokenizer:
     name = "byte"
     vocab_size = 256
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(text.encode("utf-8"))
 
     def decode(self, ids: list[int]) -> str:
@@ -64,7 +67,7 @@ class CharTokenizer:
         self.vocab_size = len(self.alphabet)
         self._ids = {char: i for i, char in enumerate(self.alphabet)}
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         try:
             return [self._ids[char] for char in text]
         except KeyError as e:
@@ -108,8 +111,8 @@ class BPETokenizer:
         tokenizer.train_from_iterator(texts, trainer=trainer)
         return cls(tokenizer)
 
-    def encode(self, text: str) -> list[int]:
-        return self._tokenizer.encode(text).ids
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         """``encode`` over many texts on all cores."""

@@ -48,7 +48,8 @@ def test_sigterm_drains_the_real_server(write_run, tmp_path: Path) -> None:
     run_dir = write_run(tmp_path / "run", **{"model.tie_embeddings": "false", "model.context_length": "512"})
     proc, url = start_serve(run_dir)
     try:
-        body = json.dumps({"prompt": "a", "max_tokens": 400, "stream": True}).encode()
+        body = {"prompt": "a", "max_tokens": 400, "stream": True, "stream_options": {"include_usage": True}}
+        body = json.dumps(body).encode()
         request = urllib.request.Request(url + "/v1/completions", body, {"Content-Type": "application/json"})
         with urllib.request.urlopen(request, timeout=60) as stream:
             assert stream.readline().startswith(b"data: {")
@@ -72,6 +73,18 @@ def test_serve_flags_are_checked(write_run, tmp_path: Path, flag: str, capsys) -
     run_dir = write_run(tmp_path / "run")
     assert main(["serve", str(run_dir), flag, "--port=0" if "port" not in flag else flag]) == 2
     assert flag.split("=")[0] in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("field", "value"), [("moe.capacity_factor", "1.0"), ("moe.router", "expert_choice")], ids=["capacity", "choice"]
+)
+def test_routing_that_depends_on_the_batch_is_refused(write_run, tmp_path: Path, field: str, value: str) -> None:
+    """Continuous batching would make each answer depend on the requests served beside it."""
+    run_dir = write_run(tmp_path / "run", **{field: value})
+    cmd = [sys.executable, "-m", "moekit", "serve", str(run_dir), "--port", "0", "--device", "cpu"]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=120)  # a server would not end
+    err = done.stderr.strip()
+    assert done.returncode == 2 and field in err and "beside it" in err and len(err.splitlines()) == 1, err
 
 
 def test_a_trained_deepseek_run_serves_with_offloaded_experts(corpus_file: Path, tmp_path: Path) -> None:

@@ -12,6 +12,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 
 import openai
@@ -49,7 +50,9 @@ class Served:
         sock = listen("127.0.0.1", 0)
         self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
         self.server, self.thread = serve_in_thread(self.state, sock)
-        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key=kwargs.get("api_key") or "none", max_retries=0)
+        self.client = openai.OpenAI(
+            base_url=self.url + "/v1", api_key=kwargs.get("api_key") or "none", max_retries=0, timeout=60
+        )
 
     def close(self) -> None:
         self.server.should_exit = True
@@ -73,6 +76,18 @@ def served(run: LoadedRun, run_dir: Path) -> Iterator[Served]:
     s.close()
 
 
+def finished(s: Served, reason: str) -> float:
+    """Choices the server has finished for ``reason``, from its Prometheus counter."""
+    return s.state.metrics.registry.get_sample_value("moekit_choices_total", {"reason": reason}) or 0.0
+
+
+def wait_until(condition, seconds: float = 30.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
 def expected(run: LoadedRun, prompt: str, max_tokens: int, temperature: float = 0.0, seed: int = 0) -> str:
     """The text ``generate`` continues ``prompt`` with, alone in its batch."""
     ids = torch.tensor([run.tokenizer.encode(prompt)])
@@ -92,16 +107,24 @@ def test_greedy_completions_equal_generate(served: Served, run: LoadedRun) -> No
     assert [m.id for m in served.client.models.list().data] == ["run"]
 
 
+USAGE = {"include_usage": True}
+
+
 def test_streaming_sends_one_chunk_per_token_and_the_same_text(served: Served, run: LoadedRun) -> None:
-    chunks = list(served.client.completions.create(model="run", prompt=PROMPTS[0], max_tokens=10, stream=True, seed=5))
+    """The usage comes last, in a chunk of no choices, only when asked for (as OpenAI sends it)."""
+    create = partial(served.client.completions.create, model="run", prompt=PROMPTS[0], max_tokens=10, stream=True)
+    chunks = list(create(seed=5, stream_options=USAGE))
     tokens = [c for c in chunks if c.choices and c.choices[0].finish_reason is None]
     assert len(tokens) == 10 and chunks[-1].usage.completion_tokens == 10 and not chunks[-1].choices
     assert "".join(c.choices[0].text for c in chunks if c.choices) == expected(run, PROMPTS[0], 10, 1.0, 5)
+    plain = list(create(seed=5))
+    assert all(c.choices and c.usage is None for c in plain) and len(plain) == 11
+    assert "".join(c.choices[0].text for c in plain) == expected(run, PROMPTS[0], 10, 1.0, 5)
 
 
 def test_n_choices_sample_with_consecutive_seeds(served: Served, run: LoadedRun) -> None:
     """The n choices share the prompt's prefill and blocks; a stream of n = 3 closed by its client after
-    a few tokens gives every block back."""
+    a few tokens cancels its choices and gives every block back."""
     engine = served.state.engine
     reply = served.client.completions.create(model="run", prompt="ab", max_tokens=8, n=3, seed=11, temperature=0.9)
     assert [c.text for c in reply.choices] == [expected(run, "ab", 8, 0.9, 11 + j) for j in range(3)]
@@ -114,11 +137,11 @@ def test_n_choices_sample_with_consecutive_seeds(served: Served, run: LoadedRun)
         seen.update(c.index for c in chunk.choices)
         if seen == {0, 1, 2}:
             break
+    cancelled = finished(served, "cancelled")
     stream.close()
-    deadline = time.monotonic() + 30
-    while engine.in_flight != (0, 0) and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert engine.in_flight == (0, 0) and engine.pool.free_blocks == engine.pool.num_blocks
+    wait_until(lambda: finished(served, "cancelled") == cancelled + 3)
+    wait_until(lambda: engine.in_flight == (0, 0))
+    assert engine.pool.free_blocks == engine.pool.num_blocks
 
 
 def test_stop_string_cuts_the_text(served: Served, run: LoadedRun) -> None:
@@ -190,7 +213,7 @@ def staggered(s: Served, requests: list[dict]) -> dict[int, str]:
 
     def client(i: int) -> None:
         time.sleep(0.01 * i)
-        chunks = list(s.client.completions.create(model="run", stream=True, **requests[i]))
+        chunks = list(s.client.completions.create(model="run", stream=True, stream_options=USAGE, **requests[i]))
         assert chunks[-1].usage.completion_tokens == requests[i]["max_tokens"]
         texts[i] = "".join(c.choices[0].text for c in chunks if c.choices)
 
@@ -293,6 +316,12 @@ BAD = [
     ({"prompt": "a", "stream": "yes"}, 400, "stream"),
     ({"prompt": "a", "colour": 1}, 400, "colour"),
     ({"prompt": "a", "model": "gpt-4"}, 404, "model"),
+    ({"prompt": "a", "max_tokens": 10**400}, 400, "max_tokens"),  # beyond any float: no OverflowError
+    ({"prompt": "a", "temperature": 10**400}, 400, "temperature"),
+    ({"prompt": "a", "frequency_penalty": 0.5}, 400, "frequency_penalty"),  # taken only at 0
+    ({"prompt": "a", "logit_bias": {"1": 5}}, 400, "logit_bias"),
+    ({"prompt": "a", "echo": True}, 400, "echo"),
+    ({"prompt": "a", "stream_options": {"include_usage": 1}}, 400, "include_usage"),
     (b'{"prompt": "' + b"a" * 5000 + b'"}', 413, None),
 ]
 
@@ -309,7 +338,7 @@ def test_chat_errors_unknown_routes_and_the_api_key(run: LoadedRun, run_dir: Pat
     s = Served(run, run_dir, api_key="sesame", limits=Limits(max_body=4096))
     try:
         with pytest.raises(openai.AuthenticationError):
-            openai.OpenAI(base_url=s.url + "/v1", api_key="wrong", max_retries=0).models.list()
+            openai.OpenAI(base_url=s.url + "/v1", api_key="wrong", max_retries=0, timeout=60).models.list()
         with pytest.raises(openai.BadRequestError, match="messages"):
             s.client.chat.completions.create(model="run", messages=[{"role": "wizard", "content": "x"}])
         assert s.call("/v1/nothing")[0] == 404 and "error" in s.call("/v1/nothing")[1]
@@ -322,9 +351,9 @@ def test_chat_errors_unknown_routes_and_the_api_key(run: LoadedRun, run_dir: Pat
 def test_a_full_queue_answers_429(run: LoadedRun, run_dir: Path) -> None:
     s = Served(run, run_dir, EngineOptions(kv_budget=1 << 20, block_size=4, max_running=1, max_queue=1))
     try:
-        first = s.client.completions.create(model="run", prompt="a", max_tokens=60, stream=True)
+        first = s.client.completions.create(model="run", prompt="a", max_tokens=60, stream=True, stream_options=USAGE)
         next(iter(first))  # running
-        second = s.client.completions.create(model="run", prompt="b", max_tokens=2, stream=True)
+        second = s.client.completions.create(model="run", prompt="b", max_tokens=2, stream=True, stream_options=USAGE)
         with pytest.raises(openai.RateLimitError):
             s.client.completions.create(model="run", prompt="c", max_tokens=2)
         assert len(list(second)) == 4 and list(first)[-1].usage.completion_tokens == 60

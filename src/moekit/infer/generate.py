@@ -38,6 +38,8 @@ def sample_next(
     if temperature == 0:
         return logits_BV.argmax(dim=-1)
     logits = logits_BV.float() / temperature
+    if not logits.isfinite().all():  # a temperature too small for float32: the gaps to the best, in float64
+        logits = (logits_BV.double() - logits_BV.double().amax(dim=-1, keepdim=True)) / temperature
     if top_k is not None and top_k < logits.shape[-1]:
         kth = logits.topk(top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))

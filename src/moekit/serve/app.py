@@ -28,7 +28,6 @@ from moekit.serve.responses import ChoiceState, Shaper, sse, usage
 from moekit.serve.scheduler import Seq
 
 FAILURES = {"timeout": 504, "error": 500, "cancelled": 503}
-POLL_S = 0.25  # how often a waiting non-streaming request looks for a vanished client
 
 
 @dataclass
@@ -96,9 +95,11 @@ def build_app(state: ServeState) -> Starlette:
             state.metrics.requests.labels("200").inc()
             stream = _stream(shaper, req, seqs, choices, queue)
             return StreamingResponse(stream, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        watcher = asyncio.ensure_future(_cancel_when_gone(http, seqs))
         try:
-            await _collect(http, seqs, choices, queue)
+            await _collect(choices, queue)
         finally:
+            watcher.cancel()
             for seq in seqs:
                 seq.cancelled = True  # a no-op for finished choices; frees the rest at the next step
         failed = next((c for c in choices if c.finish in FAILURES), None)
@@ -155,16 +156,19 @@ async def _read_body(http: HttpRequest, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-async def _collect(http: HttpRequest, seqs: list[Seq], choices: list[ChoiceState], queue: asyncio.Queue) -> None:
-    """Every choice's events until all have finished, or the client has gone."""
-    left = len(seqs)
+async def _cancel_when_gone(http: HttpRequest, seqs: list[Seq]) -> None:
+    """Cancel ``seqs`` when the client disconnects (the server's next message once the body is read)."""
+    while (await http.receive())["type"] != "http.disconnect":
+        pass
+    for seq in seqs:
+        seq.cancelled = True
+
+
+async def _collect(choices: list[ChoiceState], queue: asyncio.Queue) -> None:
+    """Every choice's events until all have finished (cancelled ones too)."""
+    left = len(choices)
     while left:
-        try:
-            event = await asyncio.wait_for(queue.get(), POLL_S)
-        except asyncio.TimeoutError:
-            if await http.is_disconnected():
-                return
-            continue
+        event = await queue.get()
         choices[event.choice].add(event)
         left -= isinstance(event, Finish)
 
@@ -172,8 +176,8 @@ async def _collect(http: HttpRequest, seqs: list[Seq], choices: list[ChoiceState
 async def _stream(
     shaper: Shaper, req: Request, seqs: list[Seq], choices: list[ChoiceState], queue: asyncio.Queue
 ) -> AsyncIterator[bytes]:
-    """One chunk per token, a chunk per finished choice, the usage, ``[DONE]``. A client that goes away
-    cancels the generator, which cancels its choices."""
+    """One chunk per token, a chunk per finished choice, the usage if asked for, ``[DONE]``. A client
+    that goes away cancels the generator, which cancels its choices."""
     sent = [0] * len(seqs)
     try:
         left = len(seqs)
@@ -190,7 +194,8 @@ async def _stream(
             c.add(event)
             sent[event.choice] += len(event.text)
             left -= isinstance(event, Finish)
-        yield sse(shaper.usage_chunk(usage(choices, req.n)))
+        if req.include_usage:
+            yield sse(shaper.usage_chunk(usage(choices, req.n)))
         yield sse("[DONE]")
     finally:
         for seq in seqs:

@@ -300,8 +300,8 @@ class Engine:
         now = time.monotonic()
         for r, ((index, seq), token) in enumerate(zip(sampling, tokens.tolist(), strict=True)):
             seq.tokens.append(token)
-            end_token = token in self.stop_tokens  # ends the choice; its text is not part of the answer
-            text, stopped = ("", True) if end_token else seq.state.add(token)
+            # An end token ends the choice: its text is not part of the answer, what was held back is.
+            text, stopped = (seq.state.flush(), True) if token in self.stop_tokens else seq.state.add(token)
             routing = self._routing_of(index) if seq.params.return_routing else None
             seq.emit(Token(seq.choice, token, text, logprobs_of.get(r), routing))
             if self.metrics is not None:

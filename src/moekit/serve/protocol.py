@@ -5,7 +5,9 @@ engine only ever sees prompts that fit and sampling values it can use.
 (rendered by ``ChatTemplate``). Both: ``model``, ``max_tokens`` (chat also ``max_completion_tokens``;
 default: the rest of the context), ``temperature`` (1), ``top_p`` (1), ``top_k`` (0 = all), ``seed``
 (choice i samples with seed + i), ``stop`` (a string or up to four), ``n``, ``stream``, ``logprobs``
-(completions: the top-N count; chat: a boolean with ``top_logprobs``), ``return_routing``.
+(completions: the top-N count; chat: a boolean with ``top_logprobs``), ``stream_options``
+(``include_usage``: a last chunk with the usage), ``return_routing``. OpenAI's penalties, ``logit_bias``
+and ``echo`` are taken at their neutral values (0, empty, false) and refused at any other, by name.
 """
 
 from __future__ import annotations
@@ -66,6 +68,7 @@ class Request:
     n: int
     stream: bool
     params: list[SamplingParams] = field(default_factory=list)  # one per choice j of a prompt
+    include_usage: bool = False  # a stream ends with a chunk of the usage (stream_options.include_usage)
 
     @property
     def num_choices(self) -> int:
@@ -88,11 +91,9 @@ def read_json(body: bytes) -> dict[str, Any]:
 
 
 COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n", "stream", "user"}
-FIELDS = {
-    False: COMMON | {"prompt", "logprobs", "return_routing", "stream_options"},
-    True: COMMON
-    | {"messages", "logprobs", "top_logprobs", "max_completion_tokens", "return_routing", "stream_options"},
-}
+COMMON |= {"stream_options", "return_routing", "logprobs", "frequency_penalty", "presence_penalty", "logit_bias"}
+FIELDS = {False: COMMON | {"prompt", "echo"}, True: COMMON | {"messages", "top_logprobs", "max_completion_tokens"}}
+NEUTRAL = {"frequency_penalty": 0, "presence_penalty": 0, "logit_bias": {}, "echo": False}  # taken only as these
 
 
 def _number(body: dict, name: str, default: Any, lo: float, hi: float, integer: bool = False) -> Any:
@@ -102,7 +103,7 @@ def _number(body: dict, name: str, default: Any, lo: float, hi: float, integer: 
     kinds = (int,) if integer else (int, float)
     if isinstance(value, bool) or not isinstance(value, kinds):
         raise ApiError(400, f"'{name}' must be {'an integer' if integer else 'a number'}, not {value!r}", name)
-    if not (math.isfinite(value) and lo <= value <= hi):
+    if not lo <= value <= hi:  # False for NaN; ints of any size compare exactly (no float())
         raise ApiError(400, f"'{name}'={value!r}: must be in [{lo}, {hi}]", name)
     return value
 
@@ -126,18 +127,32 @@ def _stop(body: dict) -> tuple[str, ...]:
     return tuple(stops)
 
 
+def _content(message: Any) -> str | None:
+    """A message's text: a string, or a list of text parts (OpenAI's ``[{"type": "text", "text"}]``),
+    joined; None if it is neither."""
+    content = message.get("content") if isinstance(message, dict) else None
+    if isinstance(content, list) and all(
+        isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str) for part in content
+    ):
+        return "".join(part["text"] for part in content)
+    return content if isinstance(content, str) else None
+
+
 def _prompts(body: dict, chat: bool, template: ChatTemplate) -> list[str]:
     if chat:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise ApiError(400, "'messages' must be a non-empty list of {role, content} objects", "messages")
         for i, m in enumerate(messages):
-            if not (isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str)):
+            if not (isinstance(m, dict) and m.get("role") in ROLES and _content(m) is not None):
                 raise ApiError(
-                    400, f"messages[{i}] must be {{'role': one of {', '.join(ROLES)}, 'content': a string}}", "messages"
+                    400,
+                    f"messages[{i}] must be {{'role': one of {', '.join(ROLES)}, 'content': a string or a list of "
+                    "text parts}",
+                    "messages",
                 )
         try:
-            return [template.render([{"role": m["role"], "content": m["content"]} for m in messages])]
+            return [template.render([{"role": m["role"], "content": _content(m)} for m in messages])]
         except Exception as err:  # a template's raise_exception, or any Jinja error, names the problem
             raise ApiError(400, f"'messages' do not fit the chat template: {err}", "messages") from None
     prompt = body.get("prompt")
@@ -147,9 +162,9 @@ def _prompts(body: dict, chat: bool, template: ChatTemplate) -> list[str]:
     return prompts
 
 
-def _encode(tokenizer: Tokenizer, text: str, context: int) -> list[int]:
+def _encode(tokenizer: Tokenizer, text: str, context: int, add_special_tokens: bool) -> list[int]:
     try:
-        ids = tokenizer.encode(text)
+        ids = tokenizer.encode(text, add_special_tokens=add_special_tokens)
     except ValueError as err:  # a character outside a char vocabulary, a lone surrogate
         raise ApiError(400, f"the prompt cannot be tokenized: {err}", "prompt") from None
     if not ids:
@@ -168,10 +183,16 @@ def parse_request(
     unknown = sorted(set(body) - FIELDS[chat])
     if unknown:
         raise ApiError(400, f"unsupported field(s): {', '.join(unknown)}", unknown[0])
+    for name, neutral in NEUTRAL.items():
+        value = body.get(name)
+        if value is not None and (value != neutral or isinstance(value, bool) != isinstance(neutral, bool)):
+            raise ApiError(400, f"'{name}'={value!r}: not supported (only {neutral!r})", name)
     model = body.get("model", "")
     if not isinstance(model, str):
         raise ApiError(400, f"'model' must be a string, not {model!r}", "model")
-    prompts = [_encode(tokenizer, text, context) for text in _prompts(body, chat, template)]
+    # A rendered chat template holds its special tokens (a BOS) already: the tokenizer adds none.
+    special = not (chat and template.template is not None)
+    prompts = [_encode(tokenizer, text, context, special) for text in _prompts(body, chat, template)]
     n = _number(body, "n", 1, 1, limits.max_choices, integer=True)
     if len(prompts) * n > limits.max_choices:
         raise ApiError(400, f"{len(prompts)} prompts x n={n}: at most {limits.max_choices} choices per request", "n")
@@ -184,13 +205,16 @@ def parse_request(
         raise ApiError(400, f"'{name}'={max_tokens}: at most {cap} ({why})", name)
     if chat:
         count = _number(body, "top_logprobs", 0, 0, MAX_LOGPROBS, integer=True)
+        if count and not _flag(body, "logprobs"):
+            raise ApiError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs")
         logprobs = count if _flag(body, "logprobs") else None
     else:
         logprobs = _number(body, "logprobs", None, 0, MAX_LOGPROBS, integer=True)
     seed = _number(body, "seed", None, 0, MAX_SEED - (n - 1), integer=True)
     options = body.get("stream_options")
-    if options is not None and not isinstance(options, dict):
-        raise ApiError(400, "'stream_options' must be an object", "stream_options")
+    if options is not None and not (isinstance(options, dict) and set(options) <= {"include_usage"}):
+        raise ApiError(400, "'stream_options' must be an object with at most 'include_usage'", "stream_options")
+    include_usage = _flag(options or {}, "include_usage")
     params = [
         SamplingParams(
             max_tokens=max_tokens,
@@ -204,4 +228,4 @@ def parse_request(
         )
         for j in range(n)
     ]
-    return Request(chat, model, prompts, n, _flag(body, "stream"), params)
+    return Request(chat, model, prompts, n, _flag(body, "stream"), params, include_usage)

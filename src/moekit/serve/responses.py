@@ -1,7 +1,8 @@
 """Engine events -> OpenAI's response objects: a whole completion, or one streamed chunk per token.
 
-Choices are numbered prompt by prompt (``prompt_index * n + j``). ``usage`` is in every answer: in a
-stream, in a last chunk with no choices, before ``data: [DONE]``. With ``return_routing`` each
+Choices are numbered prompt by prompt (``prompt_index * n + j``). ``usage`` is in every whole answer;
+a stream sends it, as OpenAI does, only with ``stream_options.include_usage``: in a last chunk with no
+choices, before ``data: [DONE]``. With ``return_routing`` each
 generated token carries, per MoE layer, the experts that computed the logits it was sampled from.
 """
 

@@ -4,6 +4,7 @@ drain on SIGTERM (running requests finish, new ones get 503, then the process ex
 
 from __future__ import annotations
 
+import json
 import signal
 import socket
 import threading
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import uvicorn
 
+from moekit.config import MoEConfig
 from moekit.hostmem import keep_freed_memory
 from moekit.run.load import LoadedRun
 from moekit.serve.app import ServeState, build_app
@@ -18,6 +20,7 @@ from moekit.serve.chat import ChatTemplate
 from moekit.serve.engine import Engine, EngineOptions
 from moekit.serve.metrics import Metrics
 from moekit.serve.protocol import Limits
+from moekit.tokenizer import Tokenizer
 
 
 def build_state(
@@ -29,16 +32,47 @@ def build_state(
     api_key: str | None = None,
 ) -> ServeState:
     """Engine (not started), chat format, metrics and limits of one served run."""
+    check_batch_independent(run.config.moe)
     template = ChatTemplate(run_dir)
-    stop_tokens: frozenset[int] = frozenset()
-    if template.eos_token is not None:
-        ids = run.tokenizer.encode(template.eos_token)
-        stop_tokens = frozenset(ids) if len(ids) == 1 else frozenset()  # only a single-token end marker
     metrics = Metrics()
-    engine = Engine(run, engine_options or EngineOptions(), metrics, stop_tokens)
+    engine = Engine(run, engine_options or EngineOptions(), metrics, end_tokens(run_dir, run.tokenizer, template))
     metrics.watch(engine)
     name = model_name or Path(run_dir).resolve().name
     return ServeState(engine, name, template, limits or Limits(), metrics, api_key)
+
+
+def check_batch_independent(moe: MoEConfig) -> None:
+    """Refuse routing that depends on the batch: the engine packs every running request into one batch,
+    so an answer would change with the other requests served beside it."""
+    if moe.capacity_factor is not None:
+        raise ValueError(
+            f"moe.capacity_factor={moe.capacity_factor}: each expert keeps a share of the whole batch's tokens, "
+            "so an answer would depend on the requests served beside it; serve a dropless run "
+            "(moekit generate runs one prompt alone)"
+        )
+    if moe.router == "expert_choice":
+        raise ValueError(
+            "moe.router=expert_choice: experts pick among the whole batch's tokens, so an answer would depend "
+            "on the requests served beside it (moekit generate runs one prompt alone)"
+        )
+
+
+def end_tokens(run_dir: Path, tokenizer: Tokenizer, template: ChatTemplate) -> frozenset[int]:
+    """The ids that end a choice: ``generation_config.json``'s ``eos_token_id`` (one or a list, as a
+    Hugging Face model gives them) and the chat format's end marker when it is one token."""
+    ends: set[int] = set()
+    if template.eos_token is not None:
+        ids = tokenizer.encode(template.eos_token, add_special_tokens=False)
+        ends.update(ids if len(ids) == 1 else ())  # an end marker of several tokens is no single token
+    path = Path(run_dir) / "generation_config.json"
+    if path.is_file():
+        try:
+            given = json.loads(path.read_text("utf-8")).get("eos_token_id")
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError) as err:
+            raise ValueError(f"{path}: unreadable ({err})") from None
+        given = [given] if isinstance(given, int) else given if isinstance(given, list) else []
+        ends.update(i for i in given if isinstance(i, int) and 0 <= i < tokenizer.vocab_size)
+    return frozenset(ends)
 
 
 class DrainingServer(uvicorn.Server):
