@@ -123,12 +123,12 @@ _HF_DEFAULTS: dict[str, dict[str, Any]] = {
         "sliding_window": 128,
         "attention_bias": True,
         "rms_norm_eps": 1e-5,
+        "rope_theta": 150000.0,  # default_theta: fills a rope_parameters that leaves it out
     },
 }
 _HF_DEFAULT_ROPE: dict[str, dict[str, Any]] = {
     "gpt_oss": {
         "rope_type": "yarn",
-        "rope_theta": 150000.0,
         "factor": 32.0,
         "beta_fast": 32.0,
         "beta_slow": 1.0,
