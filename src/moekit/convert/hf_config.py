@@ -13,7 +13,7 @@ from typing import Any
 from moekit.config import ModelConfig, MoEConfig
 from moekit.convert import deepseek
 from moekit.convert.errors import ConversionError, unfit
-from moekit.convert.hf_fields import common_fields
+from moekit.convert.hf_fields import check_fit, common_fields
 from moekit.convert.hf_rope import rope_from_hf
 from moekit.convert.keymap import FAMILIES, Family
 
@@ -245,16 +245,9 @@ def export_family(model: ModelConfig, moe: MoEConfig | None) -> Family:
     family = FAMILIES[_export_choice(model, moe)]
     oss, qwen3 = family.model_type == "gpt_oss", family.model_type == "qwen3_moe"
     misfits = {
-        "model.norm": (model.norm, "rmsnorm"),
-        "model.mlp_activation": (model.mlp_activation, "swiglu"),
         "moe.activation": (moe.activation, "clamped_swiglu" if oss else "swiglu"),
-        "moe.router": (moe.router, "topk"),
         "moe.score_func": (moe.score_func, "softmax"),
         "moe.route_scale": (moe.route_scale, 1.0),
-        "moe.capacity_factor": (moe.capacity_factor, None),
-        "moe.residual": (moe.residual, False),
-        "moe.bias_update_rate": (moe.bias_update_rate, 0.0),
-        "model.experts_per_layer": (model.experts_per_layer, None),
         "model.qk_norm": (model.qk_norm, False),
         "model.qk_head_norm": (model.qk_head_norm, qwen3),
         "model.attn_out_bias": (model.attn_out_bias, model.attn_out_bias and (oss or qwen3)),
@@ -271,9 +264,7 @@ def export_family(model: ModelConfig, moe: MoEConfig | None) -> Family:
             "model.first_dense_layers": (model.first_dense_layers, 0),
             "model.moe_every": (model.moe_every, 1),
         }
-    for field, (value, needed) in misfits.items():
-        if value != needed:
-            raise ConversionError(f"{family.architecture}: {field}={value!r} does not fit (it needs {needed!r})")
+    check_fit(family.architecture, model, moe, misfits, biased_experts=oss)
     if family.model_type == "mixtral" and moe.softmax_before_topk and not moe.normalize_topk and moe.top_k > 1:
         raise ConversionError(f"{family.architecture}: moe.normalize_topk=False does not fit (Mixtral renormalises)")
     if moe.top_k == 1:
