@@ -72,12 +72,15 @@ def test_cli_errors_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture) 
     save_hf("olmoe", tmp_path / "olmoe")
     save_tokenizer(tmp_path / "olmoe")
     assert main(["convert", str(tmp_path / "olmoe"), "--out", str(tmp_path / "run")]) == 0
+    save_hf("llama", tmp_path / "dense")
+    save_tokenizer(tmp_path / "dense")
     capsys.readouterr()
     cases = [
         (["export", str(tmp_path / "run"), "--format", "hf", "--out", str(tmp_path / "o")], "model.qk_norm=True"),
         (["convert", str(tmp_path / "nowhere"), "--out", str(tmp_path / "x")], "no config.json"),
         (["convert", str(tmp_path / "olmoe"), "--out", str(tmp_path / "run")], "already holds a run"),
         (["upcycle", str(tmp_path / "run"), "--experts", "4", "--out", str(tmp_path / "u")], "already has MoE blocks"),
+        (["upcycle", str(tmp_path / "dense"), "--top-k", "1", "--out", str(tmp_path / "u")], "--top-k=1: upcycling"),
     ]
     for argv, message in cases:
         assert main(argv) == 2, argv
