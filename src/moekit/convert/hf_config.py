@@ -117,7 +117,19 @@ def aux_coef_from_hf(router_aux_loss_coef: float, top_k: int, n_moe_layers: int)
 
 
 # transformers' defaults that change what a model computes, for a config.json that leaves them out
+# (where they differ from the fallbacks below: rms_norm_eps 1e-6, rope_theta 10000, no groups, ...)
 _HF_DEFAULTS: dict[str, dict[str, Any]] = {
+    "mixtral": {"rope_theta": 1e6, "rms_norm_eps": 1e-5},
+    "olmoe": {"rms_norm_eps": 1e-5},
+    "deepseek_v2": {"n_shared_experts": 2, "q_lora_rank": 1536},
+    "deepseek_v3": {
+        "routed_scaling_factor": 2.5,
+        "n_group": 8,
+        "topk_group": 4,
+        "n_shared_experts": 1,
+        "first_k_dense_replace": 3,
+        "q_lora_rank": 1536,
+    },
     "gpt_oss": {
         "head_dim": 64,
         "sliding_window": 128,
@@ -145,9 +157,9 @@ def configs_from_hf(hf: dict[str, Any]) -> tuple[ModelConfig, MoEConfig | None]:
     because it is missing, is an error in ``from_hf``.
     """
     family = family_of(hf)
+    hf = _HF_DEFAULTS.get(family.model_type, {}) | hf
     if family.model_type in deepseek.FAMILIES:
         return deepseek.configs_from_hf(hf)
-    hf = _HF_DEFAULTS.get(family.model_type, {}) | hf
     d_model, n_heads, n_layers = hf["hidden_size"], hf["num_attention_heads"], hf["num_hidden_layers"]
     if hf.get("hidden_act", "silu") != "silu":
         raise unfit(family.model_type, f"hidden_act {hf['hidden_act']!r} (SwiGLU experts use silu)")
@@ -187,7 +199,7 @@ def configs_from_hf(hf: dict[str, Any]) -> tuple[ModelConfig, MoEConfig | None]:
         return ModelConfig(**model), None
     num_experts = hf.get("num_local_experts") or hf["num_experts"]
     top_k = hf["num_experts_per_tok"]
-    normalize = bool(hf.get("norm_topk_prob", family.model_type == "mixtral"))
+    normalize = family.model_type == "mixtral" or bool(hf.get("norm_topk_prob"))  # Mixtral always renormalises
     if top_k == 1 and normalize:
         raise unfit(
             family.model_type, "top-1 routing with a renormalised weight of 1 (moekit keeps the router's probability)"
