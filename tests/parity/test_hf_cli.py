@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -72,12 +73,26 @@ def test_cli_errors_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture) 
     save_hf("olmoe", tmp_path / "olmoe")
     save_tokenizer(tmp_path / "olmoe")
     assert main(["convert", str(tmp_path / "olmoe"), "--out", str(tmp_path / "run")]) == 0
+    save_hf("llama", tmp_path / "dense")
+    save_tokenizer(tmp_path / "dense")
+    config = json.loads((tmp_path / "olmoe" / "config.json").read_text())
+    for name, edited in [
+        ("null_top_k", config | {"num_experts_per_tok": None}),
+        ("rope_string", config | {"rope_parameters": "yarn"}),
+        ("list", [config]),
+    ]:
+        shutil.copytree(tmp_path / "olmoe", tmp_path / name)
+        (tmp_path / name / "config.json").write_text(json.dumps(edited))
     capsys.readouterr()
     cases = [
         (["export", str(tmp_path / "run"), "--format", "hf", "--out", str(tmp_path / "o")], "model.qk_norm=True"),
         (["convert", str(tmp_path / "nowhere"), "--out", str(tmp_path / "x")], "no config.json"),
         (["convert", str(tmp_path / "olmoe"), "--out", str(tmp_path / "run")], "already holds a run"),
         (["upcycle", str(tmp_path / "run"), "--experts", "4", "--out", str(tmp_path / "u")], "already has MoE blocks"),
+        (["convert", str(tmp_path / "null_top_k"), "--out", str(tmp_path / "x")], "config.json: a field of the wrong"),
+        (["convert", str(tmp_path / "rope_string"), "--out", str(tmp_path / "x")], "config.json: a field of the wrong"),
+        (["convert", str(tmp_path / "list"), "--out", str(tmp_path / "x")], "config.json: a field of the wrong"),
+        (["upcycle", str(tmp_path / "dense"), "--top-k", "1", "--out", str(tmp_path / "u")], "--top-k=1: upcycling"),
     ]
     for argv, message in cases:
         assert main(argv) == 2, argv

@@ -105,16 +105,34 @@ def test_native_model_with_sinks_exports_as_gpt_oss(tmp_path: Path) -> None:
         assert (again(ids).logits - ours(ids).logits).abs().max().item() < 1e-5
 
 
-@pytest.mark.parametrize("family", ["gpt_oss", "qwen3_moe"])
+# Tiny DeepSeek shapes that transformers' default groups (V3: 8 groups, the best 4) and dense blocks fit.
+MLA_SIZES = dict(
+    hidden_size=48, intermediate_size=40, moe_intermediate_size=24, num_hidden_layers=4, num_attention_heads=3,
+    kv_lora_rank=12, qk_nope_head_dim=10, qk_rope_head_dim=8, v_head_dim=14, n_routed_experts=16,
+    num_experts_per_tok=4,
+)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "family", ["gpt_oss", "qwen3_moe", "mixtral", "olmoe", "qwen2_moe", "deepseek_v2", "deepseek_v3"]
+)
 def test_a_config_json_without_defaults_reads_as_transformers_fills_it(family: str) -> None:
-    """Fields a config.json leaves out mean transformers' defaults (gpt-oss: YaRN, window 128, biases)."""
+    """Fields a config.json leaves out mean transformers' defaults (gpt-oss: YaRN, window 128, biases;
+    Mixtral: theta 1e6; Mixtral and OLMoE: norm eps 1e-5; DeepSeek-V3: routed_scaling_factor 2.5, groups)."""
+    import transformers as tf
     from hf_models import hf_config
 
     from moekit.convert.hf_config import configs_from_hf
 
-    full = hf_config(family, vocab_size=97).to_dict()
-    sizes = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers")
-    sizes += ("num_attention_heads", "num_key_value_heads", "num_local_experts", "num_experts_per_tok")
-    minimal = {k: full[k] for k in ("model_type", *sizes, "max_position_embeddings") if k in full}
-    made = type(hf_config(family))(**{k: v for k, v in minimal.items() if k != "model_type"})
+    if family.startswith("deepseek"):
+        make = tf.DeepseekV3Config if family == "deepseek_v3" else tf.DeepseekV2Config
+        minimal = dict(model_type=family, vocab_size=97, max_position_embeddings=64, **MLA_SIZES)
+    else:
+        full = hf_config(family, vocab_size=97).to_dict()
+        sizes = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers")
+        sizes += ("num_attention_heads", "num_key_value_heads", "num_local_experts", "num_experts_per_tok")
+        sizes += ("num_experts", "shared_expert_intermediate_size")
+        minimal = {k: full[k] for k in ("model_type", *sizes, "max_position_embeddings") if k in full}
+        make = type(hf_config(family))
+    made = make(**{k: v for k, v in minimal.items() if k != "model_type"})
     assert configs_from_hf(minimal) == configs_from_hf(made.to_dict())

@@ -62,6 +62,16 @@ def test_moe_families_convert_exactly(family: str, tmp_path: Path) -> None:
     assert_same_model(hf_model, ours)
 
 
+def test_mixtral_renormalises_whatever_norm_topk_prob_says(tmp_path: Path) -> None:
+    """transformers' Mixtral router always renormalises its top-k weights; a stray norm_topk_prob changes nothing."""
+    hf_model = save_hf("mixtral", tmp_path / "hf", router_scale=4.0)
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(config | {"norm_topk_prob": False}))
+    ours = from_hf(tmp_path / "hf")
+    assert ours.moe_cfg.normalize_topk
+    assert_same_model(hf_model, ours)
+
+
 def test_sharded_checkpoint(tmp_path: Path) -> None:
     hf_model = save_hf("mixtral", tmp_path / "hf", shard_size="40KB")
     assert len(list((tmp_path / "hf").glob("model-*.safetensors"))) > 1

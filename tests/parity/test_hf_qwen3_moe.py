@@ -47,6 +47,29 @@ def test_qwen3_moe_attention_bias_and_sliding_window(tmp_path: Path) -> None:
     assert_same_model(AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval(), ours)
 
 
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}
+
+
+@pytest.mark.parametrize(
+    ("edit", "rope"),
+    [
+        # rope_scaling replaces rope_parameters outright; the top-level theta fills what it leaves out
+        (dict(rope_scaling=YARN, rope_theta=5e5), ("yarn", 5e5)),
+        # a theta inside rope_parameters wins over the top-level one
+        (dict(rope_parameters={"rope_type": "default", "rope_theta": 1e4}, rope_theta=1e6), ("none", 1e4)),
+    ],
+    ids=["rope_scaling_beside_rope_parameters", "conflicting_rope_theta"],
+)
+def test_rope_fields_read_as_transformers_reads_them(edit: dict, rope: tuple, tmp_path: Path) -> None:
+    """Hand-edited RoPE fields (as a model card's context extension adds them) mean what they mean to transformers."""
+    save_hf("qwen3_moe", tmp_path / "hf", router_scale=4.0, **ODD)
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(config | edit))
+    ours = from_hf(tmp_path / "hf")
+    assert (ours.cfg.rope_scaling, ours.cfg.rope_theta) == rope
+    assert_same_model(AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval(), ours)
+
+
 def test_qwen3_moe_what_does_not_fit_is_named(tmp_path: Path) -> None:
     save_hf("qwen3_moe", tmp_path / "hf", **ODD)
     config = json.loads((tmp_path / "hf" / "config.json").read_text())

@@ -13,7 +13,7 @@ from typing import Any
 
 from moekit.config import ModelConfig, MoEConfig
 from moekit.convert.errors import ConversionError, unfit
-from moekit.convert.hf_fields import common_fields
+from moekit.convert.hf_fields import check_fit, common_fields
 from moekit.convert.hf_rope import rope_from_hf
 
 FAMILIES = ("deepseek_v2", "deepseek_v3")
@@ -108,24 +108,16 @@ def export_family(model: ModelConfig, moe: MoEConfig) -> str:
     family = "deepseek_v3" if moe.score_func == "sigmoid" else "deepseek_v2"
     v3 = family == "deepseek_v3"
     misfits = {
-        "model.norm": (model.norm, "rmsnorm"),
-        "model.mlp_activation": (model.mlp_activation, "swiglu"),
         "model.moe_every": (model.moe_every, 1),
-        "model.experts_per_layer": (model.experts_per_layer, None),
         "moe.activation": (moe.activation, "swiglu"),
-        "moe.router": (moe.router, "topk"),
         "moe.softmax_before_topk": (moe.softmax_before_topk, True),
-        "moe.capacity_factor": (moe.capacity_factor, None),
-        "moe.residual": (moe.residual, False),
         "moe.shared_expert_gate": (moe.shared_expert_gate, False),
         "moe.normalize_topk": (moe.normalize_topk, moe.normalize_topk if v3 else False),
         "moe.group_score": (moe.group_score, "top2_sum" if v3 else "max"),
     }
     if moe.n_group == 1:
         del misfits["moe.group_score"]  # one group: its rank changes nothing
-    for field, (value, needed) in misfits.items():
-        if value != needed:
-            raise ConversionError(f"{family}: {field}={value!r} does not fit (it needs {needed!r})")
+    check_fit(family, model, moe, misfits, stores_expert_bias=v3)
     if moe.shared_hidden % moe.d_ff or not moe.num_shared_experts:
         raise ConversionError(f"{family}: shared experts of total width {moe.shared_hidden} are not n * moe.d_ff")
     if v3 and moe.top_k == 1 and moe.normalize_topk:

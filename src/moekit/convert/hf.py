@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from moekit.config import ModelConfig, MoEConfig
+from moekit.convert.errors import ConversionError
 from moekit.convert.export_fill import fill_for_family
 from moekit.convert.hf_config import export_family, hf_config
 from moekit.convert.keymap import Family, inert, rules, split
@@ -66,8 +67,11 @@ def to_hf(model: Transformer, out: Path) -> Family:
         state, model_cfg, moe_cfg = _as_qwen2_moe(state, model_cfg, moe_cfg)
     if family.model_type in ("qwen3_moe", "gpt_oss"):
         state, model_cfg, moe_cfg = fill_for_family(family.model_type, state, model_cfg, moe_cfg)
+    table = rules(family, model_cfg, moe_cfg)
+    tied = {"lm_head.weight"} if model_cfg.tie_embeddings else set()
+    _refuse_unwritten(family, state, {rule.native for rule in table} | tied)
     tensors: dict[str, Tensor] = {}
-    for rule in rules(family, model_cfg, moe_cfg):
+    for rule in table:
         tensors.update(split(rule, state[rule.native]))
     tensors |= {key: torch.zeros(shape) for key, shape in inert(family, model_cfg, moe_cfg).items()}
     out = Path(out)
@@ -91,3 +95,18 @@ def _as_qwen2_moe(
             state[f"blocks.{i}.ffn.shared.w_out.weight"] = 2 * state[f"blocks.{i}.ffn.shared.w_out.weight"]
     shared_gate = moe.num_shared_experts > 0
     return state, replace(model, qkv_bias=True), replace(moe, shared_expert_gate=shared_gate)
+
+
+def _refuse_unwritten(family: Family, state: dict[str, Tensor], written: set[str]) -> None:
+    """An error naming a tensor of the model that no rule writes: the family has no place for it, and
+    dropping it would change what the model computes. Aux-loss-free balancing's selection bias
+    (``router.expert_bias``, stored only by DeepSeek-V3) may be left out while it is zero."""
+    for name in sorted(state.keys() - written):
+        if name.endswith(".router.expert_bias"):
+            if state[name].any():
+                raise ConversionError(
+                    f"{family.architecture}: {name} is nonzero (aux-loss-free balancing's selection bias), "
+                    f"and {family.architecture} has no place for it"
+                )
+            continue
+        raise ConversionError(f"{family.architecture}: {name} has no place in {family.architecture}")

@@ -13,7 +13,7 @@ from typing import Any
 from moekit.config import ModelConfig, MoEConfig
 from moekit.convert import deepseek
 from moekit.convert.errors import ConversionError, unfit
-from moekit.convert.hf_fields import common_fields
+from moekit.convert.hf_fields import check_fit, common_fields
 from moekit.convert.hf_rope import rope_from_hf
 from moekit.convert.keymap import FAMILIES, Family
 
@@ -117,18 +117,30 @@ def aux_coef_from_hf(router_aux_loss_coef: float, top_k: int, n_moe_layers: int)
 
 
 # transformers' defaults that change what a model computes, for a config.json that leaves them out
+# (where they differ from the fallbacks below: rms_norm_eps 1e-6, rope_theta 10000, no groups, ...)
 _HF_DEFAULTS: dict[str, dict[str, Any]] = {
+    "mixtral": {"rope_theta": 1e6, "rms_norm_eps": 1e-5},
+    "olmoe": {"rms_norm_eps": 1e-5},
+    "deepseek_v2": {"n_shared_experts": 2, "q_lora_rank": 1536},
+    "deepseek_v3": {
+        "routed_scaling_factor": 2.5,
+        "n_group": 8,
+        "topk_group": 4,
+        "n_shared_experts": 1,
+        "first_k_dense_replace": 3,
+        "q_lora_rank": 1536,
+    },
     "gpt_oss": {
         "head_dim": 64,
         "sliding_window": 128,
         "attention_bias": True,
         "rms_norm_eps": 1e-5,
+        "rope_theta": 150000.0,  # default_theta: fills a rope_parameters that leaves it out
     },
 }
 _HF_DEFAULT_ROPE: dict[str, dict[str, Any]] = {
     "gpt_oss": {
         "rope_type": "yarn",
-        "rope_theta": 150000.0,
         "factor": 32.0,
         "beta_fast": 32.0,
         "beta_slow": 1.0,
@@ -145,9 +157,9 @@ def configs_from_hf(hf: dict[str, Any]) -> tuple[ModelConfig, MoEConfig | None]:
     because it is missing, is an error in ``from_hf``.
     """
     family = family_of(hf)
+    hf = _HF_DEFAULTS.get(family.model_type, {}) | hf
     if family.model_type in deepseek.FAMILIES:
         return deepseek.configs_from_hf(hf)
-    hf = _HF_DEFAULTS.get(family.model_type, {}) | hf
     d_model, n_heads, n_layers = hf["hidden_size"], hf["num_attention_heads"], hf["num_hidden_layers"]
     if hf.get("hidden_act", "silu") != "silu":
         raise unfit(family.model_type, f"hidden_act {hf['hidden_act']!r} (SwiGLU experts use silu)")
@@ -187,7 +199,7 @@ def configs_from_hf(hf: dict[str, Any]) -> tuple[ModelConfig, MoEConfig | None]:
         return ModelConfig(**model), None
     num_experts = hf.get("num_local_experts") or hf["num_experts"]
     top_k = hf["num_experts_per_tok"]
-    normalize = bool(hf.get("norm_topk_prob", family.model_type == "mixtral"))
+    normalize = family.model_type == "mixtral" or bool(hf.get("norm_topk_prob"))  # Mixtral always renormalises
     if top_k == 1 and normalize:
         raise unfit(
             family.model_type, "top-1 routing with a renormalised weight of 1 (moekit keeps the router's probability)"
@@ -245,16 +257,9 @@ def export_family(model: ModelConfig, moe: MoEConfig | None) -> Family:
     family = FAMILIES[_export_choice(model, moe)]
     oss, qwen3 = family.model_type == "gpt_oss", family.model_type == "qwen3_moe"
     misfits = {
-        "model.norm": (model.norm, "rmsnorm"),
-        "model.mlp_activation": (model.mlp_activation, "swiglu"),
         "moe.activation": (moe.activation, "clamped_swiglu" if oss else "swiglu"),
-        "moe.router": (moe.router, "topk"),
         "moe.score_func": (moe.score_func, "softmax"),
         "moe.route_scale": (moe.route_scale, 1.0),
-        "moe.capacity_factor": (moe.capacity_factor, None),
-        "moe.residual": (moe.residual, False),
-        "moe.bias_update_rate": (moe.bias_update_rate, 0.0),
-        "model.experts_per_layer": (model.experts_per_layer, None),
         "model.qk_norm": (model.qk_norm, False),
         "model.qk_head_norm": (model.qk_head_norm, qwen3),
         "model.attn_out_bias": (model.attn_out_bias, model.attn_out_bias and (oss or qwen3)),
@@ -271,9 +276,7 @@ def export_family(model: ModelConfig, moe: MoEConfig | None) -> Family:
             "model.first_dense_layers": (model.first_dense_layers, 0),
             "model.moe_every": (model.moe_every, 1),
         }
-    for field, (value, needed) in misfits.items():
-        if value != needed:
-            raise ConversionError(f"{family.architecture}: {field}={value!r} does not fit (it needs {needed!r})")
+    check_fit(family.architecture, model, moe, misfits, biased_experts=oss)
     if family.model_type == "mixtral" and moe.softmax_before_topk and not moe.normalize_topk and moe.top_k > 1:
         raise ConversionError(f"{family.architecture}: moe.normalize_topk=False does not fit (Mixtral renormalises)")
     if moe.top_k == 1:

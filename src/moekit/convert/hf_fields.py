@@ -1,5 +1,6 @@
-"""The ``config.json`` fields every family moekit writes shares: one home for the MoE exporters
-(``hf_config`` and ``deepseek``), so a fix to one (the norm eps default, the token ids) reaches all."""
+"""The ``config.json`` fields every family moekit writes shares, and the export checks they all need:
+one home for the MoE exporters (``hf_config`` and ``deepseek``), so a fix to one (the norm eps
+default, the token ids, a bias no family holds) reaches all."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from typing import Any
 import torch
 
 from moekit.config import ModelConfig, MoEConfig
+from moekit.convert.errors import ConversionError
 from moekit.convert.hf_rope import rope_to_hf
 
 
@@ -33,3 +35,32 @@ def common_fields(model: ModelConfig, moe: MoEConfig) -> dict[str, Any]:
         "torch_dtype": "float32",
         "use_cache": True,
     }
+
+
+def check_fit(
+    written_as: str,
+    model: ModelConfig,
+    moe: MoEConfig,
+    misfits: dict[str, tuple[Any, Any]],
+    *,
+    biased_experts: bool = False,
+    stores_expert_bias: bool = False,
+) -> None:
+    """Raise naming the first field the family written as cannot hold: the family's own ``misfits``
+    ({field: (value, the value it needs)}) and those every family shares. Router and expert biases fit
+    only a family with them (``biased_experts``: gpt-oss); a balancing bias that moves during training
+    only one that stores it (``stores_expert_bias``: DeepSeek-V3)."""
+    shared = {
+        "model.norm": (model.norm, "rmsnorm"),
+        "model.mlp_activation": (model.mlp_activation, "swiglu"),
+        "model.experts_per_layer": (model.experts_per_layer, None),
+        "moe.router": (moe.router, "topk"),
+        "moe.capacity_factor": (moe.capacity_factor, None),
+        "moe.residual": (moe.residual, False),
+        "moe.router_bias": (moe.router_bias, moe.router_bias and biased_experts),
+        "moe.expert_ffn_bias": (moe.expert_ffn_bias, moe.expert_ffn_bias and biased_experts),
+        "moe.bias_update_rate": (moe.bias_update_rate, moe.bias_update_rate if stores_expert_bias else 0.0),
+    }
+    for field, (value, needed) in (shared | misfits).items():
+        if value != needed:
+            raise ConversionError(f"{written_as}: {field}={value!r} does not fit (it needs {needed!r})")

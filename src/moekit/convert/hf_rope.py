@@ -9,6 +9,22 @@ from moekit.config import ModelConfig
 from moekit.convert.errors import unfit
 from moekit.model.rope import yarn_gain
 
+DEFAULT_THETA = 10000.0  # transformers' PreTrainedConfig.default_theta
+
+
+def hf_rope_parameters(hf: dict[str, Any], default: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The RoPE parameters transformers 5 builds its model with (``convert_rope_params_to_dict``).
+
+    ``rope_scaling`` (the older name) replaces ``rope_parameters`` outright, whatever the latter says;
+    the top-level ``rope_theta`` and ``partial_rotary_factor`` count only where those parameters leave
+    them out. A family's default theta reaches here as a top-level ``rope_theta`` (``_HF_DEFAULTS``).
+    """
+    params = dict(hf.get("rope_scaling") or hf.get("rope_parameters") or default or {})
+    params.setdefault("rope_theta", hf.get("rope_theta", DEFAULT_THETA))
+    if hf.get("partial_rotary_factor") is not None:
+        params.setdefault("partial_rotary_factor", hf["partial_rotary_factor"])
+    return params
+
 
 def rope_from_hf(hf: dict[str, Any], default: dict[str, Any] | None = None, mla: bool = False) -> dict[str, Any]:
     """moekit's RoPE fields for the config's RoPE (``default``: the family's when the config has none).
@@ -18,10 +34,9 @@ def rope_from_hf(hf: dict[str, Any], default: dict[str, Any] | None = None, mla:
     (``mla``) also puts ``yarn_gain(mscale_all_dim)`` squared on its softmax scale.
     """
     model_type = hf["model_type"]
-    params = (hf.get("rope_scaling") or {}) | (hf.get("rope_parameters") or {})
-    params = params or default or {}
+    params = hf_rope_parameters(hf, default)
     rope_type = params.get("rope_type") or params.get("type") or "default"
-    theta = float(hf.get("rope_theta") or params.get("rope_theta") or 10000.0)
+    theta = float(params["rope_theta"])
     if params.get("partial_rotary_factor", 1.0) != 1.0:
         raise unfit(model_type, f"partial_rotary_factor {params['partial_rotary_factor']}")
     if rope_type == "default":

@@ -80,13 +80,18 @@ def open_hf(path: Path, dtype: torch.dtype | None = None) -> HFCheckpoint:
     """
     path = Path(path)
     hf = read_hf_config(path)
-    family = family_of(hf)
-    block = block_size_of(hf)
-    source = SafetensorsDir(path) if block is None else DequantizedDir(path, block)
     try:
+        family = family_of(hf)
+        block = block_size_of(hf)
         model_cfg, moe_cfg = configs_from_hf(hf)
+    except ConversionError:
+        raise
     except KeyError as err:
         raise ConversionError(f"{path / 'config.json'}: missing field {err}") from None
+    except (TypeError, AttributeError, ValueError) as err:  # a field (or the whole file) of the wrong type
+        first_line = (str(err).splitlines() or [type(err).__name__])[0]
+        raise ConversionError(f"{path / 'config.json'}: a field of the wrong type ({first_line})") from None
+    source = SafetensorsDir(path) if block is None else DequantizedDir(path, block)
     with torch.device("meta"):
         meta = Transformer(model_cfg, moe_cfg)
     state = meta.state_dict()

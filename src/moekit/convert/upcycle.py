@@ -3,6 +3,7 @@
 Every dense MLP becomes an MoE layer. With ``split = 1`` each expert is a copy of the MLP and the
 router renormalises its top-k weights to sum to 1, so whatever the (random) router picks, the
 upcycled model computes exactly the dense model at step 0; training then pulls the copies apart.
+The router renormalises only two or more picks (one keeps its raw probability), so top_k >= 2.
 With ``split = s`` the MLP's hidden units are cut into s slices (finer experts, as in Qwen-MoE's
 upcycling); expert e holds slice ``e mod s`` scaled by s and the router starts at zero, so a token
 on all experts with equal weights (the DTS gate's dense start) again computes the dense MLP exactly.
@@ -55,6 +56,8 @@ def upcycle(
     cfg = dense.cfg
     if cfg.moe_layers():
         raise ValueError("upcycle: the model already has MoE blocks (model.moe_every > 0); give a dense model")
+    if top_k < 2:  # the router renormalises only k > 1 picks: one pick would weigh the MLP by its raw probability
+        raise ValueError(f"top_k={top_k}: upcycling needs top_k >= 2 to start as the dense model exactly")
     if split < 1 or num_experts % split:
         raise ValueError(f"split={split}: must be >= 1 and divide num_experts={num_experts}")
     if cfg.d_ff % split:
