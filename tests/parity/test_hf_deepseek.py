@@ -71,8 +71,8 @@ CASES = {
             V3,
             rope_interleave=False,
             q_lora_rank=None,
-            n_routed_experts=10,
-            n_group=5,
+            n_routed_experts=9,  # 3 per group: a group scores by its best two, not by its sum
+            n_group=3,
             topk_group=2,
             routed_scaling_factor=1.7,
             rope_parameters=dict(YARN, mscale=0.9, mscale_all_dim=0.7),
