@@ -26,7 +26,7 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 from moekit.convert import ConversionError, from_hf  # noqa: E402
 from moekit.convert.stream import open_hf  # noqa: E402
 
-BLOCK = 16
+ROWS, COLS = 16, 8  # a block of the weight's rows x columns; unequal, so the order of the two counts
 
 
 def quantize_dir(directory: Path, reference: Path) -> torch.nn.Module:
@@ -40,22 +40,23 @@ def quantize_dir(directory: Path, reference: Path) -> torch.nn.Module:
             out[key] = w
             continue
         rows, cols = w.shape
-        grid = torch.empty((rows + BLOCK - 1) // BLOCK, (cols + BLOCK - 1) // BLOCK)
+        grid = torch.empty((rows + ROWS - 1) // ROWS, (cols + COLS - 1) // COLS)
         q = torch.empty(rows, cols, dtype=torch.float8_e4m3fn)
         dequantized = torch.empty(rows, cols)
         for i in range(grid.shape[0]):
             for j in range(grid.shape[1]):
-                block = w[i * BLOCK : (i + 1) * BLOCK, j * BLOCK : (j + 1) * BLOCK]
+                rows_ij, cols_ij = slice(i * ROWS, (i + 1) * ROWS), slice(j * COLS, (j + 1) * COLS)
+                block = w[rows_ij, cols_ij]
                 scale = block.abs().max() / 448.0  # e4m3's largest finite value
                 grid[i, j] = scale
                 q_block = (block / scale).to(torch.float8_e4m3fn)
-                q[i * BLOCK : (i + 1) * BLOCK, j * BLOCK : (j + 1) * BLOCK] = q_block
-                dequantized[i * BLOCK : (i + 1) * BLOCK, j * BLOCK : (j + 1) * BLOCK] = q_block.float() * scale
+                q[rows_ij, cols_ij] = q_block
+                dequantized[rows_ij, cols_ij] = q_block.float() * scale
         out[key], out[key + "_scale_inv"], plain[key] = q, grid, dequantized
     save_file(out, directory / "model.safetensors", metadata={"format": "pt"})
     save_file(plain, reference / "model.safetensors", metadata={"format": "pt"})
     config = json.loads((directory / "config.json").read_text())
-    quant = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [BLOCK, BLOCK]}
+    quant = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [ROWS, COLS]}
     (directory / "config.json").write_text(json.dumps(config | {"quantization_config": quant}))
     return AutoModelForCausalLM.from_pretrained(reference).eval()
 
