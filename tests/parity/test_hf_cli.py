@@ -11,10 +11,12 @@ import torch
 
 pytest.importorskip("transformers", reason="the Hugging Face parity tests need transformers: pip install -e '.[test]'")
 from hf_models import TINY, save_hf, save_tokenizer  # noqa: E402
-from transformers import AutoModelForCausalLM  # noqa: E402
+from transformers import AutoModelForCausalLM, GenerationConfig  # noqa: E402
 
 from moekit.cli import main  # noqa: E402
 from moekit.run.load import load_run  # noqa: E402
+from moekit.serve.chat import ChatTemplate  # noqa: E402
+from moekit.serve.server import end_tokens  # noqa: E402
 
 TOL = 1e-4
 
@@ -25,12 +27,22 @@ def max_gap(hf_model: torch.nn.Module, ours: torch.nn.Module) -> float:
         return (hf_model(ids).logits - ours(ids).logits).abs().max().item()
 
 
+CHAT = "{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }} {{ eos_token }} {% endfor %}"
+
+
 def test_convert_generate_export(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """The chat template (transformers 5's chat_template.jinja), special tokens and generation ends go
+    with the weights both ways: ``moekit serve`` and transformers chat and stop as the original does."""
     hf_model = save_hf("qwen2_moe", tmp_path / "hf")
     save_tokenizer(tmp_path / "hf")
+    (tmp_path / "hf" / "chat_template.jinja").write_text(CHAT)
+    (tmp_path / "hf" / "tokenizer_config.json").write_text(json.dumps({"eos_token": "w5"}))
+    (tmp_path / "hf" / "generation_config.json").write_text(json.dumps({"eos_token_id": [3, 4]}))
     run = tmp_path / "run"
     assert main(["convert", str(tmp_path / "hf"), "--out", str(run)]) == 0
     assert max_gap(hf_model, load_run(run).model) < TOL
+    template = ChatTemplate(run)
+    assert template.template == CHAT and end_tokens(run, load_run(run).tokenizer, template) == {3, 4, 5}
     capsys.readouterr()
     greedy = ["generate", str(run), "--prompt", "w1 w2 w3", "--temperature", "0", "--max-new-tokens", "6"]
     assert main(greedy) == 0
@@ -39,7 +51,8 @@ def test_convert_generate_export(tmp_path: Path, capsys: pytest.CaptureFixture) 
     out = tmp_path / "out"
     assert main(["export", str(run), "--format", "hf", "--out", str(out)]) == 0
     assert json.loads((out / "config.json").read_text())["architectures"] == ["Qwen2MoeForCausalLM"]
-    assert (out / "tokenizer.json").is_file()
+    assert (out / "tokenizer.json").is_file() and (out / "chat_template.jinja").read_text() == CHAT
+    assert GenerationConfig.from_pretrained(out).eos_token_id == [3, 4]
     assert max_gap(AutoModelForCausalLM.from_pretrained(out).eval(), load_run(run).model) < TOL
     assert main(["export", str(run), "--format", "hf", "--out", str(out)]) == 2  # never over another model
 
@@ -47,9 +60,11 @@ def test_convert_generate_export(tmp_path: Path, capsys: pytest.CaptureFixture) 
 def test_upcycle_a_hugging_face_dense_model(tmp_path: Path) -> None:
     hf_model = save_hf("llama", tmp_path / "hf")
     save_tokenizer(tmp_path / "hf")
+    (tmp_path / "hf" / "generation_config.json").write_text(json.dumps({"eos_token_id": 2}))
     assert main(["upcycle", str(tmp_path / "hf"), "--experts", "4", "--top-k", "2", "--out", str(tmp_path / "up")]) == 0
     up = load_run(tmp_path / "up")
     assert up.config.is_moe and up.tokenizer.vocab_size == TINY["vocab_size"]
+    assert json.loads((tmp_path / "up" / "generation_config.json").read_text()) == {"eos_token_id": 2}
     assert max_gap(hf_model, up.model) < TOL
 
 

@@ -26,7 +26,7 @@ def add_parser(commands) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from moekit.convert.source import hf_source
+    from moekit.convert.source import carry_chat_files, hf_source
     from moekit.run.checkpoint import save_weights_run
 
     if (args.hf_dir / "checkpoints").is_dir():
@@ -34,6 +34,7 @@ def run(args: argparse.Namespace) -> int:
     checkpoint, tokenizer, cfg = hf_source(args.hf_dir, resolve_dtype(args.dtype))
     out = args.run_dir
     path = save_weights_run(out, cfg.to_json(), checkpoint.write, tokenizer, f"converted from {args.hf_dir}")
+    carry_chat_files(args.hf_dir, out)
     kind = f"{len(checkpoint.model_cfg.moe_layers())} MoE blocks" if checkpoint.model_cfg.moe_layers() else "dense"
     size = (path / "model.safetensors").stat().st_size
     dtype = str(checkpoint.dtype).removeprefix("torch.")

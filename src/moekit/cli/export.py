@@ -25,6 +25,7 @@ def add_parser(commands) -> None:
 
 def _hf(args: argparse.Namespace) -> None:
     from moekit.convert import to_hf
+    from moekit.convert.source import carry_chat_files
     from moekit.run.load import load_run
 
     if (args.out / "config.json").exists():
@@ -34,6 +35,7 @@ def _hf(args: argparse.Namespace) -> None:
     print(f"{args.out}: {family.architecture} (load with transformers.AutoModelForCausalLM.from_pretrained)")
     if loaded.tokenizer.name == "bpe":  # a Hugging Face tokenizer already; byte and char ones have no such form
         loaded.tokenizer.save(args.out)
+        carry_chat_files(args.run_dir, args.out)
     else:
         print(f"tokenizer: moekit's {loaded.tokenizer.name} tokenizer has no Hugging Face form; not written")
 

@@ -33,7 +33,7 @@ def add_parser(commands) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from moekit.convert.source import load_model_source
+    from moekit.convert.source import carry_chat_files, load_model_source
     from moekit.convert.upcycle import upcycle
     from moekit.run.checkpoint import save_weights_run
     from moekit.runconfig import for_model
@@ -43,6 +43,7 @@ def run(args: argparse.Namespace) -> int:
     # Keep the dense run's data and training settings: continuing on the same text is the usual next step.
     up_cfg = dataclasses.replace(for_model(model.cfg, model.moe_cfg, cfg.data), train=cfg.train)
     save_weights_run(args.run_dir, up_cfg.to_json(), model, tokenizer, f"upcycled from {args.dense}")
+    carry_chat_files(args.dense, args.run_dir)
     total, active = model.num_params() / 1e6, model.num_active_params() / 1e6
     print(f"run directory: {args.run_dir} ({total:.2f}M parameters, {active:.2f}M active per token)")
     print(f"continue: moekit train --init {args.run_dir} --run-dir ...")

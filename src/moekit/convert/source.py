@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import torch
@@ -13,6 +14,20 @@ from moekit.model import Transformer
 from moekit.run.load import load_run
 from moekit.runconfig import RunConfig, for_model
 from moekit.tokenizer import Tokenizer, load_tokenizer
+
+# What a Hugging Face directory says about chatting with its model beside its tokenizer.json: the chat
+# template (in tokenizer_config.json, or in chat_template.jinja as transformers 5 saves it), the special
+# tokens, and the ids that end a generation (generation_config.json).
+CHAT_FILES = ("tokenizer_config.json", "chat_template.jinja", "generation_config.json")
+
+
+def carry_chat_files(source: Path, target: Path) -> list[str]:
+    """Copy ``CHAT_FILES`` that ``source`` has into ``target``, so the model chats and stops the same
+    there (``moekit serve``, transformers); returns the names copied."""
+    copied = [name for name in CHAT_FILES if (Path(source) / name).is_file()]
+    for name in copied:
+        shutil.copyfile(Path(source) / name, Path(target) / name)
+    return copied
 
 
 def hf_source(path: Path, dtype: torch.dtype | None = None) -> tuple[HFCheckpoint, Tokenizer, RunConfig]:

@@ -1,7 +1,8 @@
 """Chat messages -> one prompt string.
 
-A run directory with a ``tokenizer_config.json`` that has a ``chat_template`` (a Hugging Face model's,
-copied beside its converted run) is rendered by transformers' own Jinja renderer, with the
+A run directory with a ``chat_template.jinja`` (as transformers 5 saves a template), or a
+``tokenizer_config.json`` that has a ``chat_template`` (a Hugging Face model's, copied beside its
+converted run by ``moekit convert``) is rendered by transformers' own Jinja renderer, with the
 generation prompt appended and the config's ``bos_token`` / ``eos_token`` in scope, as
 ``apply_chat_template`` does. Without one (a moekit-trained run) the template is plain text: each
 message as ``role: content`` on its own line, then ``assistant:`` (no space after the colon), which a
@@ -30,14 +31,12 @@ class ChatTemplate:
     def __init__(self, run_dir: Path) -> None:
         self.template: str | None = None
         self.special: dict[str, str] = {}
-        path = Path(run_dir) / "tokenizer_config.json"
-        if not path.is_file():
-            return
+        path, jinja = Path(run_dir) / "tokenizer_config.json", Path(run_dir) / "chat_template.jinja"
         try:
-            config = json.loads(path.read_text("utf-8"))
+            config = json.loads(path.read_text("utf-8")) if path.is_file() else {}
+            template = jinja.read_text("utf-8") if jinja.is_file() else config.get("chat_template")  # as transformers
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-            raise ValueError(f"{path}: unreadable ({err})") from None
-        template = config.get("chat_template")
+            raise ValueError(f"{path if path.is_file() else jinja}: unreadable ({err})") from None
         if isinstance(template, list):  # named templates: the default one
             template = next((t.get("template") for t in template if t.get("name") == "default"), None)
         self.template = template if isinstance(template, str) else None
