@@ -11,6 +11,7 @@ import torch
 
 pytest.importorskip("transformers", reason="the Hugging Face parity tests need transformers: pip install -e '.[test]'")
 from hf_models import TINY, save_hf, save_tokenizer  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
 from transformers import AutoModelForCausalLM, GenerationConfig  # noqa: E402
 
 from moekit.cli import main  # noqa: E402
@@ -55,6 +56,12 @@ def test_convert_generate_export(tmp_path: Path, capsys: pytest.CaptureFixture) 
     assert GenerationConfig.from_pretrained(out).eos_token_id == [3, 4]
     assert max_gap(AutoModelForCausalLM.from_pretrained(out).eval(), load_run(run).model) < TOL
     assert main(["export", str(run), "--format", "hf", "--out", str(out)]) == 2  # never over another model
+    half = tmp_path / "bf16"
+    assert main(["export", str(run), "--format", "hf", "--out", str(half), "--dtype", "bf16"]) == 0
+    assert json.loads((half / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    full, bf16 = load_file(out / "model.safetensors"), load_file(half / "model.safetensors")
+    assert full.keys() == bf16.keys() and all(torch.equal(full[k].bfloat16(), bf16[k]) for k in full)
+    assert json.loads((out / "config.json").read_text())["torch_dtype"] == "float32"  # the run's own
 
 
 def test_upcycle_a_hugging_face_dense_model(tmp_path: Path) -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from moekit.cli.common import dtype_name, resolve_dtype
+
 
 def add_parser(commands) -> None:
     export = commands.add_parser(
@@ -21,6 +23,9 @@ def add_parser(commands) -> None:
         "(Mixtral, Qwen2-MoE, Qwen3-MoE or gpt-oss)",
     )
     export.add_argument("--out", type=Path, required=True, help="the directory to write")
+    export.add_argument(
+        "--dtype", type=dtype_name, help="hf: fp32, bf16 or fp16 weights (default: the run's own, e.g. bf16)"
+    )
 
 
 def _hf(args: argparse.Namespace) -> None:
@@ -31,7 +36,7 @@ def _hf(args: argparse.Namespace) -> None:
     if (args.out / "config.json").exists():
         raise ValueError(f"--out {args.out}: already holds a config.json; choose an empty directory")
     loaded = load_run(args.run_dir)
-    family = to_hf(loaded.model, args.out)
+    family = to_hf(loaded.model, args.out, resolve_dtype(args.dtype))
     print(f"{args.out}: {family.architecture} (load with transformers.AutoModelForCausalLM.from_pretrained)")
     if loaded.tokenizer.name == "bpe":  # a Hugging Face tokenizer already; byte and char ones have no such form
         loaded.tokenizer.save(args.out)
@@ -43,6 +48,8 @@ def _hf(args: argparse.Namespace) -> None:
 def _safetensors(args: argparse.Namespace) -> None:
     from moekit.run.export import export_run
 
+    if args.dtype is not None:
+        raise ValueError(f"--dtype {args.dtype}: only with --format hf (safetensors keeps the run's own)")
     path = export_run(args.run_dir, args.out)
     print(f"{args.out}: {path / 'model.safetensors'} (moekit generate {args.out}; train --init {args.out})")
 

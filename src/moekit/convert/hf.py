@@ -49,8 +49,9 @@ def load_hf(checkpoint: HFCheckpoint) -> Transformer:
     return model.eval()
 
 
-def to_hf(model: Transformer, out: Path) -> Family:
+def to_hf(model: Transformer, out: Path, dtype: torch.dtype | None = None) -> Family:
     """Write ``model`` as a Hugging Face directory (config.json, model.safetensors); return its family.
+    ``dtype``: of the written weights (default: the model's own, so a bf16 run stays bf16).
 
     Qwen2-MoE always has query/key/value biases and a sigmoid gate on its shared expert: a model
     without them is written with zero biases, and with a zero gate (sigmoid 0.5) in front of a
@@ -59,6 +60,7 @@ def to_hf(model: Transformer, out: Path) -> Family:
     """
     from safetensors.torch import save
 
+    dtype = dtype or model.embed.weight.dtype
     model_cfg, moe_cfg = model.cfg, model.moe_cfg
     family = export_family(model_cfg, moe_cfg)
     assert moe_cfg is not None
@@ -74,9 +76,10 @@ def to_hf(model: Transformer, out: Path) -> Family:
     for rule in table:
         tensors.update(split(rule, state[rule.native]))
     tensors |= {key: torch.zeros(shape) for key, shape in inert(family, model_cfg, moe_cfg).items()}
+    tensors = {key: t.to(dtype) for key, t in tensors.items()}
     out = Path(out)
-    config = json.dumps(hf_config(family, model_cfg, moe_cfg), indent=2) + "\n"
-    write_bytes_atomic(out / "config.json", config.encode())
+    fields = hf_config(family, model_cfg, moe_cfg) | {"torch_dtype": str(dtype).removeprefix("torch.")}
+    write_bytes_atomic(out / "config.json", (json.dumps(fields, indent=2) + "\n").encode())
     write_bytes_atomic(out / "model.safetensors", save(tensors, metadata={"format": "pt"}))
     return family
 

@@ -32,7 +32,6 @@ def common_fields(model: ModelConfig, moe: MoEConfig) -> dict[str, Any]:
         "attention_dropout": 0.0,
         "bos_token_id": None,
         "eos_token_id": None,
-        "torch_dtype": "float32",
         "use_cache": True,
     }
 
