@@ -115,6 +115,7 @@ def test_cli_errors_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture) 
         (["convert", str(tmp_path / "rope_string"), "--out", str(tmp_path / "x")], "config.json: a field of the wrong"),
         (["convert", str(tmp_path / "list"), "--out", str(tmp_path / "x")], "config.json: a field of the wrong"),
         (["upcycle", str(tmp_path / "dense"), "--top-k", "1", "--out", str(tmp_path / "u")], "--top-k=1: upcycling"),
+        (["export", str(tmp_path / "run"), "--out", str(tmp_path / "s"), "--dtype", "bf16"], "only with --format hf"),
     ]
     for argv, message in cases:
         assert main(argv) == 2, argv
