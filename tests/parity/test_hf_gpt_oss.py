@@ -77,16 +77,18 @@ def test_gpt_oss_what_does_not_fit_is_named(tmp_path: Path) -> None:
         from_hf(tmp_path / "hf")
 
 
-def test_native_model_with_sinks_exports_as_gpt_oss(tmp_path: Path) -> None:
+@pytest.mark.parametrize("window", [4, 0], ids=["windowed", "every-block-full"])
+def test_native_model_with_sinks_exports_as_gpt_oss(tmp_path: Path, window: int) -> None:
     """A model trained from scratch with sinks and clamped SwiGLU experts but no biases: written with
-    zero biases, and read back with the same logits."""
+    zero biases, and read back with the same logits. Without a window every block is full attention
+    (transformers' gpt-oss still needs a window: the context)."""
     from moekit.config import ModelConfig, MoEConfig
     from moekit.model import Transformer
 
     torch.manual_seed(0)
     model_cfg = ModelConfig(
         vocab_size=81, context_length=64, n_layers=2, n_heads=4, n_kv_heads=2, d_model=32, d_ff=48,
-        attn_sinks=True, sliding_window=4, full_attention_every=2,
+        attn_sinks=True, sliding_window=window, full_attention_every=2,
     )  # fmt: skip
     moe = MoEConfig(
         d_model=32, d_ff=24, num_experts=5, top_k=2, activation="clamped_swiglu", softmax_before_topk=False,
@@ -114,11 +116,14 @@ MLA_SIZES = dict(
 
 
 @pytest.mark.parametrize(
-    "family", ["gpt_oss", "qwen3_moe", "mixtral", "olmoe", "qwen2_moe", "deepseek_v2", "deepseek_v3"]
+    "family",
+    ["gpt_oss", "qwen3_moe", "mixtral", "olmoe", "qwen2_moe", "deepseek_v2", "deepseek_v3"]
+    + ["mistral", "qwen2", "llama"],
 )
 def test_a_config_json_without_defaults_reads_as_transformers_fills_it(family: str) -> None:
     """Fields a config.json leaves out mean transformers' defaults (gpt-oss: YaRN, window 128, biases;
-    Mixtral: theta 1e6; Mixtral and OLMoE: norm eps 1e-5; DeepSeek-V3: routed_scaling_factor 2.5, groups)."""
+    Mixtral: theta 1e6; Mixtral and OLMoE: norm eps 1e-5; DeepSeek-V3: routed_scaling_factor 2.5, groups;
+    Mistral: a window of 4096; every family: its context)."""
     import transformers as tf
     from hf_models import hf_config
 
@@ -134,5 +139,8 @@ def test_a_config_json_without_defaults_reads_as_transformers_fills_it(family: s
         sizes += ("num_experts", "shared_expert_intermediate_size")
         minimal = {k: full[k] for k in ("model_type", *sizes, "max_position_embeddings") if k in full}
         make = type(hf_config(family))
+    made = make(**{k: v for k, v in minimal.items() if k != "model_type"})
+    assert configs_from_hf(minimal) == configs_from_hf(made.to_dict())
+    del minimal["max_position_embeddings"]  # the context (and Mistral's window) left out too
     made = make(**{k: v for k, v in minimal.items() if k != "model_type"})
     assert configs_from_hf(minimal) == configs_from_hf(made.to_dict())

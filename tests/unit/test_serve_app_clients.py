@@ -154,3 +154,8 @@ def test_a_bos_framing_tokenizer_gets_one_bos_and_stops_at_its_eos(run: LoadedRu
     assert ids == [1, *tokenizer.encode("[INST] hi [/INST]", add_special_tokens=False)]  # one BOS
     completion = parse_request({"prompt": "hi"}, False, tokenizer, ChatTemplate(hf_dir), 64, Limits()).prompts[0]
     assert completion == [1, *tokenizer.encode("hi", add_special_tokens=False)]  # a raw prompt is framed
+    older = tmp_path / "older"  # the special tokens in special_tokens_map.json, as older directories keep them
+    older.mkdir()
+    (older / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+    (older / "special_tokens_map.json").write_text(json.dumps({"bos_token": {"content": "<s>"}, "eos_token": "</s>"}))
+    assert parse_request(chat, True, tokenizer, ChatTemplate(older), 64, Limits()).prompts[0] == ids

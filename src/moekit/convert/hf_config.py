@@ -119,10 +119,15 @@ def aux_coef_from_hf(router_aux_loss_coef: float, top_k: int, n_moe_layers: int)
 # transformers' defaults that change what a model computes, for a config.json that leaves them out
 # (where they differ from the fallbacks below: rms_norm_eps 1e-6, rope_theta 10000, no groups, ...)
 _HF_DEFAULTS: dict[str, dict[str, Any]] = {
-    "mixtral": {"rope_theta": 1e6, "rms_norm_eps": 1e-5},
-    "olmoe": {"rms_norm_eps": 1e-5},
+    "mixtral": {"rope_theta": 1e6, "rms_norm_eps": 1e-5, "max_position_embeddings": 131072},
+    "mistral": {"sliding_window": 4096, "max_position_embeddings": 131072},
+    "qwen2": {"max_position_embeddings": 32768},
+    "qwen2_moe": {"max_position_embeddings": 32768},
+    "qwen3_moe": {"max_position_embeddings": 32768},
+    "olmoe": {"rms_norm_eps": 1e-5, "max_position_embeddings": 4096},
     "deepseek_v2": {"n_shared_experts": 2, "q_lora_rank": 1536},
     "deepseek_v3": {
+        "max_position_embeddings": 4096,
         "routed_scaling_factor": 2.5,
         "n_group": 8,
         "topk_group": 4,
@@ -136,6 +141,7 @@ _HF_DEFAULTS: dict[str, dict[str, Any]] = {
         "attention_bias": True,
         "rms_norm_eps": 1e-5,
         "rope_theta": 150000.0,  # default_theta: fills a rope_parameters that leaves it out
+        "max_position_embeddings": 131072,
     },
 }
 _HF_DEFAULT_ROPE: dict[str, dict[str, Any]] = {
@@ -302,7 +308,9 @@ def hf_config(family: Family, model: ModelConfig, moe: MoEConfig) -> dict[str, A
             "num_local_experts": moe.num_experts,
             "intermediate_size": moe.d_ff,
             "attention_bias": True,
-            "sliding_window": model.sliding_window or None,
+            # NOTE: transformers' gpt-oss builds a windowed mask whatever layer_types says: a model with
+            # every block full gets its context as the window, which no sequence exceeds.
+            "sliding_window": model.sliding_window or model.context_length,
             "layer_types": layer_types_of(model.n_layers, model.full_attention_every if model.sliding_window else 1),
             "swiglu_alpha": moe.swiglu_alpha,
             "swiglu_limit": moe.swiglu_limit,
@@ -317,7 +325,9 @@ def hf_config(family: Family, model: ModelConfig, moe: MoEConfig) -> dict[str, A
             "mlp_only_layers": dense,
             "attention_bias": model.qkv_bias,
             "use_sliding_window": bool(model.sliding_window),
-            "sliding_window": model.sliding_window or None,
+            # NOTE: transformers' gpt-oss builds a windowed mask whatever layer_types says: a model with
+            # every block full gets its context as the window, which no sequence exceeds.
+            "sliding_window": model.sliding_window or model.context_length,
         }
     return config | {
         "num_experts": moe.num_experts,

@@ -17,8 +17,9 @@ from moekit.tokenizer import Tokenizer, load_tokenizer
 
 # What a Hugging Face directory says about chatting with its model beside its tokenizer.json: the chat
 # template (in tokenizer_config.json, or in chat_template.jinja as transformers 5 saves it), the special
-# tokens, and the ids that end a generation (generation_config.json).
-CHAT_FILES = ("tokenizer_config.json", "chat_template.jinja", "generation_config.json")
+# tokens (there, or in an older directory's special_tokens_map.json), and the ids that end a
+# generation (generation_config.json).
+CHAT_FILES = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", "generation_config.json")
 
 
 def carry_chat_files(source: Path, target: Path) -> list[str]:

@@ -90,7 +90,7 @@ def open_hf(path: Path, dtype: torch.dtype | None = None) -> HFCheckpoint:
         raise ConversionError(f"{path / 'config.json'}: missing field {err}") from None
     except (TypeError, AttributeError, ValueError) as err:  # a field (or the whole file) of the wrong type
         first_line = (str(err).splitlines() or [type(err).__name__])[0]
-        raise ConversionError(f"{path / 'config.json'}: a field of the wrong type ({first_line})") from None
+        raise ConversionError(f"{path / 'config.json'}: a field of the wrong type or value ({first_line})") from None
     source = SafetensorsDir(path) if block is None else DequantizedDir(path, block)
     with torch.device("meta"):
         meta = Transformer(model_cfg, moe_cfg)

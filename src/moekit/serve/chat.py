@@ -25,23 +25,37 @@ def _token_text(value: Any) -> str | None:
     return value if isinstance(value, str) else None
 
 
+def _json(path: Path) -> dict[str, Any]:
+    """A JSON object file ({} when there is none)."""
+    if not path.is_file():
+        return {}
+    try:
+        value = json.loads(path.read_text("utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{path}: unreadable ({err})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path}: not a JSON object")
+    return value
+
+
 class ChatTemplate:
     """The chat format of one run directory (see the module docstring)."""
 
     def __init__(self, run_dir: Path) -> None:
         self.template: str | None = None
         self.special: dict[str, str] = {}
-        path, jinja = Path(run_dir) / "tokenizer_config.json", Path(run_dir) / "chat_template.jinja"
+        config = _json(Path(run_dir) / "tokenizer_config.json")
+        special_map = _json(Path(run_dir) / "special_tokens_map.json")  # older directories keep BOS/EOS here
+        jinja = Path(run_dir) / "chat_template.jinja"
         try:
-            config = json.loads(path.read_text("utf-8")) if path.is_file() else {}
             template = jinja.read_text("utf-8") if jinja.is_file() else config.get("chat_template")  # as transformers
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-            raise ValueError(f"{path if path.is_file() else jinja}: unreadable ({err})") from None
+        except (OSError, UnicodeDecodeError) as err:
+            raise ValueError(f"{jinja}: unreadable ({err})") from None
         if isinstance(template, list):  # named templates: the default one
             template = next((t.get("template") for t in template if t.get("name") == "default"), None)
         self.template = template if isinstance(template, str) else None
         for name in ("bos_token", "eos_token"):
-            if (text := _token_text(config.get(name))) is not None:
+            if (text := _token_text(config.get(name)) or _token_text(special_map.get(name))) is not None:
                 self.special[name] = text
 
     @property

@@ -93,6 +93,7 @@ def read_json(body: bytes) -> dict[str, Any]:
 COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n", "stream", "user"}
 COMMON |= {"stream_options", "return_routing", "logprobs", "frequency_penalty", "presence_penalty", "logit_bias"}
 FIELDS = {False: COMMON | {"prompt", "echo"}, True: COMMON | {"messages", "top_logprobs", "max_completion_tokens"}}
+STREAM_OPTIONS = {"include_usage", "include_obfuscation"}  # the second has nothing to hide here: ignored
 NEUTRAL = {"frequency_penalty": 0, "presence_penalty": 0, "logit_bias": {}, "echo": False}  # taken only as these
 
 
@@ -212,8 +213,9 @@ def parse_request(
         logprobs = _number(body, "logprobs", None, 0, MAX_LOGPROBS, integer=True)
     seed = _number(body, "seed", None, 0, MAX_SEED - (n - 1), integer=True)
     options = body.get("stream_options")
-    if options is not None and not (isinstance(options, dict) and set(options) <= {"include_usage"}):
-        raise ApiError(400, "'stream_options' must be an object with at most 'include_usage'", "stream_options")
+    if options is not None and not (isinstance(options, dict) and set(options) <= STREAM_OPTIONS):
+        allowed = ", ".join(sorted(STREAM_OPTIONS))
+        raise ApiError(400, f"'stream_options' must be an object of {allowed}", "stream_options")
     include_usage = _flag(options or {}, "include_usage")
     params = [
         SamplingParams(
