@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from moekit.config import MoEConfig
 from moekit.model import KVCache, Transformer
 from moekit.run.load import LoadedRun
 
@@ -31,12 +32,28 @@ def check_sampling(max_new_tokens: int, temperature: float, top_k: int, top_p: f
         raise ValueError(f"top_p={top_p}: must be in (0, 1]")
 
 
+def check_batch_independent(moe: MoEConfig | None, others: str) -> None:
+    """Refuse routing that depends on the whole batch (capacity limits, expert choice): ``others``, what
+    shares a sequence's batch, would change its tokens."""
+    if moe is not None and moe.capacity_factor is not None:
+        raise ValueError(
+            f"moe.capacity_factor={moe.capacity_factor}: each expert keeps a share of the whole batch's tokens, "
+            f"so a sequence's tokens would depend on {others}"
+        )
+    if moe is not None and moe.router == "expert_choice":
+        raise ValueError(
+            f"moe.router=expert_choice: experts pick among the whole batch's tokens, so a sequence's tokens would "
+            f"depend on {others}"
+        )
+
+
 def sample_next(
     logits_BV: Tensor, temperature: float, top_k: int | None, top_p: float | None, generator: torch.Generator | None
 ) -> Tensor:
     """Next token ids [B]: greedy when temperature is 0, else sampled from the filtered softmax."""
     if temperature == 0:
         return logits_BV.argmax(dim=-1)
+    top_k = top_k or None  # 0: every token, as check_sampling says
     logits = logits_BV.float() / temperature
     if not logits.isfinite().all():  # a temperature too small for float32: the gaps to the best, in float64
         logits = (logits_BV.double() - logits_BV.double().amax(dim=-1, keepdim=True)) / temperature
@@ -81,15 +98,27 @@ def _sample_loop(
     model: Transformer, prompt_BL: Tensor, max_new_tokens: int, sampling: Sampling, next_logits: NextLogits
 ) -> Tensor:
     """The prompt and ``max_new_tokens`` tokens drawn one at a time from ``next_logits(tokens so far)``.
-    What the entry points share: the argument checks, the seeded generator and the sampling; each
-    brings its own way to the logits."""
+    What the entry points share: the argument checks, the seeded generators and the sampling; each
+    brings its own way to the logits. Each row draws from a generator of its own seeded with ``seed``,
+    so a row samples what its prompt alone samples, whatever shares its batch."""
     if prompt_BL.shape[1] == 0:
         raise ValueError("prompt is empty: give at least one token")
     model.eval()
-    generator = torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
+    B = prompt_BL.shape[0]
+    seeded = sampling.seed is not None and sampling.temperature > 0
+    generators = [torch.Generator().manual_seed(sampling.seed) for _ in range(B)] if seeded else [None] * B
     out = prompt_BL
     for _ in range(max_new_tokens):
-        token_B = sample_next(next_logits(out), sampling.temperature, sampling.top_k, sampling.top_p, generator)
+        logits_BV = next_logits(out)
+        if B == 1 or sampling.temperature == 0:  # one draw for the batch (greedy: no draw at all)
+            token_B = sample_next(logits_BV, sampling.temperature, sampling.top_k, sampling.top_p, generators[0])
+        else:
+            token_B = torch.cat(
+                [
+                    sample_next(logits_BV[r : r + 1], sampling.temperature, sampling.top_k, sampling.top_p, g)
+                    for r, g in enumerate(generators)
+                ]
+            )
         out = torch.cat([out, token_B.unsqueeze(1)], dim=1)
     return out
 
@@ -111,6 +140,8 @@ def generate(
     last half-context is prefilled again (a sliding window). ``left_pad_B``: leading padding
     positions of each row (prompts of different lengths).
     """
+    if prompt_BL.shape[0] > 1:
+        check_batch_independent(model.moe_cfg, "the prompts beside it: generate one prompt at a time (batch size 1)")
     ctx = model.cfg.context_length
     cache: KVCache | None = None
 

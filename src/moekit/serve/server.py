@@ -12,8 +12,8 @@ from pathlib import Path
 
 import uvicorn
 
-from moekit.config import MoEConfig
 from moekit.hostmem import keep_freed_memory
+from moekit.infer.generate import check_batch_independent
 from moekit.run.load import LoadedRun
 from moekit.serve.app import ServeState, build_app
 from moekit.serve.chat import ChatTemplate
@@ -32,29 +32,14 @@ def build_state(
     api_key: str | None = None,
 ) -> ServeState:
     """Engine (not started), chat format, metrics and limits of one served run."""
-    check_batch_independent(run.config.moe)
+    # The engine packs every running request into one batch.
+    check_batch_independent(run.config.moe, "the requests served beside it; serve a dropless run")
     template = ChatTemplate(run_dir)
     metrics = Metrics()
     engine = Engine(run, engine_options or EngineOptions(), metrics, end_tokens(run_dir, run.tokenizer, template))
     metrics.watch(engine)
     name = model_name or Path(run_dir).resolve().name
     return ServeState(engine, name, template, limits or Limits(), metrics, api_key)
-
-
-def check_batch_independent(moe: MoEConfig) -> None:
-    """Refuse routing that depends on the batch: the engine packs every running request into one batch,
-    so an answer would change with the other requests served beside it."""
-    if moe.capacity_factor is not None:
-        raise ValueError(
-            f"moe.capacity_factor={moe.capacity_factor}: each expert keeps a share of the whole batch's tokens, "
-            "so an answer would depend on the requests served beside it; serve a dropless run "
-            "(moekit generate runs one prompt alone)"
-        )
-    if moe.router == "expert_choice":
-        raise ValueError(
-            "moe.router=expert_choice: experts pick among the whole batch's tokens, so an answer would depend "
-            "on the requests served beside it (moekit generate runs one prompt alone)"
-        )
 
 
 def end_tokens(run_dir: Path, tokenizer: Tokenizer, template: ChatTemplate) -> frozenset[int]:
