@@ -35,6 +35,8 @@ def _write(path: Path, text: str) -> Path:
     return path
 
 
+PLAN = ["plan", "--model", "mixtral-8x7b", "--cluster", "dgx-h100"]
+
 # (id, argv with {run} {new} {tmp} placeholders, a file edit before the call, the text the error must name)
 CASES = [
     ("device", ["train", "--device", "foo", "--run-dir", "{new}"], None, "--device"),
@@ -75,6 +77,11 @@ CASES = [
         None,
         "train.host_budget='lots': give a size",
     ),
+    ("run-dir-file", ["train", "--run-dir", "{tmp}/a-file"], "a-file", "is a file"),
+    ("plot-out-file", ["plot", "{run}", "--out", "{tmp}/a-file"], "a-file", "--out="),
+    ("export-out-file", ["export", "{run}", "--out", "{tmp}/a-file"], "a-file", "--out="),
+    ("plan-loads", [*PLAN, "--loads", "{tmp}/none"], None, "--loads="),  # before the table is printed
+    ("plan-steps-left", [*PLAN, "--steps-left", "-5"], None, "--steps-left=-5"),
     (
         "host-budget-alone",
         ["train", "--train.host_budget", "1MB", "--run-dir", "{new}"],
@@ -87,6 +94,7 @@ EDITS = {
     "lr": lambda run, tmp: _write(tmp / "lr.toml", '[train]\nlr = "x"\n'),
     "cf": lambda run, tmp: _write(tmp / "cf.toml", '[moe]\ncapacity_factor = "1.25"\n'),
     "broken": lambda run, tmp: _write(tmp / "broken.toml", "[train\nlr = 1\n"),
+    "a-file": lambda run, tmp: _write(tmp / "a-file", "not a directory\n"),
     "config": lambda run, tmp: _edit_json(run / "config.json", lambda c: c["train"].update(lr="x")),
     "no-files": lambda run, tmp: _edit_json(_manifest(run), lambda m: m.pop("files")),
     "not-json": lambda run, tmp: _manifest(run).write_text("{"),

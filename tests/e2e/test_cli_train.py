@@ -3,6 +3,7 @@ failed save each end with one clear line and keep the last good checkpoint."""
 
 from __future__ import annotations
 
+import json
 import resource
 import signal
 import subprocess
@@ -145,3 +146,24 @@ def test_offloaded_training_runs_from_the_command_line(corpus_file: Path, tmp_pa
     assert bad.stderr.strip().splitlines()[-1] == (
         "moekit train: error: train.memory_budget='lots': give a size such as 512MB, 2GiB or a byte count"
     )
+
+
+def test_a_failed_resume_keeps_the_runs_config_and_tokenizer(corpus_file: Path, tmp_path: Path) -> None:
+    """A resume whose checkpoint does not fit its flags (and whose new text has other characters) fails
+    before anything of the run is rewritten: its config and its own tokenizer are kept, and a plain
+    resume still runs. The new text is encoded with the run's tokenizer, never a rebuilt one."""
+    run = tmp_path / "run"
+    base = ["train", "--preset", "tiny", "--run-dir", str(run), "--quiet", "--data.cache_dir", str(tmp_path / "c")]
+    first = moekit_cli(*base, "--data", str(corpus_file), "--data.tokenizer", "char", "--train.steps", "2")
+    assert first.returncode == 0, first.stderr
+    kept = {name: (run / name).read_bytes() for name in ("config.json", "tokenizer.json")}
+    other = tmp_path / "other.txt"
+    other.write_text(corpus_file.read_text() + "QXZ!\n")
+    reshaped = moekit_cli(*base, "--resume", "--model.n_layers", "5", "--train.steps", "4")
+    assert reshaped.returncode == 2 and "does not fit" in reshaped.stderr, reshaped.stderr
+    new_text = moekit_cli(*base, "--resume", "--data", str(other), "--train.steps", "4")
+    assert new_text.returncode == 2 and "'Q'" in new_text.stderr, new_text.stderr  # not in the run's alphabet
+    assert {name: (run / name).read_bytes() for name in kept} == kept
+    again = moekit_cli(*base, "--resume", "--train.steps", "3")
+    assert again.returncode == 0, again.stderr
+    assert json.loads((run / "config.json").read_text())["train"]["steps"] == 3  # written once it resumed

@@ -73,6 +73,12 @@ def positive_int(text: str) -> int:
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # --dtype values and torch's names
 
 
+def check_out_dir(path: Path | None, flag: str = "--out") -> None:
+    """A directory to write into may not exist yet, but may not be a file."""
+    if path is not None and path.exists() and not path.is_dir():
+        raise ValueError(f"{flag}={path}: is a file, not a directory")
+
+
 def dtype_name(text: str) -> str:
     if text in DTYPES:
         return text

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from moekit.cli.common import dtype_name, resolve_dtype
+from moekit.cli.common import check_out_dir, dtype_name, resolve_dtype
 
 
 def add_parser(commands) -> None:
@@ -58,5 +58,6 @@ EXPORTERS = {"hf": _hf, "safetensors": _safetensors}
 
 
 def run(args: argparse.Namespace) -> int:
+    check_out_dir(args.out)
     EXPORTERS[args.format](args)
     return 0

@@ -40,7 +40,15 @@ def run(args: argparse.Namespace) -> int:
         value = getattr(args, name)
         if value is not None and value <= 0:
             raise ValueError(f"--{name.replace('_', '-')}={value}: must be > 0")
+    if args.steps_left < 0:
+        raise ValueError(f"--steps-left={args.steps_left}: must be >= 0")
     spec = planner.load_model(args.model, args.global_batch)
+    loads = None
+    if args.loads is not None:  # read before planning: a bad run directory is reported at once
+        try:
+            loads = mean_expert_loads(args.loads, spec.moe.num_experts)
+        except (ValueError, OSError) as err:
+            raise ValueError(f"--loads={args.loads}: {err}") from None
     cluster, tech = planner.load_cluster(args.cluster, args.nodes), planner.parse_techniques(args.techniques)
     rows = planner.plan(spec, cluster, args.top, tech=tech)
     w = spec.workload
@@ -54,11 +62,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     print(planner.format_table(rows, spec, cluster))
     print("mbs: sequences a micro-batch; mb: micro-batches a step; TFLOP/s: model FLOPs (6N active + attention)")
-    if args.loads is not None:
-        try:
-            loads = mean_expert_loads(args.loads, spec.moe.num_experts)
-        except ValueError as err:
-            raise ValueError(f"--loads {err}") from None
+    if loads is not None:
         again = planner.rescore(spec, cluster, rows, loads, args.steps_left)
         print(f"\nre-scored with the expert loads of {args.loads} (plain EP -> load-aware placement):")
         for i, r in enumerate(again, 1):

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from moekit.cli.common import check_out_dir
+
 
 def add_parser(commands) -> None:
     plot = commands.add_parser(
@@ -18,6 +20,7 @@ def add_parser(commands) -> None:
 def run(args: argparse.Namespace) -> int:
     from moekit.train.plots import plot_run
 
+    check_out_dir(args.out)
     for path in plot_run(args.run_dir, args.out):
         print(path)
     return 0

@@ -13,6 +13,7 @@ Legend: E experts, D model dim, F dense hidden dim, f = F / split expert hidden 
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import replace
 from typing import Any
@@ -62,8 +63,8 @@ def upcycle(
         raise ValueError(f"split={split}: must be >= 1 and divide num_experts={num_experts}")
     if cfg.d_ff % split:
         raise ValueError(f"split={split}: must divide the dense MLP width model.d_ff={cfg.d_ff}")
-    if noise < 0:
-        raise ValueError(f"noise={noise}: must be >= 0")
+    if not (math.isfinite(noise) and noise >= 0):
+        raise ValueError(f"noise={noise}: must be a finite number >= 0")
     settings = dict(moe_overrides or {}) | {"normalize_topk": True, "softmax_before_topk": True}
     moe_cfg = MoEConfig(
         d_model=cfg.d_model,

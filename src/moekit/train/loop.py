@@ -19,6 +19,7 @@ import torch.distributed as dist
 from tqdm.auto import tqdm
 
 from moekit.errors import MoekitError
+from moekit.fileio import write_bytes_atomic
 from moekit.hostmem import keep_freed_memory
 from moekit.parallel.compile import CompileWatch
 from moekit.parallel.mesh import Layout, LayoutError
@@ -85,6 +86,8 @@ def _prepare_run_dir(run_dir: Path, resume: bool, create: bool = True) -> None:
         )
     if resume and not _has_checkpoint(run_dir):
         raise TrainingError(f"resume=True: {run_dir} has no checkpoint to resume from")
+    if run_dir.exists() and not run_dir.is_dir():
+        raise TrainingError(f"run_dir={run_dir}: is a file, not a directory")
     if create:
         run_dir.mkdir(parents=True, exist_ok=True)
 
@@ -198,7 +201,10 @@ def _setup(
     if resume_from is not None:
         cfg = _rebatch(cfg, manifest, layout, resume_from)
     torch.manual_seed(cfg.train.seed)
-    corpus = _prepare_corpus_once(cfg, main, mesh is not None, init)
+    # A resumed run encodes its text with its own tokenizer: one built again from other data would
+    # give the same ids other meanings.
+    own = run_dir if resume_from is not None and (run_dir / "tokenizer.json").is_file() else None
+    corpus = _prepare_corpus_once(cfg, main, mesh is not None, init or own)
     if init is None:
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=corpus.tokenizer.vocab_size))
     elif corpus.tokenizer.vocab_size > cfg.model.vocab_size:
@@ -206,8 +212,8 @@ def _setup(
             f"init={init}: its tokenizer has {corpus.tokenizer.vocab_size} tokens, "
             f"more than model.vocab_size={cfg.model.vocab_size}"
         )
-    if main:
-        (run_dir / "config.json").write_text(cfg.to_json())
+    if main and resume_from is None:
+        write_bytes_atomic(run_dir / "config.json", cfg.to_json().encode())
         corpus.tokenizer.save(run_dir)
     model, pm, optimizer, offload = build_model(cfg, run_dir, dev, layout, mesh, init)
     flops_per_token = model.flops_per_token()
@@ -219,6 +225,8 @@ def _setup(
     start_step = 0
     if resume_from is not None:
         start_step = _restore(saver, resume_from, local, optimizer, model, offload)
+        if main:  # the resumed run's settings (a new train.steps, ...), once its checkpoint has loaded
+            write_bytes_atomic(run_dir / "config.json", cfg.to_json().encode())
     return _Run(
         cfg=cfg,
         run_dir=run_dir,
@@ -379,13 +387,13 @@ def _last_good(checkpoint: Path | None) -> str:
     return f"the last good checkpoint is {checkpoint}" if checkpoint else "no checkpoint was written yet"
 
 
-def _prepare_corpus_once(cfg: RunConfig, main: bool, distributed: bool, init: Path | None) -> Corpus:
+def _prepare_corpus_once(cfg: RunConfig, main: bool, distributed: bool, tokenizer_dir: Path | None) -> Corpus:
     """Rank 0 tokenises (and fills the cache) first; the other ranks then read the cache."""
     if not distributed:
-        return prepare_corpus(cfg.data, cfg.model.context_length, tokenizer_dir=init)
-    corpus = prepare_corpus(cfg.data, cfg.model.context_length, tokenizer_dir=init) if main else None
+        return prepare_corpus(cfg.data, cfg.model.context_length, tokenizer_dir=tokenizer_dir)
+    corpus = prepare_corpus(cfg.data, cfg.model.context_length, tokenizer_dir=tokenizer_dir) if main else None
     dist.barrier()
-    return corpus or prepare_corpus(cfg.data, cfg.model.context_length, tokenizer_dir=init)
+    return corpus or prepare_corpus(cfg.data, cfg.model.context_length, tokenizer_dir=tokenizer_dir)
 
 
 def _train_step(
