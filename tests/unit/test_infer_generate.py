@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import assert_padded_rows_match_alone
 
 from moekit import runconfig
 from moekit.infer.generate import decode_step, generate, generate_uncached, left_pad, prefill, sample_next
@@ -113,6 +114,7 @@ def test_empty_prompt_is_rejected() -> None:
 def test_left_padded_batch_equals_each_prompt_alone() -> None:
     model = tiny_model()
     prompts = [[5, 17, 99, 3, 42, 8, 1], [200, 13], [7]]
+    assert_padded_rows_match_alone(model, prompts, steps=20)
     ids, pad = left_pad(prompts)
     batched = generate(model, ids, 20, temperature=0, left_pad_B=pad)
     for row, prompt, p in zip(batched, prompts, pad.tolist(), strict=True):
