@@ -19,6 +19,7 @@ import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from moekit import runconfig
+from moekit.infer.generate import decode_step, left_pad, prefill
 from moekit.infer.offload import OffloadOptions, model_bytes
 from moekit.run.layout import MODEL_FILE, SHARDED, checkpoint_dir, step_dirs
 from moekit.run.load import load_run
@@ -50,6 +51,30 @@ PROSE = (
     "them busy while a shared expert sees all tokens; capacity factor drops overflow naïvely. "
     "def forward(self, x): return self.experts(x) + self.shared(x)  # ≈ 1.5× faster"
 )
+
+
+def prefill_and_decode_logits(
+    model, prompt_BL: torch.Tensor, continuation_BT: torch.Tensor, left_pad_B: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The prompt's prefill logits, then one decode step per continuation token: [B, T + 1, V]."""
+    logits, cache = prefill(model, prompt_BL, left_pad_B)
+    steps = [logits] + [
+        decode_step(model, continuation_BT[:, i : i + 1], cache) for i in range(continuation_BT.shape[1])
+    ]
+    return torch.stack(steps, dim=1)
+
+
+def assert_padded_rows_match_alone(model, prompts: list[list[int]], steps: int, atol: float = 1e-5) -> None:
+    """Each row of a left-padded batch gets the prefill and decode logits of its prompt run alone
+    (the same continuation fed to both), to ``atol`` in fp32. Logits, not greedy tokens: padding that
+    leaks into attention moves them while the argmax of a sharpened random model stays put."""
+    ids, pad = left_pad(prompts)
+    draw = torch.Generator().manual_seed(0)
+    continuation = torch.randint(0, model.cfg.vocab_size, (len(prompts), steps), generator=draw)
+    batched = prefill_and_decode_logits(model, ids, continuation, pad)
+    for row, prompt in enumerate(prompts):
+        alone = prefill_and_decode_logits(model, torch.tensor([prompt]), continuation[row : row + 1])
+        torch.testing.assert_close(batched[row], alone[0], atol=atol, rtol=0, msg=lambda m, row=row: f"row {row}: {m}")
 
 
 def sample_text(seed: int, num_lines: int = 60) -> str:

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
+from helpers import assert_padded_rows_match_alone
+from torch import Tensor
 
 from moekit import runconfig
 from moekit.infer.generate import decode_step, generate, generate_uncached, left_pad, prefill, sample_next
@@ -78,10 +82,36 @@ def test_forward_through_a_cache_reports_routing_counts_without_losses() -> None
     torch.testing.assert_close(scored.loss, scored.lm_loss + sum(s.loss for s in scored.moe_stats))
 
 
-def test_generation_past_the_context_slides() -> None:
-    model = tiny_model()
-    out = generate(model, torch.zeros(1, 3, dtype=torch.long), 80, temperature=0)  # context is 32
-    assert out.shape == (1, 83)
+def with_step_logits(generate_fn: Callable[..., Tensor], model: Transformer, prompt: Tensor, steps: int):
+    """Greedy tokens of ``generate_fn``, and the last position's logits of each forward [B, steps, V]."""
+    seen = []
+    hook = model.lm_head.register_forward_hook(lambda _m, _i, logits: seen.append(logits[:, -1].clone()))
+    try:
+        out = generate_fn(model, prompt, steps, temperature=0)
+    finally:
+        hook.remove()
+    return out, torch.stack(seen, dim=1)
+
+
+@pytest.mark.parametrize("attention", ["mha", "mla"])
+@pytest.mark.parametrize("prompt_length", [11, 40])
+def test_generation_past_the_context_equals_uncached_reference(attention: str, prompt_length: int) -> None:
+    """Past the context (32) the cached path prefills its last half-context again; the reference
+    slides its window at the same steps, so every step's logits agree (prompts shorter and longer
+    than the context). Attention weights scaled by 4 so a window slid differently moves the logits
+    (by up to 1.2 when the reference kept the last full context) and the greedy tokens."""
+    model = tiny_model(sharpen=2.0, **{"model.attention": attention})
+    with torch.no_grad():
+        for block in model.blocks:
+            for weight in block.attn.parameters():
+                if weight.dim() == 2:
+                    weight.mul_(4)
+    prompt = torch.randint(0, 256, (1, prompt_length), generator=torch.Generator().manual_seed(5))
+    cached, cached_logits = with_step_logits(generate, model, prompt, 60)
+    reference, reference_logits = with_step_logits(generate_uncached, model, prompt, 60)
+    assert cached.shape == (1, prompt_length + 60)
+    torch.testing.assert_close(cached_logits, reference_logits, atol=1e-5, rtol=0)
+    assert torch.equal(cached, reference)
 
 
 def test_sampling_is_reproducible_with_a_seed() -> None:
@@ -113,6 +143,7 @@ def test_empty_prompt_is_rejected() -> None:
 def test_left_padded_batch_equals_each_prompt_alone() -> None:
     model = tiny_model()
     prompts = [[5, 17, 99, 3, 42, 8, 1], [200, 13], [7]]
+    assert_padded_rows_match_alone(model, prompts, steps=20)
     ids, pad = left_pad(prompts)
     batched = generate(model, ids, 20, temperature=0, left_pad_B=pad)
     for row, prompt, p in zip(batched, prompts, pad.tolist(), strict=True):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import assert_padded_rows_match_alone
 
 from moekit import runconfig
 from moekit.config import ModelConfig
@@ -94,6 +95,7 @@ def test_latent_cache_is_what_deepseek_v2_promises() -> None:
 def test_generation_batched_with_padding_matches_uncached() -> None:
     model = mla_model()
     prompts = [[5, 9, 100, 7], [3, 44]]
+    assert_padded_rows_match_alone(model, prompts, steps=12)
     tokens, pad = left_pad(prompts, 0)
     cached = generate(model, tokens, 12, temperature=0, left_pad_B=pad)
     for row, prompt in enumerate(prompts):

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import assert_padded_rows_match_alone
 
 from moekit import runconfig
 from moekit.config import ModelConfig, MoEConfig
@@ -122,6 +123,7 @@ def test_greedy_with_cache_equals_no_cache_reference(extra: dict[str, str]) -> N
 def test_left_padded_batch_equals_each_prompt_alone() -> None:
     model = features_model()
     prompts = [[5, 17, 99, 3, 42, 8, 1], [200, 13], [7, 7, 7, 7]]
+    assert_padded_rows_match_alone(model, prompts, steps=10)
     ids, pad = left_pad(prompts)
     batched = generate(model, ids, 10, temperature=0, left_pad_B=pad)
     for row, (p, n) in enumerate(zip(prompts, pad.tolist(), strict=True)):

@@ -138,7 +138,9 @@ def generate(
 
     The prompt is prefilled once and each new token costs one position; when the context fills, the
     last half-context is prefilled again (a sliding window). ``left_pad_B``: leading padding
-    positions of each row (prompts of different lengths).
+    positions of each row (prompts of different lengths). Batched rows slide together at the padded
+    length: a row with padding slides when the longest row fills the context, so it keeps fewer of
+    its own tokens in view than it would alone and its tokens may differ from then on.
     """
     if prompt_BL.shape[0] > 1:
         check_batch_independent(model.moe_cfg, "the prompts beside it: generate one prompt at a time (batch size 1)")
@@ -161,12 +163,25 @@ def generate(
 
 @torch.no_grad()
 def generate_uncached(model: Transformer, prompt_BL: Tensor, max_new_tokens: int, **sampling: float | None) -> Tensor:
-    """``generate`` without a cache: every step reruns the whole (cropped) sequence. The reference the
-    cached path is tested against; ``sampling``: ``generate``'s options by name (``Sampling``'s fields)."""
+    """``generate`` without a cache: every step reruns its whole window. The reference the cached path
+    is tested against; ``sampling``: ``generate``'s options by name (``Sampling``'s fields).
+
+    The window follows ``generate``'s schedule: it starts at the prompt's last ``ctx`` tokens and
+    grows by one per step; once it would pass the context it restarts from the last ``max(1, ctx // 2)``
+    tokens (where ``generate`` prefills again) and grows again."""
     ctx = model.cfg.context_length
-    return _sample_loop(
-        model, prompt_BL, max_new_tokens, Sampling(**sampling), lambda out_BL: model(out_BL[:, -ctx:]).logits[:, -1]
-    )
+    start: int | None = None  # where the window begins in the tokens so far
+
+    def next_logits(out_BL: Tensor) -> Tensor:
+        nonlocal start
+        length = out_BL.shape[1]
+        if start is None:
+            start = max(0, length - ctx)
+        elif length - 1 - start >= ctx:  # the tokens before the newest one already fill the context
+            start = length - max(1, ctx // 2)
+        return model(out_BL[:, start:]).logits[:, -1]
+
+    return _sample_loop(model, prompt_BL, max_new_tokens, Sampling(**sampling), next_logits)
 
 
 def left_pad(prompts: list[list[int]], pad_id: int = 0) -> tuple[Tensor, Tensor]:
