@@ -87,3 +87,6 @@ def test_upcycle_rejects_bad_requests() -> None:
     moe = upcycle(dense, 4, 2)
     with pytest.raises(ValueError, match="already has MoE blocks"):
         upcycle(moe, 4, 2)
+    for noise in (-0.1, float("inf"), float("nan")):  # inf wrote non-finite experts, nan no noise at all
+        with pytest.raises(ValueError, match="noise=.*: must be a finite number >= 0"):
+            upcycle(dense, 4, 2, noise=noise)
