@@ -336,6 +336,58 @@ def test_a_failed_read_leaves_no_slot_pinned(run_dir: Path, tmp_path: Path, cut:
         off.close()
 
 
+@pytest.mark.parametrize("where", ["between layers", "in a layer"])
+def test_a_failed_forward_leaves_nothing_pinned(run_dir: Path, where: str) -> None:
+    """A forward fails once with slots held: block 1's attention raises after block 0 reserved block 1's
+    predicted experts (router prefetch), or block 1 fails computing its second expert with its other
+    experts pinned and block 2's prefetch in flight. The next forwards give the resident model's logits
+    exactly, and no slot stays pinned between them: 8 slots for 3 x 6 experts stay usable."""
+    resident = load_run(run_dir).model
+    options = OffloadOptions(budget_for(run_dir, 8), prefetch="router", prefetch_min_precision=0.0)
+    run = load_run(run_dir, offload=options)
+    off = run.offloader
+    failures = [RuntimeError("injected failure")]
+    pinned_at_failure: list[int] = []
+
+    def pinned() -> dict[tuple[int, int], int]:
+        return {key: entry.pins for key, entry in off.cache.entries.items() if entry.pins}
+
+    def fail_once(*_) -> None:
+        if failures:
+            pinned_at_failure.append(len(pinned()))
+            raise failures.pop()
+
+    if where == "between layers":
+        run.model.blocks[1].attn.register_forward_pre_hook(fail_once)
+    else:
+        block_1: list[object] = []  # a marker once block 1's experts start, then each expert it computes
+        loader_before_compute = off.loader.before_compute
+
+        def before_compute(entry) -> None:
+            if block_1:
+                block_1.append(entry)
+                if len(block_1) == 3:  # block 1's second expert
+                    fail_once()
+            loader_before_compute(entry)
+
+        run.model.blocks[1].ffn.experts.register_forward_pre_hook(lambda *_: block_1.append("started"))
+        off.loader.before_compute = before_compute
+    try:
+        with torch.no_grad():
+            with pytest.raises(RuntimeError, match="injected failure"):
+                run.model(torch.tensor([PROMPTS[0]]))
+            assert pinned_at_failure[0] > 0  # it failed with slots held
+            if where == "in a layer":  # the failing layer releases them itself
+                assert pinned() == {}
+            for seed in range(4):
+                ids = torch.randint(0, 256, (2, 5), generator=torch.Generator().manual_seed(seed))
+                assert torch.equal(run.model(ids).logits, resident(ids).logits)
+                assert pinned() == {}
+        assert off.stats.prefetch_reads > 0 and off.cache.counters.evictions > 0
+    finally:
+        off.close()
+
+
 def test_parse_bytes() -> None:
     assert parse_bytes("512MB", "budget") == 512 * 10**6
     assert parse_bytes("1.5GiB", "budget") == int(1.5 * 2**30)

@@ -138,6 +138,7 @@ class Offloader:
         self.trace = OffloadTrace(record_trace) if record_trace else None
         self._step_reads: dict[int, Counter[Key]] = {}  # reads per expert of the steps in flight (this, next)
         self._pending: dict[int, list[Key]] = {}  # block -> keys prefetched for it, not yet settled
+        self._in_use: dict[Key, Entry] = {}  # slots the running layer pinned and has not computed yet
         self._predicted: tuple[int, set[int]] | None = None  # (block, experts) the router prefetch predicted
         self.loader = make_loader(store, cache)  # file reads on the CPU, copies from pinned memory on a GPU
 
@@ -164,6 +165,7 @@ class Offloader:
         entry = self.cache.reserve(key)
         if entry is None:
             return None
+        self._in_use[key] = entry
         self._start_load(key, entry, self.stats.steps, prefetch=False)
         self._wait(key, entry)
         return entry
@@ -178,6 +180,7 @@ class Offloader:
             entry.loading.result()
         except BaseException:
             self.cache.drop(key)
+            self._in_use.pop(key, None)  # a dropped slot is held by no one
             raise
         finally:
             entry.loading = None
@@ -191,28 +194,39 @@ class Offloader:
         error: BaseException | None = None
         for key in self._pending.pop(block, []):
             try:
-                self._release_prefetched(key, key[1] in needed)
+                self._release(key, key[1] in needed)
             except BaseException as err:  # the slot is freed; the others are still to release
                 error = error or err
         if error is not None:
             raise error
 
-    def _release_prefetched(self, key: Key, needed: bool) -> None:
-        """Unpin a prefetched slot once its read is done; free it if the read was cancelled or failed (raised)."""
+    def _release(self, key: Key, needed: bool) -> None:
+        """Unpin a slot once its read is done; free it if the read was cancelled or failed (raised)."""
         entry = self.cache.entries[key]
-        if entry.loading is not None:  # else resident before the prefetch, only kept from eviction
+        if entry.loading is not None:  # else resident already, only kept from eviction
             if not needed and entry.loading.cancel():
                 self.cache.drop(key)
                 return
             self._wait(key, entry)
         self.cache.unpin(entry)
 
-    def _abandon_prefetches(self) -> None:
-        """Release every prefetched slot (a layer failed: no later layer of this pass settles them)."""
-        for block in list(self._pending):
-            for key in self._pending.pop(block):
-                with contextlib.suppress(BaseException):
-                    self._release_prefetched(key, needed=False)
+    def _release_unsettled(self, keep: int | None = None) -> None:
+        """Release every slot a layer or a prefetch still holds, but the prefetch for block ``keep``.
+
+        Called when a layer fails, and when a step starts (the previous one may have failed between
+        two MoE layers): no later layer of a failed pass settles what it pinned or reserved. Reads in
+        flight are cancelled, or waited for and unpinned (a finished one stays resident, evictable).
+        """
+        for entry in self._in_use.values():  # its computation may have been issued before the failure
+            self.loader.after_compute(entry)
+        held = list(self._in_use)
+        self._in_use.clear()
+        for block in [b for b in self._pending if b != keep]:
+            held += self._pending.pop(block)
+        for key in held:
+            with contextlib.suppress(BaseException):  # a failed read frees its slot; the others still go
+                self._release(key, needed=False)
+        self._predicted = None  # a prediction for a layer that did not run would be scored against the next step
 
     def _prefetch_for(self, block: int, x_RD: Tensor) -> None:
         """Start background reads of the experts the next MoE layer is predicted to need."""
@@ -257,7 +271,7 @@ class Offloader:
         try:
             return self._run_layer(block, x_RD, tokens_per_expert, compute)
         except BaseException:
-            self._abandon_prefetches()
+            self._release_unsettled()
             raise
 
     def _run_layer(self, block: int, x_RD: Tensor, tokens_per_expert: Tensor, compute: ExpertCompute) -> Tensor:
@@ -279,6 +293,7 @@ class Offloader:
             entry = self.cache.get((block, e))
             if entry is not None:
                 self.cache.pin(entry)
+                self._in_use[(block, e)] = entry
                 ready.append((e, entry))
             else:
                 missing.append(e)
@@ -291,21 +306,15 @@ class Offloader:
             entry = self.cache.reserve((block, missing[0]))
             if entry is None:
                 break
+            self._in_use[(block, missing[0])] = entry
             self._start_load((block, missing[0]), entry, self.stats.steps, prefetch=False)
             reading.append((missing.pop(0), entry))
         if not missing:
             self._prefetch_for(block, x_RD)
         for e, entry in ready:  # resident experts compute while the misses are read
             self._compute((block, e), entry, x_RD, y_RD, starts, compute)
-        for n, (e, entry) in enumerate(reading):
-            try:
-                self._wait((block, e), entry)
-            except BaseException:
-                for later, other in reading[n + 1 :]:  # free the other slots before reporting
-                    with contextlib.suppress(BaseException):
-                        self._wait((block, later), other)
-                        self.cache.drop((block, later))
-                raise
+        for e, entry in reading:  # a failed read raises; run_layer releases the other slots
+            self._wait((block, e), entry)
             self._compute((block, e), entry, x_RD, y_RD, starts, compute)
         for e in missing:  # the budget holds fewer experts than this layer needs: one at a time
             entry = self._load_now((block, e))
@@ -314,6 +323,8 @@ class Offloader:
         return y_RD
 
     def _start_step(self) -> None:
+        # NOTE: the first block's prefetch is kept: the last layer of the previous step started it (ring).
+        self._release_unsettled(keep=self.blocks[0])
         with self.cache.lock:
             self.stats.steps += 1
             for step in [s for s in self._step_reads if s < self.stats.steps]:  # their reads were settled
@@ -329,6 +340,7 @@ class Offloader:
         w_in, w_out = (lambda x, role=role: matmul(self.fmt, views, role, x) for role in ("w_in", "w_out"))
         y_RD[rows] = compute(x_RD[rows], w_in, w_out, e)
         self.loader.after_compute(entry)  # before the unpin that lets the slot be loaded into again
+        del self._in_use[key]
         self.cache.unpin(entry)
 
     def _record_prediction(self, block: int, needed: list[int]) -> None:
