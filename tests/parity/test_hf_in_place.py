@@ -131,28 +131,3 @@ def test_experts_in_another_dtype_than_the_run_are_refused(tmp_path: Path) -> No
     quantize_dir(tmp_path / "hf", tmp_path / "dequantized")
     with pytest.raises(ValueError, match=r"stored as float8_e4m3fn .*dequantised, convert first"):
         load_for_inference(tmp_path / "hf", offload=OffloadOptions(1 << 40))
-
-
-def test_a_shard_rewritten_in_place_under_a_running_model_is_refused(tmp_path: Path) -> None:
-    """Experts read in place by byte range: a shard saved again into the same file (its offsets moved)
-    stops the next read with an error naming it, instead of experts read from the wrong bytes."""
-    from safetensors.torch import load_file, save
-
-    from moekit.infer.expert_store import ExpertStoreError
-
-    hf = tmp_path / "hf"
-    hf_model = _save("qwen3_moe", hf)
-    save_tokenizer(hf)
-    loaded, _ = load_for_inference(hf, offload=OffloadOptions(_budget(hf), prefetch="off"))
-    try:
-        prompt = tokens(hf_model.config.vocab_size, (1, 8))
-        loaded.model(prompt)
-        shard = next(hf.glob("*.safetensors"))
-        with open(shard, "r+b") as f:
-            f.write(save(load_file(shard), metadata={"format": "pt", "note": "x" * 1000}))
-            f.truncate()
-        with pytest.raises(ExpertStoreError, match=f"{shard.name}: changed since it was opened"):
-            for _ in range(4):  # the next reads (the cache holds only a few experts)
-                loaded.model(tokens(hf_model.config.vocab_size, (1, 8)))
-    finally:
-        loaded.offloader.close()

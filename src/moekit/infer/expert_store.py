@@ -56,19 +56,6 @@ class Piece:
     shape: tuple[int, ...]
 
 
-def file_stamp(fd: int) -> tuple[int, int, int]:
-    """(inode, size, modification time) of an open file: a store's offsets hold while this does."""
-    st = os.fstat(fd)
-    return st.st_ino, st.st_size, st.st_mtime_ns
-
-
-def check_unchanged(path: Path, fd: int, stamp: tuple[int, int, int]) -> None:
-    """An error if the file open as ``fd`` was rewritten in place since it was stamped (a file replaced
-    by a rename is not: the open descriptor still reads the old one)."""
-    if file_stamp(fd) != stamp:
-        raise ExpertStoreError(f"{path}: changed since it was opened (rewritten in place); restart to read it")
-
-
 def read_safetensors_header(path: Path) -> tuple[dict, int]:
     """The JSON header of a safetensors file and the byte offset where its data begins."""
     try:
@@ -107,7 +94,6 @@ class ExpertStore:
         self.drop_pages = drop_pages
         header, data_start = read_safetensors_header(self.path)
         self._fd = os.open(self.path, os.O_RDONLY)
-        self._stamp = file_stamp(self._fd)
         self._direct_fd = open_direct(self.path) if direct else -1
         self.direct = self._direct_fd >= 0
         try:
@@ -194,7 +180,6 @@ class ExpertStore:
                     f"read {max(got, 0)} of {p.nbytes} bytes"
                 )
             total += got
-        check_unchanged(self.path, self._fd, self._stamp)  # after the reads: what they read is refused too
         return total
 
     def drop_page_cache(self) -> None:

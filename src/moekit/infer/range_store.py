@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from moekit.infer.expert_store import ExpertStoreError, Key, check_unchanged, file_stamp
+from moekit.infer.expert_store import ExpertStoreError, Key
 from moekit.run.safetensors_io import Entry
 
 PAGE = os.sysconf("SC_PAGE_SIZE")  # the page cache evicts whole pages
@@ -75,11 +75,9 @@ class RangeStore:
         files = sorted({path for ranges in experts.values() for parts in ranges.values() for path, _ in parts})
         self.path = files[0].parent
         self._fds: dict[Path, int] = {}
-        self._stamps: dict[Path, tuple[int, int, int]] = {}
         try:
             for path in files:
                 self._fds[path] = os.open(path, os.O_RDONLY)
-                self._stamps[path] = file_stamp(self._fds[path])
             self._index(experts)
         except BaseException:
             self.close()
@@ -137,8 +135,6 @@ class RangeStore:
                     f"{p.path}: truncated: expert {expert} of block {block} ({p.name}): read {got} of {p.nbytes} bytes"
                 )
             total += got
-        for path in {p.path for p in self.pieces[key]}:  # after the reads: what they read is refused too
-            check_unchanged(path, self._fds[path], self._stamps[path])
         return total
 
     def drop_page_cache(self) -> None:
