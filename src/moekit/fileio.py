@@ -55,6 +55,19 @@ def write_bytes_atomic(path: Path, data: bytes) -> None:
     write_atomic(path, lambda f: f.write(data))
 
 
+def read_json_object(path: Path) -> dict[str, Any]:
+    """A JSON object file ({} when there is none); ValueError naming the file if it cannot be read."""
+    if not path.is_file():
+        return {}
+    try:
+        value = json.loads(path.read_text("utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{path}: unreadable ({err})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path}: not a JSON object")
+    return value
+
+
 def write_json_atomic(path: Path, obj: Any) -> None:
     """``obj`` as indented UTF-8 JSON (non-ASCII characters kept as they are), written atomically."""
     write_bytes_atomic(path, (json.dumps(obj, ensure_ascii=False, indent=1) + "\n").encode("utf-8"))

@@ -11,9 +11,10 @@ model trained on such transcripts continues.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
+
+from moekit.fileio import read_json_object
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
 
@@ -25,27 +26,14 @@ def _token_text(value: Any) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def _json(path: Path) -> dict[str, Any]:
-    """A JSON object file ({} when there is none)."""
-    if not path.is_file():
-        return {}
-    try:
-        value = json.loads(path.read_text("utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise ValueError(f"{path}: unreadable ({err})") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"{path}: not a JSON object")
-    return value
-
-
 class ChatTemplate:
     """The chat format of one run directory (see the module docstring)."""
 
     def __init__(self, run_dir: Path) -> None:
         self.template: str | None = None
         self.special: dict[str, str] = {}
-        config = _json(Path(run_dir) / "tokenizer_config.json")
-        special_map = _json(Path(run_dir) / "special_tokens_map.json")  # older directories keep BOS/EOS here
+        config = read_json_object(Path(run_dir) / "tokenizer_config.json")
+        special_map = read_json_object(Path(run_dir) / "special_tokens_map.json")  # older directories keep BOS/EOS here
         jinja = Path(run_dir) / "chat_template.jinja"
         try:
             template = jinja.read_text("utf-8") if jinja.is_file() else config.get("chat_template")  # as transformers

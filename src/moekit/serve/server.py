@@ -4,7 +4,6 @@ drain on SIGTERM (running requests finish, new ones get 503, then the process ex
 
 from __future__ import annotations
 
-import json
 import signal
 import socket
 import threading
@@ -12,6 +11,7 @@ from pathlib import Path
 
 import uvicorn
 
+from moekit.fileio import read_json_object
 from moekit.hostmem import keep_freed_memory
 from moekit.infer.generate import check_batch_independent
 from moekit.run.load import LoadedRun
@@ -49,14 +49,9 @@ def end_tokens(run_dir: Path, tokenizer: Tokenizer, template: ChatTemplate) -> f
     if template.eos_token is not None:
         ids = tokenizer.encode(template.eos_token, add_special_tokens=False)
         ends.update(ids if len(ids) == 1 else ())  # an end marker of several tokens is no single token
-    path = Path(run_dir) / "generation_config.json"
-    if path.is_file():
-        try:
-            given = json.loads(path.read_text("utf-8")).get("eos_token_id")
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError) as err:
-            raise ValueError(f"{path}: unreadable ({err})") from None
-        given = [given] if isinstance(given, int) else given if isinstance(given, list) else []
-        ends.update(i for i in given if isinstance(i, int) and 0 <= i < tokenizer.vocab_size)
+    given = read_json_object(Path(run_dir) / "generation_config.json").get("eos_token_id")
+    given = [given] if isinstance(given, int) else given if isinstance(given, list) else []
+    ends.update(i for i in given if isinstance(i, int) and 0 <= i < tokenizer.vocab_size)
     return frozenset(ends)
 
 
