@@ -35,12 +35,14 @@ def check_sampling(max_new_tokens: int, temperature: float, top_k: int, top_p: f
 def check_batch_independent(moe: MoEConfig | None, others: str) -> None:
     """Refuse routing that depends on the whole batch (capacity limits, expert choice): ``others``, what
     shares a sequence's batch, would change its tokens."""
-    if moe is not None and moe.capacity_factor is not None:
+    if moe is None:
+        return
+    if moe.capacity_factor is not None:
         raise ValueError(
             f"moe.capacity_factor={moe.capacity_factor}: each expert keeps a share of the whole batch's tokens, "
             f"so a sequence's tokens would depend on {others}"
         )
-    if moe is not None and moe.router == "expert_choice":
+    if moe.router == "expert_choice":
         raise ValueError(
             f"moe.router=expert_choice: experts pick among the whole batch's tokens, so a sequence's tokens would "
             f"depend on {others}"
@@ -110,8 +112,8 @@ def _sample_loop(
     out = prompt_BL
     for _ in range(max_new_tokens):
         logits_BV = next_logits(out)
-        if B == 1 or sampling.temperature == 0:  # one draw for the batch (greedy: no draw at all)
-            token_B = sample_next(logits_BV, sampling.temperature, sampling.top_k, sampling.top_p, generators[0])
+        if sampling.temperature == 0:  # greedy: one argmax for the batch
+            token_B = logits_BV.argmax(dim=-1)
         else:
             token_B = torch.cat(
                 [
