@@ -154,7 +154,13 @@ def add_run_flags(parser: argparse.ArgumentParser) -> None:
         default="auto",
         help="router (predict the next layer), all (ring), off; auto: router on a CPU, off on a GPU (default: auto)",
     )
-    off.add_argument("--expert-format", default="fp", help="fp, int8 or int4 expert weights (default: %(default)s)")
+    off.add_argument(
+        "--expert-format",
+        default="fp",
+        help="fp, int8 or int4 expert weights: with --memory-budget a quantized copy of the experts is written "
+        "once beside the checkpoint and read from; without, the experts are quantized in memory at load "
+        "(default: %(default)s)",
+    )
 
 
 def load_for_inference(args: argparse.Namespace):
@@ -170,7 +176,17 @@ def load_for_inference(args: argparse.Namespace):
     if args.memory_budget is not None:
         budget = parse_bytes(args.memory_budget, "--memory-budget")
         offload = OffloadOptions(budget, args.policy, args.prefetch, args.expert_format)
+    if offload is None and args.expert_format not in ("fp", "int8", "int4"):
+        raise ValueError(f"--expert-format={args.expert_format!r}: choose from fp, int8, int4")
     loaded, in_place = load(args.run_dir, resolve_device(args.device), offload, resolve_dtype(args.dtype))
+    if offload is None and args.expert_format != "fp":
+        from moekit.infer.quantized_experts import quantize_experts_
+
+        if not loaded.config.is_moe:
+            raise ValueError(
+                f"--expert-format={args.expert_format}: {args.run_dir} is a dense model; it has no experts"
+            )
+        quantize_experts_(loaded.model, args.expert_format)
     if in_place is not None:
         print(in_place.describe(args.run_dir), file=sys.stderr)
     return loaded
