@@ -82,3 +82,19 @@ def test_cli_refuses_a_bad_expert_format_and_a_dense_run(run_dir: Path, write_ru
     dense = write_run(tmp_path / "dense", **{"model.moe_every": "0"})
     proc = moekit_cli("generate", str(dense), "--expert-format", "int8")
     assert proc.returncode == 2 and "dense model" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_threads_flag_sets_torchs_threads_and_refuses_zero(run_dir: Path, capsys: pytest.CaptureFixture) -> None:
+    import torch
+
+    from moekit.cli import main
+
+    before = torch.get_num_threads()
+    try:
+        assert main(["generate", str(run_dir), "--threads", "1", "--max-new-tokens", "2"]) == 0
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+    capsys.readouterr()
+    proc = moekit_cli("generate", str(run_dir), "--threads", "0")
+    assert proc.returncode == 2 and "--threads" in proc.stderr and "Traceback" not in proc.stderr

@@ -142,6 +142,12 @@ def add_run_flags(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--device", type=device_name, default="auto", help="cpu, cuda, cuda:N or auto")
     parser.add_argument(
+        "--threads",
+        type=positive_int,
+        help="CPU threads for the model's ops (default: torch's, one per core). On a machine busy with other "
+        "work, fewer threads than cores keep each step from waiting on a thread the OS has descheduled",
+    )
+    parser.add_argument(
         "--dtype", type=dtype_name, help="fp32, bf16 or fp16 weights and compute (default: the checkpoint's dtype)"
     )
     off = parser.add_argument_group("offloaded experts (models larger than memory)")
@@ -172,6 +178,10 @@ def load_for_inference(args: argparse.Namespace):
     from moekit.model_dir import load_for_inference as load
     from moekit.units import parse_bytes
 
+    import torch
+
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     offload = None
     if args.memory_budget is not None:
         budget = parse_bytes(args.memory_budget, "--memory-budget")
