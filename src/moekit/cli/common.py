@@ -174,11 +174,11 @@ def load_for_inference(args: argparse.Namespace):
     is given; a Hugging Face directory read in place says so (and that nothing is written) on stderr."""
     import sys
 
+    import torch
+
     from moekit.infer.offload import OffloadOptions
     from moekit.model_dir import load_for_inference as load
     from moekit.units import parse_bytes
-
-    import torch
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)
