@@ -28,15 +28,12 @@ def _moekit(args: argparse.Namespace):
     import torch
 
     from moekit.infer.generate import decode_step, prefill
-    from moekit.infer.quantized_experts import quantize_experts_
     from moekit.model_dir import load_for_inference
 
     torch.set_num_threads(args.threads)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}.get(args.variant, torch.bfloat16)
-    loaded, _ = load_for_inference(args.model, "cpu", None, dtype)
-    if args.variant in ("int8", "int4"):
-        quantize_experts_(loaded.model, args.variant)
-    model = loaded.model
+    fmt = args.variant if args.variant in ("int8", "int4") else "fp"
+    model = load_for_inference(args.model, "cpu", None, dtype, expert_format=fmt)[0].model
     state: dict = {}
 
     def forward(ids: list[int], fresh: bool) -> list[float]:

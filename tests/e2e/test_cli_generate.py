@@ -63,13 +63,12 @@ def test_cli_generates_with_experts_quantized_in_memory(run_dir: Path, fmt: str)
     import torch
 
     from moekit.infer.generate import generate_text
-    from moekit.infer.quantized_experts import quantize_experts_
+    from moekit.model_dir import load_for_inference
 
     before = sorted(p.name for p in run_dir.rglob("*"))
     proc = moekit_cli("generate", str(run_dir), "--expert-format", fmt, "--temperature", "0", "--max-new-tokens", "12")
     assert proc.returncode == 0, proc.stderr
-    loaded = load_run(run_dir, for_inference=True)
-    quantize_experts_(loaded.model, fmt)
+    loaded, _ = load_for_inference(run_dir, expert_format=fmt)
     with torch.no_grad():
         expected = generate_text(loaded, "\n", 12, temperature=0)
     assert proc.stdout == expected + "\n"

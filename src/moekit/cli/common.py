@@ -186,17 +186,9 @@ def load_for_inference(args: argparse.Namespace):
     if args.memory_budget is not None:
         budget = parse_bytes(args.memory_budget, "--memory-budget")
         offload = OffloadOptions(budget, args.policy, args.prefetch, args.expert_format)
-    if offload is None and args.expert_format not in ("fp", "int8", "int4"):
-        raise ValueError(f"--expert-format={args.expert_format!r}: choose from fp, int8, int4")
-    loaded, in_place = load(args.run_dir, resolve_device(args.device), offload, resolve_dtype(args.dtype))
-    if offload is None and args.expert_format != "fp":
-        from moekit.infer.quantized_experts import quantize_experts_
-
-        if not loaded.config.is_moe:
-            raise ValueError(
-                f"--expert-format={args.expert_format}: {args.run_dir} is a dense model; it has no experts"
-            )
-        quantize_experts_(loaded.model, args.expert_format)
+    resident_format = args.expert_format if offload is None else "fp"
+    device, dtype = resolve_device(args.device), resolve_dtype(args.dtype)
+    loaded, in_place = load(args.run_dir, device, offload, dtype, expert_format=resident_format)
     if in_place is not None:
         print(in_place.describe(args.run_dir), file=sys.stderr)
     return loaded

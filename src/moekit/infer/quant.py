@@ -11,7 +11,7 @@ From fp32 experts, int8 stores ~4x fewer bytes and int4 6.4x (half a byte per we
 per 32). The cache keeps the quantized form, so a budget holds about as many times more experts.
 
 Two places hold them: an offloaded run's quantized store (a file written once, read expert by expert into
-the cache), and experts quantized in memory at load (``infer.quantized_experts``, no file).
+the cache), and experts quantized in memory at load (``infer.resident_experts``, no file).
 
 The products use torch's weight-only CPU kernels, which read the int8 / int4 weights and convert them
 inside the kernel: ``torch._weight_int8pack_mm`` for up to ``INT8PACK_MAX_ROWS`` rows of an expert

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from moekit.config import MoEConfig
-from moekit.infer.quantized_experts import QuantizedExperts, quantize_experts_
+from moekit.experts.matmul import prepackable
+from moekit.infer.resident_experts import PackedExperts, PackedLinear, QuantizedExperts, prepack_, quantize_experts_
 from moekit.layer import MoE
 
 
@@ -65,3 +66,49 @@ class _Holder(torch.nn.Module):
 
     def moe_layers(self) -> list[MoE]:
         return [self.moe]
+
+
+def _ffn_reference(moe: MoE, x_TD: torch.Tensor) -> torch.Tensor:
+    """The MoE layer per token in float64 from its own (bf16) weights."""
+    experts, routing = moe.experts, moe.router(x_TD)
+    y = torch.zeros(x_TD.shape, dtype=torch.float64)
+    for t, e, w in zip(routing.token_idx.tolist(), routing.expert_idx.tolist(), routing.weights.tolist(), strict=True):
+        gate, up = (x_TD[t].double() @ experts.w_in[e].double()).chunk(2)
+        y[t] += w * ((gate * torch.sigmoid(gate) * up) @ experts.w_out[e].double())
+    return y
+
+
+@pytest.mark.skipif(not prepackable(torch.zeros(1, dtype=torch.bfloat16)), reason="no native bf16 kernels here")
+@pytest.mark.parametrize("tokens", [1, 5, 30])
+def test_prepacked_experts_and_linears_equal_the_plain_arithmetic(tokens: int) -> None:
+    """``prepack_`` swaps the experts and the attention / head projections for oneDNN's packed kernels:
+    the MoE layer stays within bf16 rounding of a float64 per-token reference, the whole model's
+    logits within bf16 rounding of the same model unpacked."""
+    from moekit import runconfig
+    from moekit.model import Transformer
+
+    cfg = runconfig.resolve("tiny", {"model.n_layers": "2", "moe.num_experts": "4"})
+    torch.manual_seed(tokens)
+    model = Transformer(cfg.model, cfg.moe).to(torch.bfloat16).eval()
+    ids = torch.randint(0, cfg.model.vocab_size, (1, tokens))
+    moe = model.moe_layers()[0]
+    x = torch.randn(tokens, cfg.model.d_model).bfloat16()
+    with torch.no_grad():
+        plain_logits, ref = model(ids).logits.double(), _ffn_reference(moe, x)
+        prepack_(model)
+        assert isinstance(moe.experts, PackedExperts) and isinstance(model.lm_head, PackedLinear)
+        assert isinstance(model.blocks[0].attn.qkv, PackedLinear)
+        got = moe(x).double()
+        logits = model(ids).logits.double()
+    assert float((got - ref).abs().amax()) <= 2.0**-6 * float(ref.abs().amax())
+    assert float((logits - plain_logits).abs().amax()) <= 2.0**-5 * float(plain_logits.abs().amax())
+
+
+def test_prepack_leaves_fp32_as_it_is() -> None:
+    from moekit import runconfig
+    from moekit.model import Transformer
+
+    cfg = runconfig.resolve("tiny", {"model.n_layers": "1"})
+    model = Transformer(cfg.model, cfg.moe).eval()
+    prepack_(model)
+    assert type(model.lm_head) is torch.nn.Linear and type(model.moe_layers()[0].experts).__name__ == "GroupedExperts"
