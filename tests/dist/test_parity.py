@@ -39,6 +39,8 @@ from moekit.train.optim import build_optimizer
 
 from .spawn import MOEKIT, run_ranks
 
+pytestmark = pytest.mark.dist
+
 BASE = {
     "model.n_layers": "2",
     "model.n_heads": "2",
@@ -306,7 +308,7 @@ def _check_all(rank: int, world: int, names: list[str]) -> None:
     assert not failures, "\n".join(failures)
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])  # the fast tier runs 2 ranks
 def test_layouts_match_single_process(world: int, tmp_path) -> None:
     """One set of spawned ranks per world size runs every layout of that size (process start-up is
     most of the cost); a failure names each layout that differs. ``-s`` prints the differences."""

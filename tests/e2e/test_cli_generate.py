@@ -30,6 +30,7 @@ def test_cli_generate_offloaded_batch(run_dir: Path, tmp_path: Path, capsys: pyt
     assert "--policy='mru'" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_corrupt_checkpoint_is_named(corpus_file: Path, tmp_path: Path) -> None:
     run = tmp_path / "run"
     train(tiny(corpus_file, tmp_path / "cache", **{"train.steps": "2"}), run, progress=False)
@@ -43,6 +44,7 @@ def test_corrupt_checkpoint_is_named(corpus_file: Path, tmp_path: Path) -> None:
     assert proc.returncode == 2 and "model.safetensors: corrupt" in proc.stderr and "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "flag, message",
     [
