@@ -85,20 +85,11 @@ class TrainConfig:
     def _check_offload(self) -> None:
         from moekit.units import parse_bytes
 
-        if self.memory_budget:
-            require(
-                parse_bytes(self.memory_budget, "train.memory_budget") > 0,
-                "train.memory_budget",
-                self.memory_budget,
-                "must be > 0",
-            )
+        for name in ("memory_budget", "host_budget"):
+            size = getattr(self, name)
+            if size:  # "" = none
+                require(parse_bytes(size, f"train.{name}") > 0, f"train.{name}", size, "must be > 0")
         if self.host_budget:
-            require(
-                parse_bytes(self.host_budget, "train.host_budget") > 0,
-                "train.host_budget",
-                self.host_budget,
-                "must be > 0",
-            )
             require(
                 bool(self.memory_budget),
                 "train.host_budget",
