@@ -1,4 +1,4 @@
-"""Every parallel layout the README claims against the single-process model (fp32, same seed and weights).
+"""Every parallel layout docs/parallelism.md claims against the single-process model (fp32, same seed and weights).
 
 Reference: the unsharded model run on rank 0 over the whole global batch (all data ranks'
 micro-batches, each pipeline micro-batch separately) and broadcast to the other ranks, so the
