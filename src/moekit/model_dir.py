@@ -53,10 +53,10 @@ def load_for_inference(
     with what reading a Hugging Face directory in place costs (None for a run or a resident model)."""
     path = Path(path)
     if not is_hf_dir(path):
-        return load_run(path, device, offload, dtype), None
+        return load_run(path, device, offload, dtype, for_inference=True), None
     checkpoint, tokenizer, cfg = hf_source(path, dtype)
     if offload is None:
-        return LoadedRun(load_hf(checkpoint).to(device), tokenizer, cfg, path), None
+        return LoadedRun(load_hf(checkpoint, for_inference=True).to(device), tokenizer, cfg, path), None
     if checkpoint.moe_cfg is None:
         raise ValueError(f"offload: {path} is a dense model; it has no experts to offload")
     if offload.expert_format != "fp":

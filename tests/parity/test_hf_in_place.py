@@ -137,3 +137,41 @@ def test_experts_in_another_dtype_than_the_run_are_refused(tmp_path: Path) -> No
     quantize_dir(tmp_path / "hf", tmp_path / "dequantized")
     with pytest.raises(ValueError, match=r"stored as float8_e4m3fn .*dequantised, convert first"):
         load_for_inference(tmp_path / "hf", offload=OffloadOptions(1 << 40))
+
+
+@pytest.mark.parametrize(("dtype", "source"), [(torch.bfloat16, "hf"), (torch.float16, "hf"), (torch.bfloat16, "run")])
+@pytest.mark.parametrize("slots", [2, None])
+def test_offloaded_16_bit_computes_exactly_what_resident_computes(dtype, source, slots, tmp_path: Path) -> None:
+    """A 16-bit Hugging Face directory read in place, or its conversion to a run (experts stored [in,
+    out]): offloaded experts (a cache of 2, evicting in every layer, or one holding them all) give the
+    resident model's logits bit for bit, prefill and decode. Both multiply each expert's rows with the
+    same kernel over the same output-major weights."""
+    from moekit.infer.generate import decode_step, prefill
+
+    hf_model = save_hf("mixtral", tmp_path / "fp32", router_scale=3.0)
+    hf_model.to(dtype).save_pretrained(tmp_path / "hf")
+    save_tokenizer(tmp_path / "hf")
+    path = tmp_path / source
+    if source == "run":
+        assert main(["convert", str(tmp_path / "hf"), "--out", str(path)]) == 0
+    resident, _ = load_for_inference(path)
+    assert resident.model.embed.weight.dtype == dtype
+    budget = _budget(path) + (0 if slots else 1 << 30)
+    offloaded, _ = load_for_inference(path, offload=OffloadOptions(budget, prefetch="off"))
+    try:
+        prompt = tokens(hf_model.config.vocab_size, (1, 8))
+        for batch in (prompt, torch.cat([prompt, prompt.flip(1)])):  # one sequence (GEMV kernels) and two
+            logits = [prefill(run.model, batch) for run in (resident, offloaded)]
+            assert torch.equal(logits[0][0], logits[1][0])
+            token = logits[0][0].argmax(-1, keepdim=True)
+            for _ in range(4):
+                steps = [
+                    decode_step(run.model, token, cache)
+                    for run, (_, cache) in zip((resident, offloaded), logits, strict=True)
+                ]
+                assert torch.equal(steps[0], steps[1])
+                token = steps[0].argmax(-1, keepdim=True)
+        stats = offloaded.offloader.stats
+        assert (stats.misses > stats.hits) == bool(slots), "a cache of 2 evicts; a large one does not"
+    finally:
+        offloaded.offloader.close()

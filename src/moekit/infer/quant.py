@@ -31,6 +31,7 @@ from safetensors.torch import save
 from torch import Tensor
 
 from moekit.directio import aligned_empty
+from moekit.experts.matmul import inference_layout, mm
 from moekit.fileio import write_atomic
 from moekit.infer.expert_store import ExpertStore, Key, expert_tensor_prefix
 
@@ -91,7 +92,9 @@ DEQUANTIZERS = {"int8": dequantize_int8, "int4": dequantize_int4}
 def matmul(fmt: str, views: dict[str, Tensor], role: str, x_MK: Tensor) -> Tensor:
     """``x @ w`` for weight ``role`` (w_in or w_out) of one expert stored in format ``fmt``."""
     if fmt == "fp":
-        return torch.mm(x_MK, views[role].to(x_MK.dtype))
+        # NOTE: the resident model's layout and kernel (``experts.matmul``), so the same numbers: a weight
+        # stored otherwise (a 16-bit run's [in, out], or another dtype) is laid out anew for the product.
+        return mm(x_MK, inference_layout(views[role], x_MK.dtype))
     q, scale = views[f"{role}.q"], views[f"{role}.scale"]
     small = x_MK.shape[0] <= INT8PACK_MAX_ROWS and x_MK.device.type == "cpu"
     if fmt == "int8" and small and hasattr(torch, "_weight_int8pack_mm"):
