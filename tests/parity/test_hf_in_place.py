@@ -88,6 +88,7 @@ def test_in_place_greedy_equals_converted_and_transformers(family: str, tmp_path
     assert torch.equal(got, hf_greedy(hf_model, prompt, NEW_TOKENS))
 
 
+@pytest.mark.slow
 def test_cli_generates_from_a_hugging_face_directory_writing_nothing(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
