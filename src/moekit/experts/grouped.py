@@ -35,6 +35,8 @@ def draw_normal_(p: Tensor, std: float) -> Tensor:
     later draw is the same (under ``torch.device("meta")``, a model built whole on meta, none is drawn)."""
     if not p.is_meta:
         return nn.init.normal_(p, std=std)
+    if torch.get_default_device().type == "meta":  # nothing can be drawn (meta's normal_ only costs time)
+        return p
     return torch.empty(p.shape, dtype=p.dtype).normal_(0.0, std)
 
 
