@@ -58,6 +58,7 @@ def test_generate_rejects_bad_sampling_flags(flag: list[str], message: str, tmp_
     assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 def test_cli_generates_with_experts_quantized_in_memory(run_dir: Path, fmt: str) -> None:
     """``--expert-format`` without ``--memory-budget`` quantizes the experts at load (it was ignored):
@@ -78,6 +79,7 @@ def test_cli_generates_with_experts_quantized_in_memory(run_dir: Path, fmt: str)
     assert sorted(p.name for p in run_dir.rglob("*")) == before, "nothing written"
 
 
+@pytest.mark.slow
 def test_cli_refuses_a_bad_expert_format_and_a_dense_run(run_dir: Path, write_run, tmp_path: Path) -> None:
     proc = moekit_cli("generate", str(run_dir), "--expert-format", "int3")
     assert proc.returncode == 2 and "--expert-format='int3'" in proc.stderr and "Traceback" not in proc.stderr
