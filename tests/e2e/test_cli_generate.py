@@ -30,6 +30,7 @@ def test_cli_generate_offloaded_batch(run_dir: Path, tmp_path: Path, capsys: pyt
     assert "--policy='mru'" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_corrupt_checkpoint_is_named(corpus_file: Path, tmp_path: Path) -> None:
     run = tmp_path / "run"
     train(tiny(corpus_file, tmp_path / "cache", **{"train.steps": "2"}), run, progress=False)
@@ -43,6 +44,7 @@ def test_corrupt_checkpoint_is_named(corpus_file: Path, tmp_path: Path) -> None:
     assert proc.returncode == 2 and "model.safetensors: corrupt" in proc.stderr and "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "flag, message",
     [
@@ -56,6 +58,7 @@ def test_generate_rejects_bad_sampling_flags(flag: list[str], message: str, tmp_
     assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 def test_cli_generates_with_experts_quantized_in_memory(run_dir: Path, fmt: str) -> None:
     """``--expert-format`` without ``--memory-budget`` quantizes the experts at load (it was ignored):
@@ -75,6 +78,7 @@ def test_cli_generates_with_experts_quantized_in_memory(run_dir: Path, fmt: str)
     assert sorted(p.name for p in run_dir.rglob("*")) == before, "nothing written"
 
 
+@pytest.mark.slow
 def test_cli_refuses_a_bad_expert_format_and_a_dense_run(run_dir: Path, write_run, tmp_path: Path) -> None:
     proc = moekit_cli("generate", str(run_dir), "--expert-format", "int3")
     assert proc.returncode == 2 and "--expert-format='int3'" in proc.stderr and "Traceback" not in proc.stderr

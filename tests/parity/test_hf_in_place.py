@@ -58,7 +58,13 @@ def _save(family: str, directory: Path) -> torch.nn.Module:
     return save_hf(family, directory, shard_size="40KB" if family == "mixtral" else None, router_scale=3.0)
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "olmoe", "qwen3_moe", "deepseek_v2", "deepseek_v3"])
+SLOW_FAMILIES = ("olmoe", "qwen3_moe", "deepseek_v2", "deepseek_v3")  # the fast tier reads Mixtral and Qwen2-MoE
+
+
+@pytest.mark.parametrize(
+    "family",
+    ["mixtral", "qwen2_moe", *(pytest.param(f, marks=pytest.mark.slow) for f in SLOW_FAMILIES)],
+)
 def test_in_place_greedy_equals_converted_and_transformers(family: str, tmp_path: Path) -> None:
     hf = tmp_path / "hf"
     hf_model = _save(family, hf)
@@ -82,6 +88,7 @@ def test_in_place_greedy_equals_converted_and_transformers(family: str, tmp_path
     assert torch.equal(got, hf_greedy(hf_model, prompt, NEW_TOKENS))
 
 
+@pytest.mark.slow
 def test_cli_generates_from_a_hugging_face_directory_writing_nothing(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -109,12 +109,11 @@ def _type_name(annotation) -> str:
 
 
 def add_config_flags(parser: argparse.ArgumentParser) -> None:
-    """One ``--section.field`` flag per config field, with its one-line reason as help."""
-    from moekit.runconfig import SECTIONS, field_help
+    """One ``--section.field`` flag per config field, with its one-line reason (the field's metadata) as help."""
+    from moekit.runconfig import SECTIONS
 
     for section, cls in SECTIONS.items():
         group = parser.add_argument_group(f"[{section}] {cls.__doc__.splitlines()[0]}")
-        reasons = field_help(cls)
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
             if section == "moe" and f.name == "d_model":
@@ -126,7 +125,7 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
                 f"--{section}.{f.name}",
                 metavar=_type_name(hints[f.name]),
                 default=argparse.SUPPRESS,
-                help=reasons.get(f.name, "") + default,
+                help=f.metadata["help"] + default,
             )
 
 
