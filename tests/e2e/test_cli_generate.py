@@ -87,6 +87,7 @@ def test_cli_refuses_a_bad_expert_format_and_a_dense_run(run_dir: Path, write_ru
     assert proc.returncode == 2 and "dense model" in proc.stderr and "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow
 def test_threads_flag_sets_torchs_threads_and_refuses_zero(run_dir: Path, capsys: pytest.CaptureFixture) -> None:
     import torch
 

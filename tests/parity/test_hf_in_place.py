@@ -140,6 +140,7 @@ def test_experts_in_another_dtype_than_the_run_are_refused(tmp_path: Path) -> No
         load_for_inference(tmp_path / "hf", offload=OffloadOptions(1 << 40))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("dtype", "source"), [(torch.bfloat16, "hf"), (torch.float16, "hf"), (torch.bfloat16, "run")])
 @pytest.mark.parametrize("slots", [2, None])
 def test_offloaded_16_bit_computes_exactly_what_resident_computes(dtype, source, slots, tmp_path: Path) -> None:
