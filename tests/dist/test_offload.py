@@ -40,6 +40,8 @@ from moekit.train.metrics import METRICS_FILE
 
 from .spawn import MOEKIT, run_ranks
 
+pytestmark = [pytest.mark.dist, pytest.mark.slow]
+
 STEPS, HALF = 4, 2
 RESHARD_TOL = 1e-5
 DP4_TOL = 1e-6

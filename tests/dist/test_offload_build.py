@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
@@ -20,6 +21,8 @@ from moekit.parallel.runtime import init_distributed
 from moekit.train.model_build import build_model
 
 from .spawn import MOEKIT, run_ranks
+
+pytestmark = pytest.mark.dist
 
 SEED = 3
 

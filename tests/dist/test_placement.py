@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 from pathlib import Path
 
+import pytest
 import torch
 
 from moekit import runconfig
@@ -15,6 +16,8 @@ from moekit.train import loop
 from moekit.train.optim import build_optimizer
 
 from .spawn import MOEKIT, run_ranks
+
+pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
 STEPS = 8
 BASE = {

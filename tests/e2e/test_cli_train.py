@@ -43,6 +43,7 @@ def test_help_lists_presets_and_fields() -> None:
         assert command in top
 
 
+@pytest.mark.slow
 def test_nan_loss_stops_and_keeps_last_good_checkpoint(corpus_file: Path, tmp_path: Path) -> None:
     run = tmp_path / "run"
     args = ["train", "--preset", "tiny", "--data", str(corpus_file), "--run-dir", str(run), "--quiet"]
@@ -60,6 +61,7 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(corpus_file: Path, tmp_pa
     assert read_manifest(latest_checkpoint(run))["step"] == 2
 
 
+@pytest.mark.slow
 def test_ctrl_c_saves_a_checkpoint_then_exits(corpus_file: Path, tmp_path: Path) -> None:
     run = tmp_path / "run"
     args = ["train", "--preset", "tiny", "--data", str(corpus_file), "--run-dir", str(run), "--quiet"]
@@ -88,6 +90,7 @@ def _limit_file_size(max_bytes: int):
     return apply
 
 
+@pytest.mark.slow
 def test_failed_save_keeps_previous_checkpoint(corpus_file: Path, tmp_path: Path) -> None:
     run = tmp_path / "run"
     base = ["--preset", "tiny", "--data", str(corpus_file), "--run-dir", str(run), "--quiet"]
@@ -106,6 +109,7 @@ def test_failed_save_keeps_previous_checkpoint(corpus_file: Path, tmp_path: Path
     load_run(run)  # the previous checkpoint still loads
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "args, message",
     [
@@ -123,6 +127,7 @@ def test_bad_input_gives_one_line_error(args: list[str], message: str, tmp_path:
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow
 def test_empty_data_file(tmp_path: Path) -> None:
     empty = tmp_path / "empty.txt"
     empty.write_text("")
@@ -131,6 +136,7 @@ def test_empty_data_file(tmp_path: Path) -> None:
     assert len(proc.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_offloaded_training_runs_from_the_command_line(corpus_file: Path, tmp_path: Path) -> None:
     state = tmp_path / "state"
     args = ["train", "--preset", "tiny", "--data", str(corpus_file), "--quiet", "--data.cache_dir", str(tmp_path / "c")]
@@ -148,6 +154,7 @@ def test_offloaded_training_runs_from_the_command_line(corpus_file: Path, tmp_pa
     )
 
 
+@pytest.mark.slow
 def test_a_failed_resume_keeps_the_runs_config_and_tokenizer(corpus_file: Path, tmp_path: Path) -> None:
     """A resume whose checkpoint does not fit its flags (and whose new text has other characters) fails
     before anything of the run is rewritten: its config and its own tokenizer are kept, and a plain
