@@ -21,10 +21,9 @@ import torch
 from torch import Tensor
 
 from moekit.experts.matmul import single_token_kernels
-from moekit.infer.generate import sample_next
 from moekit.run.load import LoadedRun
 from moekit.serve.kv import Chunk, KVPool, PagedStep
-from moekit.serve.logits import changes_logits, process_logits
+from moekit.serve.sampling import TopLogprobs, sample_rows, top_logprobs
 from moekit.serve.scheduler import Budget, Seq, plan_step, share_prompt
 from moekit.serve.text import TextStream
 
@@ -45,13 +44,6 @@ class EngineOptions:
     def budget(self) -> Budget:
         """Each step: every running sequence's decode, and up to ``prefill_tokens`` prompt tokens."""
         return Budget(self.max_running, self.max_running + self.prefill_tokens, self.prefill_chunk)
-
-
-@dataclass(frozen=True)
-class TopLogprobs:
-    token: int
-    logprob: float
-    top: list[tuple[int, float]]  # the N likeliest (token, logprob), likeliest first
 
 
 @dataclass(frozen=True)
@@ -425,32 +417,3 @@ class Engine:
     def _routing_of(self, index: int) -> list[list[int]]:
         """Per MoE layer, the experts the token at packed position ``index`` was routed to."""
         return [out.expert_idx[out.token_idx == index].tolist() for out in self._routing]
-
-
-def sample_rows(seqs: list[Seq], logits_RV: Tensor, ends: list[frozenset[int]]) -> Tensor:
-    """One token per sequence [R]: greedy rows in one argmax, sampled rows each with its own generator,
-    consumed exactly as ``generate`` consumes it for a batch of one. A row whose options change its
-    logits (``process_logits``; ``ends[r]``: its end tokens) draws from them instead."""
-    tokens = logits_RV.argmax(dim=-1)
-    for r, seq in enumerate(seqs):
-        p = seq.params
-        row = logits_RV[r : r + 1]
-        if changes_logits(p):
-            row = process_logits(row[0], p, seq.prompt, seq.tokens[len(seq.prompt) :], ends[r])[None]
-            tokens[r] = row.argmax(dim=-1)[0]
-        if p.temperature > 0:
-            tokens[r] = sample_next(row, p.temperature, p.top_k or None, p.top_p, seq.generator)[0]
-    return tokens
-
-
-def top_logprobs(logits_RV: Tensor, tokens_R: Tensor, counts: list[int]) -> list[TopLogprobs]:
-    """Each row's chosen token's log-probability under the model and its ``counts[r]`` likeliest tokens."""
-    if not counts:
-        return []
-    logp_RV = torch.log_softmax(logits_RV.float(), dim=-1)
-    chosen = logp_RV.gather(1, tokens_R.view(-1, 1)).squeeze(1).tolist()
-    values, ids = logp_RV.topk(max(max(counts), 1), dim=-1)
-    return [
-        TopLogprobs(t, lp, list(zip(ids[r, :n].tolist(), values[r, :n].tolist(), strict=True)))
-        for r, (t, lp, n) in enumerate(zip(tokens_R.tolist(), chosen, counts, strict=True))
-    ]

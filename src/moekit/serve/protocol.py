@@ -10,7 +10,7 @@ context), ``temperature`` (1), ``top_p`` (1), ``top_k`` (0 or -1 = all), ``min_p
 (choice i samples with seed + i), ``stop`` (a string or up to 64), ``stop_token_ids``, ``n``,
 ``stream``, ``logprobs`` (completions: the top-N count; chat: a boolean with ``top_logprobs``),
 ``stream_options`` (``include_usage``: a last chunk with the usage), ``return_routing``, and the
-sampling options of ``logits.py``: ``logit_bias``, ``presence_penalty``, ``frequency_penalty``,
+sampling options of ``sampling.py``: ``logit_bias``, ``presence_penalty``, ``frequency_penalty``,
 ``repetition_penalty``, ``min_tokens``, ``ignore_eos``. Any other field: ``compat``.
 
 Counts are checked before any per-prompt work (prompts x n first), so a body of many small prompts

@@ -20,8 +20,9 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from moekit.serve.engine import Finish, PromptLogprobs, Token, TopLogprobs
+from moekit.serve.engine import Finish, PromptLogprobs, Token
 from moekit.serve.protocol import Echo
+from moekit.serve.sampling import TopLogprobs
 from moekit.tokenizer import Tokenizer
 
 

@@ -1,4 +1,4 @@
-"""moekit.serve.logits against the options written out element by element (float64, plain loops); the
+"""moekit.serve.sampling against the options written out element by element (float64, plain loops); the
 served answers are checked against a plain decoding loop in test_serve_compat.py."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from moekit.serve.logits import changes_logits, process_logits
+from moekit.serve.sampling import changes_logits, process_logits
 from moekit.serve.scheduler import SamplingParams
 
 
