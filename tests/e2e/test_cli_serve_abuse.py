@@ -15,6 +15,7 @@ from pathlib import Path
 
 import httpx2
 import openai
+import pytest
 from helpers import read_all, serving
 
 RUN = {"model.tie_embeddings": "false", "model.context_length": "256"}
@@ -27,6 +28,7 @@ def post_from(address: str, url: str, body: bytes, timeout: float = 60) -> httpx
         return client.post(url + "/v1/completions", content=body, headers={"content-type": "application/json"})
 
 
+@pytest.mark.slow
 def test_a_flooding_client_stalls_neither_probes_nor_streams(write_run, tmp_path: Path) -> None:
     """Four connections of one client post 150,000 one-character prompts (750 KB) in a loop: each is
     refused by its count before any prompt is tokenised, and the parsing runs off the event loop, so
@@ -117,6 +119,7 @@ def trickle(port: int, head: bytes, slow: bytes) -> tuple[bytes, float]:
     return reply, time.perf_counter() - start
 
 
+@pytest.mark.slow
 def test_connections_that_send_nothing_or_trickle_are_cut(write_run, tmp_path: Path) -> None:
     """With 128 open files (ulimit -n), 300 connections that send nothing made every later request time out
     (accept() failed: too many open files). Capped at 8, each new connection closes the one waiting

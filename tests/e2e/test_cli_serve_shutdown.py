@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import httpx2
+import pytest
 from helpers import SERVE_ENV, start_serve
 
 # Long prompts through 8 layers: a prefill step of several seconds on a CPU, each layer a fraction of it.
@@ -56,6 +57,7 @@ def accepts(url: str) -> bool:
     return True
 
 
+@pytest.mark.slow
 def test_a_long_model_step_is_given_up_between_layers_at_the_drain_timeout(write_run, tmp_path: Path) -> None:
     """Four 1,700-token prompts prefill in one step of seconds. SIGTERM early in it, with
     --drain-timeout 0.3: the requests are cut short within a fraction of that step (the engine gives it
@@ -100,6 +102,7 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_probes_while_loading_the_key_from_the_environment_and_a_second_sigterm(write_run, tmp_path: Path) -> None:
     """Before the model has loaded, connections are refused at once (they waited for the load). The API
     key comes from $MOEKIT_API_KEY, named in --help. A second SIGTERM stops at once: a stream gets an
