@@ -64,7 +64,9 @@ def test_sigterm_drains_the_real_server(write_run, tmp_path: Path) -> None:
         proc.wait()
 
 
-@pytest.mark.parametrize("flag", ["--kv-budget=1KB", "--port=70000", "--timeout=0"])
+@pytest.mark.parametrize(
+    "flag", ["--kv-budget=1KB", "--port=70000", "--timeout=0", "--timeout-body=0", "--drain-timeout=nan"]
+)
 def test_serve_flags_are_checked(write_run, tmp_path: Path, flag: str, capsys) -> None:
     from moekit.cli import main
 

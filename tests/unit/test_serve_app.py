@@ -58,6 +58,7 @@ class Served:
         self.server.should_exit = True
         self.thread.join()
         self.state.engine.stop()
+        self.state.workers.close()
 
     def call(self, path: str, body: object | bytes | None = None, headers: dict | None = None) -> tuple[int, dict]:
         data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()

@@ -61,25 +61,18 @@ def add_parser(commands) -> None:
         help="open connections; one more closes the one waiting longest without a request, or is answered 503 "
         "(default: 512; the open-file limit is raised to hold them)",
     )
-    conns.add_argument(
-        "--timeout-idle", type=float, default=5.0, help="seconds a connection may wait for a request (default: 5)"
-    )
-    conns.add_argument(
-        "--timeout-header",
-        type=float,
-        default=10.0,
-        help="seconds from a request's first byte to its whole headers (10)",
-    )
-    conns.add_argument(
-        "--timeout-body", type=float, default=30.0, help="seconds from the headers to the whole body (30)"
-    )
-    conns.add_argument(
-        "--drain-timeout",
-        type=float,
-        default=25.0,
-        help="seconds SIGTERM waits for requests under way before cutting them short (default: 25, inside "
-        "Kubernetes' default 30 s grace period)",
-    )
+    seconds = {
+        "--timeout-idle": (5.0, "a connection may wait for a request"),
+        "--timeout-header": (10.0, "from a request's first byte to the end of its headers (then 408)"),
+        "--timeout-body": (30.0, "from a request's headers to the end of its body (then 408)"),
+        "--drain-timeout": (
+            25.0,
+            "SIGTERM waits for requests under way before cutting them short, inside "
+            "Kubernetes' default grace period of 30 s",
+        ),
+    }
+    for flag, (default, what) in seconds.items():
+        conns.add_argument(flag, type=float, default=default, help=f"seconds {what} (default: {default:g})")
     add_run_flags(serve)
 
 

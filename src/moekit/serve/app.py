@@ -96,7 +96,7 @@ def build_app(state: ServeState) -> Starlette:
             try:
                 body = await _read_body(http, state.limits.max_body)
             except ClientDisconnect:  # gone (or timed out) before its request was whole: no one to answer
-                return Response(status_code=400)
+                return Response(status_code=int(CLIENT_GONE))
             req = await state.workers.run(client, prepare, body, chat)
         _log_ignored(state, req.ignored)
         if req.model and req.model != state.model_name:
