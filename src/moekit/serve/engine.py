@@ -174,10 +174,6 @@ class Engine:
             return not self._thread.is_alive()
         return True
 
-    @property
-    def running_thread(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
-
     # --- the engine thread ---------------------------------------------------------------------
 
     def _run(self) -> None:
