@@ -12,7 +12,14 @@ import torch
 
 from moekit.config import MoEConfig
 from moekit.experts.matmul import prepackable
-from moekit.infer.resident_experts import PackedExperts, PackedLinear, QuantizedExperts, prepack_, quantize_experts_
+from moekit.infer.resident_experts import (
+    PackedExperts,
+    PackedLinear,
+    QuantizedExperts,
+    UpcastLinear,
+    prepack_,
+    quantize_experts_,
+)
 from moekit.layer import MoE
 
 
@@ -95,13 +102,46 @@ def test_prepacked_experts_and_linears_equal_the_plain_arithmetic(dtype, tokens:
     moe = model.moe_layers()[0]
     x = torch.randn(tokens, cfg.model.d_model).to(dtype)
     packs = prepackable(model.lm_head.weight)
+    upcasts = not packs and dtype != torch.float32  # 16 bits without native kernels (fp16 on most CPUs)
     eps = 2.0**-20 if dtype == torch.float32 else 2.0**-6
     with torch.no_grad():
         plain_logits, ref = model(ids).logits.double(), _ffn_reference(moe, x)
         prepack_(model)
         assert isinstance(moe.experts, PackedExperts) == packs and isinstance(model.lm_head, PackedLinear) == packs
         assert isinstance(model.blocks[0].attn.qkv, PackedLinear) == packs
+        assert isinstance(model.blocks[0].attn.qkv, UpcastLinear) == upcasts
         got = moe(x).double()
         logits = model(ids).logits.double()
     assert float((got - ref).abs().amax()) <= eps * float(ref.abs().amax())
     assert float((logits - plain_logits).abs().amax()) <= 2 * eps * float(plain_logits.abs().amax())
+
+
+_WITHOUT_NATIVE_BF16 = """
+import torch
+from moekit import runconfig
+from moekit.infer.resident_experts import UpcastLinear, prepack_
+from moekit.model import Transformer
+cfg = runconfig.resolve("tiny", {"model.n_layers": "2", "moe.num_experts": "4"})
+torch.manual_seed(0)
+model = Transformer(cfg.model, cfg.moe).bfloat16().eval()
+ids = torch.randint(0, cfg.model.vocab_size, (1, 24))
+with torch.no_grad():
+    plain = model(ids).logits.double()
+    prepack_(model)
+    assert isinstance(model.lm_head, UpcastLinear) and isinstance(model.blocks[0].attn.qkv, UpcastLinear)
+    got = model(ids).logits.double()
+print(float((got - plain).abs().amax() / plain.abs().amax()))
+"""
+
+
+def test_a_cpu_without_native_bf16_upcasts_the_linears_and_keeps_the_logits() -> None:
+    """oneDNN limited to AVX2: nothing is prepacked, the linears upcast their 24-row products to fp32,
+    and the logits stay within bf16 rounding of the plain model's."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, ONEDNN_MAX_CPU_ISA="AVX2")
+    out = subprocess.run([sys.executable, "-c", _WITHOUT_NATIVE_BF16], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert float(out.stdout) <= 2.0**-5

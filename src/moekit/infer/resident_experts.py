@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 from moekit.experts import DenseFFN
 from moekit.experts.grouped import ExpertCompute, GroupedExperts
-from moekit.experts.matmul import packed_linear, prepack, prepackable
+from moekit.experts.matmul import SIXTEEN_BIT, mm, packed_linear, prepack, prepackable
 from moekit.infer.quant import QUANT_FORMATS, int4_mm, int8_mm, pack_int4_for_cpu, quantize_int8
 from moekit.model.transformer import Attention
 
@@ -88,6 +88,21 @@ class PackedExperts(_PerExpert):
         return packed_linear(x_MK, self.packed[role][expert])
 
 
+class UpcastLinear(nn.Module):
+    """An ``nn.Linear`` of a 16-bit weight this CPU has no native kernels for, computed by
+    ``experts.matmul.mm``: many rows (a prefill) in fp32, a few in the weight's dtype."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.weight = linear.weight.detach()
+        self.bias = None if linear.bias is None else linear.bias.detach()
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = mm(x.reshape(-1, x.shape[-1]), self.weight.t())
+        y = y if self.bias is None else y + self.bias
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+
 class PackedLinear(nn.Module):
     """An ``nn.Linear`` whose weight is ``prepack``-ed."""
 
@@ -115,15 +130,21 @@ def quantize_experts_(model: nn.Module, fmt: str) -> nn.Module:
 
 def prepack_(model: nn.Module) -> nn.Module:
     """Swap, in place, the weights oneDNN multiplies faster prepacked (fp32, and 16-bit on a CPU with
-    native 16-bit kernels; elsewhere nothing changes): the routed experts left in full precision, attention's
-    projections, dense and shared FFNs, and the output head. Routers (computed in fp32) keep theirs."""
-    if not prepackable(model.lm_head.weight):
+    native 16-bit kernels): the routed experts left in full precision, attention's projections, dense
+    and shared FFNs, and the output head. Routers (computed in fp32) keep theirs. 16-bit weights a CPU
+    has no native kernels for get ``UpcastLinear`` (the experts already multiply by ``mm``)."""
+    weight = model.lm_head.weight
+    if prepackable(weight):
+        linear = PackedLinear
+        for moe in model.moe_layers():
+            if type(moe.experts) is GroupedExperts:
+                moe.experts = PackedExperts(moe.experts)
+    elif weight.device.type == "cpu" and weight.dtype in SIXTEEN_BIT:
+        linear = UpcastLinear
+    else:
         return model
-    for moe in model.moe_layers():
-        if type(moe.experts) is GroupedExperts:
-            moe.experts = PackedExperts(moe.experts)
     for parent in [model, *(m for m in model.modules() if isinstance(m, DenseFFN | Attention))]:
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear and (parent is not model or name == "lm_head"):
-                setattr(parent, name, PackedLinear(child))
+                setattr(parent, name, linear(child))
     return model
