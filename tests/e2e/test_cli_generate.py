@@ -60,22 +60,26 @@ def test_generate_rejects_bad_sampling_flags(flag: list[str], message: str, tmp_
 
 @pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
-def test_cli_generates_with_experts_quantized_in_memory(run_dir: Path, fmt: str) -> None:
-    """``--expert-format`` without ``--memory-budget`` quantizes the experts at load (it was ignored):
-    the text is what the quantized model generates in Python, and no file is written into the run."""
+def test_cli_generates_with_experts_quantized_in_memory(write_run, tmp_path: Path, fmt: str) -> None:
+    """``--expert-format`` without ``--memory-budget`` quantizes the experts at load (it was ignored): the
+    text is the quantized model's, not the full-precision one's (a model whose experts move its greedy
+    tokens: untied, larger weights), and no file is written into the run."""
     import torch
 
     from moekit.infer.generate import generate_text
     from moekit.model_dir import load_for_inference
 
-    before = sorted(p.name for p in run_dir.rglob("*"))
-    proc = moekit_cli("generate", str(run_dir), "--expert-format", fmt, "--temperature", "0", "--max-new-tokens", "12")
+    run = write_run(tmp_path / "run", **{"model.init_std": "0.2", "model.tie_embeddings": "false"})
+    before = sorted(p.name for p in run.rglob("*"))
+    argv = ["--prompt", "the king", "--temperature", "0", "--max-new-tokens", "16"]
+    proc = moekit_cli("generate", str(run), "--expert-format", fmt, *argv)
     assert proc.returncode == 0, proc.stderr
-    loaded, _ = load_for_inference(run_dir, expert_format=fmt)
     with torch.no_grad():
-        expected = generate_text(loaded, "\n", 12, temperature=0)
-    assert proc.stdout == expected + "\n"
-    assert sorted(p.name for p in run_dir.rglob("*")) == before, "nothing written"
+        quantized = generate_text(load_for_inference(run, expert_format=fmt)[0], "the king", 16, temperature=0)
+        full = generate_text(load_for_inference(run)[0], "the king", 16, temperature=0)
+    assert quantized != full, "the test model must tell the formats apart"
+    assert proc.stdout == quantized + "\n"
+    assert sorted(p.name for p in run.rglob("*")) == before, "nothing written"
 
 
 @pytest.mark.slow

@@ -74,6 +74,34 @@ def test_single_token_kernels_restore_onednn() -> None:
     assert torch._C._get_mkldnn_enabled() == before
 
 
+def test_overlapping_one_token_forwards_on_two_threads_restore_onednn() -> None:
+    """Thread A enters, B enters, A leaves, B leaves: oneDNN is back on (a save/restore per block left it
+    off for good: B saved A's 'off')."""
+    import threading
+
+    before = torch._C._get_mkldnn_enabled()
+    a_in, b_in, a_left = threading.Event(), threading.Event(), threading.Event()
+
+    def a() -> None:
+        with single_token_kernels(1):
+            a_in.set()
+            b_in.wait()
+        a_left.set()
+
+    def b() -> None:
+        a_in.wait()
+        with single_token_kernels(1):
+            b_in.set()
+            a_left.wait()
+
+    threads = [threading.Thread(target=f) for f in (a, b)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert torch._C._get_mkldnn_enabled() == before
+
+
 _WITHOUT_NATIVE_BF16 = """
 import torch
 from moekit.experts.matmul import mm, native_16bit, upcasts

@@ -95,7 +95,7 @@ def test_prepacked_experts_and_linears_equal_the_plain_arithmetic(dtype, tokens:
     from moekit import runconfig
     from moekit.model import Transformer
 
-    cfg = runconfig.resolve("tiny", {"model.n_layers": "2", "moe.num_experts": "4"})
+    cfg = runconfig.resolve("tiny", {"model.n_layers": "2", "moe.num_experts": "4", "model.tie_embeddings": "false"})
     torch.manual_seed(tokens)
     model = Transformer(cfg.model, cfg.moe).to(dtype).eval()
     ids = torch.randint(0, cfg.model.vocab_size, (1, tokens))
@@ -121,7 +121,7 @@ import torch
 from moekit import runconfig
 from moekit.infer.resident_experts import UpcastLinear, prepack_
 from moekit.model import Transformer
-cfg = runconfig.resolve("tiny", {"model.n_layers": "2", "moe.num_experts": "4"})
+cfg = runconfig.resolve("tiny", {"model.n_layers": "2", "moe.num_experts": "4", "model.tie_embeddings": "false"})
 torch.manual_seed(0)
 model = Transformer(cfg.model, cfg.moe).bfloat16().eval()
 ids = torch.randint(0, cfg.model.vocab_size, (1, 24))
@@ -145,3 +145,63 @@ def test_a_cpu_without_native_bf16_upcasts_the_linears_and_keeps_the_logits() ->
     out = subprocess.run([sys.executable, "-c", _WITHOUT_NATIVE_BF16], env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert float(out.stdout) <= 2.0**-5
+
+
+FAMILIES = {
+    # gpt-oss: biases on q/k/v, attention output and experts, clamped SwiGLU, a sliding window, an untied head
+    "biases": {
+        "model.qkv_bias": "true",
+        "model.attn_out_bias": "true",
+        "moe.expert_ffn_bias": "true",
+        "moe.activation": "clamped_swiglu",
+        "model.sliding_window": "8",
+        "model.tie_embeddings": "false",
+    },
+    # Qwen2-MoE-like: a gated shared expert, a dense first block, 4 query heads over 1 key/value head
+    "shared": {
+        "moe.num_shared_experts": "1",
+        "moe.shared_expert_gate": "true",
+        "model.first_dense_layers": "1",
+        "model.n_heads": "4",
+        "model.n_kv_heads": "1",
+    },
+    "tied": {"model.tie_embeddings": "true"},
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_prepacked_models_of_every_shape_keep_their_logits(dtype, family: str) -> None:
+    """Biases (randomised: a dropped one shows), GQA, shared experts behind their gate, dense blocks, a
+    tied head (left unpacked, still the embedding): prefill and cached decode logits within the dtype's
+    rounding of the unpacked model's."""
+    from moekit import runconfig
+    from moekit.infer.generate import decode_step, prefill
+    from moekit.model import Transformer
+
+    cfg = runconfig.resolve("tiny", {"model.n_layers": "3", "moe.num_experts": "4", **FAMILIES[family]})
+    torch.manual_seed(0)
+    model = Transformer(cfg.model, cfg.moe).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0.0, 0.5)
+    model = model.to(dtype)
+    ids = torch.randint(0, cfg.model.vocab_size, (2, 12))
+
+    def logits() -> list[torch.Tensor]:
+        first, cache = prefill(model, ids)
+        return [first.double(), decode_step(model, first.argmax(-1, keepdim=True), cache).double()]
+
+    with torch.no_grad():
+        plain = logits()
+        prepack_(model)
+        packed = logits()
+    if prepackable(model.embed.weight):
+        assert any(isinstance(m, PackedLinear) for m in model.modules())
+        assert (type(model.lm_head) is torch.nn.Linear) == cfg.model.tie_embeddings
+        if cfg.model.tie_embeddings:
+            assert model.lm_head.weight is model.embed.weight
+    eps = 2.0**-20 if dtype == torch.float32 else 2.0**-5
+    for got, ref in zip(packed, plain, strict=True):
+        assert float((got - ref).abs().amax()) <= eps * float(ref.abs().amax())

@@ -72,7 +72,7 @@ class LocalDispatcher:
         weighted = y_sorted_RD * meta.weights.unsqueeze(1).to(y_sorted_RD.dtype)
         if meta.num_tokens == 1:
             # NOTE: a decode step of one sequence: every row is the token's. A sum, not index_add_, whose
-            # kernel enters a parallel region for any size (107 ms on a busy 2-core machine, for 2 rows).
+            # kernel enters a parallel region whatever its size, which a busy machine's descheduled thread stalls.
             return weighted.sum(0, keepdim=True)
         out = y_sorted_RD.new_zeros(meta.num_tokens, y_sorted_RD.shape[1])
         return out.index_add_(0, meta.token_idx, weighted)

@@ -4,41 +4,46 @@ Legend: M rows, K input dim, N output dim.
 
 At batch 1 a decode step is a chain of matrix-vector products: its speed is the bytes of the weights
 it reads. What torch 2.13 does with 16-bit weights on a CPU depends on their layout and on the CPU
-(``benchmarks/cpu_matmul.py`` prints the table on the machine at hand). On an AMD EPYC with AVX512-BF16,
-one thread, weights streamed from memory (1024 x 4096):
+(``python benchmarks/cpu_matmul.py`` prints the table on the machine at hand; these are its
+``benchmarks/measured/cpu-matmul.json``: an AMD EPYC with AVX512-BF16, one thread, 1024 x 4096 weights
+streamed from memory, ms per weight):
 
 =========================  =============  ====================  ========================
 bf16 weight                 1 row          2 rows                32 rows
 =========================  =============  ====================  ========================
-stored [K, N]               1.05 ms        1.10 ms               1.54 ms
-stored [N, K] (oneDNN)      0.59 ms        0.62 ms               1.13 ms
-stored [N, K], ATen GEMV    0.37 ms        0.67 ms               10.5 ms
+stored [K, N]               1.00           0.99                  1.44
+stored [N, K], oneDNN       0.60           0.59                  1.02
+stored [N, K], ATen GEMV    0.35           0.62                  9.66
+prepacked for oneDNN        0.28           0.30                  0.78
 =========================  =============  ====================  ========================
 
 and on a CPU without native bf16 or fp16 (AVX2, and fp16 on that EPYC) a weight stored [K, N] takes
-13-17 ms for one row: 40x its bytes. Hence the three rules here:
+13-17 ms for one row: 40x its bytes. Hence the rules here (prepacking is ``prepack``'s):
 
 - **Layout**: inference stores 16-bit expert weights output-major (``[E, N, K]`` storage seen as the
   ``[E, K, N]`` the code multiplies, nn.Linear's and Hugging Face's layout); fp32 keeps ``[K, N]``,
   where MKL's matrix-vector product is the faster one.
 - **One row**: a forward of a single token runs with oneDNN off (``single_token_kernels``), so 16-bit
-  products take ATen's reduced-precision GEMV (fp32 accumulation), 1.6x oneDNN's speed at one row.
-- **Many rows without native support**: above ``UPCAST_MIN_ROWS`` rows, a 16-bit weight the CPU cannot
+  products of weights not prepacked take ATen's reduced-precision GEMV (fp32 accumulation), 1.7x
+  oneDNN's speed at one row.
+- **Many rows without native support**: from ``UPCAST_MIN_ROWS`` rows, a 16-bit weight the CPU cannot
   multiply natively is converted to fp32 for the product (the result rounded back to 16 bits): a
-  conversion pass is cheaper than the scalar fallback, which slows linearly in the rows.
+  conversion pass is cheaper than the scalar fallback, which slows linearly in the rows (fp16 on
+  the EPYC: 2.79 ms at 8 rows against 1.62 upcast, 1.22 against 1.5-7.6 at 4).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 from collections.abc import Iterator
 
 import torch
 from torch import Tensor
 
 SIXTEEN_BIT = (torch.bfloat16, torch.float16)
-UPCAST_MIN_ROWS = 6  # fp16 without native support, 1024 x 4096: 3.1 ms native vs 2.3 upcast at 8 rows
+UPCAST_MIN_ROWS = 6  # from 6 rows (the crossover lies between 4 and 8: cpu_matmul.py, fp16 rows)
 
 
 def output_major(dtype: torch.dtype) -> bool:
@@ -90,19 +95,43 @@ def mm(x_MK: Tensor, w_KN: Tensor, out: Tensor | None = None) -> Tensor:
     return y.to(x_MK.dtype) if out is None else out.copy_(y)
 
 
-@contextlib.contextmanager
-def single_token_kernels(tokens: int) -> Iterator[None]:
-    """Around a forward of ``tokens`` tokens: for one token, oneDNN off, so that its 16-bit
-    matrix-vector products take ATen's GEMV (a process-wide switch: one thread steps the model)."""
+class _OneDNNSwitch:
+    """oneDNN off while any thread is inside a one-token forward, back as it was when the last leaves.
+
+    NOTE: the switch is process-wide in torch: a forward of many tokens on another thread meanwhile
+    runs without oneDNN (slower, the same arithmetic but for rounding). Counted under a lock, so
+    overlapping forwards cannot leave it off for good."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._inside = 0
+        self._saved = True
+
+    @contextlib.contextmanager
+    def off(self) -> Iterator[None]:
+        with self._lock:
+            if self._inside == 0:
+                self._saved = torch._C._get_mkldnn_enabled()
+                torch._C._set_mkldnn_enabled(False)
+            self._inside += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._inside -= 1
+                if self._inside == 0:
+                    torch._C._set_mkldnn_enabled(self._saved)
+
+
+_ONEDNN = _OneDNNSwitch()
+
+
+def single_token_kernels(tokens: int) -> contextlib.AbstractContextManager:
+    """Around a forward of ``tokens`` tokens: for one token, oneDNN off (``_OneDNNSwitch``), so that its
+    16-bit matrix-vector products take ATen's GEMV; a no-op for more."""
     if tokens != 1 or not torch.backends.mkldnn.is_available():
-        yield
-        return
-    enabled = torch._C._get_mkldnn_enabled()
-    torch._C._set_mkldnn_enabled(False)
-    try:
-        yield
-    finally:
-        torch._C._set_mkldnn_enabled(enabled)
+        return contextlib.nullcontext()
+    return _ONEDNN.off()
 
 
 def prepackable(w: Tensor) -> bool:
@@ -114,10 +143,10 @@ def prepackable(w: Tensor) -> bool:
 
 def prepack(w_NK: Tensor) -> Tensor:
     """``w`` ([out, in], nn.Linear's layout) reordered once into oneDNN's blocked layout for its kernel:
-    an opaque tensor for ``packed_linear`` only. Read at 1.4-2.3x the speed of the plain layout
-    (1024 x 4096, streamed, one thread: bf16 0.25 ms against 0.37 ms for ATen's GEMV at one row, 0.31
-    against 0.60 ms for oneDNN unpacked at 4 rows; fp32 0.96 against 1.36 ms for MKL at 4 rows, 1.33
-    against 2.25 at 16)."""
+    an opaque tensor for ``packed_linear`` only. Never slower than the plain layout and up to 2.2x
+    faster (``benchmarks/measured/cpu-matmul.json``, 1024 x 4096, one thread: bf16 0.28 ms against 0.35
+    for ATen's GEMV at one row, 0.31 against 0.59 for oneDNN unpacked at 4 rows; fp32 0.75 against 0.76
+    for MKL at one row, 0.99 against 1.40 at 4, 18.2 against 41.0 at 512)."""
     return torch.ops.mkldnn._reorder_linear_weight(w_NK.contiguous(), 1)
 
 

@@ -20,9 +20,10 @@ inside the kernel: ``torch._weight_int8pack_mm`` for up to ``INT8PACK_MAX_ROWS``
 product). Both kernels take bf16 activations: in fp32 they ran 10-30x slower, so their rows are
 rounded to bf16 whatever the model's dtype.
 
-NOTE: on an AMD EPYC (AVX512-BF16), one thread, one 1024 x 4096 weight streamed from memory, one row:
-bf16 weight 0.37 ms (``experts.matmul``), int8 0.25 ms, int4 0.19 ms; int8 at 32 rows 1.85 ms against
-2.03 for dequantise + matmul, at 64 rows 3.56 against 2.50 (``benchmarks/cpu_matmul.py``).
+NOTE: ``benchmarks/measured/cpu-matmul.json`` (``python benchmarks/cpu_matmul.py``: an AMD EPYC with
+AVX512-BF16, one thread, 1024 x 4096 weights streamed from memory, ms per weight): one row, bf16
+prepacked 0.28, int8 0.27, int4 0.16; 32 rows, int8's kernel 1.68 against 2.04 dequantised; 512 rows,
+int8 (dequantised) 10.5, int4's kernel 24.6, bf16 prepacked 8.8: int4 prefills slower than bf16.
 """
 
 from __future__ import annotations
