@@ -51,7 +51,7 @@ MODELS = {
 }
 SHARED = {"num_hidden_layers": 8, "num_attention_heads": 16, "num_key_value_heads": 4, "num_experts_per_tok": 2}
 VOCAB = 8192
-VARIANTS = {
+VARIANTS = {  # moekit's int8 / int4 are its experts' format (the rest bf16); llama.cpp's Q8_0 / Q4_K_M cover all
     "moekit": ["fp32", "bf16", "int8", "int4"],
     "transformers": ["fp32", "bf16"],
     "llama.cpp": ["F16", "BF16", "Q8_0", "Q4_K_M"],
@@ -153,12 +153,17 @@ class VllmServer:
         argv += ["--port", str(port), "--dtype", {"fp32": "float32", "bf16": "bfloat16"}[dtype]]
         argv += ["--max-model-len", "1024", "--served-model-name", "m"]
         started = time.perf_counter()
-        self.proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.log = work / f"vllm-{model_dir.name}-{dtype}.log"  # its settings (max_num_seqs, ...) are logged there
+        with open(self.log, "w") as log:
+            self.proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
         self.host, self.port = "127.0.0.1", port
         self.fields = {"model": "m", "ignore_eos": True}
         while True:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"vLLM exited with {self.proc.returncode} before serving")
+                raise RuntimeError(f"vLLM exited with {self.proc.returncode} before serving (see {self.log})")
+            if time.perf_counter() - started > 900:
+                self.close()
+                raise RuntimeError(f"vLLM did not serve within 900 s (see {self.log})")
             try:
                 urllib.request.urlopen(f"http://{self.host}:{port}/v1/models", timeout=2)
                 break
@@ -208,7 +213,8 @@ def serve_section(args, model_dir: Path) -> dict:
             print(f"[serve] round {r + 1} {engine} {dtype}, load average {os.getloadavg()[0]:.2f}", file=sys.stderr)
             server = start_server(args, engine, dtype, model_dir)
             try:
-                clients(server, prompts[:1], 4, [0.0])  # warm-up
+                for n in args.clients:  # warm-up: a first batch of each size (vLLM compiles per shape)
+                    clients(server, prompts[:n], 8, [0.0] * n)
                 for n in args.clients:
                     records, wall = clients(server, prompts[:n], args.new_tokens, [0.0] * n)
                     row = {"tok_s": sum(rec[2] for rec in records) / wall, **latency(records)}

@@ -312,7 +312,11 @@ class Transformer(nn.Module):
     def moe_layers(self) -> list[MoE]:
         return [b.ffn for b in self.blocks if isinstance(b.ffn, MoE)]
 
-    def forward(self, idx_BL: Tensor, targets_BL: Tensor | None = None, cache: Cache | None = None) -> ModelOutput:
+    def forward(
+        self, idx_BL: Tensor, targets_BL: Tensor | None = None, cache: Cache | None = None, last_only: bool = False
+    ) -> ModelOutput:
+        """``last_only``: logits of the last position alone ``[B, 1, V]`` (a prompt's prefill needs no more:
+        the output head over 512 positions is a tenth of a bf16 prefill)."""
         B, L = idx_BL.shape
         freqs = self.rope_freqs[:L] if cache is None else cache.rope(self.rope_freqs, L)
         if freqs.shape[0] < L:
@@ -327,7 +331,7 @@ class Transformer(nn.Module):
                 stats.append(s)
         if cache is not None:
             cache.advance(L)
-        logits = self.lm_head(self.norm(x))
+        logits = self.lm_head(self.norm(x[:, -1:] if last_only else x))
         if targets_BL is None:
             return ModelOutput(logits, None, None, stats)
         lm_loss = F.cross_entropy(logits.float().flatten(0, 1), targets_BL.flatten())
