@@ -8,6 +8,7 @@ read from memory, as a model's are), every layout and kernel, ms per weight by r
 of the rounds, each round visiting the kernels in turn. CPU time of this thread with one thread (a
 shared machine's other work then costs less), wall time with more. Attention: SDPA against the
 one-query path (bf16, 16 heads over 4 key/value groups, head dim 64) by sequences and positions.
+Overhead: a batch-1 decode step of the d1024 layout at width 64 (what a step pays besides its weights).
 """
 
 from __future__ import annotations
@@ -107,6 +108,38 @@ def attention_table(args) -> dict:
     return out
 
 
+def step_overhead(args) -> dict:
+    """ms of a batch-1 decode step of engines.py's d1024 layout (8 blocks, 8 experts top-2, 16 heads
+    over 4, vocabulary 8192) at width 64: its weights cost next to nothing, so this is what the step
+    pays besides reading weights (Python, op dispatch, small ops), by expert format."""
+    from moekit import runconfig
+    from moekit.infer.generate import decode_step, prefill
+    from moekit.infer.resident_experts import prepack_, quantize_experts_
+    from moekit.model import Transformer
+
+    fields = {"model.n_layers": "8", "model.d_model": "64", "model.n_heads": "16", "model.n_kv_heads": "4"}
+    fields |= {"model.head_dim": "4", "moe.num_experts": "8", "moe.top_k": "2", "model.vocab_size": "8192"}
+    fields |= {"model.context_length": "256", "model.tie_embeddings": "false", "moe.d_ff": "128"}
+    cfg = runconfig.resolve("tiny", fields)
+    now, out = clock(args.threads), {}
+    for fmt in ("bf16", "int8", "int4"):
+        model = Transformer(cfg.model, cfg.moe).bfloat16().eval()
+        if fmt != "bf16":
+            quantize_experts_(model, fmt)
+        prepack_(model)
+        times = []
+        with torch.no_grad():
+            logits, cache = prefill(model, torch.randint(0, 8192, (1, 16)))
+            token = logits.argmax(-1, keepdim=True)
+            for _ in range(args.rounds):
+                t = now()
+                for _ in range(20):
+                    token = decode_step(model, token, cache).argmax(-1, keepdim=True)
+                times.append((now() - t) / 20 * 1e3)
+        out[fmt] = (statistics.median(times), min(times), max(times))
+    return {"d1024 layout at width 64": out}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=1)
@@ -122,9 +155,10 @@ def main() -> None:
         "native fp16": native_16bit(torch.float16),
         "matmul ms per 1024 x 4096 weight": matmul_table(args),
         "attention ms per layer": attention_table(args),
+        "decode step overhead ms": step_overhead(args),
     }
     print(f"threads {args.threads}, native bf16 {report['native bf16']}, native fp16 {report['native fp16']}")
-    for section in ("matmul ms per 1024 x 4096 weight", "attention ms per layer"):
+    for section in ("matmul ms per 1024 x 4096 weight", "attention ms per layer", "decode step overhead ms"):
         print(f"\n{section}: median (min-max)")
         for key, row in report[section].items():
             cells = "  ".join(f"{name} {m:.3f} ({lo:.3f}-{hi:.3f})" for name, (m, lo, hi) in row.items())

@@ -11,10 +11,10 @@ streamed from memory, ms per weight):
 =========================  =============  ====================  ========================
 bf16 weight                 1 row          2 rows                32 rows
 =========================  =============  ====================  ========================
-stored [K, N]               1.00           0.99                  1.44
-stored [N, K], oneDNN       0.60           0.59                  1.02
-stored [N, K], ATen GEMV    0.35           0.62                  9.66
-prepacked for oneDNN        0.28           0.30                  0.78
+stored [K, N]               1.49           0.97                  1.42
+stored [N, K], oneDNN       0.53           0.58                  1.02
+stored [N, K], ATen GEMV    0.34           0.62                  9.98
+prepacked for oneDNN        0.25           0.29                  0.78
 =========================  =============  ====================  ========================
 
 and on a CPU without native bf16 or fp16 (AVX2, and fp16 on that EPYC) a weight stored [K, N] takes
@@ -24,12 +24,12 @@ and on a CPU without native bf16 or fp16 (AVX2, and fp16 on that EPYC) a weight 
   ``[E, K, N]`` the code multiplies, nn.Linear's and Hugging Face's layout); fp32 keeps ``[K, N]``,
   where MKL's matrix-vector product is the faster one.
 - **One row**: a forward of a single token runs with oneDNN off (``single_token_kernels``), so 16-bit
-  products of weights not prepacked take ATen's reduced-precision GEMV (fp32 accumulation), 1.7x
+  products of weights not prepacked take ATen's reduced-precision GEMV (fp32 accumulation), 1.6x
   oneDNN's speed at one row.
 - **Many rows without native support**: from ``UPCAST_MIN_ROWS`` rows, a 16-bit weight the CPU cannot
   multiply natively is converted to fp32 for the product (the result rounded back to 16 bits): a
   conversion pass is cheaper than the scalar fallback, which slows linearly in the rows (fp16 on
-  the EPYC: 2.79 ms at 8 rows against 1.62 upcast, 1.22 against 1.5-7.6 at 4).
+  the EPYC: 2.92 ms at 8 rows against 1.63 upcast, 1.21 against 1.32 at 4).
 """
 
 from __future__ import annotations
@@ -144,9 +144,9 @@ def prepackable(w: Tensor) -> bool:
 def prepack(w_NK: Tensor) -> Tensor:
     """``w`` ([out, in], nn.Linear's layout) reordered once into oneDNN's blocked layout for its kernel:
     an opaque tensor for ``packed_linear`` only. Never slower than the plain layout and up to 2.2x
-    faster (``benchmarks/measured/cpu-matmul.json``, 1024 x 4096, one thread: bf16 0.28 ms against 0.35
-    for ATen's GEMV at one row, 0.31 against 0.59 for oneDNN unpacked at 4 rows; fp32 0.75 against 0.76
-    for MKL at one row, 0.99 against 1.40 at 4, 18.2 against 41.0 at 512)."""
+    faster (``benchmarks/measured/cpu-matmul.json``, 1024 x 4096, one thread: bf16 0.25 ms against 0.34
+    for ATen's GEMV at one row, 0.31 against 0.55 for oneDNN unpacked at 4 rows; fp32 0.60 against 0.67
+    for MKL at one row, 0.92 against 1.34 at 4, 18.0 against 39.5 at 512)."""
     return torch.ops.mkldnn._reorder_linear_weight(w_NK.contiguous(), 1)
 
 

@@ -22,8 +22,8 @@ rounded to bf16 whatever the model's dtype.
 
 NOTE: ``benchmarks/measured/cpu-matmul.json`` (``python benchmarks/cpu_matmul.py``: an AMD EPYC with
 AVX512-BF16, one thread, 1024 x 4096 weights streamed from memory, ms per weight): one row, bf16
-prepacked 0.28, int8 0.27, int4 0.16; 32 rows, int8's kernel 1.68 against 2.04 dequantised; 512 rows,
-int8 (dequantised) 10.5, int4's kernel 24.6, bf16 prepacked 8.8: int4 prefills slower than bf16.
+prepacked 0.25, int8 0.26, int4 0.15; 32 rows, int8's kernel 1.68 against 1.73 dequantised; 512 rows,
+int8 (dequantised) 9.9, int4's kernel 24.4, bf16 prepacked 8.7: int4 prefills slower than bf16.
 """
 
 from __future__ import annotations

@@ -75,8 +75,8 @@ def _one_query(q_BH1d: Tensor, k_BGSd: Tensor, v_BGSd: Tensor, mask: Tensor | No
     the inputs' dtype.
 
     NOTE: SDPA's CPU kernels pay per (sequence, head) block: bf16, 16 heads over 4 groups, one thread,
-    16 sequences of 64 positions 1.23 ms against 0.20 ms here, 64 of 128 12.6 against 3.3 ms, 64 of 512
-    55.7 against 16.8 ms (``benchmarks/measured/cpu-matmul.json``, ``python benchmarks/cpu_matmul.py``).
+    16 sequences of 64 positions 1.27 ms against 0.18 ms here, 64 of 128 12.7 against 3.0 ms, 64 of 512
+    58.1 against 16.6 ms (``benchmarks/measured/cpu-matmul.json``, ``python benchmarks/cpu_matmul.py``).
     ``mask`` ``[B or 1, 1, 1, S]``; None: every key is visible (the query is the last position).
     """
     B, H, _, d = q_BH1d.shape
