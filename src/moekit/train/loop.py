@@ -30,7 +30,7 @@ from moekit.run.saver import Checkpointer
 from moekit.run.sharded import local_model
 from moekit.runconfig import RunConfig
 from moekit.stats import StepStats
-from moekit.train.data import Corpus, prepare_corpus, resolve_files
+from moekit.train.data import Corpus, draw_seed, prepare_corpus, resolve_files
 from moekit.train.interrupt import StopOnInterrupt, agree
 from moekit.train.metrics import MetricsLogger
 from moekit.train.model_build import build_model
@@ -409,7 +409,8 @@ def _train_step(
     """One optimizer step over ``grad_accum`` micro-batches per rank; returns the step's metrics.
 
     Rank b of the N data-reading ranks takes micro-batches b, b + N, ...: the same samples, in the
-    same order, as one process with N times the gradient accumulation. A step whose gradient norm is
+    same order, as one process with N times the gradient accumulation, and its random draws are seeded
+    by its position (``draw_seed``), so they are that process's too. A step whose gradient norm is
     NaN or inf is skipped (``record["skipped"]``): its data is consumed but nothing is updated.
     """
     tc = cfg.train
@@ -426,6 +427,7 @@ def _train_step(
     for micro in range(tc.grad_accum):
         index = (step * tc.grad_accum + micro) * ranks.batch_ranks + ranks.batch_rank
         x, y = corpus.batch("train", index, tc.batch_size, cfg.model.context_length, tc.seed)
+        torch.manual_seed(draw_seed(index, tc.seed))
         with autocast(cfg, dev):
             loss, lm, moe_stats = pm.forward_backward(x.to(dev), y.to(dev), 1.0 / tc.grad_accum)
         lm_loss = lm_loss + lm.float().cpu() / tc.grad_accum
