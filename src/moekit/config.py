@@ -6,6 +6,8 @@ field, before any tensor is built.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass
 
 ROUTERS = ("topk", "switch", "gshard", "noisy_topk", "expert_choice", "hash")
@@ -23,6 +25,14 @@ def _require(ok: bool, field: str, value: object, why: str) -> None:
 
 def _one_of(field: str, value: str, choices: tuple[str, ...]) -> None:
     _require(value in choices, field, value, f"must be one of {', '.join(choices)}")
+
+
+def _finite(config: object, prefix: str) -> None:
+    """Every float field a finite number: an inf or nan rate, scale or limit would only show as a NaN later."""
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if isinstance(value, float):
+            _require(math.isfinite(value), prefix + f.name, value, "must be a finite number")
 
 
 @dataclass
@@ -59,6 +69,7 @@ class MoEConfig:
     dts_temperature: float = 2.0  # softmax temperature of the DTS gate at step 0, annealed to 1
 
     def __post_init__(self) -> None:
+        _finite(self, "")
         for name in ("d_model", "d_ff", "num_experts", "top_k"):
             value = getattr(self, name)
             _require(isinstance(value, int) and value > 0, name, value, "must be a positive integer")
@@ -178,6 +189,7 @@ class ParallelConfig:
     shadow_experts: int = 0  # >0: replicate up to this many popular experts on every ep rank (FasterMoE)
 
     def __post_init__(self) -> None:
+        _finite(self, "parallel.")
         for name in ("ep", "tp", "pp", "overlap_chunks"):
             value = getattr(self, name)
             _require(isinstance(value, int) and value > 0, f"parallel.{name}", value, "must be a positive integer")
@@ -225,6 +237,7 @@ class DataConfig:
     cache_dir: str | None = None  # token cache; None: ~/.cache/moekit/tokens
 
     def __post_init__(self) -> None:
+        _finite(self, "data.")
         _one_of("data.tokenizer", self.tokenizer, TOKENIZERS)
         _require(self.bpe_vocab_size >= 260, "data.bpe_vocab_size", self.bpe_vocab_size, "must be >= 260")
         _require(0 < self.val_fraction < 1, "data.val_fraction", self.val_fraction, "must be in (0, 1)")
@@ -283,6 +296,7 @@ class ModelConfig:
     experts_per_layer: list[int] | None = None  # pyramid MoE: experts of each MoE block, overrides moe.num_experts
 
     def __post_init__(self) -> None:
+        _finite(self, "model.")
         for name in ("vocab_size", "context_length", "n_layers", "n_heads", "d_model", "d_ff"):
             value = getattr(self, name)
             _require(isinstance(value, int) and value > 0, f"model.{name}", value, "must be a positive integer")
@@ -398,7 +412,7 @@ class ModelConfig:
 class TrainConfig:
     """The optimisation loop, evaluation, logging and checkpoints."""
 
-    steps: int = 300  # optimizer steps
+    steps: int = 300  # optimizer steps; the LR schedule spans them (resumed with more: the longer cosine from there)
     batch_size: int = 16  # sequences per micro-batch
     grad_accum: int = 1  # micro-batches per optimizer step
     lr: float = 1e-3  # peak learning rate (AdamW)
@@ -425,6 +439,7 @@ class TrainConfig:
     offload_dir: str = ""  # directory of the offloaded expert state (a local disk); "" = <run_dir>/offload
 
     def __post_init__(self) -> None:
+        _finite(self, "train.")
         positive = (
             "steps",
             "batch_size",
@@ -442,6 +457,9 @@ class TrainConfig:
             _require(isinstance(value, int) and value >= 0, f"train.{name}", value, "must be an integer >= 0")
         _require(self.lr > 0, "train.lr", self.lr, "must be > 0")
         _require(0 <= self.min_lr <= self.lr, "train.min_lr", self.min_lr, f"must be in [0, lr={self.lr}]")
+        _require(self.weight_decay >= 0, "train.weight_decay", self.weight_decay, "must be >= 0")
+        for name in ("beta1", "beta2"):
+            _require(0 <= getattr(self, name) < 1, f"train.{name}", getattr(self, name), "must be in [0, 1)")
         _require(self.grad_clip >= 0, "train.grad_clip", self.grad_clip, "must be >= 0")
         _require(self.peak_tflops is None or self.peak_tflops > 0, "train.peak_tflops", self.peak_tflops, "must be > 0")
         _one_of("train.dtype", self.dtype, DTYPES)
