@@ -36,8 +36,9 @@ from moekit.train.metrics import MetricsLogger
 from moekit.train.model_build import build_model
 from moekit.train.offload import ExpertOffload
 from moekit.train.offload.checkpoint import StreamedExperts, restoring, saving
-from moekit.train.optim import lr_at
+from moekit.train.optim import keeping_hyperparameters, lr_at
 from moekit.train.peak import peak_tflops
+from moekit.train.resume import check_resumable
 
 
 class TrainingError(MoekitError):
@@ -194,6 +195,8 @@ def _setup(
     resume = resume or (init is None and _elastic_restart(run_dir))
     resolve_files(cfg.data.path)  # a corpus that is not there is reported before the run directory is made
     _prepare_run_dir(run_dir, resume, create=main)
+    if resume:
+        check_resumable(cfg, run_dir)
     layout, mesh = init_distributed(cfg, dev)
     saver = Checkpointer(run_dir, cfg.train.keep_checkpoints, cfg.train.async_checkpoint, cfg.parallel.timeout_s)
     resume_from = saver.choose(fallback, say if main else lambda msg: None) if resume else None
@@ -257,9 +260,13 @@ def _restore(
     whole: torch.nn.Module,
     offload: ExpertOffload | None,
 ) -> int:
-    """Load checkpoint ``path`` into this rank's model and optimizer; returns its step. Offloaded experts
-    are streamed from it into their file (``offload/checkpoint.py``)."""
-    with restoring(offload, local) if offload else contextlib.nullcontext() as streamed:
+    """Load checkpoint ``path`` into this rank's model and optimizer (its state; the hyperparameters stay
+    this run's); returns its step. Offloaded experts are streamed from it into their file
+    (``offload/checkpoint.py``)."""
+    with (
+        restoring(offload, local) if offload else contextlib.nullcontext() as streamed,
+        keeping_hyperparameters(optimizer),
+    ):
         return int(saver.restore(path, local, optimizer, whole, streamed=streamed)["step"])
 
 
