@@ -149,7 +149,7 @@ def _train(
 ) -> TrainResult:
     run = _setup(cfg, Path(run_dir), resume, torch.device(device), progress, init, fallback)
     try:
-        _announce(run, init)
+        _announce(run, init if run.resume_from is None else None)
         return _steps(run, progress, on_step)
     finally:
         if run.offload is not None:
@@ -192,7 +192,8 @@ def _setup(
         )
     main = global_rank() == 0  # before the process group: rank 0 alone creates the run directory
     say = tqdm.write if progress and main else (lambda msg: print(msg, file=sys.stderr))
-    resume = resume or (init is None and _elastic_restart(run_dir))
+    # A restarted worker continues the run from its own checkpoint, one started from init's weights too.
+    resume = resume or _elastic_restart(run_dir)
     resolve_files(cfg.data.path)  # a corpus that is not there is reported before the run directory is made
     _prepare_run_dir(run_dir, resume, create=main)
     if resume:
@@ -207,7 +208,7 @@ def _setup(
     # A resumed run encodes its text with its own tokenizer: one built again from other data would
     # give the same ids other meanings.
     own = run_dir if resume_from is not None and (run_dir / "tokenizer.json").is_file() else None
-    corpus = _prepare_corpus_once(cfg, main, mesh is not None, init or own)
+    corpus = _prepare_corpus_once(cfg, main, mesh is not None, own or init)
     if init is None:
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=corpus.tokenizer.vocab_size))
     elif corpus.tokenizer.vocab_size > cfg.model.vocab_size:
@@ -218,7 +219,7 @@ def _setup(
     if main and resume_from is None:
         write_bytes_atomic(run_dir / "config.json", cfg.to_json().encode())
         corpus.tokenizer.save(run_dir)
-    model, pm, optimizer, offload = build_model(cfg, run_dir, dev, layout, mesh, init)
+    model, pm, optimizer, offload = build_model(cfg, run_dir, dev, layout, mesh, init if resume_from is None else None)
     flops_per_token = model.flops_per_token()
     summary = (
         f"{model.num_params() / 1e6:.2f}M parameters ({model.num_active_params() / 1e6:.2f}M active per token, "
