@@ -24,6 +24,7 @@ CHANGES = {
     "data.val_fraction": "0.2",
     "model.context_length": "64",
     "model.init_std": "0.05",
+    "model.tie_embeddings": "false",
 }
 
 

@@ -1,8 +1,9 @@
 """What a resumed run may change. Its schedule, optimizer, evaluation, checkpoint and layout settings
 take effect from the resumed step (the learning rate is a function of the step and ``[train]``; the
 optimizer's hyperparameters are this run's, its state the checkpoint's); the settings below decide
-which samples a step reads, how text becomes tokens, or only drew the initial weights, so a resume
-that changes one is refused by name. The model's shape is checked against the checkpoint on load."""
+which samples a step reads, how text becomes tokens, only drew the initial weights, or whether two
+checkpoint tensors are one, so a resume that changes one is refused by name. The model's shape is
+checked against the checkpoint on load."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ KEPT = {
     "data.val_fraction": "it splits the text into training and validation tokens",
     "model.context_length": "it is the length of every sample the run reads",
     "model.init_std": "it only drew the initial weights",
+    "model.tie_embeddings": "the checkpoint holds one embedding matrix or two",
 }
 
 
