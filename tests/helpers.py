@@ -42,6 +42,7 @@ ROUTER_CASES = {
     "hash": dict(router="hash"),
     "capacity": dict(router="topk", capacity_factor=0.75),
     "shared+gelu": dict(num_shared_experts=2, activation="gelu"),
+    "shared+gate": dict(num_shared_experts=2, shared_expert_gate=True),
     "residual": dict(residual=True),
     "gpt-oss": dict(
         softmax_before_topk=False, activation="clamped_swiglu", swiglu_limit=0.8, expert_ffn_bias=True, router_bias=True

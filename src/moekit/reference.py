@@ -47,5 +47,8 @@ def moe_per_token(moe: MoE, x: Tensor, token_ids: Tensor | None = None) -> tuple
         mix = torch.softmax(moe.residual_gate(x_TD), dim=-1)
         y_TD = moe.residual_mlp(x_TD) * mix[:, :1] + y_TD * mix[:, 1:]
     if moe.shared is not None:
-        y_TD = y_TD + moe.shared(x_TD)
+        shared_TD = moe.shared(x_TD)
+        if moe.shared_gate is not None:  # Qwen2-MoE: token t's shared output times sigmoid(w . x_t)
+            shared_TD = shared_TD * torch.sigmoid(x_TD @ moe.shared_gate.weight[0]).unsqueeze(1)
+        y_TD = y_TD + shared_TD
     return y_TD.reshape(x.shape), dropped

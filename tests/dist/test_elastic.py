@@ -1,6 +1,7 @@
 """A worker of a 4-rank run killed with SIGKILL mid-training: torch's elastic agent restarts the ranks,
 which resume from the latest complete checkpoint by themselves and finish; the final model equals a
-run restarted at that step by hand (here in one process, reading the same checkpoint)."""
+run restarted at that step by hand (here in one process, reading the same checkpoint). The run starts
+from another run's weights (``--init``): a restart continues it, never starts it again from them."""
 
 from __future__ import annotations
 
@@ -52,11 +53,11 @@ def _children(pid: int) -> list[int]:
     return kids
 
 
-def test_a_killed_rank_restarts_from_the_last_complete_checkpoint(corpus_file: Path, tmp_path: Path) -> None:
-    run = tmp_path / "run"
+def test_a_killed_rank_restarts_from_the_last_complete_checkpoint(corpus_file: Path, tmp_path: Path, write_run) -> None:
+    run, init = tmp_path / "run", write_run(tmp_path / "init")
     overrides = {**FLAGS, "data.cache_dir": str(tmp_path / "cache")}
     argv = [sys.executable, "-m", "moekit", "train", "--nproc", "4", "--max-restarts", "1", "--quiet"]
-    argv += ["--preset", "tiny", "--data", str(corpus_file), "--run-dir", str(run), "--parallel.ep", "2"]
+    argv += ["--init", str(init), "--data", str(corpus_file), "--run-dir", str(run), "--parallel.ep", "2"]
     argv += [arg for key, value in overrides.items() for arg in (f"--{key}", value)]
     launcher = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
     try:

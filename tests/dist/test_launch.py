@@ -67,6 +67,34 @@ def test_a_data_parallel_run_raises_no_fsdp_view_warning(corpus_file, tmp_path) 
 
 
 @pytest.mark.slow
+def test_ctrl_c_stops_every_rank_at_a_checkpoint_and_exits_130(corpus_file, tmp_path) -> None:
+    """Ctrl-C at a terminal reaches the launcher's process group: the ranks save the step they are in,
+    and the launcher ends with exit code 130 and no traceback."""
+    run_dir = tmp_path / "run"
+    flags = ["--preset", "tiny", "--data", str(corpus_file), "--run-dir", str(run_dir), "--quiet"]
+    flags += ["--train.steps", "100000", "--train.ckpt_every", "0", "--data.cache_dir", str(tmp_path / "cache")]
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "moekit", "train", "--nproc", "2", *flags],
+        stderr=subprocess.PIPE,
+        text=True,
+        env=ENV,
+        start_new_session=True,  # its own process group, as a terminal's foreground job
+    )
+    try:
+        metrics = run_dir / "metrics.jsonl"
+        _wait_for(lambda: metrics.exists() and metrics.read_text().count("\n") >= 3, 180, "three training steps")
+        os.killpg(launcher.pid, signal.SIGINT)
+        _, stderr = launcher.communicate(timeout=180)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(launcher.pid, signal.SIGKILL)
+    assert launcher.returncode == 130, stderr[-3000:]
+    assert "Traceback" not in stderr and stderr.strip().splitlines()[-1] == "moekit train: interrupted", stderr[-3000:]
+    step = int(re.search(r"interrupted at step (\d+); checkpoint", stderr).group(1))
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"step_{step:06d}"
+
+
+@pytest.mark.slow
 def test_bad_layout_fails_before_launching(tmp_path) -> None:
     done = _moekit("train", "--nproc", "2", "--preset", "tiny", "--parallel.ep", "3", "--run-dir", str(tmp_path))
     assert done.returncode == 2

@@ -1,7 +1,8 @@
 """Every parallel layout docs/parallelism.md claims against the single-process model (fp32, same seed and weights).
 
 Reference: the unsharded model run on rank 0 over the whole global batch (all data ranks'
-micro-batches, each pipeline micro-batch separately) and broadcast to the other ranks, so the
+micro-batches, each pipeline micro-batch separately: a pipeline takes the balancing loss and other
+batch statistics per piece, docs/architecture.md) and broadcast to the other ranks, so the
 comparison needs no files; once per batch split, shared by the layouts that split it alike.
 Tolerances: after one step every gradient, the global gradient norm and the loss within 1e-5; the
 losses of the next steps within 1e-4 (AdamW's first updates are close to sign(grad) * lr, so fp32

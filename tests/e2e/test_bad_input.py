@@ -46,6 +46,9 @@ CASES = [
     ("unknown-field", ["train", "--moe.nope", "1", "--run-dir", "{new}"], None, "--moe.nope"),
     ("unknown-preset", ["train", "--preset", "nosuch", "--run-dir", "{new}"], None, "--preset"),
     ("nan-lr", ["train", "--train.lr", "nan", "--run-dir", "{new}"], None, "train.lr"),
+    ("inf-lr", ["train", "--train.lr", "inf", "--run-dir", "{new}"], None, "train.lr=inf: must be a finite number"),
+    ("weight-decay", ["train", "--train.weight_decay", "-1", "--run-dir", "{new}"], None, "train.weight_decay=-1.0"),
+    ("beta1", ["train", "--train.beta1", "1.5", "--run-dir", "{new}"], None, "train.beta1=1.5: must be in [0, 1)"),
     ("missing-data", ["train", "--data", "{tmp}/missing.txt", "--run-dir", "{new}"], None, "missing.txt"),
     ("toml-string-lr", ["train", "--preset", "{tmp}/lr.toml", "--run-dir", "{new}"], "lr", "train.lr"),
     ("toml-string-float", ["train", "--preset", "{tmp}/cf.toml", "--run-dir", "{new}"], "cf", "moe.capacity_factor"),
@@ -58,6 +61,8 @@ CASES = [
         "--train.grad_accum",
     ),
     ("resume-no-dir", ["train", "--resume"], None, "--run-dir"),
+    # a resume keeps what decides its data (every such field: tests/unit/test_train_resume.py)
+    ("resume-seed", ["train", "--resume", "--run-dir", "{run}", "--train.seed", "5"], None, "train.seed=5"),
     ("config-type", ["generate", "{run}", "--max-new-tokens", "2"], "config", "config.json"),
     ("manifest-no-files", ["generate", "{run}", "--max-new-tokens", "2"], "no-files", "'files'"),
     ("manifest-not-json", ["generate", "{run}", "--max-new-tokens", "2"], "not-json", "manifest.json"),

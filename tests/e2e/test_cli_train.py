@@ -3,8 +3,10 @@ failed save each end with one clear line and keep the last good checkpoint."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import resource
+import shutil
 import signal
 import subprocess
 import sys
@@ -174,3 +176,56 @@ def test_a_failed_resume_keeps_the_runs_config_and_tokenizer(corpus_file: Path, 
     again = moekit_cli(*base, "--resume", "--train.steps", "3")
     assert again.returncode == 0, again.stderr
     assert json.loads((run / "config.json").read_text())["train"]["steps"] == 3  # written once it resumed
+
+
+def _optimizer_settings(run: Path) -> list[tuple[float, tuple[float, float]]]:
+    """(weight decay, betas) of each optimizer group in the run's latest checkpoint, as saved."""
+    from moekit.run.sharded import read_metadata, read_tensors
+
+    sharded = latest_checkpoint(run) / "sharded"
+    keys = [k for k in read_metadata(sharded).state_dict_metadata if k.startswith("optim.param_groups.")]
+    state = {k: None for k in keys if k.endswith((".weight_decay", ".betas")) and "decoupled" not in k}
+    read_tensors(sharded, state)
+    groups = sorted({k.split(".")[2] for k in state})
+    return [
+        (state[f"optim.param_groups.{g}.weight_decay"], tuple(state[f"optim.param_groups.{g}.betas"])) for g in groups
+    ]
+
+
+def test_settings_changed_on_resume_take_effect(corpus_file: Path, tmp_path: Path) -> None:
+    """--train.weight_decay and --train.beta1 given to a resume are what its optimizer runs with (the
+    checkpoint brings the moments, not the old settings) and what config.json records; a longer
+    --train.steps continues on the cosine over the new total from the resumed step."""
+    from moekit import runconfig
+    from moekit.train.optim import lr_at
+
+    run, plain = tmp_path / "run", tmp_path / "plain"
+    base = ["train", "--preset", "tiny", "--data", str(corpus_file), "--quiet", "--data.cache_dir", str(tmp_path / "c")]
+    first = moekit_cli(*base, "--run-dir", str(run), "--train.steps", "2", "--train.sample_tokens", "0")
+    assert first.returncode == 0, first.stderr
+    shutil.copytree(run, plain)
+    changed = moekit_cli(
+        *base,
+        "--run-dir",
+        str(run),
+        "--resume",
+        "--train.steps",
+        "4",
+        "--train.weight_decay",
+        "10",
+        "--train.beta1",
+        "0",
+    )
+    kept = moekit_cli(*base, "--run-dir", str(plain), "--resume", "--train.steps", "4")
+    assert changed.returncode == 0 and kept.returncode == 0, changed.stderr + kept.stderr
+    assert sorted(_optimizer_settings(run)) == [(0.0, (0.0, 0.95)), (10.0, (0.0, 0.95))]  # no decay on biases, norms
+    assert sorted(_optimizer_settings(plain)) == [(0.0, (0.9, 0.95)), (0.1, (0.9, 0.95))]
+    cfg = runconfig.from_json(run / "config.json")
+    assert (cfg.train.weight_decay, cfg.train.beta1, cfg.train.steps) == (10.0, 0.0, 4)
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    other = [json.loads(line) for line in (plain / "metrics.jsonl").read_text().splitlines()]
+    # Step 3's loss is taken before its update, from the same weights; step 4's follows another update.
+    assert records[2]["loss"] == other[2]["loss"] and records[3]["loss"] != other[3]["loss"]
+    before = runconfig.from_json(plain / "config.json")  # steps 4 too; the first two steps ran with 2
+    first_two = [lr_at(s, dataclasses.replace(before.train, steps=2)) for s in range(2)]
+    assert [r["lr"] for r in records] == first_two + [lr_at(s, cfg.train) for s in (2, 3)]

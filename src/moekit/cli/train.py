@@ -80,12 +80,11 @@ def _config(args: argparse.Namespace):
         return runconfig.resolve(args.preset, overrides)
     if args.run_dir is None:
         raise ValueError("--resume and --init need --run-dir: the run to continue or to start")
-    for batch_field in ("train.grad_accum", "train.batch_size") if args.resume else ():
-        if batch_field in overrides:
-            raise ValueError(
-                f"--{batch_field}: a resumed run keeps its checkpoint's global batch (each rank's grad_accum "
-                "follows the layout); start a new run from it with --init to change the batch"
-            )
+    if args.resume and "train.grad_accum" in overrides:  # what else a resume keeps: train/resume.py
+        raise ValueError(
+            "--train.grad_accum: a resumed run keeps its checkpoint's global batch (each rank's grad_accum "
+            "follows the layout); start a new run from it with --init to change the batch"
+        )
     source = args.init or args.run_dir
     return runconfig.build(runconfig.apply_overrides(runconfig.read_tree(source / "config.json"), overrides))
 

@@ -5,6 +5,7 @@ text and the error a bad value gets come from the field itself."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +30,7 @@ POSITIVE_INT = Check(lambda v: isinstance(v, int) and v > 0, "must be a positive
 NONNEGATIVE_INT = Check(lambda v: isinstance(v, int) and v >= 0, "must be an integer >= 0")
 POSITIVE = Check(lambda v: v > 0, "must be > 0")
 NONNEGATIVE = Check(lambda v: v >= 0, "must be >= 0")
+DECAY = Check(lambda v: 0 <= v < 1, "must be in [0, 1)")
 
 
 def option(default: Any, help: str, check: Check | None = None) -> Any:
@@ -45,8 +47,11 @@ def require(ok: bool, field: str, value: object, why: str) -> None:
 
 def check_fields(config: Any, prefix: str = "") -> None:
     """Each field of ``config`` against its own check, in field order; errors name ``prefix + name``
-    (``model.n_layers``)."""
+    (``model.n_layers``). Every float must be finite: an inf or nan rate, scale or limit would only show
+    as a NaN later."""
     for f in dataclasses.fields(config):
         value, check = getattr(config, f.name), f.metadata.get("check")
+        if isinstance(value, float):
+            require(math.isfinite(value), prefix + f.name, value, "must be a finite number")
         if check is not None and not (value is None and f.default is None):  # None: an optional field unset
             require(check.ok(value), prefix + f.name, value, check.why)

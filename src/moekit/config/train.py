@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from moekit.config.fields import (
+    DECAY,
     NONNEGATIVE,
     NONNEGATIVE_INT,
     POSITIVE,
@@ -41,17 +42,21 @@ class DataConfig:
 class TrainConfig:
     """The optimisation loop, evaluation, logging and checkpoints."""
 
-    steps: int = option(300, "optimizer steps", POSITIVE_INT)
+    steps: int = option(
+        300,
+        "optimizer steps; the LR schedule spans them (resumed with more: the longer cosine from there)",
+        POSITIVE_INT,
+    )
     batch_size: int = option(16, "sequences per micro-batch", POSITIVE_INT)
     grad_accum: int = option(1, "micro-batches per optimizer step", POSITIVE_INT)
     lr: float = option(1e-3, "peak learning rate (AdamW)", POSITIVE)
     min_lr: float = option(1e-4, "learning rate at the end of the cosine decay")
     warmup_steps: int = option(30, "linear warmup from 0 to lr", NONNEGATIVE_INT)
     weight_decay: float = option(
-        0.1, "AdamW decay on weights by role: not on biases (expert ones included), norms or sinks"
+        0.1, "AdamW decay on weights by role: not on biases (expert ones included), norms or sinks", NONNEGATIVE
     )
-    beta1: float = option(0.9, "AdamW first-moment decay")
-    beta2: float = option(0.95, "AdamW second-moment decay")
+    beta1: float = option(0.9, "AdamW first-moment decay", DECAY)
+    beta2: float = option(0.95, "AdamW second-moment decay", DECAY)
     grad_clip: float = option(1.0, "clip the global gradient norm to this; 0 = off", NONNEGATIVE)
     max_nonfinite_steps: int = option(
         3, "stop after this many consecutive steps skipped for a NaN/inf gradient norm", POSITIVE_INT

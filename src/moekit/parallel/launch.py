@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,7 +38,9 @@ def without_launch_flags(argv: list[str]) -> list[str]:
 
 def launch_training(launch: Launch, train_argv: list[str], run_dir: Path) -> tuple[int, int] | None:
     """Run ``moekit train TRAIN_ARGV`` on every rank; every rank's output goes to RUN_DIR/logs and the
-    console shows rank 0's. Returns None, or the first failed rank and its exit code."""
+    console shows rank 0's. Returns None, or the first failed rank and its exit code; a Ctrl-C raises
+    ``KeyboardInterrupt`` once the ranks have stopped (each saves a checkpoint at the end of its step)."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun
 
@@ -56,4 +59,9 @@ def launch_training(launch: Launch, train_argv: list[str], run_dir: Path) -> tup
     except ChildFailedError as err:
         rank, failure = err.get_first_failure()
         return rank, failure.exitcode
+    except SignalException as err:
+        # NOTE: the agent passes SIGINT on to the ranks and waits for them before raising this.
+        if err.sigval != signal.SIGINT:
+            raise
+        raise KeyboardInterrupt from None
     return None

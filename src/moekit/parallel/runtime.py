@@ -259,11 +259,12 @@ class ParallelModel:
     def expert_slots(self) -> dict[str, tuple[int, ...]]:
         """Where re-placed experts run now, for a checkpoint to write (and read) them in canonical order
         without moving them: each expert parameter's name in the local model -> its layer's
-        ``expert_to_slot``. Layers in canonical order are left out (empty without re-placement)."""
+        ``expert_to_slot``. Layers in canonical order are left out (empty without re-placement, which
+        is all there is with pipeline stages: the layout refuses placement with pp > 1)."""
         if self.rebalancer is None:
             return {}
-        assert len(self.modules) == 1, "re-placement needs pp = 1 (resolve_layout checks it)"
-        names = {id(m): name for name, m in self.modules[0].named_modules()}
+        # Stage models name their blocks as the whole model does (blocks.3), as the local model does.
+        names = {id(m): name for module in self.modules for name, m in module.named_modules()}
         out = {}
         for moe, slots in self.rebalancer.moved_layers().items():
             for param, _ in moe.experts.named_parameters(recurse=False):

@@ -221,6 +221,13 @@ def _batch_seed(split: str, step: int, seed: int) -> int:
     return int.from_bytes(digest, "little") & (2**63 - 1)
 
 
+def draw_seed(index: int, seed: int) -> int:
+    """The seed of training micro-batch ``index``'s random draws (dropout, router noise, GShard's second
+    dispatch): a function of its data position, as its samples are, so a rank reading micro-batch
+    ``index`` draws what one process reading it draws, whatever the layout."""
+    return _batch_seed("draws", index, seed)
+
+
 def _context_error(context_length: int, split: str, source: str, num_tokens: int) -> DataError:
     return DataError(
         f"model.context_length {context_length} needs {context_length + 1} tokens per sample but the "

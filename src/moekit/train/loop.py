@@ -30,14 +30,15 @@ from moekit.run.saver import Checkpointer
 from moekit.run.sharded import local_model
 from moekit.runconfig import RunConfig
 from moekit.stats import StepStats
-from moekit.train.data import Corpus, prepare_corpus, resolve_files
+from moekit.train.data import Corpus, draw_seed, prepare_corpus, resolve_files
 from moekit.train.interrupt import StopOnInterrupt, agree
 from moekit.train.metrics import MetricsLogger
 from moekit.train.model_build import build_model
 from moekit.train.offload import ExpertOffload
 from moekit.train.offload.checkpoint import StreamedExperts, restoring, saving
-from moekit.train.optim import lr_at
+from moekit.train.optim import keeping_hyperparameters, lr_at
 from moekit.train.peak import peak_tflops
+from moekit.train.resume import check_resumable
 
 
 class TrainingError(MoekitError):
@@ -148,7 +149,7 @@ def _train(
 ) -> TrainResult:
     run = _setup(cfg, Path(run_dir), resume, torch.device(device), progress, init, fallback)
     try:
-        _announce(run, init)
+        _announce(run, init if run.resume_from is None else None)
         return _steps(run, progress, on_step)
     finally:
         if run.offload is not None:
@@ -191,9 +192,12 @@ def _setup(
         )
     main = global_rank() == 0  # before the process group: rank 0 alone creates the run directory
     say = tqdm.write if progress and main else (lambda msg: print(msg, file=sys.stderr))
-    resume = resume or (init is None and _elastic_restart(run_dir))
+    # A restarted worker continues the run from its own checkpoint, one started from init's weights too.
+    resume = resume or _elastic_restart(run_dir)
     resolve_files(cfg.data.path)  # a corpus that is not there is reported before the run directory is made
     _prepare_run_dir(run_dir, resume, create=main)
+    if resume:
+        check_resumable(cfg, run_dir)
     layout, mesh = init_distributed(cfg, dev)
     saver = Checkpointer(run_dir, cfg.train.keep_checkpoints, cfg.train.async_checkpoint, cfg.parallel.timeout_s)
     resume_from = saver.choose(fallback, say if main else lambda msg: None) if resume else None
@@ -204,7 +208,7 @@ def _setup(
     # A resumed run encodes its text with its own tokenizer: one built again from other data would
     # give the same ids other meanings.
     own = run_dir if resume_from is not None and (run_dir / "tokenizer.json").is_file() else None
-    corpus = _prepare_corpus_once(cfg, main, mesh is not None, init or own)
+    corpus = _prepare_corpus_once(cfg, main, mesh is not None, own or init)
     if init is None:
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=corpus.tokenizer.vocab_size))
     elif corpus.tokenizer.vocab_size > cfg.model.vocab_size:
@@ -215,7 +219,7 @@ def _setup(
     if main and resume_from is None:
         write_bytes_atomic(run_dir / "config.json", cfg.to_json().encode())
         corpus.tokenizer.save(run_dir)
-    model, pm, optimizer, offload = build_model(cfg, run_dir, dev, layout, mesh, init)
+    model, pm, optimizer, offload = build_model(cfg, run_dir, dev, layout, mesh, init if resume_from is None else None)
     flops_per_token = model.flops_per_token()
     summary = (
         f"{model.num_params() / 1e6:.2f}M parameters ({model.num_active_params() / 1e6:.2f}M active per token, "
@@ -257,9 +261,13 @@ def _restore(
     whole: torch.nn.Module,
     offload: ExpertOffload | None,
 ) -> int:
-    """Load checkpoint ``path`` into this rank's model and optimizer; returns its step. Offloaded experts
-    are streamed from it into their file (``offload/checkpoint.py``)."""
-    with restoring(offload, local) if offload else contextlib.nullcontext() as streamed:
+    """Load checkpoint ``path`` into this rank's model and optimizer (its state; the hyperparameters stay
+    this run's); returns its step. Offloaded experts are streamed from it into their file
+    (``offload/checkpoint.py``)."""
+    with (
+        restoring(offload, local) if offload else contextlib.nullcontext() as streamed,
+        keeping_hyperparameters(optimizer),
+    ):
         return int(saver.restore(path, local, optimizer, whole, streamed=streamed)["step"])
 
 
@@ -409,7 +417,8 @@ def _train_step(
     """One optimizer step over ``grad_accum`` micro-batches per rank; returns the step's metrics.
 
     Rank b of the N data-reading ranks takes micro-batches b, b + N, ...: the same samples, in the
-    same order, as one process with N times the gradient accumulation. A step whose gradient norm is
+    same order, as one process with N times the gradient accumulation, and its random draws are seeded
+    by its position (``draw_seed``), so they are that process's too. A step whose gradient norm is
     NaN or inf is skipped (``record["skipped"]``): its data is consumed but nothing is updated.
     """
     tc = cfg.train
@@ -426,6 +435,7 @@ def _train_step(
     for micro in range(tc.grad_accum):
         index = (step * tc.grad_accum + micro) * ranks.batch_ranks + ranks.batch_rank
         x, y = corpus.batch("train", index, tc.batch_size, cfg.model.context_length, tc.seed)
+        torch.manual_seed(draw_seed(index, tc.seed))
         with autocast(cfg, dev):
             loss, lm, moe_stats = pm.forward_backward(x.to(dev), y.to(dev), 1.0 / tc.grad_accum)
         lm_loss = lm_loss + lm.float().cpu() / tc.grad_accum

@@ -1,0 +1,57 @@
+"""What a resume keeps: a resume that changes a setting deciding the run's data, tokens or initial
+weights (``train/resume.py``) is refused by name before anything of the run changes; the settings a
+resume may change take effect (``tests/e2e/test_cli_train.py``)."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+from conftest import write_corpus
+from helpers import tiny
+
+from moekit.train.loop import train
+from moekit.train.resume import KEPT
+
+CHANGES = {
+    "train.seed": "5",
+    "train.batch_size": "3",
+    "data.tokenizer": "char",
+    "data.bpe_vocab_size": "300",
+    "data.val_fraction": "0.2",
+    "model.context_length": "64",
+    "model.init_std": "0.05",
+    "model.tie_embeddings": "false",
+}
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]:
+    tmp = tmp_path_factory.mktemp("resume")
+    corpus = write_corpus(tmp / "corpus.txt")
+    train(tiny(corpus, tmp / "cache", **{"train.steps": "1"}), tmp / "run", progress=False)
+    return corpus, tmp / "cache", tmp / "run"
+
+
+def _digests(root: Path) -> dict[str, str]:
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in root.rglob("*") if p.is_file()
+    }
+
+
+def test_every_kept_setting_is_tried() -> None:
+    assert set(CHANGES) == set(KEPT)
+
+
+@pytest.mark.parametrize("field", sorted(CHANGES))
+def test_a_resume_changing_a_kept_setting_is_refused(trained, tmp_path: Path, field: str) -> None:
+    corpus, cache, trained_run = trained
+    run = shutil.copytree(trained_run, tmp_path / "run")
+    before = _digests(run)
+    cfg = tiny(corpus, cache, **{"train.steps": "2", field: CHANGES[field]})
+    with pytest.raises(ValueError, match=rf"^{re.escape(field)}=\S+: the run in .* keeps its own \(.+\) when resumed"):
+        train(cfg, run, resume=True, progress=False)
+    assert _digests(run) == before
