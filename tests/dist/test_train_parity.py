@@ -24,9 +24,9 @@ from moekit import runconfig
 from moekit.run.load import load_run
 from moekit.train.loop import train
 
-pytestmark = [pytest.mark.dist, pytest.mark.slow]
-
 from .spawn import MOEKIT, run_ranks
+
+pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
 STEPS = 3
 BASE = {
