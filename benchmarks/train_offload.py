@@ -136,10 +136,11 @@ def disk_bandwidth(directory: Path, region_bytes: int, reads: int, writes: int) 
     from concurrent.futures import ThreadPoolExecutor
 
     from moekit.directio import READERS
+    from moekit.storage.files import StorageFile
     from moekit.train.offload.store import LayerFile
 
     regions = max(reads, writes)
-    f = LayerFile(directory / "bandwidth.bin", regions, {"x": (region_bytes // 4,)})
+    f = LayerFile(StorageFile.claim(directory / "bandwidth.bin"), regions, {"x": (region_bytes // 4,)})
     read_bufs = [f.buffer() for _ in range(READERS)]
     write_buf = f.buffer().fill_(1)
     try:
@@ -153,8 +154,7 @@ def disk_bandwidth(directory: Path, region_bytes: int, reads: int, writes: int) 
                 future.result()
         return (reads + writes) * f.unit / (time.perf_counter() - started)
     finally:
-        f.close()
-        f.path.unlink()
+        f.remove()
 
 
 def run_child(mode: str, args: argparse.Namespace, budget: int) -> dict:

@@ -165,7 +165,9 @@ def test_offloaded_equals_in_memory_bitwise(runs: Path, name: str) -> None:
     assert memory.keys() == disk.keys() and any(".experts." in k for k in memory)
     for key in memory:
         assert torch.equal(memory[key], disk[key]), f"{name} {key}"
-    assert not any((runs / "offload").iterdir()), "every rank removes its offloaded state when training ends"
+    # the directory goes with the last file where the rank that made it ends last
+    left = list((runs / "offload").iterdir()) if (runs / "offload").exists() else []
+    assert not left, "every rank removes its offloaded state when training ends"
 
 
 @pytest.mark.parametrize("name", ["ep2", "dp2", "dp2xep2"])

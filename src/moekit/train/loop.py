@@ -30,11 +30,12 @@ from moekit.run.saver import Checkpointer
 from moekit.run.sharded import local_model
 from moekit.runconfig import RunConfig
 from moekit.stats import StepStats
+from moekit.storage.files import StorageFile
 from moekit.train.data import Corpus, prepare_corpus, resolve_files
 from moekit.train.interrupt import StopOnInterrupt, agree
 from moekit.train.metrics import MetricsLogger
 from moekit.train.model_build import build_model
-from moekit.train.offload import ExpertOffload
+from moekit.train.offload import ExpertOffload, claim_offload_file
 from moekit.train.offload.checkpoint import StreamedExperts, restoring, saving
 from moekit.train.optim import lr_at
 from moekit.train.peak import peak_tflops
@@ -78,7 +79,7 @@ def _has_checkpoint(run_dir: Path) -> bool:
     return (checkpoint_dir(run_dir) / LATEST).exists() or bool(complete_checkpoints(run_dir))
 
 
-def _prepare_run_dir(run_dir: Path, resume: bool, create: bool = True) -> None:
+def _check_run_dir(run_dir: Path, resume: bool) -> None:
     """Check (on every rank, before any collective) that the run directory fits the request."""
     if not resume and _has_checkpoint(run_dir):
         raise TrainingError(
@@ -88,8 +89,6 @@ def _prepare_run_dir(run_dir: Path, resume: bool, create: bool = True) -> None:
         raise TrainingError(f"resume=True: {run_dir} has no checkpoint to resume from")
     if run_dir.exists() and not run_dir.is_dir():
         raise TrainingError(f"run_dir={run_dir}: is a file, not a directory")
-    if create:
-        run_dir.mkdir(parents=True, exist_ok=True)
 
 
 def _elastic_restart(run_dir: Path) -> bool:
@@ -182,18 +181,41 @@ class _Run:
 def _setup(
     cfg: RunConfig, run_dir: Path, resume: bool, dev: torch.device, progress: bool, init: Path | None, fallback: bool
 ) -> _Run:
-    """Check the request, join the ranks, prepare the corpus, build the model and resume it."""
+    """Check the request, claim the offload file, then build the run (``_build``)."""
     if dev.type == "cpu":
         keep_freed_memory()
     if init is not None and resume:
         raise TrainingError(
             f"init={init}: starts a new run from another run's weights; it cannot be combined with resume=True"
         )
-    main = global_rank() == 0  # before the process group: rank 0 alone creates the run directory
+    main = global_rank() == 0  # before the process group
     say = tqdm.write if progress and main else (lambda msg: print(msg, file=sys.stderr))
     resume = resume or (init is None and _elastic_restart(run_dir))
     resolve_files(cfg.data.path)  # a corpus that is not there is reported before the run directory is made
-    _prepare_run_dir(run_dir, resume, create=main)
+    _check_run_dir(run_dir, resume)
+    storage = claim_offload_file(cfg, run_dir)  # refused (in use, unusable), it leaves nothing behind
+    try:
+        if main:  # rank 0 alone creates the run directory
+            run_dir.mkdir(parents=True, exist_ok=True)
+        return _build(cfg, run_dir, resume, dev, init, fallback, main, say, storage)
+    except BaseException:
+        if storage is not None:
+            storage.remove()
+        raise
+
+
+def _build(
+    cfg: RunConfig,
+    run_dir: Path,
+    resume: bool,
+    dev: torch.device,
+    init: Path | None,
+    fallback: bool,
+    main: bool,
+    say: Callable[[str], None],
+    storage: StorageFile | None,
+) -> _Run:
+    """Join the ranks, prepare the corpus, build the model (its experts offloaded into ``storage``) and resume it."""
     layout, mesh = init_distributed(cfg, dev)
     saver = Checkpointer(run_dir, cfg.train.keep_checkpoints, cfg.train.async_checkpoint, cfg.parallel.timeout_s)
     resume_from = saver.choose(fallback, say if main else lambda msg: None) if resume else None
@@ -215,7 +237,7 @@ def _setup(
     if main and resume_from is None:
         write_bytes_atomic(run_dir / "config.json", cfg.to_json().encode())
         corpus.tokenizer.save(run_dir)
-    model, pm, optimizer, offload = build_model(cfg, run_dir, dev, layout, mesh, init)
+    model, pm, optimizer, offload = build_model(cfg, storage, dev, layout, mesh, init)
     flops_per_token = model.flops_per_token()
     summary = (
         f"{model.num_params() / 1e6:.2f}M parameters ({model.num_active_params() / 1e6:.2f}M active per token, "

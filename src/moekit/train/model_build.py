@@ -18,18 +18,21 @@ from moekit.run.layout import CheckpointError, latest_checkpoint
 from moekit.run.load import load_model_weights
 from moekit.run.manifest import read_manifest
 from moekit.runconfig import RunConfig
+from moekit.storage.files import StorageFile
 from moekit.train.offload import ExpertOffload, ExpertWriter, expert_writer, offload_experts
 from moekit.train.offload.init import load_streamed
 from moekit.train.optim import build_optimizer
 
 
 def build_model(
-    cfg: RunConfig, run_dir: Path, dev: torch.device, layout: Layout, mesh: Any, init: Path | None
+    cfg: RunConfig, storage: StorageFile | None, dev: torch.device, layout: Layout, mesh: Any, init: Path | None
 ) -> tuple[Transformer, ParallelModel, torch.optim.Optimizer, ExpertOffload | None]:
     """The whole model (its single-device structure), this rank's ``ParallelModel`` of it, the optimizer
-    and, under ``train.memory_budget``, the experts' offload. A failure removes the offload file."""
-    writer = expert_writer(cfg, run_dir, layout, mesh, dev) if cfg.train.offloaded else None
+    and, under ``train.memory_budget``, the experts' offload into ``storage`` (``claim_offload_file``).
+    A failure removes the offload file."""
+    writer = None
     try:
+        writer = expert_writer(cfg, storage, layout, mesh, dev) if storage is not None else None
         with large_blocks_returned() if writer is not None else contextlib.nullcontext():
             model = Transformer(cfg.model, cfg.moe if cfg.is_moe else None, expert_sink=writer)
             if writer is None:
@@ -41,8 +44,8 @@ def build_model(
         optimizer = build_optimizer(pm.named_parameters(), cfg.train)
         offload = offload_experts(cfg, layout, mesh, model, optimizer, file) if file is not None else None
     except BaseException:
-        if writer is not None:
-            writer.discard()
+        if storage is not None:
+            storage.remove()
         raise
     return model, pm, optimizer, offload
 

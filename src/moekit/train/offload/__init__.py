@@ -6,32 +6,47 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from moekit.parallel.mesh import Layout, LayoutError, RunMesh
+from moekit.parallel.runtime import global_rank
 from moekit.runconfig import RunConfig
-from moekit.train.offload.build import ExpertWriter
+from moekit.storage.files import StorageFile
+from moekit.train.offload.build import ExpertWriter, claim_file
 from moekit.train.offload.engine import ExpertOffload
 from moekit.train.offload.reduce import LayerGradReduce
 from moekit.train.offload.store import LayerFile, host_regions
 from moekit.units import format_bytes, parse_bytes
 
-__all__ = ["ExpertOffload", "ExpertWriter", "check_offloadable", "expert_writer", "offload_experts"]
+__all__ = [
+    "ExpertOffload",
+    "ExpertWriter",
+    "check_offloadable",
+    "claim_offload_file",
+    "expert_writer",
+    "offload_experts",
+]
+
+
+def claim_offload_file(cfg: RunConfig, run_dir: Path) -> StorageFile | None:
+    """This rank's offload file under ``train.offload_dir`` (default ``RUN_DIR/offload``), claimed for this
+    run alone before anything of the run is written (None: nothing is offloaded). Each rank offloads its
+    own ep shard to its own file; a second run given the same directory is refused by name."""
+    tc = cfg.train
+    if not tc.offloaded:
+        return None
+    directory = Path(tc.offload_dir) if tc.offload_dir else Path(run_dir) / "offload"
+    return claim_file(directory / f"experts-rank{global_rank()}.bin")
 
 
 def expert_writer(
-    cfg: RunConfig, run_dir: Path, layout: Layout, mesh: RunMesh | None, device: torch.device
+    cfg: RunConfig, storage: StorageFile, layout: Layout, mesh: RunMesh | None, device: torch.device
 ) -> ExpertWriter:
-    """Where this rank's experts go as the model is built (``build.py``), once ``check_offloadable``
-    passes. Each rank offloads its own ep shard to its own file."""
+    """Where this rank's experts go as the model is built (``build.py``): its claimed ``storage``, once
+    ``check_offloadable`` passes."""
     check_offloadable(cfg, layout, device)
-    tc = cfg.train
-    directory = Path(tc.offload_dir) if tc.offload_dir else Path(run_dir) / "offload"
-    rank = dist.get_rank() if mesh is not None else 0
     ep_rank = mesh["ep"].get_local_rank() if mesh is not None and layout.ep > 1 else 0
-    path = directory / f"experts-rank{rank}.bin"
-    return ExpertWriter(path, len(cfg.model.moe_layers()), tc.memory_budget, ep_rank, layout.ep)
+    return ExpertWriter(storage, len(cfg.model.moe_layers()), cfg.train.memory_budget, ep_rank, layout.ep)
 
 
 def check_offloadable(cfg: RunConfig, layout: Layout, device: torch.device) -> None:

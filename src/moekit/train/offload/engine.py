@@ -208,8 +208,7 @@ class ExpertOffload:
             self.ws.flush()
         finally:
             self.ws.close()
-            self.file.close()
-            self.file.path.unlink(missing_ok=True)
+            self.file.remove()
 
     @property
     def bytes_read(self) -> int:

@@ -27,14 +27,13 @@ file keeps room for every region (those of the host tier are never read or writt
 from __future__ import annotations
 
 import enum
-import os
 import threading
-from pathlib import Path
 
 import torch
 from torch import Tensor
 
-from moekit.directio import DIRECT_ALIGN, aligned_empty, open_direct, round_up
+from moekit.directio import DIRECT_ALIGN, aligned_empty, round_up
+from moekit.storage.files import StorageFile
 
 KINDS = ("weight", "grad", "exp_avg", "exp_avg_sq")
 Experts = tuple[bool, ...] | None  # the experts a transfer moves, a flag each (None: the whole region)
@@ -53,27 +52,20 @@ class LayerFile:
     """Read and write (layer, kind) regions of expert tensors, whole or some experts' pages; counts the
     bytes moved and the experts left out.
 
-    ``shapes``: each role's stacked shape (the same in every layer), in the order of the module's
-    parameters. Thread-safe: reader and writer threads call ``read`` and ``write`` concurrently on
-    different regions.
+    ``file``: claimed (``StorageFile.claim``), given its room here. ``shapes``: each role's stacked shape
+    (the same in every layer), in the order of the module's parameters. Thread-safe: reader and writer
+    threads call ``read`` and ``write`` concurrently on different regions.
     """
 
-    def __init__(self, path: Path, num_layers: int, shapes: dict[str, tuple[int, ...]]) -> None:
-        self.path = Path(path)
+    def __init__(self, file: StorageFile, num_layers: int, shapes: dict[str, tuple[int, ...]]) -> None:
+        self.file, self.path = file, file.path
         self.shapes = shapes
-        self.offsets: dict[str, int] = {}
-        end = 0
-        for role, shape in shapes.items():
-            self.offsets[role] = end
-            end = round_up(end + torch.Size(shape).numel() * 4, _ALIGN)
+        self.offsets, end = _layout(shapes)
         self.tensor_bytes = sum(torch.Size(s).numel() * 4 for s in shapes.values())  # one layer, one kind
         self.tensors_end = end  # bytes from a region's first tensor to the end of its last one
-        self.unit = round_up(end, DIRECT_ALIGN)  # bytes of one region and of one RAM buffer
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-        os.ftruncate(self._fd, num_layers * len(KINDS) * self.unit)
-        self._direct_fd = open_direct(self.path, os.O_RDWR)
-        self.direct = self._direct_fd >= 0
+        self.unit = region_bytes(shapes)  # bytes of one region and of one RAM buffer
+        file.allocate(num_layers * len(KINDS) * self.unit)
+        self.direct = file.direct
         self._lock = threading.Lock()
         self.bytes_read = self.bytes_written = 0  # disk bytes
         self.host: dict[tuple[int, str], Tensor] = {}  # (layer, kind) -> the region, in the host tier
@@ -82,11 +74,9 @@ class LayerFile:
         # either tier; a read completing a buffer, ``Rest.HELD``, counts none)
         self.experts_skipped = dict.fromkeys(KINDS, 0)
 
-    def close(self) -> None:
-        for fd in (self._fd, self._direct_fd):
-            if fd >= 0:
-                os.close(fd)
-        self._fd = self._direct_fd = -1
+    def remove(self) -> None:
+        """Remove the file (and the directories made for it); the host tier's regions go too."""
+        self.file.remove()
         self.host.clear()
 
     def buffer(self) -> Tensor:
@@ -163,16 +153,16 @@ class LayerFile:
 
     def _transfer(self, layer: int, kind: str, buf_U8: Tensor, spans: list[tuple[int, int]], write: bool) -> None:
         """Move ``spans`` of ``buf_U8`` to (``write``) or from region (layer, kind), in either tier; counted."""
+        assert buf_U8.numel() == self.unit and buf_U8.is_contiguous()
         held = self.host.get((layer, kind))
-        fd, base = self._fd_for(buf_U8), self._offset(layer, kind)
+        base = self._offset(layer, kind)
         moved = 0
         for start, end in spans:
             span = buf_U8[start:end]
             if held is not None:
                 (held[start:end].copy_(span) if write else span.copy_(held[start:end]))
             else:
-                io = os.pwritev if write else os.preadv
-                done = io(fd, [memoryview(span.numpy())], base + start)
+                done = self.file.write(span, base + start) if write else self.file.read(span, base + start)
                 if done != end - start:
                     what = "write" if write else "read"
                     raise OSError(f"{self.path}: short {what} of layer {layer} {kind}: {done} of {end - start} bytes")
@@ -187,17 +177,26 @@ class LayerFile:
             else:
                 self.bytes_read += moved
 
-    def _fd_for(self, buf_U8: Tensor) -> int:
-        assert buf_U8.numel() == self.unit and buf_U8.is_contiguous()
-        direct = self.direct and buf_U8.data_ptr() % DIRECT_ALIGN == 0
-        return self._direct_fd if direct else self._fd
-
     def _offset(self, layer: int, kind: str) -> int:
         return (layer * len(KINDS) + KINDS.index(kind)) * self.unit
 
     def _count_skipped(self, kind: str, skipped: int) -> None:
         with self._lock:
             self.experts_skipped[kind] += skipped
+
+
+def _layout(shapes: dict[str, tuple[int, ...]]) -> tuple[dict[str, int], int]:
+    """Each role's byte offset in a region, and where the last tensor ends."""
+    offsets, end = {}, 0
+    for role, shape in shapes.items():
+        offsets[role] = end
+        end = round_up(end + torch.Size(shape).numel() * 4, _ALIGN)
+    return offsets, end
+
+
+def region_bytes(shapes: dict[str, tuple[int, ...]]) -> int:
+    """Bytes of one region of fp32 tensors of ``shapes``: whole 4 KiB blocks."""
+    return round_up(_layout(shapes)[1], DIRECT_ALIGN)
 
 
 def _gaps(spans: list[tuple[int, int]], end: int) -> list[tuple[int, int]]:
