@@ -135,7 +135,7 @@ def disk_bandwidth(directory: Path, region_bytes: int, reads: int, writes: int) 
     and ``writes`` region writes (one at a time, as the writer thread does them) running concurrently."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from moekit.directio import READERS
+    from moekit.storage.aligned import READERS
     from moekit.storage.files import StorageFile
     from moekit.train.offload.store import LayerFile
 

@@ -14,17 +14,17 @@ import torch
 from helpers import budget_for
 
 from moekit.infer import offloader
-from moekit.infer.cache import LFU, LRU, ExpertCache
 from moekit.infer.expert_store import (
     ExpertStoreError,
     expert_tensor_prefix,
     read_safetensors_header,
 )
 from moekit.infer.generate import generate, generate_texts, left_pad
-from moekit.infer.loaders import CudaLoader, FileLoader, PinnedExperts
 from moekit.infer.offload import OffloadOptions, model_bytes, resolve_prefetch
 from moekit.model import Transformer
 from moekit.run.load import load_run
+from moekit.storage.loaders import CudaLoader, FileLoader, pinned_tier
+from moekit.storage.slots import LFU, LRU, SlotCache
 from moekit.units import parse_bytes
 
 PROMPTS = [[5, 17, 99, 3, 42, 8, 1], [200, 13], [7, 7, 7, 7]]
@@ -197,7 +197,7 @@ def test_moving_precision_follows_the_predictions(run_dir: Path) -> None:
         run.offloader.close()
 
 
-_BOOKKEEPING = (offloader.OffloadStats, offloader.Offloader, offloader.OffloadTrace, ExpertCache, LRU, LFU)
+_BOOKKEEPING = (offloader.OffloadStats, offloader.Offloader, offloader.OffloadTrace, SlotCache, LRU, LFU)
 
 
 def _container_lengths(obj: object, name: str = "") -> dict[str, int]:
@@ -400,12 +400,12 @@ def test_host_tier_holds_every_expert_as_the_store_reads_it(run_dir: Path) -> No
     run = load_run(run_dir, offload=OffloadOptions(memory_budget=1 << 30))
     store = run.offloader.store
     try:
-        host = PinnedExperts(store, pin=torch.cuda.is_available())  # the GPU's slow tier
+        host = pinned_tier(store, pin=torch.cuda.is_available())  # the GPU's slow tier
         slot = torch.empty(store.slot_bytes, dtype=torch.uint8)
         assert len(host.index) == len(store.pieces) == 18
         for key in store.pieces:
             store.read_into(key, slot)
             for role, view in store.views(key, slot).items():
-                assert torch.equal(store.views(key, host.slot(key))[role], view), (key, role)
+                assert torch.equal(store.views(key, host.get(key))[role], view), (key, role)
     finally:
         run.offloader.close()

@@ -22,8 +22,8 @@ from conftest import write_corpus
 from helpers import train_routed
 
 from moekit import runconfig
-from moekit.directio import DIRECT_ALIGN
 from moekit.experts.grouped import expert_ffn
+from moekit.storage.aligned import DIRECT_ALIGN
 from moekit.storage.files import StorageFile
 from moekit.train import loop
 from moekit.train.offload.store import LayerFile, Rest

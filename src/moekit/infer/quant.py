@@ -30,9 +30,9 @@ import torch
 from safetensors.torch import save
 from torch import Tensor
 
-from moekit.directio import aligned_empty
 from moekit.fileio import write_atomic
 from moekit.infer.expert_store import ExpertStore, Key, expert_tensor_prefix
+from moekit.storage.aligned import aligned_empty
 
 QUANT_FORMATS = ("int8", "int4")
 INT4_GROUP = 32

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from torch import Tensor
 
-from moekit.directio import DIRECT_ALIGN, open_direct
+from moekit.storage.aligned import DIRECT_ALIGN, open_direct
 
 PAGE = os.sysconf("SC_PAGE_SIZE")  # the page cache evicts whole pages
 
@@ -33,15 +33,17 @@ class FileInUse(OSError):
 
 
 def transfer(fd: int, view: memoryview, offset: int, write: bool) -> int:
-    """Move ``view`` to (``write``) or from the file at ``offset``, call after call until it is all moved
-    or the file ends; the bytes moved."""
+    """Move ``view`` to (``write``) or from the file at ``offset``; the bytes moved. A write goes on call
+    after call until all is written (a short write: a signal, or the disk filling, which the next call
+    reports); a read stops short only where the file ends (a regular file reads short nowhere else, and
+    a direct read continued there would start off its 4 KiB grid)."""
     io = os.pwritev if write else os.preadv
     done = 0
     while done < len(view):
         moved = io(fd, [view[done:]], offset + done)
-        if moved <= 0:
+        done += max(moved, 0)
+        if moved <= 0 or not write:
             break
-        done += moved
     return done
 
 

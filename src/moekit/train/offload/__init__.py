@@ -114,4 +114,4 @@ def _host_tier(offload: ExpertOffload, host_budget: str, grad_accum: int) -> Non
             f"train.host_budget={host_budget!r}: holds no region of expert state "
             f"({format_bytes(file.unit)} each); give at least that, or leave it out"
         )
-    file.move_to_host(host_regions(len(offload.params), len(offload.ws.slots), grad_accum, capacity))
+    file.move_to_host(host_regions(len(offload.params), offload.ws.cache.num_slots, grad_accum, capacity))

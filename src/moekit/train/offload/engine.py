@@ -49,9 +49,9 @@ from functools import partial
 import torch
 from torch import Tensor, nn
 
-from moekit.directio import aligned_empty
 from moekit.experts.grouped import local_tensor
 from moekit.parallel.grads import clip_scale, combine_norms, replicas
+from moekit.storage.aligned import aligned_empty
 from moekit.train.offload.adamw import MOMENTS, DeferredAdamW
 from moekit.train.offload.experts import OffloadedExperts, install
 from moekit.train.offload.reduce import LayerGradReduce

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from moekit.infer.cache import ExpertCache, make_policy, replay
+from moekit.storage.slots import SlotCache, make_policy, replay
 
 TRACE = [["a", "b"], ["c"], ["a"], ["d"], ["a", "b"], ["c"]]
 
@@ -35,7 +35,7 @@ def test_belady_bounds_every_policy_on_skewed_traces() -> None:
 
 
 def test_cache_never_exceeds_its_slots_and_respects_pins() -> None:
-    cache = ExpertCache(2, 64, torch.device("cpu"), make_policy("lru"))
+    cache = SlotCache(2, 64, torch.device("cpu"), make_policy("lru"))
     a = cache.reserve("a")
     b = cache.reserve("b")
     assert cache.reserve("c") is None  # both pinned: no slot, rather than exceed the budget
@@ -51,7 +51,7 @@ def test_cache_never_exceeds_its_slots_and_respects_pins() -> None:
 
 
 def test_pin_resident_keeps_a_key_without_counting_a_use() -> None:
-    cache = ExpertCache(2, 64, torch.device("cpu"), make_policy("lru"))
+    cache = SlotCache(2, 64, torch.device("cpu"), make_policy("lru"))
     for key in ("a", "b"):
         cache.unpin(cache.reserve(key))
     assert cache.pin_resident("c") is None  # not resident: nothing pinned
