@@ -31,7 +31,7 @@ from moekit.train import loop
 from moekit.train.loop import train
 from moekit.train.metrics import METRICS_FILE
 from moekit.train.offload import check_offloadable
-from moekit.train.offload.checkpoint import saving
+from moekit.train.step import RESIDENT, train_step
 
 BUDGET = "800KB"  # the tiny model below: 98 KB of expert weights per layer, 2 slots + 6 scratch regions
 UNIT = 98304  # bytes of one (layer, kind) region of the tiny model's experts
@@ -147,9 +147,9 @@ def test_deferred_updates_follow_the_schedule_evaluations_and_checkpoints(
 
 def model_state(run: loop._Run) -> dict[str, torch.Tensor]:
     """The run's weights as a checkpoint saves them (offloaded experts read from their file)."""
-    if run.offload is None:
-        return {k: v.clone() for k, v in run.local.state_dict().items()}
-    with saving(run.offload, run.local) as streamed:
+    with run.experts.saving(run.local) as streamed:
+        if streamed is None:  # in memory
+            return {k: v.clone() for k, v in run.local.state_dict().items()}
         return {
             k: streamed.read(MODEL_PREFIX + k).clone() if MODEL_PREFIX + k in streamed.keys else v.clone()
             for k, v in run.local.state_dict().items()
@@ -177,15 +177,14 @@ def test_a_forward_cut_short_leaves_the_rest_of_the_updates_pending(corpus: Path
             if step == 1:
                 _fail_once(run.pm.moe_layers()[1])
                 with pytest.raises(RuntimeError, match="cut short"):
-                    loop._train_step(run.pm, run.optimizer, run.corpus, run.cfg, run.dev, step, None, run.offload)
-                assert run.offload is None or run.offload.updates.pending, "the later layers' updates wait"
+                    train_step(run.pm, run.optimizer, run.corpus, run.cfg, run.dev, step, None, run.experts)
+                assert run.experts is RESIDENT or run.experts.updates.pending, "the later layers' updates wait"
                 run.optimizer.zero_grad(set_to_none=True)
-            record = loop._train_step(run.pm, run.optimizer, run.corpus, run.cfg, run.dev, step, None, run.offload)
+            record = train_step(run.pm, run.optimizer, run.corpus, run.cfg, run.dev, step, None, run.experts)
             losses.append(record["loss"])
         state = model_state(run)
-        if run.offload:
-            assert not run.offload.updates.pending
-            run.offload.close()
+        assert run.experts is RESIDENT or not run.experts.updates.pending
+        run.experts.close()
         runs[name] = losses, state
     (memory_losses, a), (disk_losses, b) = runs["memory"], runs["disk"]
     assert disk_losses == memory_losses
@@ -200,7 +199,7 @@ def _step_allocations(run: loop._Run, step: int, trace: Path) -> tuple[int, int]
     the thread it profiles; the offload's reader and writer threads only move bytes between the file
     and its held buffers)."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
-        loop._train_step(run.pm, run.optimizer, run.corpus, run.cfg, run.dev, step, None, run.offload)
+        train_step(run.pm, run.optimizer, run.corpus, run.cfg, run.dev, step, None, run.experts)
     prof.export_chrome_trace(str(trace))
     events = json.loads(trace.read_text())["traceEvents"]
     changes = sorted((e["ts"], e["args"]["Bytes"]) for e in events if e.get("name") == "[memory]")
@@ -226,10 +225,9 @@ def test_an_offloaded_step_allocates_no_more_than_in_memory_training(
         cfg = tiny(corpus, **budget, **{"train.grad_accum": grad_accum})
         run = loop._setup(cfg, tmp_path / name, False, torch.device("cpu"), False, None, False)
         for step in range(2):  # the first step makes the optimizer's state
-            loop._train_step(run.pm, run.optimizer, run.corpus, cfg, run.dev, step, None, run.offload)
+            train_step(run.pm, run.optimizer, run.corpus, cfg, run.dev, step, None, run.experts)
         figures[name] = _step_allocations(run, 2, tmp_path / f"{name}.json")
-        if run.offload is not None:
-            run.offload.close()
+        run.experts.close()
     (allocated, peak), (allocated_offloaded, peak_offloaded) = figures["memory"], figures["disk"]
     bookkeeping = 3 * 512  # 3 layers
     assert allocated > 0 and peak > 0
@@ -247,17 +245,17 @@ def test_host_tier_takes_disk_traffic_by_the_rule(corpus: Path, tmp_path: Path) 
     for name, host in (("disk", {}), ("host", {"train.host_budget": str(3 * UNIT)})):
         cfg = tiny(corpus, **{"train.memory_budget": BUDGET} | host)
         run = loop._setup(cfg, tmp_path / name, False, torch.device("cpu"), False, None, False)
-        file = run.offload.file
+        file = run.experts.file
         assert file.unit == UNIT
         counters = ("bytes_read", "bytes_written", "host_bytes_read", "host_bytes_written")
         for step in range(2):  # the second step: the first reads every layer into an empty working set
             before = [getattr(file, c) for c in counters]
-            loop._train_step(run.pm, run.optimizer, run.corpus, cfg, run.dev, step, None, run.offload)
-            run.offload.ws.flush()
+            train_step(run.pm, run.optimizer, run.corpus, cfg, run.dev, step, None, run.experts)
+            run.experts.ws.flush()
         moved[name] = [getattr(file, c) - b for c, b in zip(counters, before, strict=True)]
         if host:
             assert sorted(file.host) == [(0, "grad"), (1, "grad"), (2, "grad")]
-        run.offload.close()
+        run.experts.close()
     layers, accum = 3, 2
     off_disk = layers * accum * UNIT  # per step, read and written alike
     read, written, _, _ = moved["disk"]

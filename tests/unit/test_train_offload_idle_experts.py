@@ -130,7 +130,7 @@ def test_a_forward_that_runs_the_ffn_in_chunks_sums_their_rows(tmp_path: Path) -
     count both chunks' rows: the outputs and every expert's gradient on disk equal one FFN call's over
     all the rows (reference: ``expert_ffn`` on the same weights, in memory)."""
     run = loop._setup(_cfg(write_corpus(tmp_path / "corpus.txt"), 1, True), tmp_path / "run", *_PLAIN_SETUP)
-    offload = run.offload
+    offload = run.experts
     assert offload is not None
     try:
         experts = offload.experts[0]

@@ -98,7 +98,7 @@ class CudaLoader:
 
     def __init__(self, source: Source, cache: SlotCache) -> None:
         self.cache = cache
-        self.device = cache.arena.device
+        self.device = cache.device
         self.host = pinned_tier(source)
         self._copies = torch.cuda.Stream(self.device)
         self._copied: list[torch.cuda.Event | None] = [None] * cache.num_slots  # each slot's last copy
@@ -131,12 +131,12 @@ class CudaLoader:
         self._released[entry.slot] = torch.cuda.current_stream(self.device).record_event()
 
     def close(self) -> None:
-        self._copies.synchronize()  # no copy may still write into the arena once it is freed
+        self._copies.synchronize()  # no copy may still write into a slot once it is freed
 
 
 def make_loader(source: Source, cache: SlotCache) -> Loader:
     """The loader for the device the cache's slots live on."""
-    device = cache.arena.device
+    device = cache.device
     if device.type == "cuda":
         return CudaLoader(source, cache)
     if device.type == "cpu":

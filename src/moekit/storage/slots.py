@@ -1,6 +1,6 @@
-"""The fast tier: a fixed arena of equal slots under a strict byte budget, and its eviction policies.
+"""The fast tier: a fixed set of equal slots under a strict byte budget, and its eviction policies.
 
-The arena is allocated once (``num_slots * slot_bytes`` <= budget), so the resident bytes can never
+The slots are allocated once (``num_slots * slot_bytes`` <= budget), so the resident bytes can never
 exceed the budget: a load needs a free slot or evicts an unpinned one. Pins protect what is being
 computed with and what was fetched ahead for the next use. Offloaded inference keeps an expert in
 each slot, offloaded training a layer's expert weights.
@@ -128,20 +128,19 @@ class CacheCounters:
 
 
 class SlotCache:
-    """``num_slots`` slots of ``slot_bytes`` each in one arena on ``device``, by key; thread-safe."""
+    """``num_slots`` slots of ``slot_bytes`` each on ``device``, by key; thread-safe."""
 
     def __init__(self, num_slots: int, slot_bytes: int, device: torch.device, policy: Policy) -> None:
         assert num_slots >= 1
-        self.num_slots, self.slot_bytes = num_slots, slot_bytes
-        # NOTE: on the CPU the arena starts on a 4 KiB boundary so direct reads can land in its slots
-        # (slot sizes are multiples of 4 KiB for a store reading directly).
-        size = num_slots * slot_bytes
+        self.num_slots, self.slot_bytes, self.device = num_slots, slot_bytes, device
+        # NOTE: each slot is a tensor of its own, made once: autograd keeps one version counter for a
+        # tensor and all its views, so in one arena a write into one slot (a load landing) would count as
+        # a change to the weights a backward saved from another. On the CPU each starts on a 4 KiB
+        # boundary so direct reads can land in it.
         if device.type == "cpu":
-            self.arena = aligned_empty(size)
+            self.slots = [aligned_empty(slot_bytes) for _ in range(num_slots)]
         else:
-            self.arena = torch.empty(size, dtype=torch.uint8, device=device)
-        # one view per slot, made once: a slot is the same tensor object at every use
-        self.slots = [self.arena[i * slot_bytes : (i + 1) * slot_bytes] for i in range(num_slots)]
+            self.slots = [torch.empty(slot_bytes, dtype=torch.uint8, device=device) for _ in range(num_slots)]
         self.policy = policy
         self.entries: dict[Hashable, Entry] = {}
         self._free = list(range(num_slots - 1, -1, -1))

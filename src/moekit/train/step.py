@@ -54,6 +54,10 @@ class ExpertStorage(Protocol):
         """While a checkpoint is loaded into ``model``: the state it fills itself (None: all in the model)."""
         ...
 
+    def weights_finite(self) -> bool:
+        """Whether the expert weights held outside the model are finite (True: none are)."""
+        ...
+
     def close(self) -> None:
         """The run is over (or failed): let go of what the experts hold outside the model."""
         ...
@@ -76,6 +80,9 @@ class ResidentExperts:
 
     def restoring(self, model: nn.Module) -> AbstractContextManager[None]:
         return contextlib.nullcontext()
+
+    def weights_finite(self) -> bool:
+        return True
 
     def close(self) -> None:
         pass

@@ -3,6 +3,7 @@ the most-moved of them kept in a host tier in RAM (``train.host_budget``)."""
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 import torch
@@ -13,14 +14,31 @@ from moekit.parallel.runtime import global_rank
 from moekit.runconfig import RunConfig
 from moekit.storage.files import StorageFile
 from moekit.train.offload.build import ExpertWriter, claim_file
+from moekit.train.offload.checkpoint import StreamedExperts, restoring, saving, weights_finite
 from moekit.train.offload.engine import ExpertOffload
 from moekit.train.offload.reduce import LayerGradReduce
 from moekit.train.offload.store import LayerFile, host_regions
 from moekit.units import format_bytes, parse_bytes
 
+
+class TrainingOffload(ExpertOffload):
+    """``ExpertOffload`` at the model/optimizer seam the loop drives (``train.step.ExpertStorage``), its
+    checkpoints streamed (``checkpoint.py``)."""
+
+    def saving(self, model: nn.Module) -> AbstractContextManager[StreamedExperts]:
+        return saving(self, model)
+
+    def restoring(self, model: nn.Module) -> AbstractContextManager[StreamedExperts]:
+        return restoring(self, model)
+
+    def weights_finite(self) -> bool:
+        return weights_finite(self)
+
+
 __all__ = [
     "ExpertOffload",
     "ExpertWriter",
+    "TrainingOffload",
     "check_offloadable",
     "claim_offload_file",
     "expert_writer",
@@ -88,14 +106,14 @@ def check_offloadable(cfg: RunConfig, layout: Layout, device: torch.device) -> N
 
 def offload_experts(
     cfg: RunConfig, layout: Layout, mesh: RunMesh | None, model: nn.Module, optimizer, file: LayerFile
-) -> ExpertOffload:
+) -> TrainingOffload:
     """Train ``model``'s experts from ``file`` (``ExpertWriter.finish``) under ``cfg.train.memory_budget``.
     With ``cfg.train.host_budget``, each rank holds that many bytes of its regions in RAM instead of its
     file (``store.host_regions``)."""
     tc = cfg.train
     dp_group = mesh["dp"].get_group() if mesh is not None and layout.dp > 1 else None
     reduce = LayerGradReduce(dp_group, layout.batch_ranks)
-    offload = ExpertOffload(model, optimizer, tc.memory_budget, file, reduce, layout.world, mesh is not None)
+    offload = TrainingOffload(model, optimizer, tc.memory_budget, file, reduce, layout.world, mesh is not None)
     if tc.host_budget:
         try:
             _host_tier(offload, tc.host_budget, tc.grad_accum)
