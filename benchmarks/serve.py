@@ -96,7 +96,10 @@ def text_prompts(path: Path, n: int, seed: int, lo: int = 32, hi: int = 96) -> l
 
 
 class Server:
-    """``moekit serve`` as a subprocess on a free port; SIGTERM drains it."""
+    """``moekit serve`` as a subprocess on a free port; SIGTERM drains it. ``fields``: what every request
+    body carries besides the prompt and sampling (another server may need its model's name)."""
+
+    fields: dict = {}
 
     def __init__(self, run_dir: Path, *flags: str) -> None:
         cmd = [sys.executable, "-m", "moekit", "serve", str(run_dir), "--port", "0", "--device", "cpu", *flags]
@@ -123,6 +126,7 @@ def stream(
     conn = http.client.HTTPConnection(server.host, server.port, timeout=600)
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "seed": seed, "stream": True}
     body["stream_options"] = {"include_usage": True}
+    body |= server.fields
     sent = time.perf_counter()
     conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
     reply = conn.getresponse()

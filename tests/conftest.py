@@ -10,6 +10,10 @@ Layout: the tests mirror the package.
   parity test may drive the CLI when its input is a transformers model).
 - cuda/ runs where a CUDA device is (skipped elsewhere): the GPU paths against CPU references.
 Helpers used by more than one file live in helpers.py, fixtures here.
+
+Tiers: ``python -m pytest`` runs the fast tier (pyproject's ``-m 'not slow'``), ``-m slow`` the rest and
+``--all`` both. A test is marked where it is written (``pytestmark`` for a whole file, a decorator or
+``pytest.param(..., marks=pytest.mark.slow)`` for one case), never listed here.
 """
 
 from __future__ import annotations
@@ -24,6 +28,16 @@ from moekit import runconfig
 from moekit.model import Transformer
 from moekit.run.checkpoint import save_checkpoint
 from moekit.tokenizer import ByteTokenizer
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--all", action="store_true", help="run every tier: the fast one and the tests marked slow")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if config.getoption("--all"):
+        config.option.markexpr = ""  # no mark filter: pyproject's "not slow" no longer applies
+
 
 SENTENCE = (
     "the king and queen of the castle walked along the river to see the ships that came from the "

@@ -22,7 +22,9 @@ from moekit.convert.safetensors_dir import INDEX, SINGLE
 from moekit.convert.source import hf_source
 from moekit.infer.expert_store import ExpertStoreError
 from moekit.infer.offload import OffloadOptions, offloaded_model
+from moekit.infer.quant import QUANT_FORMATS
 from moekit.infer.range_store import RangeStore
+from moekit.infer.resident_experts import prepack_, quantize_experts_
 from moekit.run.load import LoadedRun, load_run
 from moekit.units import format_bytes
 
@@ -47,16 +49,45 @@ class InPlace:
 
 
 def load_for_inference(
-    path: Path, device: str = "cpu", offload: OffloadOptions | None = None, dtype: torch.dtype | None = None
+    path: Path,
+    device: str = "cpu",
+    offload: OffloadOptions | None = None,
+    dtype: torch.dtype | None = None,
+    expert_format: str = "fp",
+    prepack: bool = True,
 ) -> tuple[LoadedRun, InPlace | None]:
     """A run directory (``load_run``) or a Hugging Face directory, its experts offloaded under ``offload``;
-    with what reading a Hugging Face directory in place costs (None for a run or a resident model)."""
+    with what reading a Hugging Face directory in place costs (None for a run or a resident model).
+
+    ``expert_format`` (int8 | int4; resident experts only, an offloaded store takes its format from
+    ``offload``): the experts quantized in memory. ``prepack``: 16-bit weights reordered for oneDNN's
+    kernels where the CPU has native ones (``infer.resident_experts``: faster; False keeps the plain
+    layout, whose numbers offloaded experts reproduce exactly)."""
+    if expert_format not in ("fp", *QUANT_FORMATS):
+        raise ValueError(f"expert_format={expert_format!r}: choose from fp, {', '.join(QUANT_FORMATS)}")
+    loaded, in_place = _load(path, device, offload, dtype)
+    if expert_format != "fp":
+        if offload is not None:
+            raise ValueError(
+                f"expert_format={expert_format!r}: offloaded experts take their format from the offload options"
+            )
+        if not loaded.config.is_moe:
+            raise ValueError(f"expert_format={expert_format}: {path} is a dense model; it has no experts")
+        quantize_experts_(loaded.model, expert_format)
+    if prepack:
+        prepack_(loaded.model)
+    return loaded, in_place
+
+
+def _load(
+    path: Path, device: str, offload: OffloadOptions | None, dtype: torch.dtype | None
+) -> tuple[LoadedRun, InPlace | None]:
     path = Path(path)
     if not is_hf_dir(path):
-        return load_run(path, device, offload, dtype), None
+        return load_run(path, device, offload, dtype, for_inference=True), None
     checkpoint, tokenizer, cfg = hf_source(path, dtype)
     if offload is None:
-        return LoadedRun(load_hf(checkpoint).to(device), tokenizer, cfg, path), None
+        return LoadedRun(load_hf(checkpoint, for_inference=True).to(device), tokenizer, cfg, path), None
     if checkpoint.moe_cfg is None:
         raise ValueError(f"offload: {path} is a dense model; it has no experts to offload")
     if offload.expert_format != "fp":

@@ -9,9 +9,7 @@ d_model comes from the model and whose d_ff defaults to model.d_ff), ``data``, `
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import json
-import re
 import sys
 import types
 import typing
@@ -78,12 +76,6 @@ def load_preset(name: str) -> dict[str, dict[str, Any]]:
     except tomllib.TOMLDecodeError as err:
         raise ValueError(f"preset {name}: invalid TOML: {err}") from None
     return _checked(tree, f"preset {name}")
-
-
-def field_help(cls: type) -> dict[str, str]:
-    """Each field's one-line reason: the ``# comment`` beside it in the dataclass source."""
-    pattern = re.compile(r"^\s+(\w+):[^#]*#\s*(.+)$")
-    return {m.group(1): m.group(2).strip() for m in map(pattern.match, inspect.getsource(cls).splitlines()) if m}
 
 
 def _field_types(cls: type) -> dict[str, Any]:

@@ -12,6 +12,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = [pytest.mark.dist, pytest.mark.slow]
+
 STEPS = 6
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 

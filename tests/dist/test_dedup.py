@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 from datetime import timedelta
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
@@ -26,6 +27,8 @@ from moekit.parallel.ep import ep_groups, shard_moe
 from moekit.parallel.mesh import Layout, build_mesh
 
 from .spawn import MOEKIT, run_ranks
+
+pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
 W, EXPERTS, TOKENS, D = 4, 8, 12, 16  # ranks, experts, tokens per rank, model dim
 TOL = 1e-5

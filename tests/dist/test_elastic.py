@@ -14,13 +14,16 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 import moekit
 from moekit import runconfig
-from moekit.run.load import load_run
 from moekit.run.layout import latest_checkpoint
+from moekit.run.load import load_run
 from moekit.train.loop import train
+
+pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
 STEPS, EVERY = 12, 3
 SRC = str(Path(moekit.__file__).resolve().parents[1])

@@ -24,6 +24,8 @@ from moekit.train.loop import train
 
 from .spawn import MOEKIT, run_ranks
 
+pytestmark = pytest.mark.dist
+
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
@@ -33,6 +35,7 @@ def _moekit(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow
 def test_nproc_launches_an_expert_parallel_run(corpus_file, tmp_path) -> None:
     run_dir = tmp_path / "run"
     flags = ["--preset", "tiny", "--data", str(corpus_file), "--run-dir", str(run_dir), "--quiet"]
@@ -50,6 +53,7 @@ def test_nproc_launches_an_expert_parallel_run(corpus_file, tmp_path) -> None:
     assert len(rank_logs) == 2 and "moekit rank 1/2" in rank_logs[1].read_text()
 
 
+@pytest.mark.slow
 def test_a_data_parallel_run_raises_no_fsdp_view_warning(corpus_file, tmp_path) -> None:
     """FSDP2 warns when a sharded module returns a view (an in-place op on it would skip the module's
     pre-backward all-gather); the experts' grouped GEMM output and the blocks' outputs must not be one."""
@@ -62,6 +66,7 @@ def test_a_data_parallel_run_raises_no_fsdp_view_warning(corpus_file, tmp_path) 
     assert not [log for log in logs if "returned a view tensor" in log]
 
 
+@pytest.mark.slow
 def test_bad_layout_fails_before_launching(tmp_path) -> None:
     done = _moekit("train", "--nproc", "2", "--preset", "tiny", "--parallel.ep", "3", "--run-dir", str(tmp_path))
     assert done.returncode == 2
@@ -105,6 +110,7 @@ def _peer_hung_in_an_expert_exchange(rank: int, world: int, done: Path) -> None:
     exit_after_rank_failure(0)
 
 
+@pytest.mark.slow
 def test_a_rank_hung_in_an_expert_exchange_fails_after_the_timeout(tmp_path) -> None:
     done = tmp_path / "rank0-done"
     run_ranks(_peer_hung_in_an_expert_exchange, 2, done, tmp_path=tmp_path, preload=MOEKIT)
@@ -135,6 +141,7 @@ def _wait_for(condition, timeout: float, what: str):
     raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
+@pytest.mark.slow
 def test_a_hung_rank_ends_the_run_with_one_clear_error(corpus_file, tmp_path) -> None:
     # A real hang: rank 1 is stopped (SIGSTOP) mid-run. Rank 0 must end with the one-line error and
     # exit code 1, not a traceback or an abort from gloo's threads, and the launcher must exit 1.

@@ -20,6 +20,8 @@ from moekit.parallel.mesh import LayoutError, resolve_layout
 
 from .spawn import free_port
 
+pytestmark = pytest.mark.dist
+
 STEPS, HALF = 4, 2
 TOL = 1e-5
 SRC = str(Path(moekit.__file__).resolve().parents[1])
@@ -49,6 +51,7 @@ def _losses(run: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in records}
 
 
+@pytest.mark.slow
 def test_two_nodes_train_and_one_node_resumes(corpus_file: Path, tmp_path: Path) -> None:
     port = free_port()
     agent = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2"]

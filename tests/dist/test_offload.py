@@ -42,6 +42,8 @@ from moekit.train.step import train_step
 
 from .spawn import MOEKIT, run_ranks
 
+pytestmark = [pytest.mark.dist, pytest.mark.slow]
+
 STEPS, HALF = 4, 2
 RESHARD_TOL = 1e-5
 DP4_TOL = 1e-6

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
@@ -21,6 +22,8 @@ from moekit.train.model_build import build_model
 from moekit.train.offload import claim_offload_file
 
 from .spawn import MOEKIT, run_ranks
+
+pytestmark = pytest.mark.dist
 
 SEED = 3
 

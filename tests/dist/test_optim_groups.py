@@ -17,6 +17,8 @@ from moekit.train.optim import build_optimizer, decays
 
 from .spawn import MOEKIT, run_ranks
 
+pytestmark = pytest.mark.dist
+
 BASE = {
     "model.n_layers": "2",
     "model.n_heads": "2",

@@ -1,4 +1,4 @@
-"""Every parallel layout the README claims against the single-process model (fp32, same seed and weights).
+"""Every parallel layout docs/parallelism.md claims against the single-process model (fp32, same seed and weights).
 
 Reference: the unsharded model run on rank 0 over the whole global batch (all data ranks'
 micro-batches, each pipeline micro-batch separately) and broadcast to the other ranks, so the
@@ -38,6 +38,8 @@ from moekit.stats import StepStats
 from moekit.train.optim import build_optimizer
 
 from .spawn import MOEKIT, run_ranks
+
+pytestmark = pytest.mark.dist
 
 BASE = {
     "model.n_layers": "2",
@@ -306,7 +308,7 @@ def _check_all(rank: int, world: int, names: list[str]) -> None:
     assert not failures, "\n".join(failures)
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])  # the fast tier runs 2 ranks
 def test_layouts_match_single_process(world: int, tmp_path) -> None:
     """One set of spawned ranks per world size runs every layout of that size (process start-up is
     most of the cost); a failure names each layout that differs. ``-s`` prints the differences."""

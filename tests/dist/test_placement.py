@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 from pathlib import Path
 
+import pytest
 import torch
 
 from moekit import runconfig
@@ -16,6 +17,8 @@ from moekit.train.optim import build_optimizer
 from moekit.train.step import train_step
 
 from .spawn import MOEKIT, run_ranks
+
+pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
 STEPS = 8
 BASE = {

@@ -23,16 +23,18 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from moekit import runconfig
 from moekit.infer.generate import generate_text
-from moekit.run.load import load_run
 from moekit.infer.offload import OffloadOptions
 from moekit.model import Transformer
 from moekit.parallel.mesh import Layout, LayoutError
-from moekit.run.layout import CheckpointError, latest_checkpoint
 from moekit.run.export import export_run
+from moekit.run.layout import CheckpointError, latest_checkpoint
+from moekit.run.load import load_run
 from moekit.train.loop import _rebatch, train
 from moekit.train.step import train_step
 
 from .spawn import MOEKIT, run_ranks
+
+pytestmark = pytest.mark.dist
 
 STEPS, HALF = 4, 2
 TOL = 1e-5
@@ -92,6 +94,7 @@ def sharded_run(tmp_path_factory) -> Path:
     return tmp
 
 
+@pytest.mark.slow
 def test_resume_at_other_layouts_gives_the_same_losses(sharded_run: Path) -> None:
     tmp = sharded_run
     ref = tmp / "ref"
@@ -128,6 +131,7 @@ def _flip(ckpt: Path) -> None:
     meta.write_bytes(bytes(data))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "name, damage, message",
     [
@@ -152,6 +156,7 @@ def test_damaged_checkpoint_is_named_and_fallback_resumes(sharded_run: Path, nam
     assert abs(resumed.losses[0] - want) < TOL  # the previous complete checkpoint, at step 2
 
 
+@pytest.mark.slow
 def test_checkpoint_of_another_shape_names_keys_and_shapes(sharded_run: Path) -> None:
     tmp = sharded_run
     run = _damaged(tmp, "shape", lambda c: None)
@@ -166,6 +171,7 @@ def test_a_global_batch_the_layout_cannot_split_is_refused(tmp_path: Path, corpu
         _rebatch(cfg, {"global_microbatches": 4}, Layout(dp=3, ep=1, tp=1, pp=1, node_size=1), tmp_path)
 
 
+@pytest.mark.slow
 def test_export_consolidates_shards_for_inference(sharded_run: Path) -> None:
     tmp = sharded_run
     ckpt = latest_checkpoint(tmp / "ref")
@@ -214,9 +220,9 @@ def _live(pm, optimizer) -> tuple[dict, list[torch.Tensor]]:
 
 def _save_with_placement(rank: int, world: int, corpus_path: Path, tmp: Path) -> None:
     from moekit.parallel.runtime import ParallelModel, init_distributed
+    from moekit.run.saver import Checkpointer
     from moekit.train import loop
     from moekit.train.optim import build_optimizer
-    from moekit.run.saver import Checkpointer
 
     from .test_placement import SKEW
 
@@ -253,6 +259,7 @@ def _save_with_placement(rank: int, world: int, corpus_path: Path, tmp: Path) ->
         (tmp / "placed-losses.json").write_text(json.dumps(runs[0]))
 
 
+@pytest.mark.slow
 def test_a_checkpoint_leaves_live_placement_and_resumes_at_another_layout(tmp_path: Path) -> None:
     """ep=4 with experts re-placed every 2 steps, saved at step 4 in the background: the live placement, expert rows and
     losses are those of a run that never saved; the checkpoint holds canonical rows, so one process

@@ -133,6 +133,7 @@ def pristine_run(tmp_path_factory, write_run) -> Path:
     return write_run(tmp_path_factory.mktemp("bad-input") / "run")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("argv", "edit", "named"), [case[1:] for case in CASES], ids=[case[0] for case in CASES])
 def test_bad_input_is_one_clear_line_and_loses_nothing(pristine_run, tmp_path, argv, edit, named) -> None:
     run, new = tmp_path / "run", tmp_path / "new"

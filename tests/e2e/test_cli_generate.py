@@ -36,6 +36,7 @@ def test_cli_generate_offloaded_batch(run_dir: Path, tmp_path: Path, capsys: pyt
     assert "--policy='mru'" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_corrupt_checkpoint_is_named(corpus_file: Path, tmp_path: Path) -> None:
     run = tmp_path / "run"
     train(tiny(corpus_file, tmp_path / "cache", **{"train.steps": "2"}), run, progress=False)
@@ -49,6 +50,7 @@ def test_corrupt_checkpoint_is_named(corpus_file: Path, tmp_path: Path) -> None:
     assert proc.returncode == 2 and "model.safetensors: corrupt" in proc.stderr and "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "flag, message",
     [
@@ -62,6 +64,53 @@ def test_generate_rejects_bad_sampling_flags(flag: list[str], message: str, tmp_
     assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_cli_generates_with_experts_quantized_in_memory(run_dir: Path, fmt: str) -> None:
+    """``--expert-format`` without ``--memory-budget`` quantizes the experts at load (it was ignored):
+    the text is what the quantized model generates in Python, and no file is written into the run."""
+    import torch
+
+    from moekit.infer.generate import generate_text
+    from moekit.model_dir import load_for_inference
+
+    before = sorted(p.name for p in run_dir.rglob("*"))
+    proc = moekit_cli("generate", str(run_dir), "--expert-format", fmt, "--temperature", "0", "--max-new-tokens", "12")
+    assert proc.returncode == 0, proc.stderr
+    loaded, _ = load_for_inference(run_dir, expert_format=fmt)
+    with torch.no_grad():
+        expected = generate_text(loaded, "\n", 12, temperature=0)
+    assert proc.stdout == expected + "\n"
+    assert sorted(p.name for p in run_dir.rglob("*")) == before, "nothing written"
+
+
+@pytest.mark.slow
+def test_cli_refuses_a_bad_expert_format_and_a_dense_run(run_dir: Path, write_run, tmp_path: Path) -> None:
+    proc = moekit_cli("generate", str(run_dir), "--expert-format", "int3")
+    assert proc.returncode == 2 and "--expert-format='int3'" in proc.stderr and "Traceback" not in proc.stderr
+    dense = write_run(tmp_path / "dense", **{"model.moe_every": "0"})
+    proc = moekit_cli("generate", str(dense), "--expert-format", "int8")
+    assert proc.returncode == 2 and "dense model" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.slow
+def test_threads_flag_sets_torchs_threads_and_refuses_zero(run_dir: Path, capsys: pytest.CaptureFixture) -> None:
+    import torch
+
+    from moekit.cli import main
+
+    before = torch.get_num_threads()
+    try:
+        assert main(["generate", str(run_dir), "--threads", "1", "--max-new-tokens", "2"]) == 0
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+    capsys.readouterr()
+    proc = moekit_cli("generate", str(run_dir), "--threads", "0")
+    assert proc.returncode == 2 and "--threads" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.slow
 def test_offloaded_generate_says_what_the_budget_holds_and_prints_the_peak_rss(run_dir: Path, tmp_path: Path) -> None:
     """``--memory-budget`` holds the resident weights (the non-expert weights and the expert slots, as
     counted here from the model); activations, the KV cache and the runtime are beside it, and the

@@ -75,6 +75,7 @@ def test_serve_flags_are_checked(write_run, tmp_path: Path, flag: str, capsys) -
     assert flag.split("=")[0] in capsys.readouterr().err
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("field", "value"), [("moe.capacity_factor", "1.0"), ("moe.router", "expert_choice")], ids=["capacity", "choice"]
 )
@@ -87,6 +88,7 @@ def test_routing_that_depends_on_the_batch_is_refused(write_run, tmp_path: Path,
     assert done.returncode == 2 and field in err and "beside it" in err and len(err.splitlines()) == 1, err
 
 
+@pytest.mark.slow
 def test_a_trained_deepseek_run_serves_with_offloaded_experts(corpus_file: Path, tmp_path: Path) -> None:
     """``moekit train --preset deepseek-tiny`` (latent attention, group-limited routing) for a few steps,
     then ``moekit serve --memory-budget`` with room for 2 experts: the ``openai`` client's greedy

@@ -44,6 +44,7 @@ def test_help_lists_presets_and_fields() -> None:
         assert command in top
 
 
+@pytest.mark.slow
 def test_nan_loss_stops_and_keeps_last_good_checkpoint(corpus_file: Path, tmp_path: Path) -> None:
     run = tmp_path / "run"
     args = ["train", "--preset", "tiny", "--data", str(corpus_file), "--run-dir", str(run), "--quiet"]
@@ -61,6 +62,7 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(corpus_file: Path, tmp_pa
     assert read_manifest(latest_checkpoint(run))["step"] == 2
 
 
+@pytest.mark.slow
 def test_ctrl_c_saves_a_checkpoint_then_exits(corpus_file: Path, tmp_path: Path) -> None:
     run = tmp_path / "run"
     args = ["train", "--preset", "tiny", "--data", str(corpus_file), "--run-dir", str(run), "--quiet"]
@@ -89,6 +91,7 @@ def _limit_file_size(max_bytes: int):
     return apply
 
 
+@pytest.mark.slow
 def test_failed_save_keeps_previous_checkpoint(corpus_file: Path, tmp_path: Path) -> None:
     run = tmp_path / "run"
     base = ["--preset", "tiny", "--data", str(corpus_file), "--run-dir", str(run), "--quiet"]
@@ -107,6 +110,7 @@ def test_failed_save_keeps_previous_checkpoint(corpus_file: Path, tmp_path: Path
     load_run(run)  # the previous checkpoint still loads
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "args, message",
     [
@@ -124,6 +128,7 @@ def test_bad_input_gives_one_line_error(args: list[str], message: str, tmp_path:
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow
 def test_empty_data_file(tmp_path: Path) -> None:
     empty = tmp_path / "empty.txt"
     empty.write_text("")
@@ -132,6 +137,7 @@ def test_empty_data_file(tmp_path: Path) -> None:
     assert len(proc.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_offloaded_training_runs_from_the_command_line(corpus_file: Path, tmp_path: Path) -> None:
     state = tmp_path / "state"
     args = ["train", "--preset", "tiny", "--data", str(corpus_file), "--quiet", "--data.cache_dir", str(tmp_path / "c")]
@@ -149,6 +155,7 @@ def test_offloaded_training_runs_from_the_command_line(corpus_file: Path, tmp_pa
     )
 
 
+@pytest.mark.slow
 def test_two_runs_given_one_offload_dir_cannot_share_it(corpus_file: Path, tmp_path: Path) -> None:
     """Run A and run B are given the same ``--train.offload_dir``; B is started while A holds its file
     (A paused there, so that B meets it whatever the machine's load). B is refused with one line naming
@@ -188,6 +195,7 @@ def test_two_runs_given_one_offload_dir_cannot_share_it(corpus_file: Path, tmp_p
     assert not shared.exists() and not own.exists()
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(
     subprocess.run(["unshare", "-rm", "true"], capture_output=True).returncode != 0,
     reason="needs unshare (a mount namespace) to mount a read-only or a full filesystem",
@@ -222,6 +230,7 @@ def test_an_offload_dir_on_a_read_only_or_full_disk_is_one_line(
     assert latest_checkpoint(run) is None
 
 
+@pytest.mark.slow
 def test_a_failed_resume_keeps_the_runs_config_and_tokenizer(corpus_file: Path, tmp_path: Path) -> None:
     """A resume whose checkpoint does not fit its flags (and whose new text has other characters) fails
     before anything of the run is rewritten: its config and its own tokenizer are kept, and a plain

@@ -13,6 +13,8 @@ from moekit.cli import main
 from moekit.run.load import load_run
 from moekit.train.loop import train
 
+pytestmark = pytest.mark.slow
+
 
 def test_upcycle_a_run_then_train_from_it(corpus_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     dense_cfg = runconfig.resolve(

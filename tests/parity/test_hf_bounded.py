@@ -50,6 +50,7 @@ def _ids() -> torch.Tensor:
     return torch.randint(96, (2, 24), generator=torch.Generator().manual_seed(1))
 
 
+@pytest.mark.slow
 def test_bf16_shards_convert_in_bf16_and_match_transformers(bf16_dir: Path, tmp_path: Path) -> None:
     assert len(list(bf16_dir.glob("model-*.safetensors"))) >= 5
     run = tmp_path / "run"
@@ -126,6 +127,7 @@ def _misplace(hf: Path) -> str:
     return key
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("edit", "flags"),
     [(_corrupt, []), (_truncate, []), (_drop_shard, []), (_misplace, []), (None, ["--dtype", "bf17"])],

@@ -114,6 +114,7 @@ def assert_sigmoid_routing_decides(ours: torch.nn.Module) -> None:
     assert (top[:, k - 1] - top[:, k]).median() > 0.25, "routers too flat to test routing"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_deepseek_converts_and_exports_exactly(case: str, tmp_path: Path) -> None:
     family, config = CASES[case]

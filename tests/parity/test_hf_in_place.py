@@ -32,7 +32,7 @@ SLOTS = 2  # experts the cache holds
 
 
 def _budget(path: Path) -> int:
-    probe, _ = load_for_inference(path, offload=OffloadOptions(1 << 40))
+    probe, _ = load_for_inference(path, offload=OffloadOptions(1 << 40), prepack=False)
     try:
         return model_bytes(probe.model) + SLOTS * probe.offloader.cache.slot_bytes
     finally:
@@ -58,7 +58,13 @@ def _save(family: str, directory: Path) -> torch.nn.Module:
     return save_hf(family, directory, shard_size="40KB" if family == "mixtral" else None, router_scale=3.0)
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "olmoe", "qwen3_moe", "deepseek_v2", "deepseek_v3"])
+SLOW_FAMILIES = ("olmoe", "qwen3_moe", "deepseek_v2", "deepseek_v3")  # the fast tier reads Mixtral and Qwen2-MoE
+
+
+@pytest.mark.parametrize(
+    "family",
+    ["mixtral", "qwen2_moe", *(pytest.param(f, marks=pytest.mark.slow) for f in SLOW_FAMILIES)],
+)
 def test_in_place_greedy_equals_converted_and_transformers(family: str, tmp_path: Path) -> None:
     hf = tmp_path / "hf"
     hf_model = _save(family, hf)
@@ -82,6 +88,7 @@ def test_in_place_greedy_equals_converted_and_transformers(family: str, tmp_path
     assert torch.equal(got, hf_greedy(hf_model, prompt, NEW_TOKENS))
 
 
+@pytest.mark.slow
 def test_cli_generates_from_a_hugging_face_directory_writing_nothing(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -131,3 +138,42 @@ def test_experts_in_another_dtype_than_the_run_are_refused(tmp_path: Path) -> No
     quantize_dir(tmp_path / "hf", tmp_path / "dequantized")
     with pytest.raises(ValueError, match=r"stored as float8_e4m3fn .*dequantised, convert first"):
         load_for_inference(tmp_path / "hf", offload=OffloadOptions(1 << 40))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("dtype", "source"), [(torch.bfloat16, "hf"), (torch.float16, "hf"), (torch.bfloat16, "run")])
+@pytest.mark.parametrize("slots", [2, None])
+def test_offloaded_16_bit_computes_exactly_what_resident_computes(dtype, source, slots, tmp_path: Path) -> None:
+    """A 16-bit Hugging Face directory read in place, or its conversion to a run (experts stored [in,
+    out]): offloaded experts (a cache of 2, evicting in every layer, or one holding them all) give the
+    resident model's logits bit for bit, prefill and decode. Both multiply each expert's rows with the
+    same kernel over the same output-major weights."""
+    from moekit.infer.generate import decode_step, prefill
+
+    hf_model = save_hf("mixtral", tmp_path / "fp32", router_scale=3.0)
+    hf_model.to(dtype).save_pretrained(tmp_path / "hf")
+    save_tokenizer(tmp_path / "hf")
+    path = tmp_path / source
+    if source == "run":
+        assert main(["convert", str(tmp_path / "hf"), "--out", str(path)]) == 0
+    resident, _ = load_for_inference(path, prepack=False)  # prepacked weights take oneDNN's other kernel
+    assert resident.model.embed.weight.dtype == dtype
+    budget = _budget(path) + (0 if slots else 1 << 30)
+    offloaded, _ = load_for_inference(path, offload=OffloadOptions(budget, prefetch="off"), prepack=False)
+    try:
+        prompt = tokens(hf_model.config.vocab_size, (1, 8))
+        for batch in (prompt, torch.cat([prompt, prompt.flip(1)])):  # one sequence (GEMV kernels) and two
+            logits = [prefill(run.model, batch) for run in (resident, offloaded)]
+            assert torch.equal(logits[0][0], logits[1][0])
+            token = logits[0][0].argmax(-1, keepdim=True)
+            for _ in range(4):
+                steps = [
+                    decode_step(run.model, token, cache)
+                    for run, (_, cache) in zip((resident, offloaded), logits, strict=True)
+                ]
+                assert torch.equal(steps[0], steps[1])
+                token = steps[0].argmax(-1, keepdim=True)
+        stats = offloaded.offloader.stats
+        assert (stats.misses > stats.hits) == bool(slots), "a cache of 2 evicts; a large one does not"
+    finally:
+        offloaded.offloader.close()

@@ -58,6 +58,7 @@ def faults_per_step(mode: str) -> tuple[float, float]:
     return float(median), float(mean)
 
 
+@pytest.mark.slow
 @glibc_allocator
 def test_kept_memory_removes_per_step_page_faults():
     default, kept = faults_per_step("default"), faults_per_step("keep")
@@ -127,6 +128,7 @@ print(before - rss())
 """
 
 
+@pytest.mark.slow
 @glibc_allocator
 def test_leaves_glibcs_defaults_where_memory_is_not_kept():
     """In a process that never called ``keep_freed_memory``, glibc's default (adaptive) threshold still

@@ -4,11 +4,14 @@ both stand on) and the atomic-write and byte-size helpers stand below training, 
 conversion, which never import one another; serving stands on inference.
 
 Read from the source with ``ast``, so an import inside a function counts as much as one at the top.
+What a command line pays at start-up is checked in a fresh interpreter: ``moekit --help`` loads no torch.
 """
 
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -129,3 +132,28 @@ def test_no_module_imports_itself_back() -> None:
     for name in sorted(graph):
         if name not in state and (found := cycle_from(name, [name])):
             raise AssertionError("import cycle: " + " -> ".join(found))
+
+
+def _loaded_after(code: str) -> set[str]:
+    """Modules a fresh interpreter holds after running ``code`` (its own sys.path and environment)."""
+    done = subprocess.run(
+        [sys.executable, "-c", f"{code}\nimport sys; print(' '.join(sys.modules))"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return set(done.stdout.split())
+
+
+def test_help_and_the_package_load_no_torch() -> None:
+    """``moekit --help`` (and a command's ``--help``) build every parser without torch, which takes seconds
+    to import; ``import moekit`` alone loads none of its modules."""
+    help_run = "from moekit.cli import build_parser\nbuild_parser().format_help()"
+    assert "torch" not in _loaded_after(help_run)
+    assert "torch" not in _loaded_after("import moekit")
+    assert "moekit.layer" in _loaded_after("from moekit import MoE")  # the public names still load on use
+
+
+def test_a_single_device_layer_loads_no_dtensor() -> None:
+    """``torch.distributed.tensor`` (a second of imports) loads only where expert parallelism uses it."""
+    assert "torch.distributed.tensor" not in _loaded_after("import moekit.layer, moekit.model")

@@ -143,6 +143,7 @@ def test_a_prefetch_never_evicts_what_it_predicted(run_dir: Path, policy: str) -
         off.close()
 
 
+@pytest.mark.slow
 def test_ring_prefetch_keeps_every_expert_it_will_use(run_dir: Path) -> None:
     """``prefetch="all"`` with room for two layers and one more expert: no prefetch evicts an expert of
     the layer it reads for (all of them are predicted), after the first layer every expert a step needs
@@ -171,6 +172,7 @@ def test_ring_prefetch_keeps_every_expert_it_will_use(run_dir: Path) -> None:
         off.close()
 
 
+@pytest.mark.slow
 def test_router_prefetch_pauses_while_its_precision_is_low(run_dir: Path, monkeypatch) -> None:
     reference = greedy(load_run(run_dir).model)
     run = load_run(run_dir, offload=OffloadOptions(memory_budget=budget_for(run_dir, 9)))
@@ -185,6 +187,7 @@ def test_router_prefetch_pauses_while_its_precision_is_low(run_dir: Path, monkey
         run.offloader.close()
 
 
+@pytest.mark.slow
 def test_moving_precision_follows_the_predictions(run_dir: Path) -> None:
     run = load_run(run_dir, offload=OffloadOptions(memory_budget=budget_for(run_dir, 9), prefetch_min_precision=0.0))
     stats = run.offloader.stats
@@ -214,6 +217,7 @@ def _container_lengths(obj: object, name: str = "") -> dict[str, int]:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", ["lru", "lfu"])
 def test_bookkeeping_stays_bounded_over_many_steps(run_dir: Path, policy: str) -> None:
     options = OffloadOptions(budget_for(run_dir, 5), policy=policy, prefetch_min_precision=0.0, record_trace=10)
@@ -264,6 +268,7 @@ def test_totals_equal_the_figures_of_an_explicit_trace(run_dir: Path) -> None:
         off.close()
 
 
+@pytest.mark.slow
 def test_sampled_batched_text_equals_resident(run_dir: Path) -> None:
     prompts = ["ab", "hello there", "x"]
     resident = generate_texts(load_run(run_dir), prompts, 10, temperature=1.0, top_k=20, seed=3, batch_size=2)
@@ -336,6 +341,7 @@ def test_a_failed_read_leaves_no_slot_pinned(run_dir: Path, tmp_path: Path, cut:
         off.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where", ["between layers", "in a layer"])
 def test_a_failed_forward_leaves_nothing_pinned(run_dir: Path, where: str) -> None:
     """A forward fails once with slots held: block 1's attention raises after block 0 reserved block 1's

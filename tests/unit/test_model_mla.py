@@ -103,6 +103,7 @@ def test_generation_batched_with_padding_matches_uncached() -> None:
         assert cached[row, -12:].tolist() == alone[0, -12:].tolist()
 
 
+@pytest.mark.slow
 def test_checkpoint_and_offloaded_inference(tmp_path, write_run) -> None:
     """A saved MLA model with group-limited routing reloads, and with its experts offloaded under a
     two-expert budget generates the same greedy tokens as resident."""

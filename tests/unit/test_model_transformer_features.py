@@ -109,6 +109,7 @@ def test_flags_build_every_feature() -> None:
     assert abs(model.rope_freqs[0].abs().mean().item() - (0.1 * math.log(4) + 1)) < 1e-6
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("extra", [{}, {"model.full_attention_every": "0", "model.sliding_window": "5"}])
 def test_greedy_with_cache_equals_no_cache_reference(extra: dict[str, str]) -> None:
     """Prompts longer than the window, generation past the context (the cache refills)."""
@@ -151,6 +152,7 @@ def write_features_run(run_dir: Path) -> Transformer:
     return model
 
 
+@pytest.mark.slow
 def test_checkpoint_and_offloaded_experts_equal_resident(tmp_path: Path) -> None:
     """Reloaded from its checkpoint, then with its experts offloaded under a budget of two slots:
     the same logits, the same greedy tokens (expert biases and the clamp in the offloaded path)."""

@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from moekit import runconfig
 from moekit.train.loop import train
 
@@ -22,6 +24,7 @@ RUN = {
 }
 
 
+@pytest.mark.slow
 def test_compiled_run_matches_eager_and_does_not_recompile(corpus_file: Path, tmp_path: Path) -> None:
     base = {"data.path": str(corpus_file), "data.cache_dir": str(tmp_path / "cache"), **RUN}
     eager = train(runconfig.resolve("tiny", base), tmp_path / "eager", progress=False)

@@ -146,6 +146,7 @@ def test_offloaded_experts_serve_the_whole_batch_in_each_layer(write_run, tmp_pa
     run.offloader.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("attention", [{}, MLA], ids=["gqa", "mla"])
 def test_preempted_sequences_recompute_to_generates_tokens(write_run, tmp_path: Path, attention) -> None:
     """A KV pool of one context (12 blocks of 4) for five requests that need more: the newest running

@@ -70,6 +70,7 @@ def faults_per_step(mode: str) -> float:
     return float(out.stdout.split()[-1])
 
 
+@pytest.mark.slow
 def test_the_served_engine_thread_keeps_its_freed_memory() -> None:
     default, served = faults_per_step("default"), faults_per_step("served")
     assert default > 5 * max(served, 1.0), (default, served)

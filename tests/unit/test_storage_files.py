@@ -29,6 +29,7 @@ def _claim_in_another_process(path: Path) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", CLAIM, str(path)], capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.slow  # two more processes
 def test_a_claimed_file_is_one_process_s_until_it_is_removed(tmp_path: Path) -> None:
     path = tmp_path / "made" / "deeper" / "state.bin"
     file = StorageFile.claim(path)

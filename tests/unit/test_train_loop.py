@@ -17,6 +17,7 @@ from moekit.run.manifest import read_manifest
 from moekit.train.loop import TrainingError, train
 
 
+@pytest.mark.slow
 def test_thirty_steps_lower_the_loss(corpus_file: Path, tmp_path: Path) -> None:
     result = train(tiny(corpus_file, tmp_path / "cache"), tmp_path / "run", progress=False)
     assert result.steps == 30
@@ -34,6 +35,7 @@ def test_thirty_steps_lower_the_loss(corpus_file: Path, tmp_path: Path) -> None:
     assert any((run / "tensorboard").iterdir())
 
 
+@pytest.mark.slow
 def test_resume_equals_uninterrupted_bitwise(corpus_file: Path, tmp_path: Path) -> None:
     cfg = tiny(
         corpus_file, tmp_path / "cache", **{"train.steps": "20", "moe.router": "noisy_topk", "model.dropout": "0.1"}
@@ -51,6 +53,7 @@ def test_resume_equals_uninterrupted_bitwise(corpus_file: Path, tmp_path: Path) 
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.slow
 def test_bf16_autocast_trains(corpus_file: Path, tmp_path: Path) -> None:
     cfg = tiny(corpus_file, tmp_path / "cache", **{"train.dtype": "bf16", "train.steps": "20"})
     result = train(cfg, tmp_path / "run", progress=False)

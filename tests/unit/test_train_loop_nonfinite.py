@@ -57,6 +57,7 @@ def test_nan_gradient_skips_the_update_and_training_goes_on(
     assert read_manifest(latest_checkpoint(run))["skipped_steps"] == 1
 
 
+@pytest.mark.slow
 def test_consecutive_nan_gradients_stop_naming_the_field(corpus_file: Path, tmp_path: Path) -> None:
     run = tmp_path / "run"
     cfg = tiny(corpus_file, tmp_path / "cache", **{"train.steps": "10", "train.ckpt_every": "2"})
@@ -72,6 +73,7 @@ def test_consecutive_nan_gradients_stop_naming_the_field(corpus_file: Path, tmp_
     assert [r["skipped_steps"] for r in read_metrics(run)] == [0, 0, 0, 1, 2, 3]
 
 
+@pytest.mark.slow
 def test_resume_after_a_skip_equals_uninterrupted(corpus_file: Path, tmp_path: Path) -> None:
     steps = {"train.steps": "10", "train.ckpt_every": "2", "train.keep_checkpoints": "5"}
     cfg = tiny(corpus_file, tmp_path / "cache", **steps)

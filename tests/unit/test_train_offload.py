@@ -115,7 +115,9 @@ def test_offloaded_training_equals_in_memory_bitwise(corpus: Path, tmp_path: Pat
     assert not offload_dir.exists(), "the offloaded state and the directory made for it are removed at the end"
 
 
-@pytest.mark.parametrize("host", [{}, {"train.host_budget": HOST}], ids=["disk", "host_tier"])
+@pytest.mark.parametrize(
+    "host", [pytest.param({}, marks=pytest.mark.slow), {"train.host_budget": HOST}], ids=["disk", "host_tier"]
+)
 def test_deferred_updates_follow_the_schedule_evaluations_and_checkpoints(
     corpus: Path, tmp_path: Path, host: dict[str, str]
 ) -> None:
@@ -166,6 +168,7 @@ def _fail_once(module: torch.nn.Module) -> None:
     handle = module.register_forward_pre_hook(hook)
 
 
+@pytest.mark.slow
 def test_a_forward_cut_short_leaves_the_rest_of_the_updates_pending(corpus: Path, tmp_path: Path) -> None:
     """A step's forward that fails at the second MoE layer, after updating the first, then tried again:
     each layer is updated once, as in memory (the same failure cut in both runs)."""
@@ -359,7 +362,9 @@ def test_a_checkpoint_before_any_update_is_in_memory_trainings(corpus: Path, tmp
     assert_same_checkpoints(tmp_path / "disk", tmp_path / "memory", [1, 2, 3])
 
 
-@pytest.mark.parametrize("host", [{}, {"train.host_budget": HOST}], ids=["disk", "host_tier"])
+@pytest.mark.parametrize(
+    "host", [pytest.param({}, marks=pytest.mark.slow), {"train.host_budget": HOST}], ids=["disk", "host_tier"]
+)
 def test_skipped_nan_steps_record_no_update(corpus: Path, tmp_path: Path, host: dict[str, str]) -> None:
     """grad_accum = 1, NaN gradients at steps 2 and 5 (skipped, no AdamW update), an evaluation and a
     checkpoint between them: losses, skipped steps and weights bitwise those of in-memory training."""

@@ -82,6 +82,7 @@ def test_experts_streamed_to_the_file_equal_a_model_built_whole(tmp_path: Path, 
     file.remove()
 
 
+@pytest.mark.slow
 def test_init_streams_another_runs_weights_as_in_memory_training_loads_them(tmp_path: Path) -> None:
     """``init`` from a run's ``model.safetensors``: the experts streamed a layer at a time into the file;
     the losses and checkpoints of two steps from there are in-memory training's, bitwise (with the
@@ -176,6 +177,7 @@ print(json.dumps(measured))
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["train", "init"])
 def test_startup_never_holds_every_expert_weight(tmp_path: Path, mode: str) -> None:
     """Peak RSS (the kernel's VmHWM) of a child process from before ``train()`` to the end of its start-up

@@ -71,7 +71,9 @@ def in_memory(corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return train(tiny(corpus, **STEPS), tmp_path_factory.mktemp("memory") / "run", progress=False).run_dir
 
 
-@pytest.mark.parametrize("host", [{}, {"train.host_budget": HOST}], ids=["disk", "host_tier"])
+@pytest.mark.parametrize(
+    "host", [pytest.param({}, marks=pytest.mark.slow), {"train.host_budget": HOST}], ids=["disk", "host_tier"]
+)
 def test_offloaded_checkpoints_equal_in_memory_ones(
     corpus: Path, in_memory: Path, tmp_path: Path, host: dict[str, str]
 ) -> None:
@@ -155,6 +157,7 @@ def measure(work: str, data: str) -> None:
     print(json.dumps({"save": save, "saves": rises, "resume": resume, "layers": layers}))
 
 
+@pytest.mark.slow
 def test_saving_and_resuming_keep_to_the_budget(corpus: Path, tmp_path: Path) -> None:
     """The peak RSS of a save and of a resume, from the OS, in a child process of its own."""
     here = Path(__file__).parent

@@ -60,6 +60,7 @@ def _idle_after_first_step(step: int, micro: int) -> torch.Tensor:
     return bias
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("grad_accum", "host"),
     [(1, ""), (2, ""), (2, str(LAYERS * UNIT))],  # the host tier: every layer's gradient region

@@ -109,12 +109,11 @@ def _type_name(annotation) -> str:
 
 
 def add_config_flags(parser: argparse.ArgumentParser) -> None:
-    """One ``--section.field`` flag per config field, with its one-line reason as help."""
-    from moekit.runconfig import SECTIONS, field_help
+    """One ``--section.field`` flag per config field, with its one-line reason (the field's metadata) as help."""
+    from moekit.runconfig import SECTIONS
 
     for section, cls in SECTIONS.items():
         group = parser.add_argument_group(f"[{section}] {cls.__doc__.splitlines()[0]}")
-        reasons = field_help(cls)
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
             if section == "moe" and f.name == "d_model":
@@ -126,7 +125,7 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
                 f"--{section}.{f.name}",
                 metavar=_type_name(hints[f.name]),
                 default=argparse.SUPPRESS,
-                help=reasons.get(f.name, "") + default,
+                help=f.metadata["help"] + default,
             )
 
 
@@ -142,6 +141,12 @@ def add_run_flags(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--device", type=device_name, default="auto", help="cpu, cuda, cuda:N or auto")
     parser.add_argument(
+        "--threads",
+        type=positive_int,
+        help="CPU threads for the model's ops (default: torch's, one per core). On a machine busy with other "
+        "work, fewer threads than cores keep each step from waiting on a thread the OS has descheduled",
+    )
+    parser.add_argument(
         "--dtype", type=dtype_name, help="fp32, bf16 or fp16 weights and compute (default: the checkpoint's dtype)"
     )
     off = parser.add_argument_group("offloaded experts (models larger than memory)")
@@ -154,7 +159,13 @@ def add_run_flags(parser: argparse.ArgumentParser) -> None:
         default="auto",
         help="router (predict the next layer), all (ring), off; auto: router on a CPU, off on a GPU (default: auto)",
     )
-    off.add_argument("--expert-format", default="fp", help="fp, int8 or int4 expert weights (default: %(default)s)")
+    off.add_argument(
+        "--expert-format",
+        default="fp",
+        help="fp, int8 or int4 expert weights: with --memory-budget a quantized copy of the experts is written "
+        "once beside the checkpoint and read from; without, the experts are quantized in memory at load "
+        "(default: %(default)s)",
+    )
 
 
 def load_for_inference(args: argparse.Namespace):
@@ -162,15 +173,21 @@ def load_for_inference(args: argparse.Namespace):
     is given; a Hugging Face directory read in place says so (and that nothing is written) on stderr."""
     import sys
 
+    import torch
+
     from moekit.infer.offload import OffloadOptions
     from moekit.model_dir import load_for_inference as load
     from moekit.units import parse_bytes
 
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     offload = None
     if args.memory_budget is not None:
         budget = parse_bytes(args.memory_budget, "--memory-budget")
         offload = OffloadOptions(budget, args.policy, args.prefetch, args.expert_format)
-    loaded, in_place = load(args.run_dir, resolve_device(args.device), offload, resolve_dtype(args.dtype))
+    resident_format = args.expert_format if offload is None else "fp"
+    device, dtype = resolve_device(args.device), resolve_dtype(args.dtype)
+    loaded, in_place = load(args.run_dir, device, offload, dtype, expert_format=resident_format)
     if in_place is not None:
         print(in_place.describe(args.run_dir), file=sys.stderr)
     return loaded

@@ -37,12 +37,12 @@ def from_hf(path: Path, dtype: torch.dtype | None = None) -> Transformer:
     return load_hf(open_hf(path, dtype))
 
 
-def load_hf(checkpoint: HFCheckpoint) -> Transformer:
+def load_hf(checkpoint: HFCheckpoint, for_inference: bool = False) -> Transformer:
     """The model of a checked checkpoint: allocated without random init, filled one tensor (one expert)
-    at a time."""
+    at a time. ``for_inference``: its experts in inference's layout (``run.load.materialise``)."""
     with torch.device("meta"):
         model = Transformer(checkpoint.model_cfg, checkpoint.moe_cfg)
-    state = materialise(model, checkpoint.dtype, "cpu").state_dict()
+    state = materialise(model, checkpoint.dtype, "cpu", for_inference).state_dict()
     with torch.no_grad():
         for name, rows, piece in checkpoint.pieces():
             state[name][rows].copy_(piece)

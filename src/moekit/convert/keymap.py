@@ -237,6 +237,8 @@ def join(rule: Rule, read: Callable[[str], Tensor]) -> Tensor:
         return torch.cat([t[..., 0::2], t[..., 1::2]], dim=-1)
     if not rule.experts:
         return matrix(0)
+    if rule.experts == 1:  # one expert of a stream: a view, so copying it into place transposes once at most
+        return matrix(0).t().unsqueeze(0)
     return torch.stack([matrix(e).t() for e in range(rule.experts)])
 
 

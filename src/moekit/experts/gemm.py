@@ -16,12 +16,15 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from moekit.experts.matmul import mm
+
 
 def per_expert_mm(x_RK: Tensor, w_EKN: Tensor, counts: list[int]) -> Tensor:
-    """One ``torch.mm`` per expert that received rows, into slices of one output."""
+    """One matmul per expert that received rows, into slices of one output (``matmul.mm``: the CPU's
+    kernel choice for 16-bit weights)."""
     y_RN = x_RK.new_empty(x_RK.shape[0], w_EKN.shape[2])
     for e, rows in _expert_slices(counts):
-        torch.mm(x_RK[rows], w_EKN[e], out=y_RN[rows])
+        mm(x_RK[rows], w_EKN[e], out=y_RN[rows])
     return y_RN
 
 

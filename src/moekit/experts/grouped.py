@@ -5,13 +5,13 @@ Legend: R rows sorted by expert, D model dim, F expert hidden dim, E experts.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor
 
 from moekit.experts.gemm import grouped_matmul, records_grad
 
@@ -20,8 +20,12 @@ Schedule = Callable[[Tensor, ExpertsFn], Tensor]  # (rows, the experts' FFN) -> 
 
 
 def local_tensor(w: Tensor) -> Tensor:
-    """This rank's experts when expert parallelism made ``w`` a DTensor sharded over experts."""
-    return w.to_local() if isinstance(w, DTensor) else w
+    """This rank's experts when expert parallelism made ``w`` a DTensor sharded over experts.
+
+    No tensor is a DTensor before ``torch.distributed.tensor`` is imported (expert parallelism imports
+    it), so a single-device model never loads that package (seconds of ``import moekit``)."""
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    return w.to_local() if dtensor is not None and isinstance(w, dtensor.DTensor) else w
 
 
 def draw_normal_(p: Tensor, std: float) -> Tensor:
@@ -31,6 +35,8 @@ def draw_normal_(p: Tensor, std: float) -> Tensor:
     later draw is the same (under ``torch.device("meta")``, a model built whole on meta, none is drawn)."""
     if not p.is_meta:
         return nn.init.normal_(p, std=std)
+    if torch.get_default_device().type == "meta":  # nothing can be drawn (meta's normal_ only costs time)
+        return p
     return torch.empty(p.shape, dtype=p.dtype).normal_(0.0, std)
 
 

@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from moekit.config import MoEConfig
+from moekit.experts.matmul import single_token_kernels
 from moekit.model import KVCache, Transformer
 from moekit.run.load import LoadedRun
 
@@ -77,13 +78,15 @@ def prefill(model: Transformer, tokens_BL: Tensor, left_pad_B: Tensor | None = N
     """Run the prompt once into a fresh KV cache: the last position's logits [B, V], and the cache.
     ``left_pad_B``: leading padding positions of each row, masked out of attention."""
     cache = KVCache(model.cfg, tokens_BL.shape[0], tokens_BL.device, model.embed.weight.dtype, left_pad_B)
-    return model(tokens_BL, cache=cache).logits[:, -1], cache
+    with single_token_kernels(tokens_BL.numel()):
+        return model(tokens_BL, cache=cache).logits[:, -1], cache
 
 
 @torch.no_grad()
 def decode_step(model: Transformer, token_B1: Tensor, cache: KVCache) -> Tensor:
     """One new position per row through the cache (which grows by one): its logits [B, V]."""
-    return model(token_B1, cache=cache).logits[:, -1]
+    with single_token_kernels(token_B1.numel()):
+        return model(token_B1, cache=cache).logits[:, -1]
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Quantized expert weights: fewer bytes in the slow tier, in the cache and on the wire; not less compute.
+"""Quantized expert weights: fewer bytes in the slow tier, in the cache and read per token.
 
 Legend: K input dim, N output dim (weights are stored [in, out], as the experts use them), G group.
 
@@ -10,16 +10,19 @@ Legend: K input dim, N output dim (weights are stored [in, out], as the experts 
 From fp32 experts, int8 stores ~4x fewer bytes and int4 6.4x (half a byte per weight plus an fp32 scale
 per 32). The cache keeps the quantized form, so a budget holds about as many times more experts.
 
-What this saves is bytes read and cache slots, not arithmetic: there is no integer GEMM here, and every
-multiply-add runs in the compute dtype. ``matmul`` dequantizes int4 weights, and int8 ones for more than
-``INT8PACK_MAX_ROWS`` rows or off the CPU, into a full-precision [K, N] weight before ``torch.mm`` (a
-pass over the weight that full precision does not pay); int8 for 1-2 rows on a CPU goes through
-``torch._weight_int8pack_mm``, a weight-only kernel that converts the int8 weights to the activations'
-dtype inside the kernel. Quality on a trained model: ``benchmarks/quant_quality.py``.
+Two places hold them: an offloaded run's quantized store (a file written once, read expert by expert into
+the cache), and experts quantized in memory at load (``infer.resident_experts``, no file).
 
-NOTE: on CPU (torch 2.13, K=1024, N=2048, 1 thread) ``torch._weight_int8pack_mm`` took 4.6 ms for one
-row against 18 ms for dequantise + ``torch.mm``, but 26 vs 20 ms for 4 rows and 174 vs 10 ms for 32:
-it is used for an expert's rows up to ``INT8PACK_MAX_ROWS``, dequantise + mm above.
+The products use torch's weight-only CPU kernels, which read the int8 / int4 weights and convert them
+inside the kernel: ``torch._weight_int8pack_mm`` for up to ``INT8PACK_MAX_ROWS`` rows of an expert
+(dequantise + matmul above), and ``torch._weight_int4pack_mm_for_cpu`` over torch's own int4 packing
+(experts held in memory; an offloaded int4 store keeps the packing above and is dequantised per
+product). Both kernels take bf16 activations: in fp32 they ran 10-30x slower, so their rows are
+rounded to bf16 whatever the model's dtype.
+
+NOTE: on an AMD EPYC (AVX512-BF16), one thread, one 1024 x 4096 weight streamed from memory, one row:
+bf16 weight 0.37 ms (``experts.matmul``), int8 0.25 ms, int4 0.19 ms; int8 at 32 rows 1.85 ms against
+2.03 for dequantise + matmul, at 64 rows 3.56 against 2.50 (``benchmarks/cpu_matmul.py``).
 """
 
 from __future__ import annotations
@@ -30,13 +33,15 @@ import torch
 from safetensors.torch import save
 from torch import Tensor
 
+from moekit.experts.matmul import inference_layout, mm
 from moekit.fileio import write_atomic
 from moekit.infer.expert_store import ExpertStore, Key, expert_tensor_prefix
 from moekit.storage.aligned import aligned_empty
 
 QUANT_FORMATS = ("int8", "int4")
 INT4_GROUP = 32
-INT8PACK_MAX_ROWS = 2
+INT8PACK_MAX_ROWS = 32
+KERNEL_DTYPE = torch.bfloat16  # the activations torch's weight-only CPU kernels are fast in
 FULL_ROLES = ("w_in", "w_out")
 
 
@@ -60,16 +65,45 @@ def dequantize_int8(q_NK: Tensor, scale_N: Tensor, dtype: torch.dtype = torch.fl
     return (q_NK.to(dtype) * scale_N.to(dtype).unsqueeze(1)).t()
 
 
-def quantize_int4(w_KN: Tensor, group: int = INT4_GROUP) -> tuple[Tensor, Tensor]:
-    """Packed uint8 [K/2, N] (row 2i in the low nibble, 2i+1 in the high) and fp32 scale [K/G, N]."""
+def int4_codes(w_KN: Tensor, group: int = INT4_GROUP) -> tuple[Tensor, Tensor]:
+    """Codes q [K, N] in 0..15 (int16; the weight is ``(q - 8) * scale``) and fp32 scale [K/G, N]."""
     K, N = w_KN.shape
     if K % group or group % 2:
         raise ValueError(f"int4 needs the input dim ({K}) to be a multiple of the group size ({group}, even)")
-    w = w_KN.float().view(K // group, group, N)
+    w = w_KN.float().reshape(K // group, group, N)
     scale = w.abs().amax(dim=1).clamp_min(1e-12) / 7
-    q = torch.round(w / scale.unsqueeze(1)).clamp_(-8, 7).to(torch.int16).view(K, N) + 8  # 0..15
-    packed = (q[0::2] | (q[1::2] << 4)).to(torch.uint8)
-    return packed, scale
+    q = torch.round(w / scale.unsqueeze(1)).clamp_(-8, 7).to(torch.int16).view(K, N) + 8
+    return q, scale
+
+
+def quantize_int4(w_KN: Tensor, group: int = INT4_GROUP) -> tuple[Tensor, Tensor]:
+    """Packed uint8 [K/2, N] (row 2i in the low nibble, 2i+1 in the high) and fp32 scale [K/G, N]."""
+    q, scale = int4_codes(w_KN, group)
+    return (q[0::2] | (q[1::2] << 4)).to(torch.uint8), scale
+
+
+def pack_int4_for_cpu(w_KN: Tensor, group: int = INT4_GROUP) -> tuple[Tensor, Tensor]:
+    """torch's CPU int4 packing of ``int4_codes``: uint8 [N, K/2] in its own tile order, and bf16 scales
+    and zeros [K/G, N, 2] (zero 0: the kernel subtracts 8 from each code), for ``int4_mm``."""
+    q, scale = int4_codes(w_KN, group)
+    packed = torch._convert_weight_to_int4pack_for_cpu(q.t().contiguous().to(torch.int32), 2)
+    scales_and_zeros = torch.stack([scale, torch.zeros_like(scale)], dim=-1).to(KERNEL_DTYPE)
+    return packed, scales_and_zeros
+
+
+def int4_mm(x_MK: Tensor, packed: Tensor, scales_and_zeros: Tensor) -> Tensor:
+    """``x @ w`` for a weight packed by ``pack_int4_for_cpu`` (rows rounded to bf16 for the kernel)."""
+    group = packed.shape[1] * 2 // scales_and_zeros.shape[0]
+    y = torch._weight_int4pack_mm_for_cpu(x_MK.to(KERNEL_DTYPE), packed, group, scales_and_zeros)
+    return y.to(x_MK.dtype)
+
+
+def int8_mm(x_MK: Tensor, q_NK: Tensor, scale_N: Tensor) -> Tensor:
+    """``x @ w`` for ``w = q.t() * scale``: torch's int8 kernel for few rows on a CPU (rows rounded to bf16
+    for it), else the weight dequantised into the rows' dtype and multiplied (``experts.matmul.mm``)."""
+    if x_MK.shape[0] <= INT8PACK_MAX_ROWS and x_MK.device.type == "cpu":
+        return torch._weight_int8pack_mm(x_MK.to(KERNEL_DTYPE), q_NK, scale_N.to(KERNEL_DTYPE)).to(x_MK.dtype)
+    return mm(x_MK, dequantize_int8(q_NK, scale_N, x_MK.dtype))
 
 
 def dequantize_int4(packed: Tensor, scale_GN: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
@@ -85,18 +119,18 @@ def dequantize_int4(packed: Tensor, scale_GN: Tensor, dtype: torch.dtype = torch
 
 
 QUANTIZERS = {"int8": quantize_int8, "int4": quantize_int4}
-DEQUANTIZERS = {"int8": dequantize_int8, "int4": dequantize_int4}
 
 
 def matmul(fmt: str, views: dict[str, Tensor], role: str, x_MK: Tensor) -> Tensor:
     """``x @ w`` for weight ``role`` (w_in or w_out) of one expert stored in format ``fmt``."""
     if fmt == "fp":
-        return torch.mm(x_MK, views[role].to(x_MK.dtype))
+        # NOTE: the resident model's layout and kernel (``experts.matmul``), so the same numbers: a weight
+        # stored otherwise (a 16-bit run's [in, out], or another dtype) is laid out anew for the product.
+        return mm(x_MK, inference_layout(views[role], x_MK.dtype))
     q, scale = views[f"{role}.q"], views[f"{role}.scale"]
-    small = x_MK.shape[0] <= INT8PACK_MAX_ROWS and x_MK.device.type == "cpu"
-    if fmt == "int8" and small and hasattr(torch, "_weight_int8pack_mm"):
-        return torch._weight_int8pack_mm(x_MK, q, scale.to(x_MK.dtype))
-    return torch.mm(x_MK, DEQUANTIZERS[fmt](q, scale, x_MK.dtype))
+    if fmt == "int8":
+        return int8_mm(x_MK, q, scale)
+    return mm(x_MK, dequantize_int4(q, scale, x_MK.dtype))
 
 
 def write_quantized_store(source: ExpertStore, path: Path, fmt: str) -> Path:

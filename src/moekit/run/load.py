@@ -12,6 +12,7 @@ from safetensors.torch import load_model
 from torch import nn
 
 from moekit.config import ModelConfig, MoEConfig
+from moekit.experts.matmul import inference_layout
 from moekit.model import Transformer
 from moekit.model.rope import rope_table
 from moekit.run.layout import CONFIG, MODEL_FILE, SHARDED, CheckpointError, is_sharded, latest_checkpoint
@@ -55,13 +56,22 @@ def checkpoint_dtype(path: Path) -> torch.dtype:
     return max(held, key=held.__getitem__) if held else torch.float32
 
 
-def materialise(model: Transformer, dtype: torch.dtype, device: str | torch.device) -> Transformer:
+def materialise(
+    model: Transformer, dtype: torch.dtype, device: str | torch.device, for_inference: bool = False
+) -> Transformer:
     """Allocate, uninitialised, a model built on the meta device: parameters in ``dtype``, buffers in
     their own; embeddings tied again and the RoPE table (not saved) recomputed. Loading its weights
     then fills it, with no random init and no fp32 copy of a bf16 checkpoint.
+
+    ``for_inference``: routed experts in the layout inference multiplies fastest
+    (``experts.matmul.inference_layout``: output-major in 16 bits), which training and saving do not take.
     """
     for p in model.parameters():
         p.data = p.data.to(dtype)
+    if for_inference:
+        for moe in model.moe_layers():
+            for p in (moe.experts.w_in, moe.experts.w_out):
+                p.data = inference_layout(p.data, dtype)
     model.to_empty(device=device)
     cfg = model.cfg
     if cfg.tie_embeddings:  # allocating meta tensors one module at a time unties shared ones
@@ -94,7 +104,11 @@ def load_model_weights(path: Path, model: nn.Module) -> None:
 
 
 def load_run(
-    run_dir: Path, device: str = "cpu", offload: Offload | None = None, dtype: torch.dtype | None = None
+    run_dir: Path,
+    device: str = "cpu",
+    offload: Offload | None = None,
+    dtype: torch.dtype | None = None,
+    for_inference: bool = False,
 ) -> LoadedRun:
     """The trained model (newest checkpoint, weights verified), its tokenizer and config.
 
@@ -102,7 +116,8 @@ def load_run(
     A sharded checkpoint (from a multi-rank run) is consolidated in memory.
 
     With ``offload`` (``moekit.infer.offload.OffloadOptions``) the experts stay on disk and are served
-    through a budgeted cache; only the non-expert weights are loaded.
+    through a budgeted cache; only the non-expert weights are loaded. ``for_inference``: the experts in
+    inference's layout (``materialise``); such a model is for generating, not for training or saving.
     """
     run_dir = Path(run_dir)
     if not (run_dir / CONFIG).is_file():
@@ -124,6 +139,6 @@ def load_run(
     read_manifest(path)
     with torch.device("meta"):
         model = Transformer(cfg.model, cfg.moe if cfg.is_moe else None)
-    materialise(model, dtype or checkpoint_dtype(path), device)
+    materialise(model, dtype or checkpoint_dtype(path), device, for_inference)
     load_model_weights(path, model)
     return LoadedRun(model.eval(), load_tokenizer(run_dir), cfg, path)

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from moekit.experts.matmul import single_token_kernels
 from moekit.infer.generate import sample_next
 from moekit.run.load import LoadedRun
 from moekit.serve.kv import Chunk, KVPool, PagedStep
@@ -224,7 +225,8 @@ class Engine:
             hooks = [moe.router.register_forward_hook(self._keep_routing(i)) for i, moe in enumerate(self.moe_layers)]
         t1 = time.perf_counter()
         try:
-            out = self.run.model(torch.tensor([ids], device=self.device), cache=step)
+            with single_token_kernels(len(ids)):
+                out = self.run.model(torch.tensor([ids], device=self.device), cache=step)
         finally:
             for hook in hooks:
                 hook.remove()

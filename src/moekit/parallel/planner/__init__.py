@@ -2,7 +2,8 @@
 
 Stage one (``search``) enumerates dp x ep x etp x tp x cp x pp x vp x micro-batches x all-to-all form x
 overlap for a cluster, with the techniques switched on (``Techniques``), drops the layouts that do not
-fit in memory and ranks the rest by predicted step time (``cost``). Stage two (``rescore``) re-scores
+fit in memory (``memory``) and ranks the rest by predicted step time (``cost``, over ``layout``'s
+schedule and ``traffic``'s elementwise bytes). Stage two (``rescore``) re-scores
 candidates with measured expert loads, with and without load-aware placement, and says whether
 switching pays. ``presets`` reads clusters and models, ``flops`` counts FLOPs and parameters,
 ``comm`` times collectives.
@@ -17,22 +18,12 @@ from moekit.parallel.planner.comm import (
     ring_time,
 )
 from moekit.parallel.planner.cost import (
-    MEMORY_USABLE,
     OVERLAP_CHUNKS,
-    Candidate,
     Estimate,
-    block_activation_bytes,
-    elementwise_bytes,
     estimate,
-    fp8_cast_values,
     fsdp_collectives,
     gradient_sync_time,
-    in_flight,
-    memory_bytes,
-    micro_tokens,
-    paired_share,
     route_reach,
-    stage_blocks,
 )
 from moekit.parallel.planner.flops import (
     attention_dims,
@@ -41,6 +32,8 @@ from moekit.parallel.planner.flops import (
     param_counts,
     training_flops_per_token,
 )
+from moekit.parallel.planner.layout import Candidate, in_flight, micro_tokens, paired_share, stage_blocks
+from moekit.parallel.planner.memory import MEMORY_USABLE, block_activation_bytes, memory_bytes
 from moekit.parallel.planner.presets import Cluster, ModelSpec, Shape, Workload, load_cluster, load_model
 from moekit.parallel.planner.rescore import Rescored, layout_imbalance, rescore
 from moekit.parallel.planner.search import (
@@ -55,6 +48,7 @@ from moekit.parallel.planner.search import (
     plan,
     throughput,
 )
+from moekit.parallel.planner.traffic import elementwise_bytes, fp8_cast_values
 
 __all__ = [
     "ALL",

@@ -12,9 +12,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from moekit.parallel.planner.comm import members_per_node
-from moekit.parallel.planner.cost import MEMORY_USABLE as _USABLE
-from moekit.parallel.planner.cost import Candidate, Estimate, estimate, memory_bytes
+from moekit.parallel.planner.cost import Estimate, estimate
 from moekit.parallel.planner.flops import _blocks, attention_dims, model_flops_per_token
+from moekit.parallel.planner.layout import Candidate
+from moekit.parallel.planner.memory import MEMORY_USABLE as _USABLE
+from moekit.parallel.planner.memory import memory_bytes
 from moekit.parallel.planner.presets import Cluster, ModelSpec
 
 

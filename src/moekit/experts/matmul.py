@@ -1,0 +1,130 @@
+"""Inference matmuls on a CPU: which layout and kernel multiply 16-bit weights at the speed of their bytes.
+
+Legend: M rows, K input dim, N output dim.
+
+At batch 1 a decode step is a chain of matrix-vector products: its speed is the bytes of the weights
+it reads. What torch 2.13 does with 16-bit weights on a CPU depends on their layout and on the CPU
+(``benchmarks/cpu_matmul.py`` prints the table on the machine at hand). On an AMD EPYC with AVX512-BF16,
+one thread, weights streamed from memory (1024 x 4096):
+
+=========================  =============  ====================  ========================
+bf16 weight                 1 row          2 rows                32 rows
+=========================  =============  ====================  ========================
+stored [K, N]               1.05 ms        1.10 ms               1.54 ms
+stored [N, K] (oneDNN)      0.59 ms        0.62 ms               1.13 ms
+stored [N, K], ATen GEMV    0.37 ms        0.67 ms               10.5 ms
+=========================  =============  ====================  ========================
+
+and on a CPU without native bf16 or fp16 (AVX2, and fp16 on that EPYC) a weight stored [K, N] takes
+13-17 ms for one row: 40x its bytes. Hence the three rules here:
+
+- **Layout**: inference stores 16-bit expert weights output-major (``[E, N, K]`` storage seen as the
+  ``[E, K, N]`` the code multiplies, nn.Linear's and Hugging Face's layout); fp32 keeps ``[K, N]``,
+  where MKL's matrix-vector product is the faster one.
+- **One row**: a forward of a single token runs with oneDNN off (``single_token_kernels``), so 16-bit
+  products take ATen's reduced-precision GEMV (fp32 accumulation), 1.6x oneDNN's speed at one row.
+- **Many rows without native support**: above ``UPCAST_MIN_ROWS`` rows, a 16-bit weight the CPU cannot
+  multiply natively is converted to fp32 for the product (the result rounded back to 16 bits): a
+  conversion pass is cheaper than the scalar fallback, which slows linearly in the rows.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Iterator
+
+import torch
+from torch import Tensor
+
+SIXTEEN_BIT = (torch.bfloat16, torch.float16)
+UPCAST_MIN_ROWS = 6  # fp16 without native support, 1024 x 4096: 3.1 ms native vs 2.3 upcast at 8 rows
+
+
+def output_major(dtype: torch.dtype) -> bool:
+    """Whether inference stores weights of ``dtype`` output-major (``[N, K]`` under a ``[K, N]`` view)."""
+    return dtype in SIXTEEN_BIT
+
+
+def inference_layout(w_EKN: Tensor, dtype: torch.dtype) -> Tensor:
+    """``w`` in ``dtype``, laid out for inference: a new tensor (on the meta device, no storage), unless
+    ``w`` is one already. Same shape; only the strides say output-major."""
+    if w_EKN.dtype == dtype and _is_output_major(w_EKN) == output_major(dtype):
+        return w_EKN
+    if not output_major(dtype):
+        return w_EKN.to(dtype, memory_format=torch.contiguous_format)
+    out = torch.empty(w_EKN.mT.shape, dtype=dtype, device=w_EKN.device).mT
+    return out if w_EKN.is_meta else out.copy_(w_EKN)
+
+
+def _is_output_major(w: Tensor) -> bool:
+    """The last two dims stored transposed: ``[..., N, K]`` memory under a ``[..., K, N]`` view."""
+    return w.stride(-2) == 1 and (w.shape[-1] == 1 or w.stride(-1) == w.shape[-2])
+
+
+@functools.cache
+def native_16bit(dtype: torch.dtype) -> bool:
+    """Whether this CPU multiplies ``dtype`` natively (oneDNN's AVX512-BF16 / AMX / AVX512-FP16 kernels)."""
+    if dtype == torch.bfloat16:
+        return torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    if dtype == torch.float16:
+        return torch.ops.mkldnn._is_mkldnn_fp16_supported()
+    return True
+
+
+def upcasts(x_MK: Tensor, w_KN: Tensor) -> bool:
+    """Whether ``mm`` computes ``x @ w`` in fp32 (a 16-bit weight this CPU lacks kernels for, many rows)."""
+    return (
+        w_KN.device.type == "cpu"
+        and w_KN.dtype in SIXTEEN_BIT
+        and x_MK.shape[0] >= UPCAST_MIN_ROWS
+        and not native_16bit(w_KN.dtype)
+    )
+
+
+def mm(x_MK: Tensor, w_KN: Tensor, out: Tensor | None = None) -> Tensor:
+    """``x @ w`` (into ``out`` when given), upcast to fp32 where ``upcasts`` says so."""
+    if not upcasts(x_MK, w_KN):
+        return torch.mm(x_MK, w_KN, out=out)
+    y = torch.mm(x_MK.float(), w_KN.float())
+    return y.to(x_MK.dtype) if out is None else out.copy_(y)
+
+
+@contextlib.contextmanager
+def single_token_kernels(tokens: int) -> Iterator[None]:
+    """Around a forward of ``tokens`` tokens: for one token, oneDNN off, so that its 16-bit
+    matrix-vector products take ATen's GEMV (a process-wide switch: one thread steps the model)."""
+    if tokens != 1 or not torch.backends.mkldnn.is_available():
+        yield
+        return
+    enabled = torch._C._get_mkldnn_enabled()
+    torch._C._set_mkldnn_enabled(False)
+    try:
+        yield
+    finally:
+        torch._C._set_mkldnn_enabled(enabled)
+
+
+def prepackable(w: Tensor) -> bool:
+    """Whether ``prepack`` takes ``w``: a 16-bit weight on a CPU whose oneDNN multiplies it natively."""
+    return (
+        w.device.type == "cpu"
+        and w.dtype in SIXTEEN_BIT
+        and torch.backends.mkldnn.is_available()
+        and native_16bit(w.dtype)
+    )
+
+
+def prepack(w_NK: Tensor) -> Tensor:
+    """``w`` ([out, in], nn.Linear's layout) reordered once into oneDNN's blocked layout for its kernel:
+    an opaque tensor for ``packed_linear`` only. Read at 1.4-2.3x the speed of the plain layout
+    (bf16, 1024 x 4096, streamed, one thread: 0.25 ms against 0.37 ms for ATen's GEMV at one row, 0.31
+    against 0.60 ms for oneDNN unpacked at 4 rows)."""
+    return torch.ops.mkldnn._reorder_linear_weight(w_NK.contiguous(), 1)
+
+
+def packed_linear(x: Tensor, packed: Tensor, bias: Tensor | None = None) -> Tensor:
+    """``x @ w.t() + bias`` over a ``prepack``-ed weight, for any number of rows."""
+    rows = x.reshape(-1, x.shape[-1])
+    y = torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
+    return y.view(*x.shape[:-1], y.shape[-1])

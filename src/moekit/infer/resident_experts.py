@@ -1,0 +1,128 @@
+"""A resident model's weights in the forms inference multiplies fastest on a CPU, swapped in at load.
+
+- ``QuantizedExperts``: ``moekit generate RUN --expert-format int8|int4`` without ``--memory-budget``.
+  Every expert stays in memory, a quarter (int8) or about an eighth (int4) of its bf16 bytes, so a
+  memory-bound decode step reads that much less; the formats and kernels are ``infer.quant``'s.
+- ``PackedExperts`` and ``PackedLinear``: 16-bit weights on a CPU with native 16-bit kernels, reordered
+  once into oneDNN's blocked layout (``experts.matmul.prepack``), which it reads 1.4-2.3x faster.
+
+Each expert's rows are computed as the resident and offloaded paths compute them (``ExpertCompute``),
+only the two matmuls differ. None of these is for training or saving: they hold no parameters.
+
+Legend: R rows sorted by expert, D model dim, E experts, K input dim, N output dim.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor, nn
+
+from moekit.experts import DenseFFN
+from moekit.experts.grouped import ExpertCompute, GroupedExperts
+from moekit.experts.matmul import packed_linear, prepack, prepackable
+from moekit.infer.quant import QUANT_FORMATS, int4_mm, int8_mm, pack_int4_for_cpu, quantize_int8
+from moekit.model.transformer import Attention
+
+Matmul = Callable[[str, int, Tensor], Tensor]  # (role, expert, rows [M, K]) -> [M, N]
+
+
+class _PerExpert(nn.Module):
+    """Rows grouped by expert, each expert's computed with its own two matmuls (``_matmul``)."""
+
+    def __init__(self, experts: GroupedExperts) -> None:
+        super().__init__()
+        self.compute = ExpertCompute(experts.activation, experts.w_in_bias, experts.w_out_bias)
+        self.num_experts = experts.num_experts
+
+    def _matmul(self, role: str, expert: int, x_MK: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def forward(self, x_RD: Tensor, tokens_per_expert: Tensor | None = None, *, schedule=None) -> Tensor:
+        """Rows grouped by expert in order -> outputs, one expert at a time."""
+        if schedule is not None or tokens_per_expert is None:
+            raise ValueError(f"{type(self).__name__} computes one step's rows at once (no dispatch schedule)")
+        y_RD = torch.empty_like(x_RD)
+        start = 0
+        for e, n in enumerate(tokens_per_expert.tolist()):
+            if n:
+                rows = slice(start, start + n)
+                w_in, w_out = (lambda x, role=role, e=e: self._matmul(role, e, x) for role in ("w_in", "w_out"))
+                y_RD[rows] = self.compute(x_RD[rows], w_in, w_out, e)
+            start += n
+        return y_RD
+
+
+class QuantizedExperts(_PerExpert):
+    """The experts of one ``GroupedExperts``, quantized (``int8`` per output channel, ``int4`` in groups
+    of 32); biases, when the experts have them, stay in full precision."""
+
+    def __init__(self, experts: GroupedExperts, fmt: str) -> None:
+        super().__init__(experts)
+        if fmt not in QUANT_FORMATS:
+            raise ValueError(f"expert_format={fmt!r}: choose from {', '.join(QUANT_FORMATS)}")
+        self.fmt = fmt
+        quantize = quantize_int8 if fmt == "int8" else pack_int4_for_cpu
+        for role in ("w_in", "w_out"):
+            parts = [quantize(w_KN) for w_KN in getattr(experts, role).detach()]
+            self.register_buffer(f"{role}_q", torch.stack([q for q, _ in parts]))  # [E, N, K] int8 | torch's int4
+            self.register_buffer(f"{role}_scale", torch.stack([s for _, s in parts]))  # [E, N] | [E, K/G, N, 2]
+
+    def _matmul(self, role: str, expert: int, x_MK: Tensor) -> Tensor:
+        q, scale = getattr(self, f"{role}_q")[expert], getattr(self, f"{role}_scale")[expert]
+        return int8_mm(x_MK, q, scale) if self.fmt == "int8" else int4_mm(x_MK, q, scale)
+
+
+class PackedExperts(_PerExpert):
+    """The experts of one 16-bit ``GroupedExperts``, each weight ``prepack``-ed."""
+
+    def __init__(self, experts: GroupedExperts) -> None:
+        super().__init__(experts)
+        # NOTE: opaque oneDNN tensors, one per expert and role; kept in lists, not buffers (no state_dict).
+        weights = {role: getattr(experts, role).detach() for role in ("w_in", "w_out")}
+        self.packed = {role: [prepack(w_KN.t()) for w_KN in w_EKN] for role, w_EKN in weights.items()}
+
+    def _matmul(self, role: str, expert: int, x_MK: Tensor) -> Tensor:
+        return packed_linear(x_MK, self.packed[role][expert])
+
+
+class PackedLinear(nn.Module):
+    """An ``nn.Linear`` whose weight is ``prepack``-ed."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.packed = prepack(linear.weight.detach())
+        self.bias = None if linear.bias is None else linear.bias.detach()
+        self.out_features = linear.out_features
+
+    def forward(self, x: Tensor) -> Tensor:
+        return packed_linear(x, self.packed, self.bias)
+
+
+def quantize_experts_(model: nn.Module, fmt: str) -> nn.Module:
+    """Swap every MoE layer's ``GroupedExperts`` for ``QuantizedExperts`` in place, one layer at a time
+    (the full-precision weights of a layer are freed as its quantized ones are made)."""
+    for moe in model.moe_layers():
+        if fmt == "int4" and moe.experts.w_in.device.type != "cpu":
+            raise ValueError("expert_format='int4': experts quantized in memory run on a CPU (torch's int4 CPU kernel)")
+        if not isinstance(moe.experts, GroupedExperts):
+            raise ValueError(f"expert_format={fmt!r}: the experts are already {type(moe.experts).__name__}")
+        moe.experts = QuantizedExperts(moe.experts, fmt)
+    return model
+
+
+def prepack_(model: nn.Module) -> nn.Module:
+    """Swap, in place, the weights oneDNN multiplies faster prepacked (16-bit, on a CPU with native
+    kernels; elsewhere nothing changes): the routed experts left in full precision, attention's
+    projections, dense and shared FFNs, and the output head. Routers (computed in fp32) keep theirs."""
+    if not prepackable(model.lm_head.weight):
+        return model
+    for moe in model.moe_layers():
+        if type(moe.experts) is GroupedExperts:
+            moe.experts = PackedExperts(moe.experts)
+    for parent in [model, *(m for m in model.modules() if isinstance(m, DenseFFN | Attention))]:
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Linear and (parent is not model or name == "lm_head"):
+                setattr(parent, name, PackedLinear(child))
+    return model

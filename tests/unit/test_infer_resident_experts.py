@@ -1,0 +1,114 @@
+"""Experts quantized in memory (``moekit generate --expert-format int8|int4`` without a budget) against a
+reference written out here: each expert's weights quantized by the formats' own definitions (int8: per
+output channel, absmax / 127; int4: groups of 32 along the input, absmax / 7, codes -8..7), the FFN
+``silu(x @ gate) * (x @ up) @ down`` per token in float64 on rows rounded to bf16 (what the kernels
+take). Tolerance: bf16 rounding of each product's output and of the scales, relative to ``|x| @ |w|``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moekit.config import MoEConfig
+from moekit.experts.matmul import prepackable
+from moekit.infer.resident_experts import PackedExperts, PackedLinear, QuantizedExperts, prepack_, quantize_experts_
+from moekit.layer import MoE
+
+
+def _dequantized(w_KN: torch.Tensor, fmt: str) -> torch.Tensor:
+    w = w_KN.double()
+    if fmt == "int8":
+        scale = (w.abs().amax(dim=0) / 127).float().bfloat16().double()  # per output column
+        codes = torch.round(w / (w.abs().amax(dim=0) / 127)).clamp(-127, 127)
+        return codes * scale
+    K, N = w.shape
+    groups = w.reshape(K // 32, 32, N)
+    exact = groups.abs().amax(dim=1, keepdim=True) / 7
+    codes = torch.round(groups / exact).clamp(-8, 7)
+    return (codes * exact.float().bfloat16().double()).reshape(K, N)
+
+
+def _reference(moe: MoE, x_TD: torch.Tensor, fmt: str) -> torch.Tensor:
+    experts = moe.experts
+    routing = moe.router(x_TD)
+    y = torch.zeros(x_TD.shape, dtype=torch.float64)
+    for t, e, w in zip(routing.token_idx.tolist(), routing.expert_idx.tolist(), routing.weights.tolist(), strict=True):
+        x = x_TD[t].bfloat16().double()
+        h = x @ _dequantized(experts.w_in[e], fmt)
+        gate, up = h.chunk(2)
+        act = (gate * torch.sigmoid(gate) * up).float().bfloat16().double()  # rows reach the kernel in bf16
+        y[t] += w * (act @ _dequantized(experts.w_out[e], fmt))
+    return y
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("tokens", [1, 3, 40])
+def test_quantized_experts_equal_a_written_out_reference(fmt: str, tokens: int) -> None:
+    torch.manual_seed(tokens)
+    moe = MoE(MoEConfig(d_model=64, d_ff=96, num_experts=4, top_k=2)).eval()
+    x = torch.randn(tokens, 64)
+    with torch.no_grad():
+        ref = _reference(moe, x, fmt)
+        quantize_experts_(_Holder(moe), fmt)
+        assert isinstance(moe.experts, QuantizedExperts)
+        got = moe(x).double()
+    magnitude = ref.abs().amax()
+    assert float((got - ref).abs().amax()) <= 2.0**-6 * float(magnitude), "within bf16 rounding of the reference"
+
+
+class _Holder(torch.nn.Module):
+    """A model of one MoE layer (``quantize_experts_`` walks ``moe_layers()``)."""
+
+    def __init__(self, moe: MoE) -> None:
+        super().__init__()
+        self.moe = moe
+
+    def moe_layers(self) -> list[MoE]:
+        return [self.moe]
+
+
+def _ffn_reference(moe: MoE, x_TD: torch.Tensor) -> torch.Tensor:
+    """The MoE layer per token in float64 from its own (bf16) weights."""
+    experts, routing = moe.experts, moe.router(x_TD)
+    y = torch.zeros(x_TD.shape, dtype=torch.float64)
+    for t, e, w in zip(routing.token_idx.tolist(), routing.expert_idx.tolist(), routing.weights.tolist(), strict=True):
+        gate, up = (x_TD[t].double() @ experts.w_in[e].double()).chunk(2)
+        y[t] += w * ((gate * torch.sigmoid(gate) * up) @ experts.w_out[e].double())
+    return y
+
+
+@pytest.mark.skipif(not prepackable(torch.zeros(1, dtype=torch.bfloat16)), reason="no native bf16 kernels here")
+@pytest.mark.parametrize("tokens", [1, 5, 30])
+def test_prepacked_experts_and_linears_equal_the_plain_arithmetic(tokens: int) -> None:
+    """``prepack_`` swaps the experts and the attention / head projections for oneDNN's packed kernels:
+    the MoE layer stays within bf16 rounding of a float64 per-token reference, the whole model's
+    logits within bf16 rounding of the same model unpacked."""
+    from moekit import runconfig
+    from moekit.model import Transformer
+
+    cfg = runconfig.resolve("tiny", {"model.n_layers": "2", "moe.num_experts": "4"})
+    torch.manual_seed(tokens)
+    model = Transformer(cfg.model, cfg.moe).to(torch.bfloat16).eval()
+    ids = torch.randint(0, cfg.model.vocab_size, (1, tokens))
+    moe = model.moe_layers()[0]
+    x = torch.randn(tokens, cfg.model.d_model).bfloat16()
+    with torch.no_grad():
+        plain_logits, ref = model(ids).logits.double(), _ffn_reference(moe, x)
+        prepack_(model)
+        assert isinstance(moe.experts, PackedExperts) and isinstance(model.lm_head, PackedLinear)
+        assert isinstance(model.blocks[0].attn.qkv, PackedLinear)
+        got = moe(x).double()
+        logits = model(ids).logits.double()
+    assert float((got - ref).abs().amax()) <= 2.0**-6 * float(ref.abs().amax())
+    assert float((logits - plain_logits).abs().amax()) <= 2.0**-5 * float(plain_logits.abs().amax())
+
+
+def test_prepack_leaves_fp32_as_it_is() -> None:
+    from moekit import runconfig
+    from moekit.model import Transformer
+
+    cfg = runconfig.resolve("tiny", {"model.n_layers": "1"})
+    model = Transformer(cfg.model, cfg.moe).eval()
+    prepack_(model)
+    assert type(model.lm_head) is torch.nn.Linear and type(model.moe_layers()[0].experts).__name__ == "GroupedExperts"
