@@ -191,6 +191,7 @@ def start_server(args, engine: str, dtype: str, model_dir: Path):
     started = time.perf_counter()
     server = Server(model_dir, "--threads", str(args.threads), "--dtype", dtype)
     server.startup_s = time.perf_counter() - started
+    server.fields = {"ignore_eos": True}  # as vLLM's: every request decodes its max_tokens
     return server
 
 

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 import random
 import shutil
+import socket
 import subprocess
 import sys
 from collections.abc import Callable
@@ -149,6 +151,43 @@ def moekit_cli(*args: str, preexec=None, timeout: float = 600) -> subprocess.Com
     return subprocess.run(
         [sys.executable, "-m", "moekit", *args], capture_output=True, text=True, timeout=timeout, preexec_fn=preexec
     )
+
+
+SERVE_ENV = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src")}
+
+
+def start_serve(run_dir: Path, *flags: str, env: dict | None = None, preexec=None) -> tuple[subprocess.Popen, str]:
+    """``moekit serve RUN_DIR FLAGS`` (port 0 unless FLAGS give one): the process and its URL, once it serves."""
+    port = [] if any(f.startswith("--port") for f in flags) else ["--port", "0"]
+    cmd = [sys.executable, "-m", "moekit", "serve", str(run_dir), *port, "--device", "cpu", *flags]
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env or SERVE_ENV, preexec_fn=preexec
+    )
+    line = proc.stdout.readline()
+    assert " on " in line, line + proc.stderr.read()
+    return proc, line.split(" on ")[1].split("/v1")[0]
+
+
+def read_all(conn: socket.socket) -> bytes:
+    """Everything a server sends on ``conn`` until it closes the connection."""
+    conn.settimeout(30)
+    reply = b""
+    while chunk := conn.recv(65536):
+        reply += chunk
+    conn.close()
+    return reply
+
+
+@contextlib.contextmanager
+def serving(run_dir: Path, *flags: str, **kwargs):
+    """``start_serve``, and the process killed on the way out if it has not ended."""
+    proc, url = start_serve(run_dir, *flags, **kwargs)
+    try:
+        yield proc, url
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
 
 
 def toy_cluster():

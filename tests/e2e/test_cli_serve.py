@@ -4,8 +4,8 @@ run ``moekit train`` made of the DeepSeek preset served with its experts offload
 from __future__ import annotations
 
 import json
-import os
 import signal
+import socket
 import subprocess
 import sys
 import urllib.error
@@ -15,7 +15,8 @@ from pathlib import Path
 import openai
 import pytest
 import torch
-from helpers import budget_for
+from helpers import SERVE_ENV as ENV
+from helpers import budget_for, read_all, start_serve
 
 from moekit.infer.generate import generate
 from moekit.run.load import load_run
@@ -30,26 +31,19 @@ def _call(url: str, body: dict | None = None) -> tuple[int, dict]:
         return err.code, json.loads(err.read())
 
 
-ENV = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2] / "src")}
-
-
-def start_serve(run_dir: Path, *flags: str) -> tuple[subprocess.Popen, str]:
-    """``moekit serve RUN_DIR FLAGS`` on a free port: the process and its URL, once it listens."""
-    cmd = [sys.executable, "-m", "moekit", "serve", str(run_dir), "--port", "0", "--device", "cpu", *flags]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
-    line = proc.stdout.readline()
-    assert " on " in line, line + proc.stderr.read()
-    return proc, line.split(" on ")[1].split("/v1")[0]
-
-
 def test_sigterm_drains_the_real_server(write_run, tmp_path: Path) -> None:
     """``moekit serve`` as a subprocess: a stream is running when SIGTERM arrives; health says draining,
-    a new request gets 503, the stream still completes, then the process exits 0."""
+    a new request gets 503, the stream still completes, then the process exits 0, its engine thread
+    ended cleanly. A request whose headers came before the signal and its body after is refused with
+    503 (it was answered 200, then cut with neither ``[DONE]`` nor an error once the process left
+    without waiting for it)."""
     run_dir = write_run(tmp_path / "run", **{"model.tie_embeddings": "false", "model.context_length": "512"})
     proc, url = start_serve(run_dir)
     try:
         body = {"prompt": "a", "max_tokens": 400, "stream": True, "stream_options": {"include_usage": True}}
         body = json.dumps(body).encode()
+        late = socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1])))
+        late.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n\r\n".encode())
         request = urllib.request.Request(url + "/v1/completions", body, {"Content-Type": "application/json"})
         with urllib.request.urlopen(request, timeout=60) as stream:
             assert stream.readline().startswith(b"data: {")
@@ -57,16 +51,22 @@ def test_sigterm_drains_the_real_server(write_run, tmp_path: Path) -> None:
             assert _call(url + "/health")[1]["status"] == "draining"
             code, reply = _call(url + "/v1/completions", {"prompt": "b", "max_tokens": 2})
             assert code == 503 and reply["error"]["code"] == "draining"
+            late.sendall(body)
+            answer = read_all(late)
+            assert answer.startswith(b"HTTP/1.1 503") and b'"draining"' in answer, answer[:300]
             events = [line for line in stream.read().decode().splitlines() if line.startswith("data: ")]
         assert events[-1] == "data: [DONE]" and json.loads(events[-2][6:])["usage"]["completion_tokens"] == 400
         assert proc.wait(timeout=30) == 0
+        assert "Traceback" not in proc.stderr.read()
     finally:
         if proc.poll() is None:
             proc.kill()
         proc.wait()
 
 
-@pytest.mark.parametrize("flag", ["--kv-budget=1KB", "--port=70000", "--timeout=0"])
+@pytest.mark.parametrize(
+    "flag", ["--kv-budget=1KB", "--port=70000", "--timeout=0", "--timeout-body=0", "--drain-timeout=nan"]
+)
 def test_serve_flags_are_checked(write_run, tmp_path: Path, flag: str, capsys) -> None:
     from moekit.cli import main
 

@@ -25,7 +25,7 @@ from moekit.infer.offload import OffloadOptions
 from moekit.run.load import LoadedRun, load_run
 from moekit.serve.engine import EngineOptions
 from moekit.serve.protocol import Limits
-from moekit.serve.server import build_state, listen, serve_in_thread
+from moekit.serve.server import bind, build_state, serve_in_thread
 
 # Untied embeddings: the sharpened test model then writes varied text instead of repeating its input.
 RUN = {"model.tie_embeddings": "false", "model.context_length": "64"}
@@ -47,7 +47,7 @@ class Served:
 
     def __init__(self, run: LoadedRun, run_dir: Path, options: EngineOptions = SMALL, **kwargs) -> None:
         self.state = build_state(run, run_dir, options, **kwargs)
-        sock = listen("127.0.0.1", 0)
+        sock = bind("127.0.0.1", 0)
         self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
         self.server, self.thread = serve_in_thread(self.state, sock)
         self.client = openai.OpenAI(
@@ -58,6 +58,7 @@ class Served:
         self.server.should_exit = True
         self.thread.join()
         self.state.engine.stop()
+        self.state.workers.close()
 
     def call(self, path: str, body: object | bytes | None = None, headers: dict | None = None) -> tuple[int, dict]:
         data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
@@ -300,27 +301,31 @@ BAD = [
     (b'{"prompt": "a", "temperature": NaN}', 400, None),
     ({"prompt": "a", "temperature": -0.5}, 400, "temperature"),
     ({"prompt": "a", "top_p": 0}, 400, "top_p"),
-    ({"prompt": "a", "top_k": -1}, 400, "top_k"),
+    ({"prompt": "a", "top_k": -2}, 400, "top_k"),  # -1 (as 0): every token
     ({"prompt": "a", "seed": 2**64}, 400, "seed"),
     ({"prompt": "a", "seed": -1}, 400, "seed"),
-    ({"prompt": "a", "max_tokens": 0}, 400, "max_tokens"),
+    ({"prompt": "a", "max_tokens": 0}, 400, "max_tokens"),  # 0 only with echo
     ({"prompt": "a", "max_tokens": 64}, 400, "max_tokens"),  # the prompt leaves 63 positions
     ({"prompt": "x" * 64}, 400, "prompt"),
     ({"prompt": "\ud800"}, 400, "prompt"),  # a lone surrogate: no UTF-8 bytes to tokenize
     ({"prompt": ""}, 400, "prompt"),
-    ({"prompt": [1, 2]}, 400, "prompt"),
+    ({"prompt": [1, 256]}, 400, "prompt"),  # token ids: within the vocabulary of 256
+    ({"prompt": [[1], "a", []]}, 400, "prompt"),
     ({"prompt": "a", "n": 17}, 400, "n"),
     ({"prompt": ["a"] * 9, "n": 2}, 400, "n"),
-    ({"prompt": "a", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+    ({"prompt": "a", "stop": ["a"] * 65}, 400, "stop"),
     ({"prompt": "a", "logprobs": 21}, 400, "logprobs"),
     ({"prompt": "a", "stream": "yes"}, 400, "stream"),
-    ({"prompt": "a", "colour": 1}, 400, "colour"),
     ({"prompt": "a", "model": "gpt-4"}, 404, "model"),
     ({"prompt": "a", "max_tokens": 10**400}, 400, "max_tokens"),  # beyond any float: no OverflowError
     ({"prompt": "a", "temperature": 10**400}, 400, "temperature"),
-    ({"prompt": "a", "frequency_penalty": 0.5}, 400, "frequency_penalty"),  # taken only at 0
-    ({"prompt": "a", "logit_bias": {"1": 5}}, 400, "logit_bias"),
-    ({"prompt": "a", "echo": True}, 400, "echo"),
+    ({"prompt": "a", "frequency_penalty": 2.5}, 400, "frequency_penalty"),  # OpenAI's [-2, 2]
+    ({"prompt": "a", "repetition_penalty": 0}, 400, "repetition_penalty"),
+    ({"prompt": "a", "logit_bias": {"256": 5}}, 400, "logit_bias"),
+    ({"prompt": "a", "min_tokens": 5, "max_tokens": 4}, 400, "min_tokens"),
+    ({"prompt": "a", "stop_token_ids": [-1]}, 400, "stop_token_ids"),
+    ({"prompt": "a", "response_format": {"type": "json_object"}}, 400, "response_format"),  # would change it
+    ({"prompt": "a", "best_of": 2}, 400, "best_of"),
     ({"prompt": "a", "stream_options": {"include_usage": 1}}, 400, "include_usage"),
     (b'{"prompt": "' + b"a" * 5000 + b'"}', 413, None),
 ]
@@ -342,6 +347,8 @@ def test_chat_errors_unknown_routes_and_the_api_key(run: LoadedRun, run_dir: Pat
         with pytest.raises(openai.BadRequestError, match="messages"):
             s.client.chat.completions.create(model="run", messages=[{"role": "wizard", "content": "x"}])
         assert s.call("/v1/nothing")[0] == 404 and "error" in s.call("/v1/nothing")[1]
+        code, reply = s.call("/v1/completions")  # GET where only POST is served: the client's mistake
+        assert code == 405 and reply["error"]["type"] == "invalid_request_error"
         assert s.client.completions.create(model="run", prompt="a", max_tokens=2).usage.total_tokens == 3
         assert s.call("/health")[0] == 200  # no key needed
     finally:

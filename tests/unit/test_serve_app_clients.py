@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import shutil
 import socket
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 
 import openai
@@ -20,7 +22,7 @@ import test_serve_app as app_tests
 import torch
 from test_serve_app import SMALL, Served, expected, finished, wait_until
 
-from moekit.infer.generate import sample_next
+from moekit.infer.generate import generate, sample_next
 from moekit.run.load import LoadedRun
 from moekit.serve.chat import ChatTemplate
 from moekit.serve.protocol import Limits, parse_request
@@ -80,16 +82,45 @@ def test_text_held_back_is_released_when_an_end_token_ends_the_choice(
         s.close()
 
 
+def test_streamed_offsets_and_logprobs_follow_the_text_held_back(served: Served, run: LoadedRun) -> None:
+    """Text held back (a U+FFFD that may be half a character, a tail that may begin a stop string) keeps
+    its tokens' logprobs with it: each token's text_offset is where its text begins in the answer, the
+    same streamed as whole (a stream counted from the text sent so far), and the stop string's tokens
+    have no logprobs, as its text is not returned. Reference offsets: the longest common prefix of the
+    whole text and the text of the tokens before each."""
+    prompt = "the king and queen"
+    prompt_ids = torch.tensor([run.tokenizer.encode(prompt)])
+    ids = generate(run.model, prompt_ids, 24, 0.0)[0, prompt_ids.shape[1] :].tolist()
+    full = run.tokenizer.decode(ids)
+    offsets = [len(os.path.commonprefix([run.tokenizer.decode(ids[:i]), full])) for i in range(len(ids))]
+    assert "\ufffd" in full and len(set(offsets)) == len(offsets)  # held-back U+FFFDs, one token each
+    at = next(k for k in range(8, len(full)) if full[k : k + 2].isascii() and full.index(full[k : k + 2]) == k)
+    stop = full[at : at + 2]
+    create = partial(served.client.completions.create, model="run", prompt=prompt, max_tokens=24, temperature=0)
+    whole = create(logprobs=1, stop=[stop]).choices[0]
+    assert whole.text == full[:at] and whole.logprobs.text_offset == [o for o in offsets if o < at]
+    chunks = [c.choices[0] for c in create(logprobs=1, stop=[stop], stream=True) if c.choices]
+    assert [o for c in chunks for o in c.logprobs.text_offset] == whole.logprobs.text_offset
+    assert [t for c in chunks for t in c.logprobs.tokens] == whole.logprobs.tokens
+    unstopped = [c.choices[0] for c in create(logprobs=1, stream=True) if c.choices]
+    assert [o for c in unstopped for o in c.logprobs.text_offset] == offsets
+
+
 def test_top_logprobs_needs_logprobs(served: Served) -> None:
     body = {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}
     code, reply = served.call("/v1/chat/completions", body, {"Content-Type": "application/json"})
     assert code == 400 and reply["error"]["param"] == "top_logprobs"
 
 
+def answered(s: Served, status: str) -> float:
+    return s.state.metrics.registry.get_sample_value("moekit_requests_total", {"status": status}) or 0.0
+
+
 def test_a_client_that_hangs_up_on_a_whole_answer_cancels_it(served: Served, run: LoadedRun) -> None:
-    """Tokens keep arriving while the client is gone: the request is cancelled, not run to its end."""
+    """Tokens keep arriving while the client is gone: the request is cancelled, not run to its end, and
+    counted as nginx's 499 (client gone), not as a 503 of the server's."""
     engine = served.state.engine
-    cancelled = finished(served, "cancelled")
+    cancelled, unavailable, gone = finished(served, "cancelled"), answered(served, "503"), answered(served, "499")
     host, port = served.url.removeprefix("http://").split(":")
     body = json.dumps({"prompt": "a", "max_tokens": 60, "temperature": 0}).encode()
     head = f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
@@ -101,6 +132,8 @@ def test_a_client_that_hangs_up_on_a_whole_answer_cancels_it(served: Served, run
         wait_until(lambda: finished(served, "cancelled") == cancelled + 1)
     wait_until(lambda: engine.in_flight == (0, 0))
     assert engine.pool.free_blocks == engine.pool.num_blocks
+    wait_until(lambda: answered(served, "499") == gone + 1)
+    assert answered(served, "503") == unavailable
 
 
 def test_the_servers_token_limit_and_timeout(run: LoadedRun, run_dir: Path) -> None:

@@ -115,8 +115,8 @@ def test_text_stream_holds_back_split_characters_and_stop_prefixes() -> None:
     stream = TextStream(ByteTokenizer(), ("END",))
     released = [stream.add(t) for t in "é wEN".encode()]
     assert "".join(text for text, _ in released) == "é w" and not any(stop for _, stop in released)
-    assert released[0] == ("", False)  # half of é
-    assert stream.add(ord("D")) == ("", True)  # "END" stops: neither it nor anything after is released
+    assert released[0] == ("", None)  # half of é
+    assert stream.add(ord("D")) == ("", "END")  # "END" stops: neither it nor anything after is released
     stream = TextStream(ByteTokenizer(), ("END",))
     assert [stream.add(t)[0] for t in b"ENx"] == ["", "", "ENx"]  # a prefix that did not become a stop
 

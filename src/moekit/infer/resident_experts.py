@@ -3,8 +3,9 @@
 - ``QuantizedExperts``: ``moekit generate RUN --expert-format int8|int4`` without ``--memory-budget``.
   Every expert stays in memory, a quarter (int8) or about an eighth (int4) of its bf16 bytes, so a
   memory-bound decode step reads that much less; the formats and kernels are ``infer.quant``'s.
-- ``PackedExperts`` and ``PackedLinear``: 16-bit weights on a CPU with native 16-bit kernels, reordered
-  once into oneDNN's blocked layout (``experts.matmul.prepack``), which it reads 1.4-2.3x faster.
+- ``PackedExperts`` and ``PackedLinear``: fp32 weights, and 16-bit ones on a CPU with native 16-bit
+  kernels, reordered once into oneDNN's blocked layout (``experts.matmul.prepack``), which it reads
+  1.4-2.3x faster.
 
 Each expert's rows are computed as the resident and offloaded paths compute them (``ExpertCompute``),
 only the two matmuls differ. None of these is for training or saving: they hold no parameters.
@@ -75,7 +76,7 @@ class QuantizedExperts(_PerExpert):
 
 
 class PackedExperts(_PerExpert):
-    """The experts of one 16-bit ``GroupedExperts``, each weight ``prepack``-ed."""
+    """The experts of one ``GroupedExperts``, each weight ``prepack``-ed."""
 
     def __init__(self, experts: GroupedExperts) -> None:
         super().__init__(experts)
@@ -113,8 +114,8 @@ def quantize_experts_(model: nn.Module, fmt: str) -> nn.Module:
 
 
 def prepack_(model: nn.Module) -> nn.Module:
-    """Swap, in place, the weights oneDNN multiplies faster prepacked (16-bit, on a CPU with native
-    kernels; elsewhere nothing changes): the routed experts left in full precision, attention's
+    """Swap, in place, the weights oneDNN multiplies faster prepacked (fp32, and 16-bit on a CPU with
+    native 16-bit kernels; elsewhere nothing changes): the routed experts left in full precision, attention's
     projections, dense and shared FFNs, and the output head. Routers (computed in fp32) keep theirs."""
     if not prepackable(model.lm_head.weight):
         return model

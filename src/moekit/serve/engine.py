@@ -21,9 +21,9 @@ import torch
 from torch import Tensor
 
 from moekit.experts.matmul import single_token_kernels
-from moekit.infer.generate import sample_next
 from moekit.run.load import LoadedRun
 from moekit.serve.kv import Chunk, KVPool, PagedStep
+from moekit.serve.sampling import TopLogprobs, sample_rows, top_logprobs
 from moekit.serve.scheduler import Budget, Seq, plan_step, share_prompt
 from moekit.serve.text import TextStream
 
@@ -47,21 +47,24 @@ class EngineOptions:
 
 
 @dataclass(frozen=True)
-class TopLogprobs:
-    token: int
-    logprob: float
-    top: list[tuple[int, float]]  # the N likeliest (token, logprob), likeliest first
-
-
-@dataclass(frozen=True)
 class Token:
     """A choice's next token and the text it releases (maybe empty: held back)."""
 
     choice: int
     token: int
     text: str
+    offset: int  # where this token's text begins in the choice's text (in characters)
     logprobs: TopLogprobs | None
     routing: list[list[int]] | None  # per MoE layer, the experts that computed this token's logits
+
+
+@dataclass(frozen=True)
+class PromptLogprobs:
+    """Each prompt token's log-probability after the ones before it (the first has none), sent
+    before a choice's first token when its request echoes the prompt with logprobs."""
+
+    choice: int
+    scores: list[TopLogprobs]  # prompt tokens 1..
 
 
 @dataclass(frozen=True)
@@ -74,6 +77,11 @@ class Finish:
     prompt_tokens: int
     completion_tokens: int
     message: str = ""
+    stop_reason: str | int | None = None  # the stop string or stop_token_ids token that ended it (vLLM's)
+
+
+class StepAborted(Exception):
+    """A model step given up between two layers: the engine is stopping at once."""
 
 
 class QueueFull(RuntimeError):
@@ -106,7 +114,9 @@ class Engine:
         self._forks_waiting = 0  # choices held by a sequence prefilling their prompt (under _cond)
         self._cond = threading.Condition()
         self._stopping = False
+        self._abort = False  # stop between two layers of the step under way (read by a hook per block)
         self._thread: threading.Thread | None = None
+        self.failure: BaseException | None = None  # what ended the engine thread, if it was not ``stop``
         self.steps = 0
         self.preemptions = 0  # running sequences sent back to the queue for want of KV blocks
         # Seconds of the engine thread by phase since the start (read by /metrics): where a step goes.
@@ -149,17 +159,37 @@ class Engine:
         return None if self._thread is None else self._thread.native_id
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._loop, name="moekit-engine", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="moekit-engine", daemon=True)
         self._thread.start()
 
-    def stop(self) -> None:
+    def stop(self, abort: bool = False, timeout: float | None = None) -> bool:
+        """End the thread after its step under way, or (``abort``) between two layers of it; every choice
+        still in flight ends "cancelled". False if the thread still runs after ``timeout`` seconds."""
         with self._cond:
             self._stopping = True
+            self._abort = self._abort or abort
             self._cond.notify()
         if self._thread is not None:
-            self._thread.join()
+            self._thread.join(timeout)
+            return not self._thread.is_alive()
+        return True
 
     # --- the engine thread ---------------------------------------------------------------------
+
+    def _run(self) -> None:
+        hooks = [block.register_forward_pre_hook(self._abort_between_layers) for block in self.run.model.blocks]
+        try:
+            self._loop()
+        except BaseException as err:  # kept for the server's exit code, then reported as any thread's
+            self.failure = err
+            raise
+        finally:
+            for hook in hooks:
+                hook.remove()
+
+    def _abort_between_layers(self, module, args) -> None:
+        if self._abort:
+            raise StepAborted
 
     def _loop(self) -> None:
         while True:
@@ -172,6 +202,8 @@ class Engine:
                 self._inbox.clear()
             try:
                 stepped = self.step()
+            except StepAborted:
+                break
             except Exception:  # a failed step fails its sequences, not the server
                 message = traceback.format_exc(limit=1).strip().splitlines()[-1]
                 for seq in [*self.running, *self.waiting]:
@@ -214,8 +246,10 @@ class Engine:
         for seq, n in plan.chunks:
             self._make_room(seq, n)
         ids: list[int] = []
+        starts: list[int] = []  # packed index of each chunk's first token
         sampling: list[tuple[int, Seq]] = []  # (packed index of its last token, sequence)
         for seq, n in plan.chunks:
+            starts.append(len(ids))
             ids += seq.tokens[seq.computed : seq.computed + n]
             if seq.computed + n == len(seq.tokens):  # its forks sample from the same logits
                 sampling += [(len(ids) - 1, s) for s in (seq, *self._fork(seq, seq.computed + n))]
@@ -230,6 +264,8 @@ class Engine:
         finally:
             for hook in hooks:
                 hook.remove()
+        if any(seq.params.prompt_logprobs for seq, _ in plan.chunks):
+            self._score_prompts(plan.chunks, starts, out.logits[0])
         for seq, n in plan.chunks:
             seq.computed += n
         if out.moe_stats:
@@ -276,6 +312,7 @@ class Engine:
         forks = self._take_forks(seq)
         for fork in forks:
             fork.blocks, fork.computed = self.pool.share(seq.blocks), computed
+            fork.prompt_scores = seq.prompt_scores  # the same prompt, scored as it is prefilled
             self._begin(fork)
             self.running.append(fork)
         return forks
@@ -292,29 +329,66 @@ class Engine:
         self.seconds["forward"] += t2 - t1
         self.seconds["emit"] += time.perf_counter() - t2
 
+    def _score_prompts(self, chunks: list[tuple[Seq, int]], starts: list[int], logits_TV: Tensor) -> None:
+        """Score the prompt tokens this step's chunks reach (``prompt_logprobs``): the logits at position
+        i give token i + 1's. A sequence prefilled again after a preemption keeps its first scores."""
+        rows: list[int] = []
+        owners: list[Seq] = []
+        targets: list[int] = []
+        for (seq, n), start in zip(chunks, starts, strict=True):
+            if not seq.params.prompt_logprobs:
+                continue
+            scored, end = len(seq.prompt_scores), min(seq.computed + n, len(seq.prompt) - 1)
+            for position in range(max(seq.computed, scored), end):
+                rows.append(start + position - seq.computed)
+                owners.append(seq)
+                targets.append(seq.prompt[position + 1])
+        if rows:
+            counts = [seq.params.logprobs or 0 for seq in owners]
+            scores = top_logprobs(
+                logits_TV[torch.tensor(rows, device=logits_TV.device)],
+                torch.tensor(targets, device=logits_TV.device),
+                counts,
+            )
+            for seq, score in zip(owners, scores, strict=True):
+                seq.prompt_scores.append(score)
+
+    def _ends(self, seq: Seq) -> frozenset[int]:
+        """The tokens that end ``seq``: the model's (unless ``ignore_eos``) and its ``stop_token_ids``."""
+        p = seq.params
+        return p.stop_token_ids if p.ignore_eos else self.stop_tokens | p.stop_token_ids
+
     def _emit(self, sampling: list[tuple[int, Seq]], logits_RV: Tensor) -> None:
         seqs = [seq for _, seq in sampling]
-        tokens = sample_rows(seqs, logits_RV)
+        ends = [self._ends(seq) for seq in seqs]
+        tokens = sample_rows(seqs, logits_RV, ends)
         wanted = [r for r, seq in enumerate(seqs) if seq.params.logprobs is not None]
         counts = [seqs[r].params.logprobs for r in wanted]
         logprobs = top_logprobs(logits_RV[wanted], tokens[wanted], counts) if wanted else []  # no empty indexing
         logprobs_of = dict(zip(wanted, logprobs, strict=True))
         now = time.monotonic()
         for r, ((index, seq), token) in enumerate(zip(sampling, tokens.tolist(), strict=True)):
+            p = seq.params
+            if p.prompt_logprobs and seq.generated == 0:
+                seq.emit(PromptLogprobs(seq.choice, list(seq.prompt_scores)))
             seq.tokens.append(token)
-            # An end token ends the choice: its text is not part of the answer, what was held back is.
-            text, stopped = (seq.state.flush(), True) if token in self.stop_tokens else seq.state.add(token)
-            routing = self._routing_of(index) if seq.params.return_routing else None
-            seq.emit(Token(seq.choice, token, text, logprobs_of.get(r), routing))
+            if token in ends[r]:  # it ends the choice: its text is not part of the answer, what was held back is
+                offset, text, stopped = len(seq.state.text), seq.state.flush(), True
+                stop_reason = token if token in p.stop_token_ids else None  # None: the model's end (vLLM's)
+            else:
+                text, stop_reason = seq.state.add(token, check_stops=seq.generated >= p.min_tokens)
+                offset, stopped = seq.state.offset, stop_reason is not None
+            routing = self._routing_of(index) if p.return_routing else None
+            seq.emit(Token(seq.choice, token, text, offset, logprobs_of.get(r), routing))
             if self.metrics is not None:
                 self.metrics.token(now - (seq.last_token_at or seq.arrived), first=seq.last_token_at is None)
             seq.last_token_at = now
             if stopped:
-                self._finish(seq, "stop", "")
-            elif seq.generated >= seq.params.max_tokens:
+                self._finish(seq, "stop", "", stop_reason)
+            elif seq.generated >= p.max_tokens:
                 self._finish(seq, "length", "")
 
-    def _finish(self, seq: Seq, reason: str, message: str) -> None:
+    def _finish(self, seq: Seq, reason: str, message: str, stop_reason: str | int | None = None) -> None:
         if seq in self.running:
             self.running.remove(seq)
             self.pool.release(seq.blocks)
@@ -324,7 +398,7 @@ class Engine:
         for fork in self._take_forks(seq):  # they end with it: a request's choices end together
             self._finish(fork, reason, message)
         text = seq.state.flush() if reason == "length" and seq.state is not None else ""
-        seq.emit(Finish(seq.choice, reason, text, len(seq.prompt), seq.generated, message))
+        seq.emit(Finish(seq.choice, reason, text, len(seq.prompt), seq.generated, message, stop_reason))
         if self.metrics is not None:
             self.metrics.finished(reason, len(seq.prompt), seq.generated)
 
@@ -339,28 +413,3 @@ class Engine:
     def _routing_of(self, index: int) -> list[list[int]]:
         """Per MoE layer, the experts the token at packed position ``index`` was routed to."""
         return [out.expert_idx[out.token_idx == index].tolist() for out in self._routing]
-
-
-def sample_rows(seqs: list[Seq], logits_RV: Tensor) -> Tensor:
-    """One token per sequence [R]: greedy rows in one argmax, sampled rows each with its own generator,
-    consumed exactly as ``generate`` consumes it for a batch of one."""
-    tokens = logits_RV.argmax(dim=-1)
-    for r, seq in enumerate(seqs):
-        p = seq.params
-        if p.temperature > 0:
-            row = logits_RV[r : r + 1]
-            tokens[r] = sample_next(row, p.temperature, p.top_k or None, p.top_p, seq.generator)[0]
-    return tokens
-
-
-def top_logprobs(logits_RV: Tensor, tokens_R: Tensor, counts: list[int]) -> list[TopLogprobs]:
-    """Each row's chosen token's log-probability under the model and its ``counts[r]`` likeliest tokens."""
-    if not counts:
-        return []
-    logp_RV = torch.log_softmax(logits_RV.float(), dim=-1)
-    chosen = logp_RV.gather(1, tokens_R.view(-1, 1)).squeeze(1).tolist()
-    values, ids = logp_RV.topk(max(max(counts), 1), dim=-1)
-    return [
-        TopLogprobs(t, lp, list(zip(ids[r, :n].tolist(), values[r, :n].tolist(), strict=True)))
-        for r, (t, lp, n) in enumerate(zip(tokens_R.tolist(), chosen, counts, strict=True))
-    ]

@@ -2,8 +2,14 @@
 
 Choices are numbered prompt by prompt (``prompt_index * n + j``). ``usage`` is in every whole answer;
 a stream sends it, as OpenAI does, only with ``stream_options.include_usage``: in a last chunk with no
-choices, before ``data: [DONE]``. With ``return_routing`` each
-generated token carries, per MoE layer, the experts that computed the logits it was sampled from.
+choices, before ``data: [DONE]``. With ``return_routing`` each generated token carries, per MoE
+layer, the experts that computed the logits it was sampled from. ``stop_reason`` (vLLM's) names the
+stop string or ``stop_token_ids`` token that ended a choice (null for the model's end token).
+
+A token's logprobs go out with its text: while the text is held back (a tail that may begin a stop
+string, half a character) so are they, and the tokens of a stop string are never reported, as its
+text is not. ``text_offset`` is where a token's text begins in the choice's text (the echoed prompt
+included), the same whole or streamed.
 """
 
 from __future__ import annotations
@@ -14,13 +20,98 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from moekit.serve.engine import Finish, Token, TopLogprobs
+from moekit.serve.engine import Finish, PromptLogprobs, Token
+from moekit.serve.protocol import Echo
+from moekit.serve.sampling import TopLogprobs
 from moekit.tokenizer import Tokenizer
 
 
 def token_bytes(tokenizer: Tokenizer, token: int) -> list[int]:
     """The bytes of one token (a byte tokenizer's token is one byte, maybe half a character)."""
     return [token] if tokenizer.name == "byte" else list(tokenizer.decode([token]).encode("utf-8"))
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One token of a choice's logprobs."""
+
+    offset: int  # where its text begins in the choice's text
+    token: int
+    score: TopLogprobs | None  # None: a prompt's first token (nothing before it to score it by)
+
+
+@dataclass(frozen=True)
+class Delta:
+    """What one event adds to a choice's answer."""
+
+    text: str
+    entries: list[Entry]
+    routing: list[list[int]] | None = None
+
+
+@dataclass
+class ChoiceState:
+    """What one choice has produced so far, and the logprobs waiting for their text."""
+
+    want_logprobs: bool
+    want_routing: bool
+    echo: Echo | None = None  # its prompt, returned first
+    prompt: list[int] = field(default_factory=list)
+    echo_only: bool = False  # the generated token is dropped (echo with max_tokens 0)
+    text: list[str] = field(default_factory=list)
+    entries: list[Entry] = field(default_factory=list)
+    held: list[Entry] = field(default_factory=list)  # logprobs of tokens whose text is held back
+    routing: list[list[list[int]]] = field(default_factory=list)
+    finish: str | None = None
+    stop_reason: str | int | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    generated_chars: int = 0  # characters of generated text released
+
+    @property
+    def started(self) -> bool:
+        return bool(self.text)
+
+    def add(self, event: Token | Finish | PromptLogprobs) -> Delta:
+        """Take ``event`` in; what it adds to the answer (a stream sends that as one chunk)."""
+        base = len(self.echo.text) if self.echo is not None else 0
+        head = self.echo.text if self.echo is not None and not self.started else ""
+        entries: list[Entry] = []
+        routing = None
+        if isinstance(event, PromptLogprobs):
+            scores = [None, *event.scores]
+            entries = [Entry(at, t, s) for at, t, s in zip(self.echo.offsets, self.prompt, scores, strict=True)]
+            text = ""
+        elif self.echo_only:  # the prompt alone: the one generated token, and why it ended, are dropped
+            text = ""
+            if isinstance(event, Finish):
+                self.finish = "length" if event.reason in ("stop", "length") else event.reason
+                self.prompt_tokens = event.prompt_tokens
+        elif isinstance(event, Token):
+            text = event.text
+            self.generated_chars += len(text)
+            if event.logprobs is not None:
+                self.held.append(Entry(base + event.offset, event.token, event.logprobs))
+            entries = self._release(lambda e: e.offset - base < self.generated_chars)
+            if event.routing is not None:
+                routing = event.routing
+                self.routing.append(routing)
+        else:
+            text = event.text
+            self.generated_chars += len(text)
+            self.finish, self.stop_reason = event.reason, event.stop_reason
+            self.prompt_tokens, self.completion_tokens = event.prompt_tokens, event.completion_tokens
+            if isinstance(event.stop_reason, str):  # the stop string's tokens: cut, as its text is
+                self.held = []
+            entries = self._release(lambda e: True)
+        self.text.append(head + text)
+        self.entries += entries
+        return Delta(head + text, entries, routing)
+
+    def _release(self, ready) -> list[Entry]:
+        out = [e for e in self.held if ready(e)]
+        self.held = [e for e in self.held if not ready(e)]
+        return out
 
 
 class Shaper:
@@ -35,53 +126,50 @@ class Shaper:
         kind = ("chat.completion" + (".chunk" if chunk else "")) if self.chat else "text_completion"
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
 
-    def _logprobs(self, entries: list[TopLogprobs], offset: int) -> dict[str, Any]:
-        text = lambda t: self.tokenizer.decode([t])  # noqa: E731
+    def _text(self, token: int) -> str:
+        return self.tokenizer.decode([token])
+
+    def _top(self, score: TopLogprobs) -> dict[str, float]:
+        """The N likeliest tokens and the chosen one (up to N + 1, as OpenAI's completions give them)."""
+        pairs = dict(score.top)
+        pairs.setdefault(score.token, score.logprob)
+        top: dict[str, float] = {}
+        for token, logprob in sorted(pairs.items(), key=lambda p: -p[1]):
+            # NOTE: of tokens with the same text (bytes of split characters) the likeliest is kept.
+            top.setdefault(self._text(token), logprob)
+        return top
+
+    def _logprobs(self, entries: list[Entry]) -> dict[str, Any]:
         if self.chat:
+            item = lambda t, lp: {"token": self._text(t), "logprob": lp, "bytes": token_bytes(self.tokenizer, t)}  # noqa: E731
             return {
                 "content": [
-                    {
-                        "token": text(e.token),
-                        "logprob": e.logprob,
-                        "bytes": token_bytes(self.tokenizer, e.token),
-                        "top_logprobs": [
-                            {"token": text(t), "logprob": lp, "bytes": token_bytes(self.tokenizer, t)}
-                            for t, lp in e.top
-                        ],
-                    }
+                    {**item(e.token, e.score.logprob), "top_logprobs": [item(t, lp) for t, lp in e.score.top]}
                     for e in entries
                 ]
             }
-        offsets = []
-        for e in entries:
-            offsets.append(offset)
-            offset += len(text(e.token))
         return {
-            "tokens": [text(e.token) for e in entries],
-            "token_logprobs": [e.logprob for e in entries],
-            # NOTE: reversed, so that of tokens with the same text (bytes of split characters) the likeliest is kept.
-            "top_logprobs": [{text(t): lp for t, lp in reversed(e.top)} for e in entries],
-            "text_offset": offsets,
+            "tokens": [self._text(e.token) for e in entries],
+            "token_logprobs": [None if e.score is None else e.score.logprob for e in entries],
+            "top_logprobs": [None if e.score is None else self._top(e.score) for e in entries],
+            "text_offset": [e.offset for e in entries],
         }
 
-    def _choice(self, index: int, text: str, finish: str | None, logprobs: Any, chunk: bool, first: bool) -> dict:
+    def _choice(self, index: int, text: str, c: ChoiceState, entries: list[Entry], chunk: bool, first: bool) -> dict:
+        logprobs = self._logprobs(entries) if c.want_logprobs else None
+        ends = {"finish_reason": c.finish, "stop_reason": c.stop_reason}
         if not self.chat:
-            return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+            return {"index": index, "text": text, "logprobs": logprobs, **ends}
         if chunk:
             delta = {"role": "assistant", "content": text} if first else {"content": text}
-            return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-        message = {"role": "assistant", "content": text}
-        return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish}
+            return {"index": index, "delta": delta, "logprobs": logprobs, **ends}
+        return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs, **ends}
 
-    def chunk(self, event: Token | Finish, sent: int, first: bool) -> dict[str, Any]:
-        """One streamed chunk: a token (``sent`` characters of this choice already streamed), or a finish."""
-        if isinstance(event, Finish):
-            choice = self._choice(event.choice, event.text, event.reason, None, True, first)
-            return {**self._head(True), "choices": [choice]}
-        logprobs = self._logprobs([event.logprobs], sent) if event.logprobs is not None else None
-        choice = self._choice(event.choice, event.text, None, logprobs, True, first)
-        if event.routing is not None:
-            choice["routing"] = [event.routing]
+    def chunk(self, index: int, delta: Delta, c: ChoiceState, first: bool) -> dict[str, Any]:
+        """One streamed chunk of choice ``index``: what ``delta`` adds (``first``: the choice's first)."""
+        choice = self._choice(index, delta.text, c, delta.entries, True, first)
+        if delta.routing is not None:
+            choice["routing"] = [delta.routing]
         return {**self._head(True), "choices": [choice]}
 
     def usage_chunk(self, usage: dict[str, int]) -> dict[str, Any]:
@@ -90,37 +178,11 @@ class Shaper:
     def completion(self, choices: list[ChoiceState], usage: dict[str, int]) -> dict[str, Any]:
         out = []
         for i, c in enumerate(choices):
-            logprobs = self._logprobs(c.logprobs, 0) if c.want_logprobs else None
-            choice = self._choice(i, "".join(c.text), c.finish, logprobs, False, False)
+            choice = self._choice(i, "".join(c.text), c, c.entries, False, False)
             if c.want_routing:
                 choice["routing"] = c.routing
             out.append(choice)
         return {**self._head(False), "choices": out, "usage": usage}
-
-
-@dataclass
-class ChoiceState:
-    """What one choice has produced so far."""
-
-    want_logprobs: bool
-    want_routing: bool
-    text: list[str] = field(default_factory=list)
-    logprobs: list[TopLogprobs] = field(default_factory=list)
-    routing: list[list[list[int]]] = field(default_factory=list)
-    finish: str | None = None
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-
-    def add(self, event: Token | Finish) -> None:
-        self.text.append(event.text)
-        if isinstance(event, Token):
-            if event.logprobs is not None:
-                self.logprobs.append(event.logprobs)
-            if event.routing is not None:
-                self.routing.append(event.routing)
-        else:
-            self.finish = event.reason
-            self.prompt_tokens, self.completion_tokens = event.prompt_tokens, event.completion_tokens
 
 
 def usage(choices: list[ChoiceState], n: int) -> dict[str, int]:

@@ -44,6 +44,15 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     logprobs: int | None = None  # None: none; N: the chosen token's and the N likeliest
     return_routing: bool = False
+    prompt_logprobs: bool = False  # each prompt token's too (echo with logprobs), with its ``logprobs`` likeliest
+    min_tokens: int = 0  # end tokens and stop strings end the choice only from this many tokens on
+    ignore_eos: bool = False  # the model's end tokens do not end the choice (``stop_token_ids`` still do)
+    stop_token_ids: frozenset[int] = frozenset()  # tokens that end this choice, besides the model's
+    repetition_penalty: float = 1.0  # > 1 discourages every token of the prompt and the text so far
+    presence_penalty: float = 0.0  # subtracted from each token generated at least once
+    frequency_penalty: float = 0.0  # subtracted once per time a token was generated
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token, added to its logit)
+    min_p: float = 0.0  # drop tokens less likely than min_p x the likeliest (after the temperature)
 
 
 @dataclass(eq=False)
@@ -64,6 +73,7 @@ class Seq:
     generator: torch.Generator | None = None
     state: Any = None  # the engine's per-sequence text state
     forks: list[Seq] = field(default_factory=list)  # choices of the same prompt, waiting for its prefill
+    prompt_scores: list[Any] = field(default_factory=list)  # prompt tokens 1.. scored (``prompt_logprobs``)
 
     def __post_init__(self) -> None:
         self.tokens = list(self.prompt)

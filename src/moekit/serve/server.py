@@ -1,12 +1,24 @@
-"""One process serving one run: the engine thread, the ASGI app, uvicorn on the event loop, and the
-drain on SIGTERM (running requests finish, new ones get 503, then the process exits).
+"""One process serving one run: the engine thread, the ASGI app, uvicorn on the event loop with the
+guarded connections of ``connections``, and the drain on SIGTERM.
+
+SIGTERM drains: /health says draining and new requests get 503 while every request already begun
+(its headers read) is answered in full, or refused with 503 if its body comes after the signal; then
+the process exits 0. Requests still running ``drain_timeout`` seconds after it, or at a second
+SIGTERM or Ctrl-C, are cut short: each is answered with an error at once (a 503, or an error event
+then ``[DONE]`` in its stream), the engine gives up its step between two layers, and the exit status
+is 1 (130 for Ctrl-C).
 """
 
 from __future__ import annotations
 
+import logging
+import math
+import resource
 import signal
 import socket
 import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import uvicorn
@@ -17,10 +29,19 @@ from moekit.infer.generate import check_batch_independent
 from moekit.run.load import LoadedRun
 from moekit.serve.app import ServeState, build_app
 from moekit.serve.chat import ChatTemplate
+from moekit.serve.connections import ConnectionLimits, protocol_class
 from moekit.serve.engine import Engine, EngineOptions
 from moekit.serve.metrics import Metrics
 from moekit.serve.protocol import Limits
 from moekit.tokenizer import Tokenizer
+
+logger = logging.getLogger("moekit.serve")
+CUT_GRACE = 2.0  # seconds requests cut short have to send their error before the server closes anyway
+ENGINE_JOIN = 5.0  # seconds the exit waits for an engine thread stuck in one layer
+SPARE_FILES = 64  # open files beside the connections: the model's, logs, the engine's
+# Connections waiting to be accepted, and as many as asyncio accepts at once, before the cap closes the
+# extra ones: the open-file limit holds the cap, one such burst and the spare files.
+BACKLOG = 128
 
 
 def build_state(
@@ -56,27 +77,63 @@ def end_tokens(run_dir: Path, tokenizer: Tokenizer, template: ChatTemplate) -> f
 
 
 class DrainingServer(uvicorn.Server):
-    """uvicorn, except that SIGTERM drains: /health says draining and new requests get 503 until the
-    engine has nothing in flight; then it exits as on Ctrl-C. A second signal exits at once."""
+    """uvicorn, with the drain and the cut of the module docstring."""
 
-    def __init__(self, config: uvicorn.Config, state: ServeState) -> None:
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        state: ServeState,
+        drain_timeout: float = math.inf,
+        ready: Callable[[], None] | None = None,
+    ) -> None:
         super().__init__(config)
         self.state = state
+        self.drain_timeout = drain_timeout
+        self.ready = ready  # called once the socket listens
+        self.deadline: float | None = None  # when the drain gives up (set by SIGTERM)
+        self.cut_at: float | None = None  # when requests under way were cut short
+        self.cut = False  # some request was
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if self.started and self.ready is not None:
+            self.ready()
 
     def handle_exit(self, sig: int, frame) -> None:
-        if sig == signal.SIGTERM and not self.state.draining:
+        # NOTE: a signal handler, run between two bytecodes of the event loop: it only sets flags.
+        if sig == signal.SIGTERM and self.deadline is None:
             self.state.draining = True
+            self.deadline = time.monotonic() + self.drain_timeout
             return
-        super().handle_exit(sig, frame)
+        self.state.draining = True
+        self.deadline = -math.inf  # cut now
+        if sig == signal.SIGINT:
+            if self.cut_at is not None:
+                self.force_exit = True  # a second Ctrl-C: out without waiting
+            self._captured_signals.append(sig)  # raised again on the way out: 130
 
     async def on_tick(self, counter: int) -> bool:
-        if self.state.draining and self.state.engine.in_flight == (0, 0):
-            self.should_exit = True
+        if self.deadline is not None and not self.should_exit:
+            busy = bool(self.server_state.tasks) or self.state.engine.in_flight != (0, 0)
+            if not busy:
+                self.should_exit = True
+            elif self.cut_at is None and time.monotonic() >= self.deadline:
+                self._cut_requests()
+            elif self.cut_at is not None and time.monotonic() - self.cut_at > CUT_GRACE:
+                self.should_exit = True
         return await super().on_tick(counter)
 
+    def _cut_requests(self) -> None:
+        self.cut_at, self.cut = time.monotonic(), True
+        running, waiting = self.state.engine.in_flight
+        logger.warning("stopping with %d choices running and %d waiting: each request gets an error", running, waiting)
+        self.state.engine.stop(abort=True, timeout=0)  # it ends its step between two layers
+        self.state.stop_requests()  # answered now, even while the engine is still in its step
 
-def listen(host: str, port: int) -> socket.socket:
-    """A bound, listening socket (port 0: a free one), so the caller knows the port before serving."""
+
+def bind(host: str, port: int) -> socket.socket:
+    """A bound socket (port 0: a free one): the port is taken, so a busy one fails before the model
+    loads, but refuses connections until the server listens on it, once the model is loaded."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -85,8 +142,21 @@ def listen(host: str, port: int) -> socket.socket:
     except OSError as err:
         sock.close()
         raise ValueError(f"port={port}: cannot listen on {host} ({err.strerror})") from None
-    sock.listen(2048)
     return sock
+
+
+def reserve_files(connections: int) -> None:
+    """Raise the open-file limit to hold ``connections``, a burst of new ones and the process's own files,
+    as far as the hard limit allows: past it accept() fails and no one can connect."""
+    need = connections + BACKLOG + SPARE_FILES
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < need:
+        if hard != resource.RLIM_INFINITY and hard < need:
+            raise ValueError(
+                f"--max-connections={connections}: the open-file limit is {hard} (ulimit -Hn); "
+                f"give at most {hard - BACKLOG - SPARE_FILES}"
+            )
+        resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
 
 
 def start_engine(engine: Engine) -> None:
@@ -101,25 +171,57 @@ def start_engine(engine: Engine) -> None:
     engine.start()
 
 
-def make_server(state: ServeState) -> DrainingServer:
-    config = uvicorn.Config(build_app(state), log_level="warning", access_log=False, timeout_graceful_shutdown=5)
-    return DrainingServer(config, state)
+def make_server(
+    state: ServeState,
+    connections: ConnectionLimits | None = None,
+    drain_timeout: float = math.inf,
+    ready: Callable[[], None] | None = None,
+) -> DrainingServer:
+    limits = connections or ConnectionLimits()
+    count = lambda status: state.metrics.requests.labels(str(status)).inc()  # noqa: E731
+    # NOTE: not uvicorn's limit_concurrency: it answers requests 503 while too many connections are
+    # open, idle ones included, which is what an idle flood wants; the guarded protocol caps them instead.
+    config = uvicorn.Config(
+        build_app(state),
+        http=protocol_class(limits, count),
+        timeout_keep_alive=limits.idle,
+        log_level="warning",
+        access_log=False,
+        timeout_graceful_shutdown=5,
+        backlog=BACKLOG,
+    )
+    return DrainingServer(config, state, drain_timeout, ready)
 
 
-def serve(state: ServeState, sock: socket.socket) -> None:
-    """Serve until Ctrl-C or a drained SIGTERM (on the calling thread, the main one for signals)."""
-    server = make_server(state)
+def serve(
+    state: ServeState,
+    sock: socket.socket,
+    connections: ConnectionLimits | None = None,
+    drain_timeout: float = 25.0,
+    ready: Callable[[], None] | None = None,
+) -> int:
+    """Serve until Ctrl-C or SIGTERM (on the calling thread, the main one for signals; ``ready``
+    called once the socket listens): the exit status, 1 if a request was cut short or the engine failed."""
+    server = make_server(state, connections, drain_timeout, ready)
     start_engine(state.engine)
     try:
         server.run(sockets=[sock])
     finally:
-        state.engine.stop()
+        stopped = state.engine.stop(abort=True, timeout=ENGINE_JOIN)  # idle after a drain: at once
+        state.workers.close()
+        if not stopped:
+            logger.error("the engine thread is still in a model step after %g s: exiting without it", ENGINE_JOIN)
+    return 1 if server.cut or not stopped or state.engine.failure is not None else 0
 
 
-def serve_in_thread(state: ServeState, sock: socket.socket) -> tuple[DrainingServer, threading.Thread]:
-    """The same server on a daemon thread (no signal handling): set ``should_exit`` to stop it."""
-    server = make_server(state)
+def serve_in_thread(state: ServeState, sock: socket.socket, **kwargs) -> tuple[DrainingServer, threading.Thread]:
+    """The same server on a daemon thread (no signal handling), listening when this returns: set
+    ``should_exit`` to stop it."""
+    listening = threading.Event()
+    server = make_server(state, ready=listening.set, **kwargs)
     start_engine(state.engine)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
+    if not listening.wait(60):
+        raise RuntimeError("the server did not start listening within 60 s")
     return server, thread

@@ -1,10 +1,13 @@
-"""Generated token ids -> text, one token at a time: what a stream may send now, and stop strings.
+"""Generated token ids -> text, one token at a time: what a stream may send now, stop strings, and
+where each token's text begins (``text_offset``).
 
 Text is held back while it may still change or be cut: a trailing U+FFFD (a multi-byte character
 whose remaining bytes have not been generated yet) and a tail that begins a stop string.
 """
 
 from __future__ import annotations
+
+import os
 
 from moekit.tokenizer import Tokenizer
 
@@ -18,24 +21,27 @@ class TextStream:
         self.ids: list[int] = []
         self.sent = 0  # characters of the text already released
         self.text = ""
+        self.offset = 0  # where the last token's text begins
 
-    def add(self, token: int) -> tuple[str, bool]:
-        """The text ``token`` releases, and whether a stop string ended the choice (the stop string and
-        what follows it are never released)."""
+    def add(self, token: int, check_stops: bool = True) -> tuple[str, str | None]:
+        """The text ``token`` releases, and the stop string that ended the choice, if one did (the stop
+        string and what follows it are never released). ``check_stops`` False: none can, yet."""
+        before = self.text
         self.ids.append(token)
         self.text = self.tokenizer.decode(self.ids)
-        for stop in self.stop:
+        self.offset = token_start(before, self.text)
+        for stop in self.stop if check_stops else ():
             at = self.text.find(stop, max(0, self.sent - len(stop) + 1))
             if at >= 0:
-                return self._release(at), True
+                return self._release(at), stop
         end = len(self.text.rstrip("\ufffd"))
         hold = 0  # the longest tail that begins a stop string waits
-        for stop in self.stop:
+        for stop in self.stop if check_stops else ():
             for n in range(min(len(stop) - 1, end - self.sent), hold, -1):
                 if self.text.endswith(stop[:n], 0, end):
                     hold = n
                     break
-        return self._release(end - hold), False
+        return self._release(end - hold), None
 
     def flush(self) -> str:
         """Everything not released yet (the choice ended for another reason than a stop string)."""
@@ -45,3 +51,21 @@ class TextStream:
         delta = self.text[self.sent : end]
         self.sent = max(self.sent, end)
         return delta
+
+
+def token_start(before: str, after: str) -> int:
+    """Where a token's text begins, from the text before and after it: where the two first differ (a
+    token that completes a character split across tokens begins at that character), except that a
+    token leaving a trailing U+FFFD as it was continues the character that U+FFFD stands for."""
+    common = len(os.path.commonprefix([before, after]))
+    return common - 1 if after == before and before.endswith("\ufffd") else common
+
+
+def prefix_offsets(tokenizer: Tokenizer, ids: list[int]) -> list[int]:
+    """Where each token's text begins in the text of ``ids``, as ``TextStream`` places them."""
+    stream = TextStream(tokenizer, ())
+    offsets = []
+    for token in ids:
+        stream.add(token)
+        offsets.append(stream.offset)
+    return offsets
