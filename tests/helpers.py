@@ -3,6 +3,7 @@ sys.path through the rootdir conftest, so every test imports them as ``helpers``
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import os
