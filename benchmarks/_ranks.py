@@ -41,7 +41,7 @@ def run_ranks(fn, world: int, *args):
 
 def training_rank(cfg, rank: int):
     """This rank's ``(ParallelModel, optimizer, corpus)`` for ``cfg`` on CPU, built as ``moekit train``
-    builds them (same seed), for benchmarks that drive ``loop._train_step`` themselves."""
+    builds them (same seed), for benchmarks that drive ``train_step`` themselves."""
     from moekit.model import Transformer
     from moekit.parallel.runtime import ParallelModel, init_distributed
     from moekit.train import loop

@@ -150,8 +150,8 @@ def read_speeds(hf: Path, experts: int, rounds: int) -> dict[str, list[float]]:
 
     from moekit.convert.in_place import expert_ranges
     from moekit.convert.stream import open_hf
-    from moekit.directio import aligned_empty
     from moekit.infer.range_store import RangeStore
+    from moekit.storage.aligned import aligned_empty
 
     ranges = expert_ranges(open_hf(hf))
     keys = sorted(ranges)[:: max(1, len(ranges) // experts)][:experts]

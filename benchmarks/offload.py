@@ -15,7 +15,7 @@ offline replay of the recorded routing trace through each policy and Belady's op
 shows speed only (random weights say nothing of quality: see benchmarks/quant_quality.py).
 
 ``--device cuda``: the fast tier is GPU memory, the slow tier page-locked host memory filled from the file
-before the clock (``infer.loaders.PinnedExperts``). resident holds every weight on the GPU; moekit copies
+before the clock (``storage.loaders.pinned_tier``). resident holds every weight on the GPU; moekit copies
 single experts into its budgeted GPU cache on a side stream (``CudaLoader``); naive copies each MoE
 layer's experts whole on every call into one layer's buffer, as one copy queued on the compute stream.
 The bound is the measured pinned host->GPU copy bandwidth (a 1 GiB copy, median of 5, each round) /
@@ -44,17 +44,17 @@ import torch
 from torch import Tensor, nn
 
 from moekit import runconfig
-from moekit.directio import READERS, aligned_empty
 from moekit.experts.grouped import Activation, apply_activation
-from moekit.infer.cache import POLICIES, replay
 from moekit.infer.expert_store import ExpertStore
 from moekit.infer.generate import generate, left_pad
-from moekit.infer.loaders import PinnedExperts
 from moekit.infer.offload import OffloadOptions, model_bytes
 from moekit.infer.quant import matmul, roles
 from moekit.model import Transformer
 from moekit.run.checkpoint import save_checkpoint
 from moekit.run.load import load_run
+from moekit.storage.aligned import READERS, aligned_empty
+from moekit.storage.host import HostTier
+from moekit.storage.slots import POLICIES, replay
 from moekit.tokenizer import ByteTokenizer
 from moekit.units import format_bytes, parse_bytes
 
@@ -146,11 +146,11 @@ class NaiveCopiedLayerExperts(NaiveLayerExperts):
         return self.host.shape[0] * self.store.bytes_per_expert  # the bytes of the tensors, as a read counts
 
 
-def pinned_layer(pinned: PinnedExperts, block: int, num_experts: int) -> Tensor:
+def pinned_layer(pinned: HostTier, block: int, num_experts: int) -> Tensor:
     """The layer's experts in the pinned host copy: rows stored one after another, [E, slot_bytes]."""
     first = pinned.index[(block, 0)]
     assert [pinned.index[(block, e)] for e in range(num_experts)] == list(range(first, first + num_experts))
-    return pinned.host[first : first + num_experts]
+    return pinned.block[first : first + num_experts]
 
 
 def prompts(text: Path, batch: int, length: int = 32) -> tuple[Tensor, Tensor]:

@@ -122,7 +122,7 @@ def _bench(rank: int, world: int, text: str, scenarios, seeds, steps: int, shift
 def _run(rank: int, world: int, text: str, scenario: str, seed: int, steps: int, shift_every: int, every: int):
     import torch.distributed as dist
 
-    from moekit.train import loop
+    from moekit.train.step import train_step
 
     profiles = popularity(scenario, seed, -(-steps // shift_every))
     variants = {}
@@ -149,7 +149,7 @@ def _run(rank: int, world: int, text: str, scenario: str, seed: int, steps: int,
                 moe.router.expert_bias.copy_(bias)
             dist.barrier()
             started = time.perf_counter()
-            record = loop._train_step(pm, opt, corpus, cfg, torch.device("cpu"), step, None)
+            record = train_step(pm, opt, corpus, cfg, torch.device("cpu"), step, None)
             times[name].append(time.perf_counter() - started)
             rows.end_step()
             routed[name].append(sum(record["rank_load"]))

@@ -187,7 +187,7 @@ def _measure(
     runs two steps and times the second: the first brings the layout's weights and buffers back into
     the caches, as consecutive steps of a real run find them; interleaving the visits makes a machine
     busy with other work for a while slow every layout alike instead of the few measured then."""
-    from moekit.train import loop
+    from moekit.train.step import train_step
 
     dist.init_process_group("gloo")
     built = []
@@ -199,10 +199,10 @@ def _measure(
     for visit in range(steps + 1):
         for i in shuffle.sample(range(len(layouts)), len(layouts)):
             cfg, pm, opt, corpus = built[i]
-            loop._train_step(pm, opt, corpus, cfg, torch.device("cpu"), 2 * visit, None)
+            train_step(pm, opt, corpus, cfg, torch.device("cpu"), 2 * visit, None)
             dist.barrier()
             started = time.perf_counter()
-            loop._train_step(pm, opt, corpus, cfg, torch.device("cpu"), 2 * visit + 1, None)
+            train_step(pm, opt, corpus, cfg, torch.device("cpu"), 2 * visit + 1, None)
             if visit:
                 times[i].append(time.perf_counter() - started)
     return times

@@ -78,6 +78,7 @@ def child(args: argparse.Namespace) -> dict:
     from moekit import runconfig
     from moekit.train import loop
     from moekit.train.offload.engine import ExpertOffload
+    from moekit.train.step import train_step
 
     overrides = MODEL | {"data.path": args.data, "data.cache_dir": str(Path(args.work) / "cache")}
     overrides["train.steps"] = str(args.steps)
@@ -87,7 +88,7 @@ def child(args: argparse.Namespace) -> dict:
         overrides["train.host_budget"] = str(args.host_regions * region_bytes())
     cfg = runconfig.resolve("tiny", overrides)
     run = loop._setup(cfg, Path(tempfile.mkdtemp(dir=args.work)), False, torch.device("cpu"), False, None, False)
-    offload: ExpertOffload | None = run.offload
+    offload = run.experts if isinstance(run.experts, ExpertOffload) else None
     setup_kib = status_kib("VmRSS")
     if offload is not None:
         offload.ws.overlap = args.mode not in ("sync", "naive")
@@ -97,7 +98,7 @@ def child(args: argparse.Namespace) -> dict:
             (offload.bytes_read, offload.bytes_written, offload.file.experts_skipped["grad"]) if offload else (0, 0, 0)
         )
         started = time.perf_counter()
-        record = loop._train_step(run.pm, run.optimizer, run.corpus, cfg, run.dev, step, None, offload)
+        record = train_step(run.pm, run.optimizer, run.corpus, cfg, run.dev, step, None, run.experts)
         if args.mode == "naive":
             offload.settle()
         times.append(time.perf_counter() - started)
@@ -135,11 +136,12 @@ def disk_bandwidth(directory: Path, region_bytes: int, reads: int, writes: int) 
     and ``writes`` region writes (one at a time, as the writer thread does them) running concurrently."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from moekit.directio import READERS
+    from moekit.storage.aligned import READERS
+    from moekit.storage.files import StorageFile
     from moekit.train.offload.store import LayerFile
 
     regions = max(reads, writes)
-    f = LayerFile(directory / "bandwidth.bin", regions, {"x": (region_bytes // 4,)})
+    f = LayerFile(StorageFile.claim(directory / "bandwidth.bin"), regions, {"x": (region_bytes // 4,)})
     read_bufs = [f.buffer() for _ in range(READERS)]
     write_buf = f.buffer().fill_(1)
     try:
@@ -153,8 +155,7 @@ def disk_bandwidth(directory: Path, region_bytes: int, reads: int, writes: int) 
                 future.result()
         return (reads + writes) * f.unit / (time.perf_counter() - started)
     finally:
-        f.close()
-        f.path.unlink()
+        f.remove()
 
 
 def run_child(mode: str, args: argparse.Namespace, budget: int) -> dict:

@@ -27,7 +27,8 @@ from moekit.run.layout import MODEL_FILE, SHARDED, checkpoint_dir, step_dirs
 from moekit.run.load import load_run
 from moekit.run.sharded import METADATA, MODEL_PREFIX, read_metadata, read_tensors
 from moekit.train.metrics import MetricsLogger
-from moekit.train.offload.checkpoint import saving
+from moekit.train.offload import ExpertOffload
+from moekit.train.step import train_step
 
 # The MoE layer's router and expert configurations that its tests run against the per-token reference.
 ROUTER_CASES = {
@@ -245,12 +246,12 @@ def train_routed(cfg, run_dir: Path, bias_at: Callable[[int, int], Any]) -> Rout
     for router in routers:
         router.register_forward_pre_hook(set_bias)
     records = [
-        loop._train_step(run.pm, run.optimizer, run.corpus, cfg, run.dev, step, None, run.offload)
+        train_step(run.pm, run.optimizer, run.corpus, cfg, run.dev, step, None, run.experts)
         for step in range(cfg.train.steps)
     ]
     result = RoutedRun(records, {})
-    offload = run.offload
-    if offload is not None:
+    offload = run.experts
+    if isinstance(offload, ExpertOffload):
         offload.settle()
         offload.ws.flush()
         file = offload.file  # either tier
@@ -262,7 +263,7 @@ def train_routed(cfg, run_dir: Path, bias_at: Callable[[int, int], Any]) -> Rout
         result.host_regions = sorted(offload.file.host)
     names = {id(p): name for name, p in run.local.named_parameters()}
     try:
-        with saving(offload, run.local) if offload is not None else contextlib.nullcontext() as streamed:
+        with offload.saving(run.local) as streamed:
             streamed_keys = streamed.keys if streamed is not None else ()
 
             def take(key: str, tensor: Any) -> Any:  # as a checkpoint saves it: this rank's piece
@@ -273,8 +274,7 @@ def train_routed(cfg, run_dir: Path, bias_at: Callable[[int, int], Any]) -> Rout
                 name = names[id(p)]
                 result.state |= {f"{name}:{k}": take(f"optim.state.{name}.{k}", v) for k, v in moments.items()}
     finally:
-        if offload is not None:
-            offload.close()
+        offload.close()
     return result
 
 

@@ -14,6 +14,8 @@ import contextlib
 import ctypes
 import os
 import platform
+import resource
+import sys
 from collections.abc import Iterator
 
 _M_TRIM_THRESHOLD = -1  # mallopt parameters, from glibc's malloc.h
@@ -68,3 +70,9 @@ def release_freed_memory() -> None:
     of many large blocks, such as the expert weights offloaded training moves to disk."""
     if platform.libc_ver()[0] == "glibc":
         ctypes.CDLL(None).malloc_trim(0)
+
+
+def peak_rss() -> int:
+    """The most memory this process has held resident so far, in bytes, as the OS counts it (``ru_maxrss``)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # Linux counts KiB, macOS bytes

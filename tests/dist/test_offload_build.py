@@ -19,6 +19,7 @@ from moekit import runconfig
 from moekit.model import Transformer
 from moekit.parallel.runtime import init_distributed
 from moekit.train.model_build import build_model
+from moekit.train.offload import claim_offload_file
 
 from .spawn import MOEKIT, run_ranks
 
@@ -43,7 +44,7 @@ def _compare(rank: int, world: int, tmp: Path) -> None:
     torch.manual_seed(SEED)
     whole = Transformer(cfg.model, cfg.moe)
     torch.manual_seed(SEED)
-    model, _, _, offload = build_model(cfg, tmp / "run", cpu, layout, mesh, None)
+    model, _, _, offload = build_model(cfg, claim_offload_file(cfg, tmp / "run"), cpu, layout, mesh, None)
     try:
         reference = dict(whole.named_parameters())
         places = enumerate(offload.params)

@@ -14,6 +14,7 @@ from moekit.model import Transformer
 from moekit.parallel.runtime import ParallelModel, init_distributed
 from moekit.train import loop
 from moekit.train.optim import build_optimizer
+from moekit.train.step import train_step
 
 from .spawn import MOEKIT, run_ranks
 
@@ -54,7 +55,7 @@ def _run(cfg, corpus, model: Transformer) -> tuple[list[dict], dict[str, torch.T
     layout, mesh = init_distributed(cfg, torch.device("cpu"))
     pm = ParallelModel(model, cfg, torch.device("cpu"), layout, mesh)
     opt = build_optimizer(pm.named_parameters(), cfg.train)
-    records = [loop._train_step(pm, opt, corpus, cfg, torch.device("cpu"), s, None) for s in range(STEPS)]
+    records = [train_step(pm, opt, corpus, cfg, torch.device("cpu"), s, None) for s in range(STEPS)]
     weights = _full({n: p.detach() for n, p in pm.full_model.named_parameters()})
     for name, slots in pm.expert_slots().items():  # re-placed experts' rows back in expert order
         weights[name] = weights[name][torch.tensor(slots)]

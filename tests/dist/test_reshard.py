@@ -30,6 +30,7 @@ from moekit.run.export import export_run
 from moekit.run.layout import CheckpointError, latest_checkpoint
 from moekit.run.load import load_run
 from moekit.train.loop import _rebatch, train
+from moekit.train.step import train_step
 
 from .spawn import MOEKIT, run_ranks
 
@@ -240,7 +241,7 @@ def _save_with_placement(rank: int, world: int, corpus_path: Path, tmp: Path) ->
         saver = Checkpointer(tmp / "placed", keep=2, background=True)  # rows staged, then written meanwhile
         losses = []
         for step in range(cfg.train.steps):
-            record = loop._train_step(pm, optimizer, corpus, cfg, cpu, step, None)
+            record = train_step(pm, optimizer, corpus, cfg, cpu, step, None)
             losses.append(record["loss"])
             if step + 1 == save_at:
                 slots, rows = _live(pm, optimizer)

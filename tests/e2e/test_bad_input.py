@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import write_corpus
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
@@ -83,6 +84,18 @@ CASES = [
         "train.host_budget='lots': give a size",
     ),
     ("run-dir-file", ["train", "--run-dir", "{tmp}/a-file"], "a-file", "is a file"),
+    (
+        "offload-dir-file",
+        ["train", "--train.memory_budget", "1MB", "--train.offload_dir", "{tmp}/a-file", "--run-dir", "{new}"],
+        "a-file",
+        "train.offload_dir={tmp}/a-file: is a file, not a directory",
+    ),
+    (
+        "resume-budget-tiny",  # refused once the experts' size is known: no offload/ left in the run
+        ["train", "--resume", "--run-dir", "{run}", "--data", "{tmp}/corpus.txt", "--train.memory_budget", "1KB"],
+        "corpus",
+        "train.memory_budget='1KB': offloaded training needs at least",
+    ),
     ("plot-out-file", ["plot", "{run}", "--out", "{tmp}/a-file"], "a-file", "--out="),
     ("export-out-file", ["export", "{run}", "--out", "{tmp}/a-file"], "a-file", "--out="),
     ("plan-loads", [*PLAN, "--loads", "{tmp}/none"], None, "--loads="),  # before the table is printed
@@ -100,6 +113,7 @@ EDITS = {
     "cf": lambda run, tmp: _write(tmp / "cf.toml", '[moe]\ncapacity_factor = "1.25"\n'),
     "broken": lambda run, tmp: _write(tmp / "broken.toml", "[train\nlr = 1\n"),
     "a-file": lambda run, tmp: _write(tmp / "a-file", "not a directory\n"),
+    "corpus": lambda run, tmp: write_corpus(tmp / "corpus.txt"),
     "config": lambda run, tmp: _edit_json(run / "config.json", lambda c: c["train"].update(lr="x")),
     "no-files": lambda run, tmp: _edit_json(_manifest(run), lambda m: m.pop("files")),
     "not-json": lambda run, tmp: _manifest(run).write_text("{"),
@@ -110,10 +124,12 @@ EDITS = {
 
 
 def _snapshot(root: Path) -> dict[str, str] | None:
+    """Every file's digest and every directory (an empty one left behind counts) under ``root``."""
     if not root.exists():
         return None
     return {
-        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in root.rglob("*") if p.is_file()
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "directory"
+        for p in root.rglob("*")
     }
 
 
@@ -138,7 +154,7 @@ def test_bad_input_is_one_clear_line_and_loses_nothing(pristine_run, tmp_path, a
     assert done.returncode == 2, done.stderr[-2000:]
     assert len(lines) == 1 and "Traceback" not in done.stderr, done.stderr[-2000:]
     assert lines[0].startswith(f"moekit {args[0]}: error: ") or lines[0].startswith("moekit: error: "), lines[0]
-    assert named in lines[0], lines[0]
+    assert named.format(tmp=tmp_path) in lines[0], lines[0]
     assert _snapshot(run) == before, "the run directory changed"
     assert not new.exists(), "a run directory was created"
 

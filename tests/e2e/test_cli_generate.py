@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import os
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 from helpers import budget_for, moekit_cli, tiny
 
+from moekit.infer.offload import OffloadOptions, model_bytes
 from moekit.run.layout import CheckpointError, latest_checkpoint
 from moekit.run.load import load_run
 from moekit.train.loop import train
+from moekit.units import format_bytes
 
 
 def test_cli_generate_offloaded_batch(run_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
@@ -106,3 +112,31 @@ def test_threads_flag_sets_torchs_threads_and_refuses_zero(run_dir: Path, capsys
     capsys.readouterr()
     proc = moekit_cli("generate", str(run_dir), "--threads", "0")
     assert proc.returncode == 2 and "--threads" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.slow
+def test_offloaded_generate_says_what_the_budget_holds_and_prints_the_peak_rss(run_dir: Path, tmp_path: Path) -> None:
+    """``--memory-budget`` holds the resident weights (the non-expert weights and the expert slots, as
+    counted here from the model); activations, the KV cache and the runtime are beside it, and the
+    peak RSS printed is the one the OS reports for the process (``wait4``), within 3%."""
+    probe = load_run(run_dir, offload=OffloadOptions(memory_budget=1 << 40))
+    try:
+        non_expert, slot = model_bytes(probe.model), probe.offloader.cache.slot_bytes
+    finally:
+        probe.offloader.close()
+    budget = non_expert + 2 * slot
+    argv = ["generate", str(run_dir), "--memory-budget", str(budget), "--max-new-tokens", "4", "--temperature", "0"]
+    with open(tmp_path / "out", "w") as out, open(tmp_path / "err", "w") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "moekit", *argv], stdout=out, stderr=err)
+        _, status, usage = os.wait4(proc.pid, 0)
+    stderr = (tmp_path / "err").read_text()
+    assert os.waitstatus_to_exitcode(status) == 0, stderr
+    line = stderr.strip().splitlines()[-1]
+    assert line.startswith(
+        f"memory: --memory-budget {format_bytes(budget)} holds the resident weights, {format_bytes(budget)}: "
+        f"non-expert {format_bytes(non_expert)} + 2 expert slots of {format_bytes(slot)}; peak RSS "
+    ), line
+    printed = float(re.search(r"peak RSS ([0-9.]+) MB", line).group(1)) * 1e6
+    measured = usage.ru_maxrss * 1024  # Linux: KiB
+    assert 0.97 * measured <= printed <= measured + 0.05e6, (printed, measured)
+    assert printed > budget, "the process holds more than the weights the budget counts"

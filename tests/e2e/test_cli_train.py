@@ -19,6 +19,7 @@ from helpers import moekit_cli
 from moekit.run.layout import latest_checkpoint
 from moekit.run.load import load_run
 from moekit.run.manifest import read_manifest
+from moekit.train.metrics import read_metrics
 
 
 def test_exploded_weights_stop_after_max_nonfinite_steps(corpus_file: Path, tmp_path: Path) -> None:
@@ -148,12 +149,87 @@ def test_offloaded_training_runs_from_the_command_line(corpus_file: Path, tmp_pa
     )
     assert proc.returncode == 0, proc.stderr
     assert latest_checkpoint(tmp_path / "run").name == "step_000002"
-    assert not any(state.iterdir()), "the offloaded state is removed when training ends"
+    assert not state.exists(), "the offloaded state and the directory made for it are removed when training ends"
     bad = moekit_cli(*args, "--run-dir", str(tmp_path / "bad"), "--train.memory_budget", "lots")
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
     assert bad.stderr.strip().splitlines()[-1] == (
         "moekit train: error: train.memory_budget='lots': give a size such as 512MB, 2GiB or a byte count"
     )
+
+
+@pytest.mark.slow
+def test_two_runs_given_one_offload_dir_cannot_share_it(corpus_file: Path, tmp_path: Path) -> None:
+    """Run A and run B are given the same ``--train.offload_dir``; B is started while A holds its file
+    (A paused there, so that B meets it whatever the machine's load). B is refused with one line naming
+    the field and writes nothing, and A, let go on, trains exactly as run C, started beside it with the
+    same settings and its own directory, does."""
+    shared, own = tmp_path / "shared", tmp_path / "own"
+    args = ["train", "--preset", "tiny", "--data", str(corpus_file), "--quiet", "--data.cache_dir", str(tmp_path / "c")]
+    args += ["--train.steps", "3", "--train.eval_every", "3", "--train.sample_tokens", "0"]
+    args += ["--train.memory_budget", "800KB"]
+
+    def start(run: str, state: Path, *more: str) -> subprocess.Popen:
+        argv = [*args, "--run-dir", str(tmp_path / run), "--train.offload_dir", str(state), *more]
+        return subprocess.Popen([sys.executable, "-m", "moekit", *argv], stderr=subprocess.PIPE, text=True)
+
+    a, c = start("a", shared), start("c", own)
+    held = shared / "experts-rank0.bin"
+    deadline = time.monotonic() + 300
+    while not held.exists() and a.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    a.send_signal(signal.SIGSTOP)
+    try:
+        assert held.exists(), "run A did not claim its offload file"
+        inode = held.stat().st_ino
+        b = moekit_cli(*args, "--run-dir", str(tmp_path / "b"), "--train.offload_dir", str(shared), "--train.seed", "2")
+        assert held.stat().st_ino == inode, "run B replaced run A's file"
+    finally:
+        a.send_signal(signal.SIGCONT)
+    assert b.returncode == 2 and "Traceback" not in b.stderr, b.stderr
+    assert b.stderr.strip().splitlines() == [
+        f"moekit train: error: train.offload_dir={shared}: experts-rank0.bin is in use by another run; "
+        "give each run its own train.offload_dir"
+    ]
+    assert not (tmp_path / "b").exists(), "the refused run wrote nothing"
+    assert a.wait(timeout=600) == 0 and c.wait(timeout=600) == 0, a.stderr.read() + c.stderr.read()
+    losses = {run: [r["loss"] for r in read_metrics(tmp_path / run)] for run in ("a", "c")}
+    assert len(losses["a"]) == 3 and losses["a"] == losses["c"]
+    assert not shared.exists() and not own.exists()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    subprocess.run(["unshare", "-rm", "true"], capture_output=True).returncode != 0,
+    reason="needs unshare (a mount namespace) to mount a read-only or a full filesystem",
+)
+@pytest.mark.parametrize(
+    ("mount", "named"),
+    [("ro", "cannot hold the offloaded expert state: Read-only file system"), ("size=16k", "No space left on device")],
+    ids=["read-only", "full"],
+)
+def test_an_offload_dir_on_a_read_only_or_full_disk_is_one_line(
+    corpus_file: Path, tmp_path: Path, mount: str, named: str
+) -> None:
+    """The offload directory on a tmpfs mounted read-only, or too small for the run's expert state (the
+    file takes its room at start-up): one line naming ``train.offload_dir``, nothing left in it, no
+    checkpoint."""
+    disk, run = tmp_path / "disk", tmp_path / "run"
+    disk.mkdir()
+    args = ["train", "--preset", "tiny", "--data", str(corpus_file), "--quiet", "--data.cache_dir", str(tmp_path / "c")]
+    args += ["--run-dir", str(run), "--train.memory_budget", "1MB", "--train.offload_dir", str(disk / "state")]
+    script = f'mount -t tmpfs -o {mount} tmpfs "$1" || exit 99; shift; "$@"; code=$?; ls -A "{disk}"; exit $code'
+    done = subprocess.run(
+        ["unshare", "-rm", "sh", "-c", script, "sh", str(disk), sys.executable, "-m", "moekit", *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"moekit train: error: train.offload_dir={disk / 'state'}: ")
+    assert named in lines[0], lines[0]
+    assert done.stdout == "", f"left on the offload disk: {done.stdout}"
+    assert latest_checkpoint(run) is None
 
 
 @pytest.mark.slow

@@ -1,6 +1,7 @@
-"""Imports flow one way: the run directory (checkpoints, manifests, ``load_run``), the tokenizer and the
-atomic-write, direct-I/O and byte-size helpers stand below training, inference and conversion, which
-never import one another; serving stands on inference.
+"""Imports flow one way: the run directory (checkpoints, manifests, ``load_run``), the tokenizer, the
+storage hierarchy (files, regions, slots, loaders: what offloaded inference and offloaded training
+both stand on) and the atomic-write and byte-size helpers stand below training, inference and
+conversion, which never import one another; serving stands on inference.
 
 Read from the source with ``ast``, so an import inside a function counts as much as one at the top.
 What a command line pays at start-up is checked in a fresh interpreter: ``moekit --help`` loads no torch.
@@ -26,21 +27,25 @@ RULES = {
     "train": ("moekit.infer", "moekit.serve", "moekit.convert", "moekit.cli"),
     "infer": ("moekit.train", "moekit.serve", "moekit.convert", "moekit.cli"),
     "serve": ("moekit.train", "moekit.convert", "moekit.cli"),
-    # offloaded experts, top down: options and model building, the offloader's books, loaders moving bytes
+    # offloaded experts, top down: options and model building, the offloader's books, storage moving bytes
     "infer/offloader.py": ("moekit.infer.offload", "moekit.model", "moekit.run"),
-    "infer/loaders.py": (
-        "moekit.infer.offload",
-        "moekit.infer.offloader",
+    # the storage hierarchy knows no model, no run and nothing of what stands on it
+    "storage": (
+        *ABOVE_MODEL,
         "moekit.model",
         "moekit.layer",
-        "moekit.run",
+        "moekit.parallel",
+        "moekit.experts",
+        "moekit.dispatch",
+        "moekit.routing",
+        "moekit.config",
+        "moekit.runconfig",
     ),
     "convert": ("moekit.train", "moekit.infer", "moekit.serve", "moekit.cli"),
     "run": ABOVE_RUN,
     "tokenizer.py": (*ABOVE_RUN, "moekit.run"),
     "fileio.py": ("moekit",),
     "units.py": ("moekit",),
-    "directio.py": ("moekit",),
     "errors.py": ("moekit",),
     "stats.py": ("moekit",),
     "parallel": ("moekit.train", "moekit.infer", "moekit.convert", "moekit.run", "moekit.cli"),

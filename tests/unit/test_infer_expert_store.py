@@ -11,9 +11,9 @@ import torch
 from safetensors.torch import load_file
 
 from moekit import runconfig
-from moekit.directio import aligned_empty
 from moekit.infer.expert_store import ExpertStore, ExpertStoreError, expert_tensor_prefix
 from moekit.infer.quant import roles
+from moekit.storage.aligned import aligned_empty
 
 
 def _store_args(run_dir: Path) -> tuple[Path, dict[int, int]]:

@@ -14,17 +14,17 @@ import torch
 from helpers import budget_for
 
 from moekit.infer import offloader
-from moekit.infer.cache import LFU, LRU, ExpertCache
 from moekit.infer.expert_store import (
     ExpertStoreError,
     expert_tensor_prefix,
     read_safetensors_header,
 )
 from moekit.infer.generate import generate, generate_texts, left_pad
-from moekit.infer.loaders import CudaLoader, FileLoader, PinnedExperts
 from moekit.infer.offload import OffloadOptions, model_bytes, resolve_prefetch
 from moekit.model import Transformer
 from moekit.run.load import load_run
+from moekit.storage.loaders import CudaLoader, FileLoader, pinned_tier
+from moekit.storage.slots import LFU, LRU, SlotCache
 from moekit.units import parse_bytes
 
 PROMPTS = [[5, 17, 99, 3, 42, 8, 1], [200, 13], [7, 7, 7, 7]]
@@ -67,7 +67,7 @@ def test_cuda_offloaded_tokens_equal_resident(run_dir: Path, experts: int, prefe
     run = load_run(run_dir, "cuda", offload=options)
     off = run.offloader
     try:
-        assert isinstance(off.loader, CudaLoader) and off.cache.arena.is_cuda
+        assert isinstance(off.loader, CudaLoader) and off.cache.device.type == "cuda"
         assert torch.equal(greedy(run.model), reference)
         assert off.stats.max_reads_per_step == 1 and off.stats.reads > 0
         assert experts == 18 or off.cache.counters.evictions > 0
@@ -78,7 +78,7 @@ def test_cuda_offloaded_tokens_equal_resident(run_dir: Path, experts: int, prefe
 def test_cpu_offload_reads_the_file(run_dir: Path) -> None:
     run = load_run(run_dir, offload=OffloadOptions(memory_budget=budget_for(run_dir, 2)))
     try:
-        assert isinstance(run.offloader.loader, FileLoader) and not run.offloader.cache.arena.is_cuda
+        assert isinstance(run.offloader.loader, FileLoader) and run.offloader.cache.device.type == "cpu"
         assert run.offloader.prefetch == "router"  # auto: predict the next layer's reads from a disk
     finally:
         run.offloader.close()
@@ -200,7 +200,7 @@ def test_moving_precision_follows_the_predictions(run_dir: Path) -> None:
         run.offloader.close()
 
 
-_BOOKKEEPING = (offloader.OffloadStats, offloader.Offloader, offloader.OffloadTrace, ExpertCache, LRU, LFU)
+_BOOKKEEPING = (offloader.OffloadStats, offloader.Offloader, offloader.OffloadTrace, SlotCache, LRU, LFU)
 
 
 def _container_lengths(obj: object, name: str = "") -> dict[str, int]:
@@ -406,12 +406,12 @@ def test_host_tier_holds_every_expert_as_the_store_reads_it(run_dir: Path) -> No
     run = load_run(run_dir, offload=OffloadOptions(memory_budget=1 << 30))
     store = run.offloader.store
     try:
-        host = PinnedExperts(store, pin=torch.cuda.is_available())  # the GPU's slow tier
+        host = pinned_tier(store, pin=torch.cuda.is_available())  # the GPU's slow tier
         slot = torch.empty(store.slot_bytes, dtype=torch.uint8)
         assert len(host.index) == len(store.pieces) == 18
         for key in store.pieces:
             store.read_into(key, slot)
             for role, view in store.views(key, slot).items():
-                assert torch.equal(store.views(key, host.slot(key))[role], view), (key, role)
+                assert torch.equal(store.views(key, host.get(key))[role], view), (key, role)
     finally:
         run.offloader.close()

@@ -30,8 +30,8 @@ from moekit.runconfig import RunConfig
 from moekit.train import loop
 from moekit.train.loop import train
 from moekit.train.metrics import METRICS_FILE
-from moekit.train.offload import expert_writer
-from moekit.train.offload.checkpoint import saving
+from moekit.train.offload import check_offloadable
+from moekit.train.step import RESIDENT, train_step
 
 BUDGET = "800KB"  # the tiny model below: 98 KB of expert weights per layer, 2 slots + 6 scratch regions
 UNIT = 98304  # bytes of one (layer, kind) region of the tiny model's experts
@@ -112,7 +112,7 @@ def test_offloaded_training_equals_in_memory_bitwise(corpus: Path, tmp_path: Pat
     assert a.keys() == b.keys() and any(".experts." in k for k in a)
     for key in a:
         assert torch.equal(a[key], b[key]), key
-    assert not any(offload_dir.iterdir()), "the offloaded state is removed when training ends"
+    assert not offload_dir.exists(), "the offloaded state and the directory made for it are removed at the end"
 
 
 @pytest.mark.parametrize(
@@ -149,9 +149,9 @@ def test_deferred_updates_follow_the_schedule_evaluations_and_checkpoints(
 
 def model_state(run: loop._Run) -> dict[str, torch.Tensor]:
     """The run's weights as a checkpoint saves them (offloaded experts read from their file)."""
-    if run.offload is None:
-        return {k: v.clone() for k, v in run.local.state_dict().items()}
-    with saving(run.offload, run.local) as streamed:
+    with run.experts.saving(run.local) as streamed:
+        if streamed is None:  # in memory
+            return {k: v.clone() for k, v in run.local.state_dict().items()}
         return {
             k: streamed.read(MODEL_PREFIX + k).clone() if MODEL_PREFIX + k in streamed.keys else v.clone()
             for k, v in run.local.state_dict().items()
@@ -180,15 +180,14 @@ def test_a_forward_cut_short_leaves_the_rest_of_the_updates_pending(corpus: Path
             if step == 1:
                 _fail_once(run.pm.moe_layers()[1])
                 with pytest.raises(RuntimeError, match="cut short"):
-                    loop._train_step(run.pm, run.optimizer, run.corpus, run.cfg, run.dev, step, None, run.offload)
-                assert run.offload is None or run.offload.updates.pending, "the later layers' updates wait"
+                    train_step(run.pm, run.optimizer, run.corpus, run.cfg, run.dev, step, None, run.experts)
+                assert run.experts is RESIDENT or run.experts.updates.pending, "the later layers' updates wait"
                 run.optimizer.zero_grad(set_to_none=True)
-            record = loop._train_step(run.pm, run.optimizer, run.corpus, run.cfg, run.dev, step, None, run.offload)
+            record = train_step(run.pm, run.optimizer, run.corpus, run.cfg, run.dev, step, None, run.experts)
             losses.append(record["loss"])
         state = model_state(run)
-        if run.offload:
-            assert not run.offload.updates.pending
-            run.offload.close()
+        assert run.experts is RESIDENT or not run.experts.updates.pending
+        run.experts.close()
         runs[name] = losses, state
     (memory_losses, a), (disk_losses, b) = runs["memory"], runs["disk"]
     assert disk_losses == memory_losses
@@ -203,7 +202,7 @@ def _step_allocations(run: loop._Run, step: int, trace: Path) -> tuple[int, int]
     the thread it profiles; the offload's reader and writer threads only move bytes between the file
     and its held buffers)."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
-        loop._train_step(run.pm, run.optimizer, run.corpus, run.cfg, run.dev, step, None, run.offload)
+        train_step(run.pm, run.optimizer, run.corpus, run.cfg, run.dev, step, None, run.experts)
     prof.export_chrome_trace(str(trace))
     events = json.loads(trace.read_text())["traceEvents"]
     changes = sorted((e["ts"], e["args"]["Bytes"]) for e in events if e.get("name") == "[memory]")
@@ -229,10 +228,9 @@ def test_an_offloaded_step_allocates_no_more_than_in_memory_training(
         cfg = tiny(corpus, **budget, **{"train.grad_accum": grad_accum})
         run = loop._setup(cfg, tmp_path / name, False, torch.device("cpu"), False, None, False)
         for step in range(2):  # the first step makes the optimizer's state
-            loop._train_step(run.pm, run.optimizer, run.corpus, cfg, run.dev, step, None, run.offload)
+            train_step(run.pm, run.optimizer, run.corpus, cfg, run.dev, step, None, run.experts)
         figures[name] = _step_allocations(run, 2, tmp_path / f"{name}.json")
-        if run.offload is not None:
-            run.offload.close()
+        run.experts.close()
     (allocated, peak), (allocated_offloaded, peak_offloaded) = figures["memory"], figures["disk"]
     bookkeeping = 3 * 512  # 3 layers
     assert allocated > 0 and peak > 0
@@ -250,17 +248,17 @@ def test_host_tier_takes_disk_traffic_by_the_rule(corpus: Path, tmp_path: Path) 
     for name, host in (("disk", {}), ("host", {"train.host_budget": str(3 * UNIT)})):
         cfg = tiny(corpus, **{"train.memory_budget": BUDGET} | host)
         run = loop._setup(cfg, tmp_path / name, False, torch.device("cpu"), False, None, False)
-        file = run.offload.file
+        file = run.experts.file
         assert file.unit == UNIT
         counters = ("bytes_read", "bytes_written", "host_bytes_read", "host_bytes_written")
         for step in range(2):  # the second step: the first reads every layer into an empty working set
             before = [getattr(file, c) for c in counters]
-            loop._train_step(run.pm, run.optimizer, run.corpus, cfg, run.dev, step, None, run.offload)
-            run.offload.ws.flush()
+            train_step(run.pm, run.optimizer, run.corpus, cfg, run.dev, step, None, run.experts)
+            run.experts.ws.flush()
         moved[name] = [getattr(file, c) - b for c, b in zip(counters, before, strict=True)]
         if host:
             assert sorted(file.host) == [(0, "grad"), (1, "grad"), (2, "grad")]
-        run.offload.close()
+        run.experts.close()
     layers, accum = 3, 2
     off_disk = layers * accum * UNIT  # per step, read and written alike
     read, written, _, _ = moved["disk"]
@@ -299,13 +297,14 @@ def test_bad_offload_fields_name_the_field(fields: dict[str, str], named: str) -
 def test_unsupported_offloaded_runs_are_refused(corpus: Path, tmp_path: Path, overrides: dict, named: str) -> None:
     with pytest.raises(ValueError, match=named):
         train(tiny(corpus, **overrides), tmp_path / "run", progress=False)
+    assert not (tmp_path / "run" / "offload").exists(), "the offload file and its directory are removed"
 
 
 def test_offloaded_runs_off_cpu_are_refused(corpus: Path) -> None:
     """Checked before the device is used: a ``meta`` device stands in for a GPU here."""
     cfg = tiny(corpus, **{"train.memory_budget": BUDGET})
     with pytest.raises(ValueError, match="device=meta: offloaded training runs on cpu"):
-        expert_writer(cfg, corpus.parent / "run", Layout(1, 1, 1, 1, 1), None, torch.device("meta"))
+        check_offloadable(cfg, Layout(1, 1, 1, 1, 1), torch.device("meta"))
 
 
 EP2 = Layout(1, 2, 1, 1, 2)
@@ -324,12 +323,11 @@ EP2 = Layout(1, 2, 1, 1, 2)
     ],
 )
 def test_untested_layouts_are_refused_by_name(corpus: Path, layout: Layout, overrides: dict, named: str) -> None:
-    """What a multi-rank run meets (checked on the layout, before any offload file or collective); the
-    layouts offloading runs (dp, ep, dp x ep with replicated experts) are tests/dist/test_offload.py's."""
+    """What a multi-rank run meets (checked on the layout, before any collective); the layouts offloading
+    runs (dp, ep, dp x ep with replicated experts) are tests/dist/test_offload.py's."""
     cfg = tiny(corpus, **{"train.memory_budget": BUDGET, **overrides})
     with pytest.raises(LayoutError, match=re.escape(named)):
-        expert_writer(cfg, corpus.parent / "run", layout, None, torch.device("cpu"))
-    assert not (corpus.parent / "run").exists()
+        check_offloadable(cfg, layout, torch.device("cpu"))
 
 
 def test_interrupted_resume_leaves_no_offloaded_state(
@@ -346,7 +344,7 @@ def test_interrupted_resume_leaves_no_offloaded_state(
     monkeypatch.setattr(Checkpointer, "restore", interrupted)
     with pytest.raises(KeyboardInterrupt):
         train(cfg, tmp_path / "run", resume=True, progress=False)
-    assert offload_dir.is_dir() and not any(offload_dir.iterdir())
+    assert not offload_dir.exists()
 
 
 def test_a_checkpoint_before_any_update_is_in_memory_trainings(corpus: Path, tmp_path: Path) -> None:

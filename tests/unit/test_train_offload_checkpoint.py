@@ -27,6 +27,8 @@ from helpers import assert_same_checkpoints
 from moekit.run.layout import MODEL_FILE, checkpoint_dir, step_dirs
 from moekit.train import loop
 from moekit.train.loop import TrainingError, train
+from moekit.train.offload import ExpertOffload
+from moekit.train.step import train_step
 
 BUDGET, HOST, tiny = offload_tests.BUDGET, offload_tests.HOST, offload_tests.tiny
 corpus = offload_tests.corpus  # the fixture
@@ -85,21 +87,21 @@ def test_a_non_finite_offloaded_weight_stops_the_save(corpus: Path, tmp_path: Pa
     """The finite-weights check before a save reads the offloaded experts from their file."""
     cfg = tiny(corpus, **{"train.memory_budget": BUDGET})
     run = loop._setup(cfg, tmp_path / "run", False, torch.device("cpu"), False, None, False)
-    assert run.offload is not None
+    assert isinstance(run.experts, ExpertOffload)
     try:
-        record = loop._train_step(run.pm, run.optimizer, run.corpus, cfg, run.dev, 0, None, run.offload)
-        run.offload.settle()
-        run.offload.ws.flush()
-        run.offload.ws.forget()  # the file is changed below every resident layer
-        region = run.offload.file.buffer()
-        run.offload.file.read(2, "weight", region)
-        run.offload.file.views(region)["w_out"][1, 2, 3] = float("inf")
-        run.offload.file.write(2, "weight", region)
+        record = train_step(run.pm, run.optimizer, run.corpus, cfg, run.dev, 0, None, run.experts)
+        run.experts.settle()
+        run.experts.ws.flush()
+        run.experts.ws.forget()  # the file is changed below every resident layer
+        region = run.experts.file.buffer()
+        run.experts.file.read(2, "weight", region)
+        run.experts.file.views(region)["w_out"][1, 2, 3] = float("inf")
+        run.experts.file.write(2, "weight", region)
         with pytest.raises(TrainingError, match="weights are not finite after step 1"):
             loop._save(run, 1, record, 0, None)
         assert not checkpoint_dir(tmp_path / "run").exists() or not step_dirs(checkpoint_dir(tmp_path / "run"))
     finally:
-        run.offload.close()
+        run.experts.close()
 
 
 def _status_bytes(field: str) -> int:
@@ -137,21 +139,21 @@ def measure(work: str, data: str) -> None:
         )
 
     run = setup("saved")
-    assert run.offload is not None and run.offload.file.unit == UNIT
+    assert isinstance(run.experts, ExpertOffload) and run.experts.file.unit == UNIT
     saved: list[Path | None] = []
     rises = []
     for step in range(2):  # each of two saves counts: the heap of the first is what the second finds
-        record = loop._train_step(run.pm, run.optimizer, run.corpus, run.cfg, run.dev, step, None, run.offload)
+        record = train_step(run.pm, run.optimizer, run.corpus, run.cfg, run.dev, step, None, run.experts)
         rises.append(_rise(partial(_save, run, step + 1, record, saved)))
     save = max(rises)
-    layers = len(run.offload.params)
-    run.offload.close()
+    layers = len(run.experts.params)
+    run.experts.close()
     fresh = setup("resumed")
-    assert fresh.offload is not None and saved[-1] is not None
+    assert isinstance(fresh.experts, ExpertOffload) and saved[-1] is not None
     resume = _rise(
-        lambda: loop._restore(fresh.saver, saved[-1], fresh.local, fresh.optimizer, fresh.pm.full_model, fresh.offload)
+        lambda: loop._restore(fresh.saver, saved[-1], fresh.local, fresh.optimizer, fresh.pm.full_model, fresh.experts)
     )
-    fresh.offload.close()
+    fresh.experts.close()
     print(json.dumps({"save": save, "saves": rises, "resume": resume, "layers": layers}))
 
 

@@ -22,8 +22,9 @@ from conftest import write_corpus
 from helpers import train_routed
 
 from moekit import runconfig
-from moekit.directio import DIRECT_ALIGN
 from moekit.experts.grouped import expert_ffn
+from moekit.storage.aligned import DIRECT_ALIGN
+from moekit.storage.files import StorageFile
 from moekit.train import loop
 from moekit.train.offload.store import LayerFile, Rest
 
@@ -130,7 +131,7 @@ def test_a_forward_that_runs_the_ffn_in_chunks_sums_their_rows(tmp_path: Path) -
     count both chunks' rows: the outputs and every expert's gradient on disk equal one FFN call's over
     all the rows (reference: ``expert_ffn`` on the same weights, in memory)."""
     run = loop._setup(_cfg(write_corpus(tmp_path / "corpus.txt"), 1, True), tmp_path / "run", *_PLAIN_SETUP)
-    offload = run.offload
+    offload = run.experts
     assert offload is not None
     try:
         experts = offload.experts[0]
@@ -167,7 +168,7 @@ def test_a_transfer_of_some_experts_moves_their_pages_and_zeroes_the_rest(tmp_pa
     others idle, zero) moves the page of its ``w`` and the page of ``b``, whose other experts' bytes move
     with it (no expert skipped); a read of experts 0 and 1 holds theirs, zeros outside the pages read,
     and in the ``b`` page what the write left there. Without ``b``, the idle experts move no byte (skipped)."""
-    file = LayerFile(tmp_path / "experts.bin", 1, {"w": (4, DIRECT_ALIGN // 4), "b": (4, 16)})
+    file = LayerFile(StorageFile.claim(tmp_path / "experts.bin"), 1, {"w": (4, DIRECT_ALIGN // 4), "b": (4, 16)})
     try:
         assert file.spans((False, True, False, True)) == [
             (DIRECT_ALIGN, 2 * DIRECT_ALIGN),
@@ -197,13 +198,13 @@ def test_a_transfer_of_some_experts_moves_their_pages_and_zeroes_the_rest(tmp_pa
         file.read(0, "grad", got, (False, True, False, False), Rest.UNUSED)
         assert (got[:DIRECT_ALIGN] == 255).all() and (got[2 * DIRECT_ALIGN : 3 * DIRECT_ALIGN] == 255).all()
     finally:
-        file.close()
+        file.remove()
 
 
 def test_idle_experts_that_share_no_page_are_skipped(tmp_path: Path) -> None:
     """Experts of whole pages: a write or read of some experts skips the others (counted), and a read
     completing a partly read buffer (``Rest.HELD``) keeps what it held and skips none."""
-    file = LayerFile(tmp_path / "experts.bin", 1, {"w": (4, DIRECT_ALIGN // 4)})
+    file = LayerFile(StorageFile.claim(tmp_path / "experts.bin"), 1, {"w": (4, DIRECT_ALIGN // 4)})
     try:
         buf = file.buffer()
         for e, t in enumerate(file.views(buf)["w"]):
@@ -216,4 +217,4 @@ def test_idle_experts_that_share_no_page_are_skipped(tmp_path: Path) -> None:
         file.read(0, "weight", got, (False, True, True, False), Rest.HELD)
         assert file.experts_skipped["weight"] == 2 and torch.equal(got, buf)
     finally:
-        file.close()
+        file.remove()

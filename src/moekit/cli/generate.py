@@ -43,11 +43,13 @@ def _prompts(args: argparse.Namespace) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from moekit.hostmem import peak_rss
     from moekit.infer.generate import check_sampling, generate_texts
     from moekit.units import format_bytes
 
     check_sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p)
     prompts = _prompts(args)
+    runtime = peak_rss()  # the interpreter and the libraries, before the model
     loaded = load_for_inference(args)
     start = time.perf_counter()
     try:
@@ -76,4 +78,23 @@ def run(args: argparse.Namespace) -> int:
                 f" ({stats.prefetch_reads} reads)"
             )
     print(report, file=sys.stderr)
+    if loaded.offloader is not None:
+        print(_memory_report(loaded, args.memory_budget, runtime), file=sys.stderr)
     return 0
+
+
+def _memory_report(loaded, budget: str, runtime: int) -> str:
+    """What ``--memory-budget`` holds, and what the process held at its peak beside it."""
+    from moekit.hostmem import peak_rss
+    from moekit.infer.offload import model_bytes
+    from moekit.units import format_bytes, parse_bytes
+
+    cache = loaded.offloader.cache
+    resident = model_bytes(loaded.model)
+    return (
+        f"memory: --memory-budget {format_bytes(parse_bytes(budget, '--memory-budget'))} holds the resident "
+        f"weights, {format_bytes(resident + cache.capacity_bytes)}: "
+        f"non-expert {format_bytes(resident)} + {cache.num_slots} expert slots of {format_bytes(cache.slot_bytes)}; "
+        f"peak RSS {format_bytes(peak_rss())}, which also holds activations, the KV cache and the runtime "
+        f"({format_bytes(runtime)} before the model loaded)"
+    )

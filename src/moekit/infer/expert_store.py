@@ -6,17 +6,16 @@ store reads exactly the ranges of the experts asked for (``os.preadv`` into the 
 memory, no intermediate copy), never a whole layer. Quantized stores (``moekit.infer.quant``) use the
 same stacked layout with other tensor names, so one reader serves both.
 
-Reads are direct (``O_DIRECT``) where the filesystem allows: the disk writes into the slot by DMA,
-with no copy through the OS page cache (which costs CPU that the experts' matmuls need) and no cached
-pages beside the memory budget. Direct reads start and end on 4 KiB boundaries, so each piece of an
-expert gets a 4 KiB-aligned region in its slot and sits in it at its file offset's skew; ``views``
-knows where.
+Reads go through ``storage.files.StorageFile``: direct (``O_DIRECT``) where the filesystem allows,
+so the disk writes into the slot by DMA, with no copy through the OS page cache (which costs CPU that
+the experts' matmuls need) and no cached pages beside the memory budget. Direct reads start and end
+on 4 KiB boundaries, so each piece of an expert gets a 4 KiB-aligned region in its slot and sits in
+it at its file offset's skew; ``views`` knows where.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,8 +23,9 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from moekit.directio import DIRECT_ALIGN, open_direct, round_up
 from moekit.errors import MoekitError
+from moekit.storage.aligned import DIRECT_ALIGN, round_up
+from moekit.storage.files import StorageFile
 
 Key = tuple[int, int]  # (block index, expert index)
 
@@ -93,9 +93,8 @@ class ExpertStore:
         self.roles = roles
         self.drop_pages = drop_pages
         header, data_start = read_safetensors_header(self.path)
-        self._fd = os.open(self.path, os.O_RDONLY)
-        self._direct_fd = open_direct(self.path) if direct else -1
-        self.direct = self._direct_fd >= 0
+        self.file = StorageFile.open(self.path, direct, drop_pages)
+        self.direct = self.file.direct
         try:
             layout = self._index(header, data_start, blocks)
         except BaseException:
@@ -144,10 +143,7 @@ class ExpertStore:
         return slot_layout
 
     def close(self) -> None:
-        for fd in (self._fd, self._direct_fd):
-            if fd >= 0:
-                os.close(fd)
-        self._fd = self._direct_fd = -1
+        self.file.close()
 
     def __enter__(self) -> ExpertStore:
         return self
@@ -166,13 +162,9 @@ class ExpertStore:
             if direct:  # whole 4 KiB blocks around the tensor, which lands at its skew
                 start = p.slot_offset - p.skew
                 length = round_up(p.skew + p.nbytes, DIRECT_ALIGN)
-                view = memoryview(slot_U8[start : start + length].numpy())
-                got = min(os.preadv(self._direct_fd, [view], p.file_offset - p.skew) - p.skew, p.nbytes)
+                got = min(self.file.read(slot_U8[start : start + length], p.file_offset - p.skew) - p.skew, p.nbytes)
             else:
-                view = memoryview(slot_U8[p.slot_offset : p.slot_offset + p.nbytes].numpy())
-                got = os.preadv(self._fd, [view], p.file_offset)
-                if self.drop_pages:
-                    os.posix_fadvise(self._fd, p.file_offset, p.nbytes, os.POSIX_FADV_DONTNEED)
+                got = self.file.read(slot_U8[p.slot_offset : p.slot_offset + p.nbytes], p.file_offset)
             if got != p.nbytes:
                 block, expert = key
                 raise ExpertStoreError(
@@ -184,7 +176,7 @@ class ExpertStore:
 
     def drop_page_cache(self) -> None:
         """Evict the whole file from the OS page cache (a cold start for the next reads)."""
-        os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        self.file.evict()
 
     def views(self, key: Key, slot_U8: Tensor) -> dict[str, Tensor]:
         """The tensors of expert ``key`` inside its slot, by role (views, no copy)."""

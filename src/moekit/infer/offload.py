@@ -12,13 +12,13 @@ import torch
 from torch import Tensor, nn
 
 from moekit.config import ModelConfig, MoEConfig
-from moekit.infer.cache import POLICIES, ExpertCache, make_policy
 from moekit.infer.expert_store import ExpertStore, ExpertStoreError
 from moekit.infer.offloader import PREFETCH_MODES, OffloadedExperts, Offloader
 from moekit.infer.quant import QUANT_FORMATS, roles, write_quantized_store
 from moekit.infer.range_store import RangeStore
 from moekit.layer import MoE
 from moekit.model import Transformer
+from moekit.storage.slots import POLICIES, SlotCache, make_policy
 from moekit.units import format_bytes
 
 Store = ExpertStore | RangeStore  # a run's own file (or quantized copy), or another checkpoint's files in place
@@ -182,7 +182,7 @@ def offloaded_model(
             f"after the non-expert weights ({format_bytes(resident_bytes)}): "
             f"less than one expert ({format_bytes(store.slot_bytes)})"
         )
-    cache = ExpertCache(slots, store.slot_bytes, torch.device(device), make_policy(options.policy))
+    cache = SlotCache(slots, store.slot_bytes, torch.device(device), make_policy(options.policy))
     offloader = Offloader(
         store,
         cache,

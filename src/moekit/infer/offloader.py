@@ -3,7 +3,7 @@
 The model stays the single-device ``Transformer``; each MoE layer's ``experts`` module is swapped
 for an ``OffloadedExperts`` that asks the ``Offloader`` for the weights of the experts its tokens
 picked. Non-expert weights stay resident. The offloader keeps the books (which expert is in which
-slot, what to load, what to prefetch, what was read); a loader (``moekit.infer.loaders``, picked
+slot, what to load, what to prefetch, what was read); a loader (``moekit.storage.loaders``, picked
 once for the cache's device) moves the bytes. Per layer and step:
 
 1. experts prefetched for this layer are waited for (needed) or let go (mispredicted);
@@ -38,12 +38,12 @@ from torch import Tensor, nn
 
 from moekit.config import MoEConfig
 from moekit.experts.grouped import Activation, ExpertCompute, compute_dtype
-from moekit.infer.cache import Entry, ExpertCache
 from moekit.infer.expert_store import ExpertStore, Key
-from moekit.infer.loaders import make_loader
 from moekit.infer.quant import matmul
 from moekit.layer import MoE
 from moekit.routing import HashRouter
+from moekit.storage.loaders import make_loader
+from moekit.storage.slots import Entry, SlotCache
 
 PREFETCH_MODES = ("router", "all", "off")
 _PRECISION_DECAY = 0.75  # of the moving precision per scored prediction: a prefill does not mask decode
@@ -120,7 +120,7 @@ class Offloader:
     def __init__(
         self,
         store: ExpertStore,
-        cache: ExpertCache,
+        cache: SlotCache,
         fmt: str,
         layers: dict[int, MoE],
         prefetch: str = "router",

@@ -34,10 +34,10 @@ import torch
 from safetensors.torch import save
 from torch import Tensor
 
-from moekit.directio import aligned_empty
 from moekit.experts.matmul import inference_layout, mm
 from moekit.fileio import write_atomic
 from moekit.infer.expert_store import ExpertStore, Key, expert_tensor_prefix
+from moekit.storage.aligned import aligned_empty
 
 QUANT_FORMATS = ("int8", "int4")
 INT4_GROUP = 32

@@ -8,15 +8,15 @@ converted store's ``x @ w``. The ranges start anywhere in the files (after a JSO
 length), so reads are plain ``pread`` of exactly the tensor's bytes, not direct: a direct read of the
 4 KiB-aligned superset would land each matrix at its own skew and need a copy to put gate and up side
 by side (the reads row of ``benchmarks/convert.py`` measures both: plain pread was the faster).
-``drop_pages`` evicts each range from the OS page cache after reading it, as ``ExpertStore`` does; the
-offloaded model sets it when direct reads were asked for, so no cached expert pages sit beside the budget.
+``drop_pages`` evicts each range from the OS page cache after reading it (``storage.files.StorageFile``),
+as ``ExpertStore`` does; the offloaded model sets it when direct reads were asked for, so no cached
+expert pages sit beside the budget.
 
 Legend: D model dim, F expert hidden dim.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,8 +25,7 @@ from torch import Tensor
 
 from moekit.infer.expert_store import ExpertStoreError, Key
 from moekit.run.safetensors_io import Entry
-
-PAGE = os.sysconf("SC_PAGE_SIZE")  # the page cache evicts whole pages
+from moekit.storage.files import StorageFile
 
 _ALIGN = 64  # each role's place in a slot: aligned for any dtype view and for SIMD loads
 
@@ -51,14 +50,6 @@ class _Role:
     shape: tuple[int, int]  # as stored: [rows (out), in]
 
 
-def _evict(fd: int, offset: int, nbytes: int) -> None:
-    """Evict a byte range from the page cache. The kernel drops only whole pages inside the range, so it
-    is widened to page boundaries: a tensor's first and last pages are not left cached."""
-    start = offset - offset % PAGE
-    end = -(-(offset + nbytes) // PAGE) * PAGE
-    os.posix_fadvise(fd, start, end - start, os.POSIX_FADV_DONTNEED)
-
-
 class RangeStore:
     """Experts read by byte range from the files that hold them, each expert a list of ranges.
 
@@ -74,10 +65,10 @@ class RangeStore:
         self.drop_pages = drop_pages
         files = sorted({path for ranges in experts.values() for parts in ranges.values() for path, _ in parts})
         self.path = files[0].parent
-        self._fds: dict[Path, int] = {}
+        self._files: dict[Path, StorageFile] = {}
         try:
             for path in files:
-                self._fds[path] = os.open(path, os.O_RDONLY)
+                self._files[path] = StorageFile.open(path, direct=False, drop_pages=drop_pages)
             self._index(experts)
         except BaseException:
             self.close()
@@ -86,7 +77,7 @@ class RangeStore:
     def _index(self, experts: dict[Key, Ranges]) -> None:
         self.pieces: dict[Key, list[Range]] = {}
         self.roles: dict[str, _Role] | None = None
-        sizes = {path: path.stat().st_size for path in self._fds}
+        sizes = {path: file.size for path, file in self._files.items()}
         for key, ranges in sorted(experts.items()):
             roles, pieces, offset = {}, [], 0
             for role, parts in ranges.items():
@@ -110,9 +101,9 @@ class RangeStore:
         self.bytes_per_expert = sum(p.nbytes for p in next(iter(self.pieces.values())))
 
     def close(self) -> None:
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds = {}
+        for file in self._files.values():
+            file.close()
+        self._files = {}
 
     def __enter__(self) -> RangeStore:
         return self
@@ -124,11 +115,7 @@ class RangeStore:
         """Read expert ``key``'s ranges into ``slot_U8`` (a CPU uint8 tensor of ``slot_bytes``); bytes read."""
         total = 0
         for p in self.pieces[key]:
-            fd = self._fds[p.path]
-            view = memoryview(slot_U8[p.slot_offset : p.slot_offset + p.nbytes].numpy())
-            got = os.preadv(fd, [view], p.file_offset)
-            if self.drop_pages:
-                _evict(fd, p.file_offset, p.nbytes)
+            got = self._files[p.path].read(slot_U8[p.slot_offset : p.slot_offset + p.nbytes], p.file_offset)
             if got != p.nbytes:
                 block, expert = key
                 raise ExpertStoreError(
@@ -139,8 +126,8 @@ class RangeStore:
 
     def drop_page_cache(self) -> None:
         """Evict the files from the OS page cache (a cold start for the next reads)."""
-        for fd in self._fds.values():
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        for file in self._files.values():
+            file.evict()
 
     def views(self, key: Key, slot_U8: Tensor) -> dict[str, Tensor]:
         """The tensors of an expert inside its slot, by role, ``[in, out]`` (transposed views, no copy)."""

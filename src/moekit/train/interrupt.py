@@ -11,11 +11,17 @@ import torch.distributed as dist
 
 class StopOnInterrupt:
     """Turns the first Ctrl-C into a request to stop at the end of the current step (which is then
-    checkpointed), so no half-applied step is ever saved; a second Ctrl-C stops at once."""
+    checkpointed), so no half-applied step is ever saved; a second Ctrl-C stops at once. ``agreed``
+    makes the ranks of ``mesh`` stop together."""
 
-    def __init__(self) -> None:
+    def __init__(self, mesh=None) -> None:
         self.requested = False
+        self.mesh = mesh
         self._previous = None
+
+    def agreed(self) -> bool:
+        """Whether any rank was asked to stop (one collective: every rank gets the same answer)."""
+        return agree(self.requested, self.mesh)
 
     def _handle(self, signum, frame) -> None:
         if self.requested:

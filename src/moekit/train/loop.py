@@ -1,11 +1,12 @@
-"""The training loop: one process, one device. Deterministic on CPU for a given seed, so a resumed
-run reproduces the losses of an uninterrupted one bit for bit."""
+"""The training loop: setup, then steps until the last or a Ctrl-C, each logged, evaluated and saved on
+schedule (``schedules.py``). Deterministic on CPU for a given seed, so a resumed run reproduces the
+losses of an uninterrupted one bit for bit. It reads the same with offloaded experts as without: they
+sit behind the model/optimizer seam (``step.ExpertStorage``)."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 import os
 import sys
 import time
@@ -18,7 +19,6 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
-from moekit.errors import MoekitError
 from moekit.fileio import write_bytes_atomic
 from moekit.hostmem import keep_freed_memory
 from moekit.parallel.compile import CompileWatch
@@ -29,20 +29,17 @@ from moekit.run.manifest import load_manifest
 from moekit.run.saver import Checkpointer
 from moekit.run.sharded import local_model
 from moekit.runconfig import RunConfig
-from moekit.stats import StepStats
-from moekit.train.data import Corpus, draw_seed, prepare_corpus, resolve_files
+from moekit.storage.files import StorageFile
+from moekit.train.data import Corpus, prepare_corpus, resolve_files
 from moekit.train.interrupt import StopOnInterrupt, agree
 from moekit.train.metrics import MetricsLogger
 from moekit.train.model_build import build_model
-from moekit.train.offload import ExpertOffload
-from moekit.train.offload.checkpoint import StreamedExperts, restoring, saving
-from moekit.train.optim import keeping_hyperparameters, lr_at
+from moekit.train.offload import claim_offload_file
+from moekit.train.optim import keeping_hyperparameters
 from moekit.train.peak import peak_tflops
 from moekit.train.resume import check_resumable
-
-
-class TrainingError(MoekitError):
-    """Training stopped for a reason the user must see (a NaN loss or weights, a run dir in the way)."""
+from moekit.train.schedules import Every, NonFiniteStreak
+from moekit.train.step import ExpertStorage, TrainingError, autocast, last_good, train_step
 
 
 @dataclass(frozen=True)
@@ -54,12 +51,6 @@ class TrainResult:
     checkpoint: Path | None  # newest checkpoint
     interrupted: bool = False
     skipped_steps: int = 0  # steps whose update was skipped for a non-finite gradient norm, over the whole run
-
-
-def autocast(cfg: RunConfig, device: torch.device):
-    if cfg.train.dtype == "bf16":
-        return torch.autocast(device.type, dtype=torch.bfloat16)
-    return contextlib.nullcontext()
 
 
 @torch.no_grad()
@@ -79,7 +70,7 @@ def _has_checkpoint(run_dir: Path) -> bool:
     return (checkpoint_dir(run_dir) / LATEST).exists() or bool(complete_checkpoints(run_dir))
 
 
-def _prepare_run_dir(run_dir: Path, resume: bool, create: bool = True) -> None:
+def _check_run_dir(run_dir: Path, resume: bool) -> None:
     """Check (on every rank, before any collective) that the run directory fits the request."""
     if not resume and _has_checkpoint(run_dir):
         raise TrainingError(
@@ -89,8 +80,6 @@ def _prepare_run_dir(run_dir: Path, resume: bool, create: bool = True) -> None:
         raise TrainingError(f"resume=True: {run_dir} has no checkpoint to resume from")
     if run_dir.exists() and not run_dir.is_dir():
         raise TrainingError(f"run_dir={run_dir}: is a file, not a directory")
-    if create:
-        run_dir.mkdir(parents=True, exist_ok=True)
 
 
 def _elastic_restart(run_dir: Path) -> bool:
@@ -152,8 +141,7 @@ def _train(
         _announce(run, init if run.resume_from is None else None)
         return _steps(run, progress, on_step)
     finally:
-        if run.offload is not None:
-            run.offload.close()
+        run.experts.close()
 
 
 @dataclass
@@ -177,27 +165,50 @@ class _Run:
     start_step: int
     resume_from: Path | None
     manifest: dict[str, Any]
-    offload: ExpertOffload | None  # experts' weights and AdamW state on disk (train.memory_budget)
+    experts: ExpertStorage  # where the experts' state lives: in the model, or offloaded (train.memory_budget)
 
 
 def _setup(
     cfg: RunConfig, run_dir: Path, resume: bool, dev: torch.device, progress: bool, init: Path | None, fallback: bool
 ) -> _Run:
-    """Check the request, join the ranks, prepare the corpus, build the model and resume it."""
+    """Check the request, claim the offload file, then build the run (``_build``)."""
     if dev.type == "cpu":
         keep_freed_memory()
     if init is not None and resume:
         raise TrainingError(
             f"init={init}: starts a new run from another run's weights; it cannot be combined with resume=True"
         )
-    main = global_rank() == 0  # before the process group: rank 0 alone creates the run directory
+    main = global_rank() == 0  # before the process group
     say = tqdm.write if progress and main else (lambda msg: print(msg, file=sys.stderr))
     # A restarted worker continues the run from its own checkpoint, one started from init's weights too.
     resume = resume or _elastic_restart(run_dir)
     resolve_files(cfg.data.path)  # a corpus that is not there is reported before the run directory is made
-    _prepare_run_dir(run_dir, resume, create=main)
+    _check_run_dir(run_dir, resume)
     if resume:
         check_resumable(cfg, run_dir)
+    storage = claim_offload_file(cfg, run_dir)  # refused (in use, unusable), it leaves nothing behind
+    try:
+        if main:  # rank 0 alone creates the run directory
+            run_dir.mkdir(parents=True, exist_ok=True)
+        return _build(cfg, run_dir, resume, dev, init, fallback, main, say, storage)
+    except BaseException:
+        if storage is not None:
+            storage.remove()
+        raise
+
+
+def _build(
+    cfg: RunConfig,
+    run_dir: Path,
+    resume: bool,
+    dev: torch.device,
+    init: Path | None,
+    fallback: bool,
+    main: bool,
+    say: Callable[[str], None],
+    storage: StorageFile | None,
+) -> _Run:
+    """Join the ranks, prepare the corpus, build the model (its experts offloaded into ``storage``) and resume it."""
     layout, mesh = init_distributed(cfg, dev)
     saver = Checkpointer(run_dir, cfg.train.keep_checkpoints, cfg.train.async_checkpoint, cfg.parallel.timeout_s)
     resume_from = saver.choose(fallback, say if main else lambda msg: None) if resume else None
@@ -219,7 +230,7 @@ def _setup(
     if main and resume_from is None:
         write_bytes_atomic(run_dir / "config.json", cfg.to_json().encode())
         corpus.tokenizer.save(run_dir)
-    model, pm, optimizer, offload = build_model(cfg, run_dir, dev, layout, mesh, init if resume_from is None else None)
+    model, pm, optimizer, experts = build_model(cfg, storage, dev, layout, mesh, init if resume_from is None else None)
     flops_per_token = model.flops_per_token()
     summary = (
         f"{model.num_params() / 1e6:.2f}M parameters ({model.num_active_params() / 1e6:.2f}M active per token, "
@@ -228,7 +239,7 @@ def _setup(
     local = local_model(pm.modules)
     start_step = 0
     if resume_from is not None:
-        start_step = _restore(saver, resume_from, local, optimizer, model, offload)
+        start_step = _restore(saver, resume_from, local, optimizer, model, experts)
         if main:  # the resumed run's settings (a new train.steps, ...), once its checkpoint has loaded
             write_bytes_atomic(run_dir / "config.json", cfg.to_json().encode())
     return _Run(
@@ -249,7 +260,7 @@ def _setup(
         start_step=start_step,
         resume_from=resume_from,
         manifest=manifest,
-        offload=offload,
+        experts=experts,
     )
 
 
@@ -259,15 +270,12 @@ def _restore(
     local: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     whole: torch.nn.Module,
-    offload: ExpertOffload | None,
+    experts: ExpertStorage,
 ) -> int:
     """Load checkpoint ``path`` into this rank's model and optimizer (its state; the hyperparameters stay
     this run's); returns its step. Offloaded experts are streamed from it into their file
     (``offload/checkpoint.py``)."""
-    with (
-        restoring(offload, local) if offload else contextlib.nullcontext() as streamed,
-        keeping_hyperparameters(optimizer),
-    ):
+    with experts.restoring(local) as streamed, keeping_hyperparameters(optimizer):
         return int(saver.restore(path, local, optimizer, whole, streamed=streamed)["step"])
 
 
@@ -293,53 +301,45 @@ def _steps(run: _Run, progress: bool, on_step: Callable[[dict[str, Any]], None] 
     """The optimizer steps, each logged, evaluated and checkpointed on schedule, until the last or a Ctrl-C."""
     cfg, pm, saver, main = run.cfg, run.pm, run.saver, run.main
     tc = cfg.train
-    tokens_per_step = tc.batch_size * cfg.model.context_length * tc.grad_accum * run.layout.batch_ranks
-    peak = peak_tflops(tc.peak_tflops, run.dev, tc.dtype)
+    evals, saves = Every(tc.eval_every, tc.steps), Every(tc.ckpt_every, tc.steps)
+    streak = NonFiniteStreak(
+        tc.max_nonfinite_steps, int(run.manifest.get("skipped_steps", 0)), int(run.manifest.get("nonfinite_streak", 0))
+    )
+    meter = _Meter(run)
     losses: list[float] = []
     val_loss: float | None = None
     checkpoint = run.resume_from if main else None
     step = run.start_step
-    # Carried in the manifest so that a resumed run counts (and stops) as the uninterrupted one would.
-    skipped_steps, streak = int(run.manifest.get("skipped_steps", 0)), int(run.manifest.get("nonfinite_streak", 0))
     bar = tqdm(total=tc.steps, initial=step, disable=not (progress and main), unit="step", dynamic_ncols=True)
     pm.train(True)
     logger = MetricsLogger(run.run_dir) if main else contextlib.nullcontext()
-    with logger, StopOnInterrupt() as interrupt, saver, CompileWatch() as compiled:
-        stopping = agree(interrupt.requested, run.mesh)
+    with logger, StopOnInterrupt(run.mesh) as interrupt, saver, CompileWatch() as compiled:
+        stopping = interrupt.agreed()
         while step < tc.steps and not stopping:
             started = time.perf_counter()
-            record = _train_step(pm, run.optimizer, run.corpus, cfg, run.dev, step, checkpoint, run.offload)
+            record = train_step(pm, run.optimizer, run.corpus, cfg, run.dev, step, checkpoint, run.experts)
             step += 1
-            record["tokens_per_s"] = tokens_per_step / (time.perf_counter() - started)
-            if peak is not None:  # an unknown GPU: no MFU rather than one read against a guess
-                record["mfu"] = run.flops_per_token * record["tokens_per_s"] / (peak * 1e12 * run.layout.world)
+            record.update(meter.record(time.perf_counter() - started))
             if tc.compile:
                 record.update(compiled.record())  # cumulative: a recompile after warm-up shows as a rise
                 if main and step == run.start_step + 1:
                     run.say(f"moekit: torch.compile: {compiled.graphs} graphs compiled in {compiled.seconds:.1f}s")
             losses.append(record["loss"])
-            streak = streak + 1 if record["skipped"] else 0
-            skipped_steps += record["skipped"]
-            record["skipped_steps"] = skipped_steps
+            streak.count(record["skipped"])
+            record["skipped_steps"] = streak.skipped
             if record["skipped"] and main:
-                run.say(
-                    f"moekit: warning: gradient norm is {record['grad_norm']} at step {step}: update skipped "
-                    f"({streak} in a row; train.max_nonfinite_steps={tc.max_nonfinite_steps})"
-                )
-            if step % tc.eval_every == 0 or step == tc.steps:
+                run.say(streak.warning(step, record["grad_norm"]))
+            if evals.due(step):
                 val_loss = record["val_loss"] = evaluate(pm, run.corpus, cfg, run.dev)
             if main:
                 logger.log(record)
             checkpoint = saver.poll() or checkpoint
-            if streak >= tc.max_nonfinite_steps:
+            if streak.exceeded:
                 checkpoint = saver.wait() or checkpoint
-                raise TrainingError(
-                    f"gradient norm is not finite for {streak} steps in a row at step {step} "
-                    f"(train.max_nonfinite_steps={tc.max_nonfinite_steps}): training stopped; " + _last_good(checkpoint)
-                )
-            stopping = agree(interrupt.requested, run.mesh)  # one collective per step decides for every rank
-            if (tc.ckpt_every and step % tc.ckpt_every == 0) or step == tc.steps or stopping:
-                checkpoint = _save(run, step, record, streak, checkpoint)
+                raise TrainingError(streak.stop(step) + last_good(checkpoint))
+            stopping = interrupt.agreed()  # one collective per step decides for every rank
+            if saves.due(step) or stopping:
+                checkpoint = _save(run, step, record, streak.streak, checkpoint)
             bar.update(1)
             bar.set_postfix(
                 loss=f"{record['loss']:.3f}",
@@ -354,19 +354,35 @@ def _steps(run: _Run, progress: bool, on_step: Callable[[dict[str, Any]], None] 
     if interrupt.requested and main:
         run.say(f"moekit: interrupted at step {step}; checkpoint {checkpoint}")
     return TrainResult(
-        run.run_dir, step, losses, val_loss, checkpoint, interrupted=interrupt.requested, skipped_steps=skipped_steps
+        run.run_dir, step, losses, val_loss, checkpoint, interrupted=interrupt.requested, skipped_steps=streak.skipped
     )
+
+
+class _Meter:
+    """A step's speed: tokens per second and, on a device whose peak is known, MFU."""
+
+    def __init__(self, run: _Run) -> None:
+        tc = run.cfg.train
+        self.tokens = tc.batch_size * run.cfg.model.context_length * tc.grad_accum * run.layout.batch_ranks
+        self.peak = peak_tflops(tc.peak_tflops, run.dev, tc.dtype)
+        self.flops_per_token, self.world = run.flops_per_token, run.layout.world
+
+    def record(self, seconds: float) -> dict[str, float]:
+        record = {"tokens_per_s": self.tokens / seconds}
+        if self.peak is not None:  # an unknown GPU: no MFU rather than one read against a guess
+            record["mfu"] = self.flops_per_token * record["tokens_per_s"] / (self.peak * 1e12 * self.world)
+        return record
 
 
 def _save(run: _Run, step: int, record: dict[str, Any], streak: int, checkpoint: Path | None) -> Path | None:
     """Start a checkpoint of finite weights (or stop the run); returns the newest published one. Offloaded
     experts are streamed from their file into it (``offload/checkpoint.py``)."""
-    with saving(run.offload, run.local) if run.offload else contextlib.nullcontext() as streamed:
-        if not _weights_finite(run.local, run.mesh, streamed):
+    with run.experts.saving(run.local) as streamed:
+        if not _weights_finite(run.local, run.mesh, run.experts):
             checkpoint = run.saver.wait() or checkpoint
             raise TrainingError(
                 f"weights are not finite after step {step}: checkpoint not saved, training stopped; "
-                + _last_good(checkpoint)
+                + last_good(checkpoint)
             )
         info = _checkpoint_info(step, run.cfg, run.layout, record, streak)
         return run.saver.save(step, run.local, run.optimizer, info, run.pm.expert_slots(), streamed) or checkpoint
@@ -376,23 +392,18 @@ def _describe(layout) -> str:
     return " x ".join(f"{name}={getattr(layout, name)}" for name in ("dp", "ep", "tp", "pp"))
 
 
-def _weights_finite(model: torch.nn.Module, mesh, streamed: StreamedExperts | None = None) -> bool:
+def _weights_finite(model: torch.nn.Module, mesh, experts: ExpertStorage) -> bool:
     """True on every rank if no rank holds a NaN or inf in a parameter or floating-point buffer: what a
-    checkpoint would save (a DTensor's local shard is enough, the ranks' verdicts are combined;
-    ``streamed`` experts are read from their file)."""
-    offloaded = {id(p) for params in streamed.offload.params for p in params} if streamed else set()
+    checkpoint would save (a DTensor's local shard is enough, the ranks' verdicts are combined). A tensor
+    without storage is held outside the model (offloaded experts): ``experts`` checks those."""
     by_device: dict[torch.device, list[torch.Tensor]] = {}
     for t in (*model.parameters(), *model.buffers()):
         piece = t.to_local() if hasattr(t, "to_local") else t
-        if piece.is_floating_point() and id(t) not in offloaded:
+        if piece.is_floating_point() and piece.untyped_storage().nbytes() > 0:
             by_device.setdefault(piece.device, []).append(piece.detach().isfinite().all())
     local = all(bool(torch.stack(flags).all()) for flags in by_device.values())  # one sync per device
-    local = local and (streamed is None or streamed.weights_finite())
+    local = local and experts.weights_finite()
     return not agree(not local, mesh)
-
-
-def _last_good(checkpoint: Path | None) -> str:
-    return f"the last good checkpoint is {checkpoint}" if checkpoint else "no checkpoint was written yet"
 
 
 def _prepare_corpus_once(cfg: RunConfig, main: bool, distributed: bool, tokenizer_dir: Path | None) -> Corpus:
@@ -402,69 +413,6 @@ def _prepare_corpus_once(cfg: RunConfig, main: bool, distributed: bool, tokenize
     corpus = prepare_corpus(cfg.data, cfg.model.context_length, tokenizer_dir=tokenizer_dir) if main else None
     dist.barrier()
     return corpus or prepare_corpus(cfg.data, cfg.model.context_length, tokenizer_dir=tokenizer_dir)
-
-
-def _train_step(
-    pm: ParallelModel,
-    optimizer,
-    corpus,
-    cfg: RunConfig,
-    dev,
-    step: int,
-    checkpoint,
-    offload: ExpertOffload | None = None,
-):
-    """One optimizer step over ``grad_accum`` micro-batches per rank; returns the step's metrics.
-
-    Rank b of the N data-reading ranks takes micro-batches b, b + N, ...: the same samples, in the
-    same order, as one process with N times the gradient accumulation, and its random draws are seeded
-    by its position (``draw_seed``), so they are that process's too. A step whose gradient norm is
-    NaN or inf is skipped (``record["skipped"]``): its data is consumed but nothing is updated.
-    """
-    tc = cfg.train
-    lr = lr_at(step, tc)
-    for group in optimizer.param_groups:
-        group["lr"] = lr
-    for moe in pm.moe_layers():
-        moe.set_step(step)
-    if offload is not None:
-        offload.begin_step(tc.grad_accum)
-    stats = StepStats()
-    lm_loss = torch.zeros(())
-    ranks = pm.ranks
-    for micro in range(tc.grad_accum):
-        index = (step * tc.grad_accum + micro) * ranks.batch_ranks + ranks.batch_rank
-        x, y = corpus.batch("train", index, tc.batch_size, cfg.model.context_length, tc.seed)
-        torch.manual_seed(draw_seed(index, tc.seed))
-        with autocast(cfg, dev):
-            loss, lm, moe_stats = pm.forward_backward(x.to(dev), y.to(dev), 1.0 / tc.grad_accum)
-        lm_loss = lm_loss + lm.float().cpu() / tc.grad_accum
-        loss_value = pm.mean_over_batch(pm.broadcast_from_last_stage(loss)).item()
-        if not math.isfinite(loss_value):
-            raise TrainingError(f"loss is {loss_value} at step {step + 1}: training stopped; {_last_good(checkpoint)}")
-        stats.add(moe_stats)
-    pm.finish_gradients()
-    if offload is None:
-        grad_norm = pm.clip_gradients(tc.grad_clip)
-    else:
-        grad_norm = offload.clip_gradients(pm.parameters(), tc.grad_clip)
-    # NOTE: the norm is all-reduced over every rank, so all ranks skip the same steps. A skipped step
-    # leaves the weights, the optimizer state (its step count too) and the router biases as they were;
-    # the learning rate is a function of the step index (the data position), so no schedule is held back.
-    skipped = not math.isfinite(grad_norm.item())
-    if not skipped:
-        optimizer.step()
-        if offload is not None:
-            offload.step()
-    optimizer.zero_grad(set_to_none=True)
-    stats.layers = pm.reduce_layers(stats.layers)
-    placement = pm.rebalance(step, stats.loads, optimizer)
-    if not skipped:
-        for moe in pm.moe_layers():
-            moe.update_bias(stats.loads[moe.index].to(dev))
-    lm_loss = pm.mean_over_batch(pm.broadcast_from_last_stage(lm_loss))
-    record = {"step": step + 1, "loss": lm_loss.item(), "lr": lr, "grad_norm": grad_norm.item(), "skipped": skipped}
-    return {**record, **stats.record(), **placement}
 
 
 def _checkpoint_info(step: int, cfg: RunConfig, layout: Layout, record: dict[str, Any], streak: int) -> dict[str, Any]:

@@ -18,18 +18,22 @@ from moekit.run.layout import CheckpointError, latest_checkpoint
 from moekit.run.load import load_model_weights
 from moekit.run.manifest import read_manifest
 from moekit.runconfig import RunConfig
-from moekit.train.offload import ExpertOffload, ExpertWriter, expert_writer, offload_experts
+from moekit.storage.files import StorageFile
+from moekit.train.offload import ExpertWriter, expert_writer, offload_experts
 from moekit.train.offload.init import load_streamed
 from moekit.train.optim import build_optimizer
+from moekit.train.step import RESIDENT, ExpertStorage
 
 
 def build_model(
-    cfg: RunConfig, run_dir: Path, dev: torch.device, layout: Layout, mesh: Any, init: Path | None
-) -> tuple[Transformer, ParallelModel, torch.optim.Optimizer, ExpertOffload | None]:
+    cfg: RunConfig, storage: StorageFile | None, dev: torch.device, layout: Layout, mesh: Any, init: Path | None
+) -> tuple[Transformer, ParallelModel, torch.optim.Optimizer, ExpertStorage]:
     """The whole model (its single-device structure), this rank's ``ParallelModel`` of it, the optimizer
-    and, under ``train.memory_budget``, the experts' offload. A failure removes the offload file."""
-    writer = expert_writer(cfg, run_dir, layout, mesh, dev) if cfg.train.offloaded else None
+    and where the experts' state lives: in the model (``RESIDENT``) or, under ``train.memory_budget``,
+    offloaded into ``storage`` (``claim_offload_file``). A failure removes the offload file."""
+    writer = None
     try:
+        writer = expert_writer(cfg, storage, layout, mesh, dev) if storage is not None else None
         with large_blocks_returned() if writer is not None else contextlib.nullcontext():
             model = Transformer(cfg.model, cfg.moe if cfg.is_moe else None, expert_sink=writer)
             if writer is None:
@@ -39,12 +43,12 @@ def build_model(
         pm = ParallelModel(model, cfg, dev, layout, mesh)
         file = writer.finish(model) if writer is not None else None
         optimizer = build_optimizer(pm.named_parameters(), cfg.train)
-        offload = offload_experts(cfg, layout, mesh, model, optimizer, file) if file is not None else None
+        experts = offload_experts(cfg, layout, mesh, model, optimizer, file) if file is not None else RESIDENT
     except BaseException:
-        if writer is not None:
-            writer.discard()
+        if storage is not None:
+            storage.remove()
         raise
-    return model, pm, optimizer, offload
+    return model, pm, optimizer, experts
 
 
 def _load_init(init: Path, model: torch.nn.Module, writer: ExpertWriter | None) -> None:

@@ -3,35 +3,68 @@ the most-moved of them kept in a host tier in RAM (``train.host_budget``)."""
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from moekit.parallel.mesh import Layout, LayoutError, RunMesh
+from moekit.parallel.runtime import global_rank
 from moekit.runconfig import RunConfig
-from moekit.train.offload.build import ExpertWriter
+from moekit.storage.files import StorageFile
+from moekit.train.offload.build import ExpertWriter, claim_file
+from moekit.train.offload.checkpoint import StreamedExperts, restoring, saving, weights_finite
 from moekit.train.offload.engine import ExpertOffload
 from moekit.train.offload.reduce import LayerGradReduce
 from moekit.train.offload.store import LayerFile, host_regions
 from moekit.units import format_bytes, parse_bytes
 
-__all__ = ["ExpertOffload", "ExpertWriter", "check_offloadable", "expert_writer", "offload_experts"]
+
+class TrainingOffload(ExpertOffload):
+    """``ExpertOffload`` at the model/optimizer seam the loop drives (``train.step.ExpertStorage``), its
+    checkpoints streamed (``checkpoint.py``)."""
+
+    def saving(self, model: nn.Module) -> AbstractContextManager[StreamedExperts]:
+        return saving(self, model)
+
+    def restoring(self, model: nn.Module) -> AbstractContextManager[StreamedExperts]:
+        return restoring(self, model)
+
+    def weights_finite(self) -> bool:
+        return weights_finite(self)
+
+
+__all__ = [
+    "ExpertOffload",
+    "ExpertWriter",
+    "TrainingOffload",
+    "check_offloadable",
+    "claim_offload_file",
+    "expert_writer",
+    "offload_experts",
+]
+
+
+def claim_offload_file(cfg: RunConfig, run_dir: Path) -> StorageFile | None:
+    """This rank's offload file under ``train.offload_dir`` (default ``RUN_DIR/offload``), claimed for this
+    run alone before anything of the run is written (None: nothing is offloaded). Each rank offloads its
+    own ep shard to its own file; a second run given the same directory is refused by name."""
+    tc = cfg.train
+    if not tc.offloaded:
+        return None
+    directory = Path(tc.offload_dir) if tc.offload_dir else Path(run_dir) / "offload"
+    return claim_file(directory / f"experts-rank{global_rank()}.bin")
 
 
 def expert_writer(
-    cfg: RunConfig, run_dir: Path, layout: Layout, mesh: RunMesh | None, device: torch.device
+    cfg: RunConfig, storage: StorageFile, layout: Layout, mesh: RunMesh | None, device: torch.device
 ) -> ExpertWriter:
-    """Where this rank's experts go as the model is built (``build.py``), once ``check_offloadable``
-    passes. Each rank offloads its own ep shard to its own file."""
+    """Where this rank's experts go as the model is built (``build.py``): its claimed ``storage``, once
+    ``check_offloadable`` passes."""
     check_offloadable(cfg, layout, device)
-    tc = cfg.train
-    directory = Path(tc.offload_dir) if tc.offload_dir else Path(run_dir) / "offload"
-    rank = dist.get_rank() if mesh is not None else 0
     ep_rank = mesh["ep"].get_local_rank() if mesh is not None and layout.ep > 1 else 0
-    path = directory / f"experts-rank{rank}.bin"
-    return ExpertWriter(path, len(cfg.model.moe_layers()), tc.memory_budget, ep_rank, layout.ep)
+    return ExpertWriter(storage, len(cfg.model.moe_layers()), cfg.train.memory_budget, ep_rank, layout.ep)
 
 
 def check_offloadable(cfg: RunConfig, layout: Layout, device: torch.device) -> None:
@@ -73,14 +106,14 @@ def check_offloadable(cfg: RunConfig, layout: Layout, device: torch.device) -> N
 
 def offload_experts(
     cfg: RunConfig, layout: Layout, mesh: RunMesh | None, model: nn.Module, optimizer, file: LayerFile
-) -> ExpertOffload:
+) -> TrainingOffload:
     """Train ``model``'s experts from ``file`` (``ExpertWriter.finish``) under ``cfg.train.memory_budget``.
     With ``cfg.train.host_budget``, each rank holds that many bytes of its regions in RAM instead of its
     file (``store.host_regions``)."""
     tc = cfg.train
     dp_group = mesh["dp"].get_group() if mesh is not None and layout.dp > 1 else None
     reduce = LayerGradReduce(dp_group, layout.batch_ranks)
-    offload = ExpertOffload(model, optimizer, tc.memory_budget, file, reduce, layout.world, mesh is not None)
+    offload = TrainingOffload(model, optimizer, tc.memory_budget, file, reduce, layout.world, mesh is not None)
     if tc.host_budget:
         try:
             _host_tier(offload, tc.host_budget, tc.grad_accum)
@@ -99,4 +132,4 @@ def _host_tier(offload: ExpertOffload, host_budget: str, grad_accum: int) -> Non
             f"train.host_budget={host_budget!r}: holds no region of expert state "
             f"({format_bytes(file.unit)} each); give at least that, or leave it out"
         )
-    file.move_to_host(host_regions(len(offload.params), len(offload.ws.slots), grad_accum, capacity))
+    file.move_to_host(host_regions(len(offload.params), offload.ws.cache.num_slots, grad_accum, capacity))

@@ -28,17 +28,39 @@ from torch.distributed.tensor import DTensor
 from moekit.experts.grouped import local_tensor
 from moekit.hostmem import release_freed_memory
 from moekit.layer import MoE
+from moekit.storage.files import FileInUse, StorageFile
 from moekit.train.offload.engine import regions_in_budget
-from moekit.train.offload.store import LayerFile
+from moekit.train.offload.store import LayerFile, region_bytes
+
+
+def claim_file(path: Path) -> StorageFile:
+    """This rank's offload file, claimed (``StorageFile.claim``) for this run alone; a directory that
+    cannot hold it is a ``ValueError`` naming ``train.offload_dir``."""
+    try:
+        return StorageFile.claim(path)
+    except OSError as err:
+        raise offload_dir_error(path, err) from None
+
+
+def offload_dir_error(path: Path, err: OSError) -> ValueError:
+    """What is wrong with ``train.offload_dir`` (the directory of ``path``), in one line."""
+    directory = path.parent
+    if isinstance(err, FileInUse):
+        why = f"{path.name} is in use by another run; give each run its own train.offload_dir"
+    elif any(p.exists() and not p.is_dir() for p in (directory, *directory.parents)):
+        why = "is a file, not a directory"
+    else:
+        why = f"cannot hold the offloaded expert state: {err.strerror}"
+    return ValueError(f"train.offload_dir={directory}: {why}")
 
 
 class ExpertWriter:
-    """This rank's ep shard (``ep_rank`` of ``ep``) of ``layers`` MoE layers' experts into ``path``, as the
-    model's init draws them (an ``ExpertSink``). ``budget``: ``train.memory_budget``, checked as soon as
-    a layer's size is known."""
+    """This rank's ep shard (``ep_rank`` of ``ep``) of ``layers`` MoE layers' experts into ``storage`` (a
+    claimed file), as the model's init draws them (an ``ExpertSink``). ``budget``: ``train.memory_budget``,
+    checked as soon as a layer's size is known, before the file takes its room."""
 
-    def __init__(self, path: Path, layers: int, budget: str, ep_rank: int = 0, ep: int = 1) -> None:
-        self.path, self.layers, self.budget = Path(path), layers, budget
+    def __init__(self, storage: StorageFile, layers: int, budget: str, ep_rank: int = 0, ep: int = 1) -> None:
+        self.storage, self.path, self.layers, self.budget = storage, storage.path, layers, budget
         self.ep_rank, self.ep = ep_rank, ep
         self.file: LayerFile | None = None
         self._buf: Tensor | None = None
@@ -75,8 +97,11 @@ class ExpertWriter:
         for role, p in experts.named_parameters(recurse=False):
             assert p.is_meta and p.dtype == torch.float32 and p.shape[0] % self.ep == 0, "fp32 meta, split evenly"
             shapes[role] = (p.shape[0] // self.ep, *p.shape[1:])
-        self.file = LayerFile(self.path, self.layers, shapes)
-        regions_in_budget(self.budget, self.file.unit)
+        regions_in_budget(self.budget, region_bytes(shapes))
+        try:
+            self.file = LayerFile(self.storage, self.layers, shapes)
+        except OSError as err:
+            raise offload_dir_error(self.path, err) from None
         self._buf = self.file.buffer()
         self._buf.zero_()
 
@@ -105,10 +130,8 @@ class ExpertWriter:
         return self.file
 
     def discard(self) -> None:
-        """Remove the file (a start-up that failed)."""
-        if self.file is not None:
-            self.file.close()
-        self.path.unlink(missing_ok=True)
+        """Remove the file and the directories made for it (a start-up that failed)."""
+        self.storage.remove()
 
 
 def _storage_less_like(p: Tensor) -> Tensor:

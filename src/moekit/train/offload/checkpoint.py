@@ -72,13 +72,6 @@ class StreamedExperts:
         layer, kind, role = self.where[key]
         return self._out[role].copy_(self._region(layer, kind)[role])
 
-    def weights_finite(self) -> bool:
-        """Whether every expert weight of this rank is finite (read a layer at a time)."""
-        return all(
-            bool(torch.stack([t.isfinite().all() for t in self._region(layer, "weight").values()]).all())
-            for layer in range(len(self.offload.params))
-        )
-
     def load(self, directory: Path) -> None:
         """Every region of expert state from the checkpoint ``directory`` to the file (moments the
         checkpoint lacks, before any optimizer step, are zeros)."""
@@ -100,6 +93,18 @@ class StreamedExperts:
                     read_tensors(directory, targets)
                 self.offload.file.write(layer, kind, buf)
         self.offload.ws.forget()  # the file was rewritten under any resident layer
+
+
+def weights_finite(offload: ExpertOffload) -> bool:
+    """Whether every expert weight of this rank is finite, its pending updates run (read a layer at a time)."""
+    offload.settle()
+    offload.ws.flush()
+    buf = offload.scratch[SAVED.index("weight")]
+    finite = True
+    for layer in range(len(offload.params)):
+        offload.file.read(layer, "weight", buf)
+        finite = finite and bool(torch.stack([t.isfinite().all() for t in offload.file.views(buf).values()]).all())
+    return finite
 
 
 @contextlib.contextmanager

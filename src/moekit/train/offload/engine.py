@@ -49,9 +49,10 @@ from functools import partial
 import torch
 from torch import Tensor, nn
 
-from moekit.directio import aligned_empty
 from moekit.experts.grouped import local_tensor
 from moekit.parallel.grads import clip_scale, combine_norms, replicas
+from moekit.parallel.runtime import ParallelModel
+from moekit.storage.aligned import aligned_empty
 from moekit.train.offload.adamw import MOMENTS, DeferredAdamW
 from moekit.train.offload.experts import OffloadedExperts, install
 from moekit.train.offload.reduce import LayerGradReduce
@@ -161,8 +162,8 @@ class ExpertOffload:
         self.ws.write(layer, "grad", buf, self.grads.routed[layer])
 
     @torch.no_grad()
-    def clip_gradients(self, params: list[nn.Parameter], max_norm: float) -> Tensor:
-        """``clip_grad_norm`` over the whole model: the same norm, the same factor.
+    def clip_gradients(self, pm: ParallelModel, max_norm: float) -> Tensor:
+        """``clip_grad_norm`` over the whole model ``pm``: the same norm, the same factor.
 
         Per-tensor norms, grouped by how many ranks hold the same piece, stacked in parameter order
         and reduced by one ``vector_norm`` per group, as ``torch.nn.utils.get_total_norm`` does; the
@@ -170,6 +171,7 @@ class ExpertOffload:
         in their AdamW step (``self.scale``).
         """
         self.reduce.wait()
+        params = list(pm.parameters())
         grads = [p.grad for p in params if id(p) not in self._expert and p.grad is not None]
         plain = [local_tensor(g) for g in grads]
         plain_norms = iter(torch._foreach_norm(plain, 2.0) if plain else [])
@@ -208,8 +210,7 @@ class ExpertOffload:
             self.ws.flush()
         finally:
             self.ws.close()
-            self.file.close()
-            self.file.path.unlink(missing_ok=True)
+            self.file.remove()
 
     @property
     def bytes_read(self) -> int:

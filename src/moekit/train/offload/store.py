@@ -1,11 +1,9 @@
-"""The disk and host tiers of offloaded training: every MoE layer's expert tensors, by kind, in one file.
+"""Offloaded training's expert state laid out in regions (``storage.regions``): every MoE layer's expert
+tensors, by kind, in one file, and which experts' pages a transfer moves.
 
-Each (layer, kind) is one region of the file: the layer's stacked expert tensors (``w_in [E, D, W]``,
+Each (layer, kind) is one region: the layer's stacked expert tensors (``w_in [E, D, W]``,
 ``w_out [E, F, D]``, biases) one after another, in the layout a RAM buffer of ``unit`` bytes holds
-them. Kinds are the weights, their gradient and AdamW's two moments. A region starts and ends on a
-4 KiB boundary, so a whole region is read or written with one direct (``O_DIRECT``) call into an
-aligned buffer (``aligned_empty``): no copy through the OS page cache and no cached pages beside the
-memory budget. Where the filesystem refuses direct I/O, plain ``preadv``/``pwritev`` are used.
+them. Kinds are the weights, their gradient and AdamW's two moments.
 
 An expert's tensors are one contiguous run of bytes per role (the stacked dim leads), so a
 transfer may move only some experts (``Experts``: a flag per expert): the direct-I/O pages that hold
@@ -19,22 +17,21 @@ neighbour's bytes inside a page read are what the write of the same experts left
 leaves them as they are (a backward's weights: an expert without rows takes part in no product);
 or keeps them as read before (completing a partly read buffer).
 
-The host tier (``train.host_budget``) holds some regions in RAM instead: reading or writing one is a
-memory copy, counted apart from the disk's bytes. ``host_regions`` says which regions it holds. The
-file keeps room for every region (those of the host tier are never read or written there).
+The host tier (``train.host_budget``, ``RegionFile.move_to_host``) holds some regions in RAM instead;
+``host_regions`` says which.
 """
 
 from __future__ import annotations
 
 import enum
-import os
 import threading
-from pathlib import Path
 
 import torch
 from torch import Tensor
 
-from moekit.directio import DIRECT_ALIGN, aligned_empty, open_direct, round_up
+from moekit.storage.aligned import DIRECT_ALIGN, round_up
+from moekit.storage.files import StorageFile
+from moekit.storage.regions import RegionFile
 
 KINDS = ("weight", "grad", "exp_avg", "exp_avg_sq")
 Experts = tuple[bool, ...] | None  # the experts a transfer moves, a flag each (None: the whole region)
@@ -49,49 +46,25 @@ class Rest(enum.Enum):
     HELD = "held"  # kept: read before into this buffer (a read completing it); not counted
 
 
-class LayerFile:
-    """Read and write (layer, kind) regions of expert tensors, whole or some experts' pages; counts the
-    bytes moved and the experts left out.
+class LayerFile(RegionFile):
+    """(layer, kind) regions of expert tensors (``RegionFile``), each read or written whole or as some
+    experts' pages; counts the bytes moved and the experts left out.
 
-    ``shapes``: each role's stacked shape (the same in every layer), in the order of the module's
-    parameters. Thread-safe: reader and writer threads call ``read`` and ``write`` concurrently on
-    different regions.
+    ``file``: claimed (``StorageFile.claim``), given its room here. ``shapes``: each role's stacked shape
+    (the same in every layer), in the order of the module's parameters. Thread-safe: reader and writer
+    threads call ``read`` and ``write`` concurrently on different regions.
     """
 
-    def __init__(self, path: Path, num_layers: int, shapes: dict[str, tuple[int, ...]]) -> None:
-        self.path = Path(path)
+    def __init__(self, file: StorageFile, num_layers: int, shapes: dict[str, tuple[int, ...]]) -> None:
+        super().__init__(file, [(layer, kind) for layer in range(num_layers) for kind in KINDS], region_bytes(shapes))
         self.shapes = shapes
-        self.offsets: dict[str, int] = {}
-        end = 0
-        for role, shape in shapes.items():
-            self.offsets[role] = end
-            end = round_up(end + torch.Size(shape).numel() * 4, _ALIGN)
+        self.offsets, end = _layout(shapes)
         self.tensor_bytes = sum(torch.Size(s).numel() * 4 for s in shapes.values())  # one layer, one kind
         self.tensors_end = end  # bytes from a region's first tensor to the end of its last one
-        self.unit = round_up(end, DIRECT_ALIGN)  # bytes of one region and of one RAM buffer
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-        os.ftruncate(self._fd, num_layers * len(KINDS) * self.unit)
-        self._direct_fd = open_direct(self.path, os.O_RDWR)
-        self.direct = self._direct_fd >= 0
-        self._lock = threading.Lock()
-        self.bytes_read = self.bytes_written = 0  # disk bytes
-        self.host: dict[tuple[int, str], Tensor] = {}  # (layer, kind) -> the region, in the host tier
-        self.host_bytes_read = self.host_bytes_written = 0
+        self._skipped_lock = threading.Lock()
         # by kind: experts left out of transfers as idle none of whose bytes moved (a read or a write,
         # either tier; a read completing a buffer, ``Rest.HELD``, counts none)
         self.experts_skipped = dict.fromkeys(KINDS, 0)
-
-    def close(self) -> None:
-        for fd in (self._fd, self._direct_fd):
-            if fd >= 0:
-                os.close(fd)
-        self._fd = self._direct_fd = -1
-        self.host.clear()
-
-    def buffer(self) -> Tensor:
-        """A RAM buffer for one region, on a 4 KiB boundary (where direct I/O may land)."""
-        return aligned_empty(self.unit)
 
     def views(self, buf_U8: Tensor) -> dict[str, Tensor]:
         """The fp32 tensors inside a region's buffer, by role (views, no copy)."""
@@ -100,19 +73,12 @@ class LayerFile:
             for (role, shape), off in zip(self.shapes.items(), self.offsets.values(), strict=True)
         }
 
-    def move_to_host(self, regions: list[tuple[int, str]]) -> None:
-        """From now on hold ``regions`` in RAM (each read once from the file), not on disk."""
-        for layer, kind in regions:
-            region = self.buffer()  # aligned: read directly, not through the page cache
-            self.read(layer, kind, region)
-            self.host[(layer, kind)] = region
-
     def read(self, layer: int, kind: str, buf_U8: Tensor, experts: Experts = None, rest: Rest = Rest.ZERO) -> None:
         """Region (layer, kind) into ``buf_U8``; with ``experts``, only the pages of theirs, the other
         experts' bytes outside those pages as ``rest`` says."""
         assert isinstance(rest, Rest), f"rest={rest!r}: a Rest"
         spans = self.spans(experts)
-        self._transfer(layer, kind, buf_U8, spans, write=False)
+        self.transfer((layer, kind), buf_U8, spans, write=False)
         if rest is Rest.ZERO:
             for start, end in _gaps(spans, self.tensors_end):
                 buf_U8[start:end].zero_()
@@ -122,7 +88,7 @@ class LayerFile:
         """``buf_U8`` to region (layer, kind); with ``experts``, only the pages holding theirs, which may
         hold other experts' bytes too: ``buf_U8`` holds every expert's (a gradient: zero if idle)."""
         spans = self.spans(experts)
-        self._transfer(layer, kind, buf_U8, spans, write=True)
+        self.transfer((layer, kind), buf_U8, spans, write=True)
         self._count_skipped(kind, self._untouched(experts, spans))
 
     def spans(self, experts: Experts) -> list[tuple[int, int]]:
@@ -161,43 +127,23 @@ class LayerFile:
         left_out = (e for e, moves in enumerate(experts or ()) if not moves)
         return sum(not any(moved(*run) for run in self._runs(e)) for e in left_out)
 
-    def _transfer(self, layer: int, kind: str, buf_U8: Tensor, spans: list[tuple[int, int]], write: bool) -> None:
-        """Move ``spans`` of ``buf_U8`` to (``write``) or from region (layer, kind), in either tier; counted."""
-        held = self.host.get((layer, kind))
-        fd, base = self._fd_for(buf_U8), self._offset(layer, kind)
-        moved = 0
-        for start, end in spans:
-            span = buf_U8[start:end]
-            if held is not None:
-                (held[start:end].copy_(span) if write else span.copy_(held[start:end]))
-            else:
-                io = os.pwritev if write else os.preadv
-                done = io(fd, [memoryview(span.numpy())], base + start)
-                if done != end - start:
-                    what = "write" if write else "read"
-                    raise OSError(f"{self.path}: short {what} of layer {layer} {kind}: {done} of {end - start} bytes")
-            moved += end - start
-        with self._lock:
-            if held is not None and write:
-                self.host_bytes_written += moved
-            elif held is not None:
-                self.host_bytes_read += moved
-            elif write:
-                self.bytes_written += moved
-            else:
-                self.bytes_read += moved
-
-    def _fd_for(self, buf_U8: Tensor) -> int:
-        assert buf_U8.numel() == self.unit and buf_U8.is_contiguous()
-        direct = self.direct and buf_U8.data_ptr() % DIRECT_ALIGN == 0
-        return self._direct_fd if direct else self._fd
-
-    def _offset(self, layer: int, kind: str) -> int:
-        return (layer * len(KINDS) + KINDS.index(kind)) * self.unit
-
     def _count_skipped(self, kind: str, skipped: int) -> None:
-        with self._lock:
+        with self._skipped_lock:
             self.experts_skipped[kind] += skipped
+
+
+def _layout(shapes: dict[str, tuple[int, ...]]) -> tuple[dict[str, int], int]:
+    """Each role's byte offset in a region, and where the last tensor ends."""
+    offsets, end = {}, 0
+    for role, shape in shapes.items():
+        offsets[role] = end
+        end = round_up(end + torch.Size(shape).numel() * 4, _ALIGN)
+    return offsets, end
+
+
+def region_bytes(shapes: dict[str, tuple[int, ...]]) -> int:
+    """Bytes of one region of fp32 tensors of ``shapes``: whole 4 KiB blocks."""
+    return round_up(_layout(shapes)[1], DIRECT_ALIGN)
 
 
 def _gaps(spans: list[tuple[int, int]], end: int) -> list[tuple[int, int]]:

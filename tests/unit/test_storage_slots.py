@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import random
+import threading
+from concurrent.futures import Future
 
 import pytest
 import torch
 
-from moekit.infer.cache import ExpertCache, make_policy, replay
+from moekit.storage.slots import PassOrder, SlotCache, make_policy, replay
 
 TRACE = [["a", "b"], ["c"], ["a"], ["d"], ["a", "b"], ["c"]]
 
@@ -35,7 +37,7 @@ def test_belady_bounds_every_policy_on_skewed_traces() -> None:
 
 
 def test_cache_never_exceeds_its_slots_and_respects_pins() -> None:
-    cache = ExpertCache(2, 64, torch.device("cpu"), make_policy("lru"))
+    cache = SlotCache(2, 64, torch.device("cpu"), make_policy("lru"))
     a = cache.reserve("a")
     b = cache.reserve("b")
     assert cache.reserve("c") is None  # both pinned: no slot, rather than exceed the budget
@@ -51,7 +53,7 @@ def test_cache_never_exceeds_its_slots_and_respects_pins() -> None:
 
 
 def test_pin_resident_keeps_a_key_without_counting_a_use() -> None:
-    cache = ExpertCache(2, 64, torch.device("cpu"), make_policy("lru"))
+    cache = SlotCache(2, 64, torch.device("cpu"), make_policy("lru"))
     for key in ("a", "b"):
         cache.unpin(cache.reserve(key))
     assert cache.pin_resident("c") is None  # not resident: nothing pinned
@@ -63,3 +65,25 @@ def test_pin_resident_keeps_a_key_without_counting_a_use() -> None:
     cache.unpin(cache.entries["c"])
     cache.reserve("d")  # the pin did not count as a use: a, least recently used, goes
     assert set(cache.entries) == {"c", "d"}
+
+
+def test_pass_order_evicts_the_layer_a_pass_needs_last_and_waits_for_its_load() -> None:
+    """Training's working set: walking up, the lowest unpinned layer goes (its next use is a pass away);
+    walking down, the highest. A victim whose load is still landing is waited for before its slot is
+    handed on, so the load cannot write over the new key's bytes."""
+    order = PassOrder()
+    cache = SlotCache(3, 64, torch.device("cpu"), order)
+    for layer in (2, 0, 1):
+        cache.reserve(layer, pins=0)
+    order.direction = +1
+    cache.reserve(3, pins=0)
+    assert set(cache.entries) == {1, 2, 3}
+    order.direction = -1
+    landing: Future[None] = Future()
+    cache.entries[3].loading = landing
+    done = threading.Timer(0.2, landing.set_result, (None,))
+    done.start()
+    cache.reserve(0, pins=0)  # evicts layer 3, the highest, once its load has landed
+    assert landing.done() and set(cache.entries) == {0, 1, 2}
+    cache.clear()
+    assert not cache.entries and cache.reserve(7) is not None

@@ -1,4 +1,4 @@
-"""Direct (page-cache-bypassing) file I/O shared by offloaded inference and offloaded training: 4 KiB
+"""Direct (page-cache-bypassing) I/O's ground rules, shared by every tier: 4 KiB
 aligned buffers, an ``O_DIRECT`` descriptor where the filesystem has one, and the reader pool's size."""
 
 from __future__ import annotations

@@ -1,12 +1,14 @@
-"""The fast tier: a fixed arena of expert-sized slots under a strict byte budget, and its eviction policies.
+"""The fast tier: a fixed set of equal slots under a strict byte budget, and its eviction policies.
 
-The arena is allocated once (``num_slots * slot_bytes`` <= budget), so the resident expert bytes can
-never exceed the budget: a load needs a free slot or evicts an unpinned one. Pins protect the
-experts a layer is computing with and those predicted for the next layer (being read, or resident already).
+The slots are allocated once (``num_slots * slot_bytes`` <= budget), so the resident bytes can never
+exceed the budget: a load needs a free slot or evicts an unpinned one. Pins protect what is being
+computed with and what was fetched ahead for the next use. Offloaded inference keeps an expert in
+each slot, offloaded training a layer's expert weights.
 
 Policies are pluggable (``POLICIES``): ``lru``, ``lfu`` (counts kept across evictions, ties broken
-by recency) and ``fifo`` (the ring order throughput mode streams layers through). ``replay`` runs a
-recorded routing trace through any of them, or through Belady's optimal policy, offline.
+by recency), ``fifo`` (the ring order throughput mode streams layers through), and ``PassOrder``
+(the key used last by a pass walking its keys in one direction: training's working set). ``replay``
+runs a recorded routing trace through any named policy, or through Belady's optimal policy, offline.
 """
 
 from __future__ import annotations
@@ -14,14 +16,14 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 from torch import Tensor
 
-from moekit.directio import aligned_empty
+from moekit.storage.aligned import aligned_empty
 
 
 class Policy(Protocol):
@@ -83,6 +85,26 @@ class LFU:
         return min(candidates, key=lambda k: (self._count.get(k, 0), self._last.get(k, 0)))
 
 
+class PassOrder:
+    """Evict the key a pass needs last: keys are ordered (layers), and a pass walks them up
+    (``direction`` > 0: the lowest is needed last, its next use a pass away) or down (the highest)."""
+
+    def __init__(self) -> None:
+        self.direction = 1
+
+    def touch(self, key: Hashable) -> None:
+        pass
+
+    def insert(self, key: Hashable) -> None:
+        pass
+
+    def remove(self, key: Hashable) -> None:
+        pass
+
+    def victim(self, candidates: Iterable[Hashable]) -> Hashable:
+        return (min if self.direction > 0 else max)(candidates)  # type: ignore[type-var]
+
+
 POLICIES = {"lru": LRU, "lfu": LFU, "fifo": FIFO}
 
 
@@ -96,7 +118,7 @@ def make_policy(name: str) -> Policy:
 class Entry:
     slot: int
     pins: int = 0
-    loading: Future | None = None  # set while a load fills the slot
+    loading: Future | None = None  # the load filling the slot (may be kept once done)
 
 
 @dataclass
@@ -105,19 +127,20 @@ class CacheCounters:
     evictions: int = 0
 
 
-class ExpertCache:
-    """``num_slots`` expert slots of ``slot_bytes`` each in one arena on ``device``; thread-safe."""
+class SlotCache:
+    """``num_slots`` slots of ``slot_bytes`` each on ``device``, by key; thread-safe."""
 
     def __init__(self, num_slots: int, slot_bytes: int, device: torch.device, policy: Policy) -> None:
         assert num_slots >= 1
-        self.num_slots, self.slot_bytes = num_slots, slot_bytes
-        # NOTE: on the CPU the arena starts on a 4 KiB boundary so direct reads can land in its slots
-        # (slot sizes are multiples of 4 KiB for a store reading directly).
-        size = num_slots * slot_bytes
+        self.num_slots, self.slot_bytes, self.device = num_slots, slot_bytes, device
+        # NOTE: each slot is a tensor of its own, made once: autograd keeps one version counter for a
+        # tensor and all its views, so in one arena a write into one slot (a load landing) would count as
+        # a change to the weights a backward saved from another. On the CPU each starts on a 4 KiB
+        # boundary so direct reads can land in it.
         if device.type == "cpu":
-            self.arena = aligned_empty(size)
+            self.slots = [aligned_empty(slot_bytes) for _ in range(num_slots)]
         else:
-            self.arena = torch.empty(size, dtype=torch.uint8, device=device)
+            self.slots = [torch.empty(slot_bytes, dtype=torch.uint8, device=device) for _ in range(num_slots)]
         self.policy = policy
         self.entries: dict[Hashable, Entry] = {}
         self._free = list(range(num_slots - 1, -1, -1))
@@ -133,7 +156,7 @@ class ExpertCache:
         return len(self.entries) * self.slot_bytes
 
     def slot(self, entry: Entry) -> Tensor:
-        return self.arena[entry.slot * self.slot_bytes : (entry.slot + 1) * self.slot_bytes]
+        return self.slots[entry.slot]
 
     def get(self, key: Hashable) -> Entry | None:
         """The resident entry for key (counted as a use), or None."""
@@ -143,25 +166,31 @@ class ExpertCache:
                 self.policy.touch(key)
             return entry
 
-    def reserve(self, key: Hashable) -> Entry | None:
-        """A slot for key, pinned once: a free one, or the policy's unpinned victim; None if all are pinned."""
+    def reserve(self, key: Hashable, pins: int = 1) -> Entry | None:
+        """A slot for key, pinned ``pins`` times: a free one, or the policy's unpinned victim; None if all
+        are pinned. A victim's load still landing is waited for (outside the lock) before it is returned."""
+        landing = None
         with self.lock:
             assert key not in self.entries, key
             if not self._free:
-                candidates = [k for k, e in self.entries.items() if e.pins == 0 and e.loading is None]
+                candidates = [k for k, e in self.entries.items() if e.pins == 0]
                 if not candidates:
                     return None
                 victim = self.policy.victim(candidates)
-                self._free.append(self.entries.pop(victim).slot)
+                gone = self.entries.pop(victim)
+                self._free.append(gone.slot)
                 self.policy.remove(victim)
                 self.counters.evictions += 1
-            entry = Entry(self._free.pop(), pins=1)
+                landing = gone.loading
+            entry = Entry(self._free.pop(), pins=pins)
             self.entries[key] = entry
             self.policy.insert(key)
             occupied = len(self.entries)
             assert occupied <= self.num_slots and self.resident_bytes <= self.capacity_bytes
             self.counters.peak_slots = max(self.counters.peak_slots, occupied)
-            return entry
+        if landing is not None:
+            wait([landing])  # a load still landing in the slot would overwrite the new one; its result goes with it
+        return entry
 
     def drop(self, key: Hashable) -> None:
         """Forget key (a failed or cancelled load): its slot is free again."""
@@ -178,6 +207,17 @@ class ExpertCache:
     def pin(self, entry: Entry) -> None:
         with self.lock:
             entry.pins += 1
+
+    def clear(self) -> None:
+        """Forget every entry (what the slots held is stale); none may be pinned, loads are waited for."""
+        with self.lock:
+            assert not any(e.pins for e in self.entries.values())
+            landing = [e.loading for e in self.entries.values() if e.loading is not None]
+            for key in self.entries:
+                self.policy.remove(key)
+            self.entries.clear()
+            self._free = list(range(self.num_slots - 1, -1, -1))
+        wait(landing)
 
     def pin_resident(self, key: Hashable) -> Entry | None:
         """Pin key's entry if it is resident, without counting a use (a prediction is not one); else None."""
