@@ -174,9 +174,11 @@ FAMILIES = {
 def test_prepacked_models_of_every_shape_keep_their_logits(dtype, family: str) -> None:
     """Biases (randomised: a dropped one shows), GQA, shared experts behind their gate, dense blocks, a
     tied head (left unpacked, still the embedding): prefill and cached decode logits within the dtype's
-    rounding of the unpacked model's."""
+    rounding of the unpacked model's. The packed model counts the same resident bytes (what
+    ``--memory-budget`` reports): no weight or bias is dropped from the count or held twice."""
     from moekit import runconfig
     from moekit.infer.generate import decode_step, prefill
+    from moekit.infer.offload import model_bytes
     from moekit.model import Transformer
 
     cfg = runconfig.resolve("tiny", {"model.n_layers": "3", "moe.num_experts": "4", **FAMILIES[family]})
@@ -194,9 +196,10 @@ def test_prepacked_models_of_every_shape_keep_their_logits(dtype, family: str) -
         return [first.double(), decode_step(model, first.argmax(-1, keepdim=True), cache).double()]
 
     with torch.no_grad():
-        plain = logits()
+        plain, plain_bytes = logits(), model_bytes(model)
         prepack_(model)
         packed = logits()
+    assert model_bytes(model) == plain_bytes
     if prepackable(model.embed.weight):
         assert any(isinstance(m, PackedLinear) for m in model.modules())
         assert (type(model.lm_head) is torch.nn.Linear) == cfg.model.tie_embeddings

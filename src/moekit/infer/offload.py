@@ -98,10 +98,11 @@ def _fill(model: Transformer, resident: Tensors, source: Path) -> None:
 
 
 def model_bytes(model: nn.Module) -> int:
-    """Bytes of a model's parameters and buffers (shared tensors counted once)."""
+    """Bytes of a model's parameters and buffers (shared tensors counted once; a prepacked oneDNN
+    weight, which has no storage to share, by its logical size)."""
     seen: dict[int, int] = {}
     for t in [*model.parameters(), *model.buffers()]:
-        seen[t.data_ptr()] = t.numel() * t.element_size()
+        seen[id(t) if t.is_mkldnn else t.data_ptr()] = t.numel() * t.element_size()
     return sum(seen.values())
 
 

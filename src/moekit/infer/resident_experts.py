@@ -34,7 +34,11 @@ class _PerExpert(nn.Module):
 
     def __init__(self, experts: GroupedExperts) -> None:
         super().__init__()
-        self.compute = ExpertCompute(experts.activation, experts.w_in_bias, experts.w_out_bias)
+        # NOTE: weights and biases are (non-persistent) buffers so that model_bytes counts them.
+        for role in ("w_in_bias", "w_out_bias"):
+            bias = getattr(experts, role)
+            self.register_buffer(role, None if bias is None else bias.detach(), persistent=False)
+        self.compute = ExpertCompute(experts.activation, self.w_in_bias, self.w_out_bias)
         self.num_experts = experts.num_experts
 
     def _matmul(self, role: str, expert: int, x_MK: Tensor) -> Tensor:
@@ -80,9 +84,11 @@ class PackedExperts(_PerExpert):
 
     def __init__(self, experts: GroupedExperts) -> None:
         super().__init__(experts)
-        # NOTE: opaque oneDNN tensors, one per expert and role; kept in lists, not buffers (no state_dict).
-        weights = {role: getattr(experts, role).detach() for role in ("w_in", "w_out")}
-        self.packed = {role: [prepack(w_KN.t()) for w_KN in w_EKN] for role, w_EKN in weights.items()}
+        # NOTE: opaque oneDNN tensors, one per expert and role, which torch cannot stack.
+        self.packed = {role: [prepack(w_KN.t()) for w_KN in getattr(experts, role).detach()] for role in ("w_in", "w_out")}
+        for role, packed in self.packed.items():
+            for e, w in enumerate(packed):
+                self.register_buffer(f"{role}_packed_{e}", w, persistent=False)
 
     def _matmul(self, role: str, expert: int, x_MK: Tensor) -> Tensor:
         return packed_linear(x_MK, self.packed[role][expert])
@@ -94,8 +100,8 @@ class UpcastLinear(nn.Module):
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
-        self.weight = linear.weight.detach()
-        self.bias = None if linear.bias is None else linear.bias.detach()
+        self.register_buffer("weight", linear.weight.detach(), persistent=False)
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach(), persistent=False)
 
     def forward(self, x: Tensor) -> Tensor:
         y = mm(x.reshape(-1, x.shape[-1]), self.weight.t())
@@ -108,8 +114,8 @@ class PackedLinear(nn.Module):
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
-        self.packed = prepack(linear.weight.detach())
-        self.bias = None if linear.bias is None else linear.bias.detach()
+        self.register_buffer("packed", prepack(linear.weight.detach()), persistent=False)
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach(), persistent=False)
         self.out_features = linear.out_features
 
     def forward(self, x: Tensor) -> Tensor:
