@@ -85,7 +85,9 @@ class PackedExperts(_PerExpert):
     def __init__(self, experts: GroupedExperts) -> None:
         super().__init__(experts)
         # NOTE: opaque oneDNN tensors, one per expert and role, which torch cannot stack.
-        self.packed = {role: [prepack(w_KN.t()) for w_KN in getattr(experts, role).detach()] for role in ("w_in", "w_out")}
+        self.packed = {
+            role: [prepack(w_KN.t()) for w_KN in getattr(experts, role).detach()] for role in ("w_in", "w_out")
+        }
         for role, packed in self.packed.items():
             for e, w in enumerate(packed):
                 self.register_buffer(f"{role}_packed_{e}", w, persistent=False)
