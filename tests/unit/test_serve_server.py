@@ -1,5 +1,6 @@
 """moekit.serve.server: the engine thread, started as the server starts it, pays no page faults per step
-(a thread of its own allocates from its own glibc arena, which by default hands freed memory back)."""
+(a thread of its own allocates from its own glibc arena, which by default hands freed memory back), and
+is the only thread left with OpenMP workers once the model has loaded (``on_a_passing_thread``)."""
 
 from __future__ import annotations
 
@@ -74,3 +75,44 @@ def faults_per_step(mode: str) -> float:
 def test_the_served_engine_thread_keeps_its_freed_memory() -> None:
     default, served = faults_per_step("default"), faults_per_step("served")
     assert default > 5 * max(served, 1.0), (default, served)
+
+
+PASSING_THREAD = """
+import os, time, torch
+from moekit.serve.server import on_a_passing_thread
+
+def threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+def settled(count: int) -> int:
+    # the thread count once ending threads have ended (a joined thread releases its team after join)
+    deadline = time.monotonic() + 10
+    while threads() > count and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return threads()
+
+def parallel() -> float:
+    return float(torch.ones(1 << 22).mul_(2).sum())  # large enough for a parallel region
+
+torch.set_num_threads(2)
+before = threads()
+assert on_a_passing_thread(parallel) == 2.0 * (1 << 22)
+after = settled(before)
+parallel()  # on this (main) thread: its OpenMP workers stay
+time.sleep(0.5)
+print(before, after, threads())
+"""
+
+
+def test_a_passing_thread_takes_its_openmp_workers_with_it() -> None:
+    """What ``moekit serve`` loads on a passing thread leaves no OpenMP worker behind (counted in
+    /proc), where the same work on the main thread leaves one; its errors reach the caller."""
+    from moekit.serve.server import on_a_passing_thread
+
+    out = subprocess.run([sys.executable, "-c", PASSING_THREAD], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    before, after, main_ran = map(int, out.stdout.split())
+    assert after == before
+    assert main_ran > before
+    with pytest.raises(ZeroDivisionError):
+        on_a_passing_thread(lambda: 1 / 0)

@@ -82,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
     from moekit.serve.connections import ConnectionLimits
     from moekit.serve.engine import EngineOptions
     from moekit.serve.protocol import Limits
-    from moekit.serve.server import bind, build_state, reserve_files, serve
+    from moekit.serve.server import bind, build_state, on_a_passing_thread, reserve_files, serve
     from moekit.units import parse_bytes
 
     if not 0 <= args.port <= 65535:
@@ -103,9 +103,11 @@ def run(args: argparse.Namespace) -> int:
     )
     limits = Limits(parse_bytes(args.max_body, "--max-body"), args.max_choices, args.max_tokens, args.timeout)
     sock = bind(args.host, args.port)
-    loaded = load_for_inference(args)
+    loaded = on_a_passing_thread(lambda: load_for_inference(args))
     try:
-        state = build_state(loaded, args.run_dir, engine, limits, args.model_name, args.api_key)
+        state = on_a_passing_thread(
+            lambda: build_state(loaded, args.run_dir, engine, limits, args.model_name, args.api_key)
+        )
         host, port = sock.getsockname()[:2]
         line = f"serving {args.run_dir} as {state.model_name!r} on http://{host}:{port}/v1; Ctrl-C stops"
         return serve(state, sock, connections, args.drain_timeout, ready=lambda: print(line, flush=True))
