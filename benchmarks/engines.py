@@ -243,17 +243,28 @@ def print_tables(report: dict) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--setup", action="store_true", help="install the peers' environments under --work and exit")
-    parser.add_argument("--work", type=Path, default=Path.home() / ".cache" / "moekit-engines")
-    parser.add_argument("--text", type=Path, default=DEFAULT_TEXT)
-    parser.add_argument("--models", nargs="+", default=["d1024"], choices=sorted(MODELS))
-    parser.add_argument("--engines", nargs="+", default=["moekit", "transformers", "llama.cpp", "vllm"])
-    parser.add_argument("--sections", nargs="+", default=["decode", "serve"], choices=["decode", "serve"])
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--prefill", type=int, default=512)
-    parser.add_argument("--clients", type=int, nargs="+", default=[1, 16, 64])
-    parser.add_argument("--json", action="store_true")
+    parser.add_argument(
+        "--work",
+        type=Path,
+        default=Path.home() / ".cache" / "moekit-engines",
+        help="the peers' environments, the models and GGUF files, the peers' logs (default: %(default)s)",
+    )
+    parser.add_argument("--text", type=Path, default=DEFAULT_TEXT, help="corpus of prompts and the tokenizer")
+    parser.add_argument("--models", nargs="+", default=["d1024"], choices=sorted(MODELS), help="(default: d1024)")
+    parser.add_argument(
+        "--engines", nargs="+", default=["moekit", "transformers", "llama.cpp", "vllm"], help="(default: all)"
+    )
+    parser.add_argument(
+        "--sections", nargs="+", default=["decode", "serve"], choices=["decode", "serve"], help="(default: both)"
+    )
+    parser.add_argument("--threads", type=int, default=2, help="compute threads of every engine (default: 2)")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds, the engines taking turns (default: 3)")
+    parser.add_argument("--new-tokens", type=int, default=64, help="greedy tokens per request (default: 64)")
+    parser.add_argument("--prefill", type=int, default=512, help="prompt tokens of the prefill figure (default: 512)")
+    parser.add_argument(
+        "--clients", type=int, nargs="+", default=[1, 16, 64], help="streaming clients (default: 1 16 64)"
+    )
+    parser.add_argument("--json", action="store_true", help="also print the figures as one JSON line")
     args = parser.parse_args(argv)
     if args.setup:
         _peers.setup(args.work, ["vllm", "llama"])
