@@ -38,6 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 0
+    for name, value in getattr(args, "environment", {}).items():  # before torch loads: OpenMP reads them once
+        os.environ.setdefault(name, value)
     from moekit.errors import MoekitError
     from moekit.parallel.runtime import RankFailure, exit_after_rank_failure
 

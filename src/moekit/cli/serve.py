@@ -8,6 +8,12 @@ import os
 from moekit.cli.common import add_run_flags, load_for_inference, positive_int
 
 API_KEY_VARIABLE = "MOEKIT_API_KEY"
+# NOTE: the engine thread's OpenMP workers spin 10,000 rounds between parallel regions, not libgomp's
+# 300,000: long enough for a decode step's back-to-back ops, short enough to leave the cores to the
+# threads that parse requests and stream tokens. With the default, a client flooding 750 KB bodies
+# stretched other clients' streams to 0.6 s between tokens (tests/e2e/test_cli_serve_abuse.py); the
+# served tokens/s were the same within the machine's noise (d1024 bf16, 1 and 16 clients).
+ENVIRONMENT = {"GOMP_SPINCOUNT": "10000"}
 
 DESCRIPTION = """\
 Serve a trained run over HTTP with OpenAI's API: POST /v1/completions and /v1/chat/completions
@@ -16,14 +22,16 @@ GET /metrics (Prometheus). Requests are batched continuously: waiting ones join 
 at every decode step, long prompts are prefilled in chunks, and the KV cache is paged under
 --kv-budget. SIGTERM drains: requests under way finish, new ones get 503, then the process exits 0;
 requests still running after --drain-timeout, or at a second SIGTERM, each get an error and the exit
-status is 1. The port refuses connections until the model is loaded."""
+status is 1. The port refuses connections until the model is loaded. OpenMP's workers spin briefly
+between parallel regions (GOMP_SPINCOUNT=10000 unless set), leaving the cores to the threads that
+parse requests and stream tokens."""
 
 
 def add_parser(commands) -> None:
     serve = commands.add_parser(
         "serve", help="serve a trained run over an OpenAI-compatible HTTP API", description=DESCRIPTION
     )
-    serve.set_defaults(run=run)
+    serve.set_defaults(run=run, environment=ENVIRONMENT)
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s, this machine only)")
     serve.add_argument("--port", type=int, default=8000, help="port (default: %(default)s; 0 = any free)")
     serve.add_argument(
