@@ -10,7 +10,8 @@ attention scores (bf16, at ``attention_efficiency``), the elementwise work betwe
 sequence-parallel all-gather + reduce-scatter, the same bytes, never hidden), the expert all-to-alls
 (flat, two-level, or deduplicated: one copy a destination node), expert-tp gathers, context-parallel KV
 rings, pipeline sends (hidden when interleaved), and moekit's FSDP, which gathers every unit every
-micro-batch. An overlappable exchange hides ``cluster.overlap`` of itself, at most the compute that
+micro-batch, prefetched beside the compute on devices (``fsdp``: what stays exposed, and the contention
+of what does not). An overlappable exchange hides ``cluster.overlap`` of itself, at most the compute that
 runs beside it (interleaved pipeline sends, which nothing waits for until a chunk later, all of it);
 all-to-alls overlapped in both passes only in the micro-batches paired with another one
 (``paired_share``; refused where Megatron refuses it: ``check_both_pass_overlap``). Ranks that share
@@ -29,6 +30,7 @@ from dataclasses import dataclass, field
 
 from moekit.parallel.planner.comm import all_to_all_time, deduplicated_time, members_per_node, p2p_time, ring_time
 from moekit.parallel.planner.flops import _blocks, attention_dims, layer_flops, param_counts
+from moekit.parallel.planner.fsdp import fsdp_exposed
 from moekit.parallel.planner.layout import RECOMPUTE_GEMMS, Candidate, micro_tokens, paired_share, stage_blocks
 from moekit.parallel.planner.memory import MEMORY_USABLE, memory_bytes
 from moekit.parallel.planner.presets import Cluster, ModelSpec
@@ -51,29 +53,6 @@ class Estimate:
     terms: dict[str, float] = field(default_factory=dict, compare=False)  # seconds a step of each named term
     # Seconds a step of each overlappable exchange that runs beside compute, hidden (not in ``step_s``).
     hidden: dict[str, float] = field(default_factory=dict, compare=False)
-
-
-def fsdp_collectives(spec: ModelSpec, cand: Candidate, c: Cluster) -> tuple[float, float]:
-    """moekit's FSDP on one micro-batch of a pipeline stage: (alpha-beta seconds, number of collectives).
-
-    Every micro-batch, each unit (a block, and the root) all-gathers its shard before the forward
-    and again before the backward, then reduce-scatters its gradient; sharded experts do the same
-    over the dp / ep ranks that hold the same experts, once per MoE layer even when overlapped
-    dispatch computes them chunk by chunk."""
-    m, w = spec.model, spec.workload
-    dense_p, expert_p = param_counts(spec)
-    n_moe = len(m.moe_layers())
-    units = m.n_layers / cand.pp + 1
-    seconds = count = 0.0
-    if cand.dp > 1:
-        unit_bytes = dense_p / (cand.tp * cand.pp) * w.dtype_bytes / units
-        seconds += 3 * units * ring_time(unit_bytes, cand.dp, cand.tp, c, passes=1)
-        count += 3 * units
-    if n_moe and cand.dp > cand.ep:
-        layer_bytes = expert_p / (cand.ep * n_moe) * w.dtype_bytes
-        seconds += 3 * n_moe / cand.pp * ring_time(layer_bytes, cand.dp // cand.ep, cand.tp * cand.ep, c, passes=1)
-        count += 3 * n_moe / cand.pp
-    return seconds, count
 
 
 def gradient_sync_time(spec: ModelSpec, cand: Candidate, c: Cluster) -> float:
@@ -247,8 +226,9 @@ def _other_exchanges(
         exchanges["pp"] = max(0.0, pp_s - compute_s) if cand.vp > 1 else pp_s
         hidden["pp"] = pp_s - exchanges["pp"]
     if cand.grad_sync == "fsdp":
-        wire, collectives = fsdp_collectives(spec, cand, c)
-        exchanges["fsdp"] = wire + collectives * c.fsdp_overhead_us * 1e-6
+        exchanges["fsdp"], hidden["fsdp"] = fsdp_exposed(spec, cand, c, compute_s)
+        if hidden["fsdp"]:  # what the prefetched collectives take from the compute beside them
+            exchanges["fsdp_contention"] = c.overlap_contention * hidden["fsdp"]
     return exchanges, hidden
 
 

@@ -66,6 +66,10 @@ class Cluster:
     # Measured on the device (benchmarks/expert_gemm_rates.py --fit); 0 leaves a factor out.
     gemm_half_rows: float = 0.0
     gemm_half_work: float = 0.0
+    # Share of a scheduled collective's time hidden beside compute (FSDP2's prefetched gathers, tp's
+    # backward gathers and reduce-scatters) that the compute beside it loses: the collective's kernels
+    # hold some of the device's SMs meanwhile (derived in the cluster preset; 0 leaves it out).
+    overlap_contention: float = 0.0
     # Fraction of an overlappable exchange (gradient reduce-scatter / all-gather, all-to-all with both
     # passes overlapped, cp exchanges) hidden under the compute that runs beside it (fitted).
     overlap: float = 0.0
@@ -167,8 +171,11 @@ def load_cluster(name: str, nodes: int | None = None) -> Cluster:
         optional = f.default is not dataclasses.MISSING  # an optional field may be 0
         if not (isinstance(value, int | float) and (value >= 0 if optional else value > 0)):
             raise ValueError(f"cluster {label}: {f.name}={value!r} must be a number {'>= 0' if optional else '> 0'}")
-    if cluster.overlap > 1 or (cluster.fp8_speedup and cluster.fp8_speedup < 1):
-        raise ValueError(f"cluster {label}: overlap={cluster.overlap} must be <= 1, fp8_speedup >= 1")
+    if cluster.overlap > 1 or cluster.overlap_contention > 1 or (cluster.fp8_speedup and cluster.fp8_speedup < 1):
+        raise ValueError(
+            f"cluster {label}: overlap={cluster.overlap} and overlap_contention={cluster.overlap_contention} "
+            "must be <= 1, fp8_speedup >= 1"
+        )
     return cluster
 
 
