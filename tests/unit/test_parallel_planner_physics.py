@@ -12,6 +12,8 @@ from helpers import toy_cluster
 
 from moekit import runconfig
 from moekit.parallel.planner import Candidate, ModelSpec, Workload, estimate, fsdp_exposed, fsdp_state_bytes
+from moekit.parallel.planner.stages import busiest_stage
+from moekit.parallel.planner.tensor import shape_factor
 
 CLUSTER = toy_cluster()
 # Non-expert parameters of the tiny model: 4 blocks of attention (32 x 96 QKV + 32 x 32 out = 4096), two
@@ -75,3 +77,113 @@ def test_fsdp_memory_is_the_shards_three_gathered_blocks_and_the_root() -> None:
     piped = fsdp_state_bytes(spec, Candidate(4, 4, 1, 2, 2))
     one = DENSE * 16 / 8 + EXPERTS * 16 / 8 + 3 * block * 4 + EMBED * 4
     assert piped == pytest.approx([one, one])
+
+
+# One ring pass of the tp collectives over 2 ranks of a node: 256 tokens (16 sequences of 32, 2
+# micro-batches) x 32 x 4 bytes, half of it sent, after one 10 us step.
+R = 10e-6 + 256 * 32 * 4 / 2 / 10e9
+# The attention's first GEMM (QKV, 32 x 96 = 3072 weights, over tp 2) on 256 tokens at 1 TFLOP/s.
+QKV = 2 * 256 * 3072 / 2 / 1e12
+
+
+def test_tp_backward_collectives_run_beside_the_first_gemm() -> None:
+    """tp 2, sequence parallel, dp 1 (no FSDP), 4 MoE blocks without shared experts, 2 micro-batches. The
+    attention region: forward gather + reduce-scatter 2 R, backward the gradient's gather R, then the
+    input's re-gather beside the QKV data-gradient GEMM and the gradient's reduce-scatter beside its
+    weight-gradient GEMM, each exposed R - QKV: 3 R + 2 (R - QKV), 2 QKV hidden. The MoE region has no tp
+    GEMM to hide behind: 5 R. A step: 2 x 4 x (10 R - 2 QKV). Without sp: forward all-reduce 2 R,
+    backward the input gradient's all-reduce beside the weight gradient 2 R - QKV; the MoE region 4 R:
+    2 x 4 x (8 R - QKV)."""
+    spec = _tiny()
+    sp = estimate(spec, Candidate(1, 1, 2, 1, 2, sp=True), CLUSTER)
+    assert sp.terms["tp"] == pytest.approx(2 * 4 * (10 * R - 2 * QKV))
+    assert sp.hidden["tp"] == pytest.approx(2 * 4 * 2 * QKV)
+    assert sp.sync_s == pytest.approx(2 * 4 * (10 * R - 2 * QKV))
+    plain = estimate(spec, Candidate(1, 1, 2, 1, 2), CLUSTER)
+    assert plain.terms["tp"] == pytest.approx(2 * 4 * (8 * R - QKV))
+    # GEMMs far slower: the attention region hides all of its 2 R; 0.5 of that hidden time is contention.
+    slow = dataclasses.replace(CLUSTER, peak_tflops=1e-6, overlap_contention=0.5)
+    est = estimate(spec, Candidate(1, 1, 2, 1, 2, sp=True), slow)
+    assert est.terms["tp"] == pytest.approx(2 * 4 * 8 * R)
+    assert est.terms["tp_contention"] == pytest.approx(2 * 4 * 0.5 * 2 * R)
+    # CPU ranks run them in line: 2 x 4 x 10 R.
+    inline = estimate(spec, Candidate(1, 1, 2, 1, 2, sp=True), dataclasses.replace(CLUSTER, cores=4))
+    assert inline.terms["tp"] == pytest.approx(2 * 4 * 10 * R)
+
+
+def test_small_gemms_run_below_the_large_gemm_rate() -> None:
+    """``gemm_half_work`` 1e10 multiply-adds: against the reference GEMM (8192 x 4096 x 9216 =
+    3.0924e11 multiply-adds, 3.0924e11 / 3.1924e11 = 0.96868 of the asymptote, where ``efficiency`` is
+    measured), a GEMM of 1e10 runs at 0.5 / 0.96868 = 0.51617 of it, one of 1e13 at 1 (capped)."""
+    c = dataclasses.replace(CLUSTER, gemm_half_work=1e10)
+    assert shape_factor(1e10, c) == pytest.approx(0.5 / 0.968675, rel=1e-5)
+    assert shape_factor(1e13, c) == 1.0
+    assert shape_factor(1e3, CLUSTER) == 1.0  # no curve: every GEMM at the large-GEMM rate
+    # The tiny model at tp 2, gemm_half_work 1e5 (reference at 1 / (1 + 1e5 / 3.0924e11) ~ 1 - 3.2e-7),
+    # one micro-batch of 256 tokens: a MoE block's QKV (1536 weights a rank), output projection (512) and
+    # router (32 x 4 / 2 = 64) of 256 x 1536, 256 x 512 and 256 x 64 multiply-adds; each GEMM's 3 passes
+    # over 4 blocks take 1 / s - 1 more than at the large rate, s = w / (w + 1e5) / 0.99999968.
+    c = dataclasses.replace(CLUSTER, gemm_half_work=1e5)
+    ref = 1 / (1 + 1e5 / (8192 * 4096 * 9216))
+    extra = sum(3 * 4 * 2 * 256 * p / 1e12 * (ref * (256 * p + 1e5) / (256 * p) - 1) for p in (1536, 512, 64))
+    est = estimate(_tiny(), Candidate(1, 1, 2, 1, 1, sp=True), c)
+    assert est.terms["gemm_shape"] == pytest.approx(extra)
+
+
+def test_the_first_and_last_stages_own_work() -> None:
+    """At 1 GB/s of elementwise work: the embedding's gradient, 256 x 32 entries x 12 bytes, 98.304 us a
+    micro-batch on the first stage; the loss over 128 tokens x 256 logits x 36 bytes, 1179.648 us, on the
+    last; the head, 3 x 2 x 128 x 32 x 256 FLOPs at 1 TFLOP/s, 6.291456 us. Without a pipeline one rank
+    pays all three. pp 2, vp 1: the last stage (loss and head) is the busier, the embedding off the
+    critical path."""
+    spec = _tiny()
+    c = dataclasses.replace(CLUSTER, hbm_gbps=1.0)
+    embedding, loss, head = 256 * 32 * 12 / 1e9, 128 * 256 * 36 / 1e9, 3 * 2 * 128 * 32 * 256 / 1e12
+    flat = estimate(spec, Candidate(4, 1, 1, 1, 1), c)
+    assert (flat.terms["embedding"], flat.terms["loss"], flat.terms["head"]) == pytest.approx((embedding, loss, head))
+    piped = estimate(spec, Candidate(2, 1, 1, 2, 2), c)  # 2 micro-batches of 128 tokens
+    assert (piped.terms["embedding"], piped.terms["loss"], piped.terms["head"]) == pytest.approx(
+        (0.0, 2 * loss, 2 * head)
+    )
+    # The first stage the busier (blocks, embedding) when the embedding outweighs the loss and head.
+    blocks_s, ends = 2.0, {"head": 0.5, "loss": 0.25, "embedding": 1.0}
+    assert busiest_stage(blocks_s, ends, 2, spec, Candidate(2, 1, 1, 2, 2)) == (
+        3.0,
+        {"head": 0.0, "loss": 0.0, "embedding": 1.0},
+    )
+    assert busiest_stage(blocks_s, ends, 4, spec, Candidate(2, 1, 1, 1, 1))[0] == 3.75
+
+
+def test_pipeline_depth_costs_a_fixed_time_a_chunk_and_the_fills_sends() -> None:
+    """pp 4, vp 2, 4 micro-batches, 100 us a chunk pass: 2 chunks x forward and backward = 400 us a
+    micro-batch (``pp_schedule``, 1600 us over 4 and 400 us x 3/2 in the bubble's slots). The fill's
+    critical path crosses 2 x 3 stage boundaries, each a send of 128 tokens (16 x 32 over 4) x 32 x 4 bytes in the node:
+    6 x (10 us + 16384 / 10 GB/s) a step (``pp_fill``); plain 1F1B has none (its sends are waited for
+    every micro-batch, in its bubble already)."""
+    spec = _tiny()
+    c = dataclasses.replace(CLUSTER, stage_pass_us=100.0)
+    est = estimate(spec, Candidate(1, 1, 1, 4, 4, vp=2), c)
+    assert est.terms["pp_schedule"] == pytest.approx(4 * 400e-6)
+    assert est.terms["pp_fill"] == pytest.approx(6 * (10e-6 + 128 * 32 * 4 / 10e9))
+    assert sum(est.terms.values()) == pytest.approx(est.step_s)
+    assert estimate(spec, Candidate(1, 1, 1, 4, 4), c).terms["pp_fill"] == 0.0
+
+
+def test_the_dense_gemm_curve_against_the_measured_dense_table() -> None:
+    """The H100 dense GEMM table (benchmarks/measured/h100-device-rates.json, 7 shapes at 8192 rows): the
+    reference size is its median one, and the grouped GEMMs' curve (the preset's gemm_half_work) gives its
+    two smallest shapes' rates over the table's median rate within 4%."""
+    import json
+    import statistics
+    from pathlib import Path
+
+    from moekit.parallel.planner import load_cluster
+    from moekit.parallel.planner.tensor import DENSE_REFERENCE_WORK
+
+    table = json.loads((Path(__file__).resolve().parents[2] / "benchmarks/measured/h100-device-rates.json").read_text())
+    works = [8192 * g["k"] * g["n"] for g in table["gemms"]]
+    assert statistics.median(works) == DENSE_REFERENCE_WORK
+    median_rate = statistics.median(g["tflops"] for g in table["gemms"])
+    c = load_cluster("dgx-h100")
+    for work, gemm in sorted(zip(works, table["gemms"], strict=True), key=lambda x: x[0])[:2]:
+        assert shape_factor(work, c) == pytest.approx(gemm["tflops"] / median_rate, rel=0.04)

@@ -25,15 +25,16 @@ Techniques each have a switch in ``Candidate`` (all off is moekit's own runtime,
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 from moekit.parallel.planner.comm import all_to_all_time, deduplicated_time, members_per_node, p2p_time, ring_time
-from moekit.parallel.planner.flops import _blocks, attention_dims, layer_flops, param_counts
+from moekit.parallel.planner.flops import attention_dims, layer_flops, param_counts
 from moekit.parallel.planner.fsdp import fsdp_exposed
 from moekit.parallel.planner.layout import RECOMPUTE_GEMMS, Candidate, micro_tokens, paired_share, stage_blocks
 from moekit.parallel.planner.memory import MEMORY_USABLE, memory_bytes
 from moekit.parallel.planner.presets import Cluster, ModelSpec
+from moekit.parallel.planner.stages import busiest_stage, embedding_seconds, loss_seconds, pipeline_fixed
+from moekit.parallel.planner.tensor import dense_gemm_seconds, tp_exchanges
 from moekit.parallel.planner.traffic import FP8_CAST_BYTES, elementwise_bytes, fp8_cast_values
 
 # Bytes an AdamW step moves a parameter: fp32 weight, gradient and two moments read, weight and moments written.
@@ -70,20 +71,6 @@ def gradient_sync_time(spec: ModelSpec, cand: Candidate, c: Cluster) -> float:
     return seconds
 
 
-def with_head(blocks_s: float, head_s: float, blocks: int, spec: ModelSpec, cand: Candidate) -> float:
-    """The busiest rank's time for one micro-batch with the output head: the head on top of the blocks,
-    except with interleaved stages, where the loss gets a chunk of its own and blocks move off the
-    last rank (Megatron's ``pipeline_model_parallel_layout``, e.g. ``Et|(tt|)*30mL`` in Megatron-Bridge's
-    DeepSeek-V3 H100 recipe, or ``account_for_loss_in_pipeline_split``). Blocks move whole: the last
-    rank keeps the ``b`` blocks that best balance them and the head against the other ranks'
-    ``ceil((N - b) / (pp - 1))``; never less than the rank's own blocks under even chunks."""
-    if cand.pp == 1 or cand.vp == 1:
-        return blocks_s + head_s
-    n, block_s = _blocks(spec)[0], blocks_s / blocks
-    balanced = min(max(math.ceil((n - b) / (cand.pp - 1)) * block_s, b * block_s + head_s) for b in range(n + 1))
-    return max(blocks_s, balanced)
-
-
 def route_reach(spec: ModelSpec, nodes: int) -> int:
     """Nodes of an expert group of ``nodes`` nodes one token's experts can be on, at most: group-limited
     routing (``moe.n_group`` contiguous expert groups, ``moe.topk_group`` of them a token) confines it to
@@ -113,33 +100,32 @@ def _hidden(exchange_s: float, beside_s: float, c: Cluster) -> float:
 
 def _compute_terms(
     spec: ModelSpec, cand: Candidate, c: Cluster, tokens: float, rows: float, load_imbalance: float
-) -> tuple[dict[str, float], float]:
-    """One micro-batch's compute on the busiest rank, by term (GEMMs, expert GEMMs, attention scores, the
-    fixed cost per block pass, elementwise work, the output head), and its total seconds with the head."""
+) -> tuple[dict[str, float], float, list[float]]:
+    """One micro-batch's compute on the busiest rank, by term (GEMMs at the large-GEMM rate and their
+    slowdown at their shapes, expert GEMMs, attention scores, the fixed cost per block pass, elementwise
+    work, the busiest stage's own: head, loss, embedding gradient), its total seconds, and the forward
+    seconds of the tp regions' opening GEMMs (``dense_gemm_seconds``)."""
     m, e = spec.model, spec.moe
     D = m.d_model
     blocks, n_moe = stage_blocks(spec, cand)
-    moe_f, dense_f = layer_flops(spec, True), layer_flops(spec, False)
+    moe_f = layer_flops(spec, True)
     extra_dense, extra_experts = RECOMPUTE_GEMMS[cand.recompute]
     fp8 = c.fp8_speedup if cand.fp8 else 1.0
     gemm_rate = c.flops * fp8
     attention_rate = c.peak_tflops * 1e12 * (c.attention_efficiency or c.efficiency)
     # Forward FLOPs of one micro-batch on the busiest rank.
-    attn = tokens * blocks * moe_f["attention"] / cand.tp
     redone = tokens * blocks * 2 * attention_dims(spec)["up"] / cand.tp if cand.recompute == "mla_up_proj" else 0.0
     core = tokens * blocks * moe_f["core"] / cand.tp
-    dense = tokens * (n_moe * moe_f["dense"] + (blocks - n_moe) * dense_f["dense"]) / cand.tp
     experts = rows * n_moe * moe_f["experts"] * load_imbalance
     head = tokens * 2 * D * m.vocab_size * (1 + spec.shape.mtp_layers) / cand.tp
-    # NOTE: the dense GEMMs (a whole micro-batch's rows, thousands, against d_model-wide weights) run at the
-    # large-GEMM rate; only the per-expert GEMMs (a few hundred rows each) are small enough to slow down.
-    dense_rate = gemm_rate
     per_expert = rows * cand.ep * e.top_k / e.num_experts  # rows of each local expert
     work = e.num_experts / cand.ep * per_expert * D * e.d_ff / cand.etp  # one grouped GEMM's multiply-adds
     expert_peak = c.peak_tflops * 1e12 * (c.expert_efficiency or c.efficiency) * fp8
     expert_rate = expert_peak * _size_factor(per_expert, work, c)
+    large, shaped, opening = dense_gemm_seconds(spec, cand, c, tokens, gemm_rate, blocks, n_moe)
     terms = {
-        "gemm": ((3 + extra_dense) * (attn + dense) + redone) / dense_rate,
+        "gemm": large + redone / gemm_rate,
+        "gemm_shape": shaped - large,  # the dense GEMMs' slowdown at the shapes tp leaves them
         "gemm_experts": (3 + extra_experts) * experts / expert_rate,
         "attention": (3 + extra_dense) * core / attention_rate,
         "overhead": blocks * c.pass_overhead_us * 1e-6,
@@ -150,9 +136,14 @@ def _compute_terms(
             elementwise += FP8_CAST_BYTES * fp8_cast_values(spec, cand, tokens, load_imbalance)
         terms["elementwise"] = elementwise / (c.hbm_gbps * 1e9)
     blocks_s = sum(terms.values())
-    compute_s = with_head(blocks_s, 3 * head / c.flops, blocks, spec, cand)
-    terms["head"] = compute_s - blocks_s
-    return terms, compute_s
+    ends = {
+        "head": 3 * head / c.flops,
+        "loss": loss_seconds(spec, cand, c, tokens),
+        "embedding": embedding_seconds(spec, cand, c),
+    }
+    compute_s, stage_terms = busiest_stage(blocks_s, ends, blocks, spec, cand)
+    terms.update(stage_terms)
+    return terms, compute_s, opening
 
 
 def _expert_exchanges(
@@ -198,20 +189,26 @@ def _expert_exchanges(
 
 
 def _other_exchanges(
-    spec: ModelSpec, cand: Candidate, c: Cluster, tokens: float, terms: dict[str, float], compute_s: float
+    spec: ModelSpec,
+    cand: Candidate,
+    c: Cluster,
+    tokens: float,
+    terms: dict[str, float],
+    compute_s: float,
+    opening: list[float],
 ) -> tuple[dict[str, float], dict[str, float]]:
     """Seconds a micro-batch's tp, cp, pipeline and FSDP exchanges leave exposed, by name, and what overlap
     hides of each."""
     D, dt = spec.model.d_model, spec.workload.dtype_bytes
     blocks = stage_blocks(spec, cand)[0]
     extra_dense = RECOMPUTE_GEMMS[cand.recompute][0]
-    passes = 2 + extra_dense
     sp = cand.tp if cand.sp else 1
     exchanges, hidden = {}, {}
-    if cand.tp > 1:  # 2 all-reduces (or all-gather + reduce-scatter) a block each pass, on the critical path
-        # NOTE: exposed: Megatron hides them only with its userbuffer tp_comm_overlap, which the published
-        # DGX-H100 MoE recipes leave off (Megatron-Bridge's Qwen3-235B-A22B H100 config).
-        exchanges["tp"] = 2 * passes * blocks * ring_time(tokens * D * dt, cand.tp, 1, c)
+    if cand.tp > 1:  # 2 regions a block, the backward's collectives beside its GEMMs (``tp_exchanges``)
+        # NOTE: the forward's stay exposed: Megatron hides them only with its userbuffer tp_comm_overlap,
+        # which the published DGX-H100 MoE recipes leave off (Megatron-Bridge's Qwen3-235B-A22B H100 config).
+        exchanges["tp"], hidden["tp"] = tp_exchanges(spec, cand, c, tokens, opening)
+        exchanges["tp_contention"] = c.overlap_contention * hidden["tp"]
     if cand.cp > 1:  # ring attention: K, V round the ring in the forward, K, V and their grads back
         kv = tokens * attention_dims(spec)["kv_act"] / cand.tp * dt
         cp_s = (1 + extra_dense + 2) * blocks * (cand.cp - 1) * p2p_time(kv, cand.tp, c, cand.cp)
@@ -225,6 +222,7 @@ def _other_exchanges(
         # waits for each send.
         exchanges["pp"] = max(0.0, pp_s - compute_s) if cand.vp > 1 else pp_s
         hidden["pp"] = pp_s - exchanges["pp"]
+        exchanges["pp_schedule"] = pipeline_fixed(spec, cand, c, 0.0)[0]
     if cand.grad_sync == "fsdp":
         exchanges["fsdp"], hidden["fsdp"] = fsdp_exposed(spec, cand, c, compute_s)
         if hidden["fsdp"]:  # what the prefetched collectives take from the compute beside them
@@ -239,23 +237,24 @@ def estimate(spec: ModelSpec, cand: Candidate, c: Cluster, load_imbalance: float
     once-a-step gradient sync and optimizer step, and the queue for cores."""
     tokens = micro_tokens(spec, cand) / cand.cp  # a rank's tokens in attention
     rows = tokens / (cand.tp if cand.sp else 1)  # a rank's tokens entering the MoE layer (tp repeats them without sp)
-    terms, compute_s = _compute_terms(spec, cand, c, tokens, rows, load_imbalance)
+    terms, compute_s, opening = _compute_terms(spec, cand, c, tokens, rows, load_imbalance)
     a2a, hidden = _expert_exchanges(spec, cand, c, rows, terms, compute_s, load_imbalance)
     terms["a2a"] = a2a
-    exchanges, exchange_hidden = _other_exchanges(spec, cand, c, tokens, terms, compute_s)
+    exchanges, exchange_hidden = _other_exchanges(spec, cand, c, tokens, terms, compute_s, opening)
     hidden.update(exchange_hidden)
     terms.update(exchanges)
     sync = sum(exchanges.values())
     slots = cand.micro + (cand.pp - 1) / cand.vp
     step_terms = {name: cand.micro * t for name, t in terms.items()}
     step_terms["bubble"] = (slots - cand.micro) * (compute_s + a2a + sync)
-    step_sync = 0.0
+    sends = tokens * spec.model.d_model * spec.workload.dtype_bytes / (cand.tp if cand.sp else 1)
+    step_sync = step_terms["pp_fill"] = pipeline_fixed(spec, cand, c, sends)[1]  # the fill's sends, once a step
     step_hidden = {name: cand.micro * t for name, t in hidden.items()}
     if cand.grad_sync == "overlapped":  # beside the first micro-batch's forward and the last one's backward
         grads = gradient_sync_time(spec, cand, c)
         step_hidden["grads"] = _hidden(grads, compute_s + a2a, c)
-        step_sync = grads - step_hidden["grads"]
-        step_terms["grads"] = step_sync
+        step_terms["grads"] = grads - step_hidden["grads"]
+        step_sync += step_terms["grads"]
     optimizer = 0.0
     if c.optimizer_gbps:  # once a step, each rank updating its shard: every parameter over every rank
         world = cand.dp * cand.cp * cand.tp * cand.pp

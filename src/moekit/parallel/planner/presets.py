@@ -43,6 +43,9 @@ class Cluster:
     # One extra overlap chunk of one MoE layer's dispatch, forward and backward (its own expert pass,
     # permutes and hand-offs to the exchanging thread):
     chunk_overhead_us: float = 0.0
+    # One pipeline chunk's forward or backward on one micro-batch: the schedule's own work between chunks
+    # (its sends and receives posted and waited for, the chunk's first launches); derived in the preset.
+    stage_pass_us: float = 0.0
     # Cores the devices of a node share, where they are CPU ranks (0: each device computes on its own);
     # fewer cores than devices time-share them (benchmarks/planner_calibration.py sets it), and pay an
     # all-to-all's latency once a peer where devices pay it once (comm.posted_latency).
