@@ -33,9 +33,9 @@ def fsdp_collectives(spec: ModelSpec, cand: Candidate, c: Cluster) -> tuple[floa
     n_moe = len(m.moe_layers())
     units = m.n_layers / cand.pp + 1
     seconds = count = 0.0
-    if cand.dp > 1:
+    if cand.dp * cand.cp > 1:  # over the batch ranks, the cp ones included: the ranks its memory is sharded over
         unit_bytes = dense_p / (cand.tp * cand.pp) * w.dtype_bytes / units
-        seconds += 3 * units * ring_time(unit_bytes, cand.dp, cand.tp, c, passes=1)
+        seconds += 3 * units * ring_time(unit_bytes, cand.dp * cand.cp, cand.tp, c, passes=1)
         count += 3 * units
     if n_moe and cand.dp > cand.ep:
         layer_bytes = expert_p / (cand.ep * n_moe) * w.dtype_bytes

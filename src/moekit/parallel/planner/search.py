@@ -25,7 +25,9 @@ class Techniques:
     """What the enumeration may use; all off is moekit's own runtime (FSDP every micro-batch, the
     chunked forward-only all-to-all overlap, plain 1F1B, no recomputation)."""
 
-    overlapped_grads: bool = False  # distributed optimizer: gradients reduced once a step, beside compute
+    # Distributed optimizer: gradients reduced once a step, beside compute, beside moekit's FSDP (each layout
+    # both ways; without it FSDP alone).
+    overlapped_grads: bool = False
     a2a_overlap: bool = False  # all-to-all beside another micro-batch's compute in both passes
     interleave: bool = False  # virtual pipeline stages (interleaved 1F1B, uneven stages allowed)
     recompute: bool = False  # the least recomputation (selective, mla_up_proj, experts, full) that fits
@@ -102,11 +104,12 @@ def candidates(spec: ModelSpec, c: Cluster, tech: Techniques = MOEKIT) -> list[C
                 # Megatron's both-pass overlap needs virtual stages on a pipeline (check_both_pass_overlap).
                 both = ("both",) if pp == 1 or vp > 1 else ("none",)
                 overlaps = ("none",) if ep == 1 else both if tech.a2a_overlap else ("none", "forward")
-                for form, overlap in itertools.product(forms, overlaps):
+                syncs = ("overlapped", "fsdp") if tech.overlapped_grads else ("fsdp",)
+                for form, overlap, grad_sync in itertools.product(forms, overlaps, syncs):
                     out.append(
                         Candidate(
                             dp, ep, tp, pp, micro, form, overlap, cp=cp, etp=etp, vp=vp,
-                            grad_sync="overlapped" if tech.overlapped_grads else "fsdp",
+                            grad_sync=grad_sync,
                             sp=tech.sequence_parallel and tp > 1,
                             fp8=tech.fp8 and w.precision == "fp8",
                             weighted_activation=tech.weighted_activation,
