@@ -246,19 +246,19 @@ def explain(label: str, top: list[planner.Estimate], mine: planner.Estimate, gbs
     what the published layout pays over the pick, term by term (what keeps it out of the top)."""
     print(f"\n{label}: the planner's 5 fastest layouts and the published one, seconds a step by term")
     print(f"{'':>4} {'tp':>2} {'cp':>2} {'pp':>2} {'vp':>2} {'ep':>3} {'etp':>3} {'mbs':>3} {'recomp':>11} "
-          f"{'mem GB':>6} {'step':>6} " + " ".join(f"{t[:8]:>8}" for t in TERMS)
+          f"{'grads':>10} {'mem GB':>6} {'step':>6} " + " ".join(f"{t[:8]:>8}" for t in TERMS)
           + " " + " ".join(f"{'h:' + t:>7}" for t in HIDDEN))  # fmt: skip
     for tag, est in [*((str(i), e) for i, e in enumerate(top, 1)), ("pub", mine)]:
         k = est.candidate
         print(
             f"{tag:>4} {k.tp:>2} {k.cp:>2} {k.pp:>2} {k.vp:>2} {k.ep:>3} {k.etp:>3} {gbs // (k.dp * k.micro):>3} "
-            f"{k.recompute:>11} {est.memory_gb:>6.1f} {est.step_s:>6.2f} "
+            f"{k.recompute:>11} {k.grad_sync:>10} {est.memory_gb:>6.1f} {est.step_s:>6.2f} "
             + " ".join(f"{est.terms.get(t, 0.0):>8.3f}" for t in TERMS)
             + " "
             + " ".join(f"{est.hidden.get(t, 0.0):>7.3f}" for t in HIDDEN)
         )
     over = {t: mine.terms.get(t, 0.0) - top[0].terms.get(t, 0.0) for t in TERMS}
-    print(f"{'pub - 1':>8} {'':>45} {mine.step_s - top[0].step_s:>6.2f} " + " ".join(f"{over[t]:>8.3f}" for t in TERMS))
+    print(f"{'pub - 1':>8} {'':>56} {mine.step_s - top[0].step_s:>6.2f} " + " ".join(f"{over[t]:>8.3f}" for t in TERMS))
     worst = sorted((t for t in TERMS if over[t] > 0), key=lambda t: -over[t])[:3]
     excess = ", ".join(f"{t} +{over[t]:.2f} s" for t in worst) or "none (it is the pick)"
     print(f"  the published layout's largest excess over the pick: {excess}")

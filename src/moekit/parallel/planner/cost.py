@@ -2,12 +2,14 @@
 
 One step is ``micro + (pp - 1) / vp`` pipeline slots (the interleaved bubble; ``vp`` 1 is plain 1F1B)
 of one micro-batch through the busiest stage, plus the exposed part of the once-per-step gradient
-synchronisation and the optimizer step (``OPTIMIZER_BYTES`` a parameter over ``optimizer_gbps``). A
-micro-batch's time is its GEMMs (at ``efficiency`` of peak, the experts' at
+synchronisation, an interleaved pipeline's fill sends (``stages``) and the optimizer step
+(``OPTIMIZER_BYTES`` a parameter over ``optimizer_gbps``). A micro-batch's time is its GEMMs (at
+``efficiency`` of peak, slower at the small shapes tp leaves them (``tensor``), the experts' at
 ``expert_efficiency`` and slower when they have few rows, fp8 ones faster by ``fp8_speedup``), the
 attention scores (bf16, at ``attention_efficiency``), the elementwise work between them (bytes over
-``hbm_gbps``, with the casts into fp8), recomputation, and the exchanges left exposed: tp all-reduces (or
-sequence-parallel all-gather + reduce-scatter, the same bytes, never hidden), the expert all-to-alls
+``hbm_gbps``, with the casts into fp8), recomputation, the busiest end stage's own work (embedding
+gradient, or head and loss), a fixed cost a pipeline chunk, and the exchanges left exposed: tp's
+(``tensor``: the forward's exposed, the backward's beside their GEMMs), the expert all-to-alls
 (flat, two-level, or deduplicated: one copy a destination node), expert-tp gathers, context-parallel KV
 rings, pipeline sends (hidden when interleaved), and moekit's FSDP, which gathers every unit every
 micro-batch, prefetched beside the compute on devices (``fsdp``: what stays exposed, and the contention
@@ -48,7 +50,7 @@ class Estimate:
     step_s: float
     compute_s: float  # GEMMs, elementwise work and recomputation, with the pipeline bubble; the optimizer step
     a2a_s: float  # expert-parallel exchanges on the critical path
-    sync_s: float  # gradient and FSDP collectives, tp, cp and pipeline exchanges left exposed
+    sync_s: float  # gradient and FSDP collectives, tp, cp and pipeline exchanges left exposed, their fixed costs
     memory_gb: float  # peak per device
     fits: bool
     terms: dict[str, float] = field(default_factory=dict, compare=False)  # seconds a step of each named term

@@ -26,20 +26,21 @@ def fsdp_collectives(spec: ModelSpec, cand: Candidate, c: Cluster) -> tuple[floa
 
     Every micro-batch, each unit (a block, and the root) all-gathers its shard before the forward
     and again before the backward, then reduce-scatters its gradient; sharded experts do the same
-    over the dp / ep ranks that hold the same experts, once per MoE layer even when overlapped
+    over the batch / ep ranks that hold the same experts (batch ranks: dp x cp), once per MoE layer even when overlapped
     dispatch computes them chunk by chunk."""
     m, w = spec.model, spec.workload
     dense_p, expert_p = param_counts(spec)
     n_moe = len(m.moe_layers())
     units = m.n_layers / cand.pp + 1
+    batch = cand.dp * cand.cp  # the batch ranks, cp ones included: what its memory is sharded over
     seconds = count = 0.0
-    if cand.dp * cand.cp > 1:  # over the batch ranks, the cp ones included: the ranks its memory is sharded over
+    if batch > 1:
         unit_bytes = dense_p / (cand.tp * cand.pp) * w.dtype_bytes / units
-        seconds += 3 * units * ring_time(unit_bytes, cand.dp * cand.cp, cand.tp, c, passes=1)
+        seconds += 3 * units * ring_time(unit_bytes, batch, cand.tp, c, passes=1)
         count += 3 * units
-    if n_moe and cand.dp > cand.ep:
+    if n_moe and batch > cand.ep:
         layer_bytes = expert_p / (cand.ep * n_moe) * w.dtype_bytes
-        seconds += 3 * n_moe / cand.pp * ring_time(layer_bytes, cand.dp // cand.ep, cand.tp * cand.ep, c, passes=1)
+        seconds += 3 * n_moe / cand.pp * ring_time(layer_bytes, batch // cand.ep, cand.tp * cand.ep, c, passes=1)
         count += 3 * n_moe / cand.pp
     return seconds, count
 
@@ -71,7 +72,7 @@ def fsdp_state_bytes(spec: ModelSpec, cand: Candidate) -> list[float]:
     unit gathered for the whole step (FSDP2 keeps the root unsharded between forward and backward: the
     embedding on the first rank, the head on the last), and at the backward's peak three blocks gathered
     whole: the block running, the next one prefetched, and the running one's unsharded gradient before
-    its reduce-scatter. A block's experts are gathered only where FSDP shards them (dp > ep)."""
+    its reduce-scatter. A block's experts are gathered only where FSDP shards them (dp x cp > ep)."""
     m, w = spec.model, spec.workload
     dense, experts = param_counts(spec)
     n_blocks, n_moe = _blocks(spec)
@@ -80,7 +81,7 @@ def fsdp_state_bytes(spec: ModelSpec, cand: Candidate) -> list[float]:
     embed = m.vocab_size * m.d_model
     head = 0 if m.tie_embeddings else embed
     block = (dense - embed - head) / n_blocks / cand.tp
-    if n_moe and cand.dp > cand.ep:
+    if n_moe and cand.dp * cand.cp > cand.ep:
         block += experts / n_blocks / (cand.ep * cand.etp)
     gathered = 3 * block * w.dtype_bytes
     if cand.pp == 1:
