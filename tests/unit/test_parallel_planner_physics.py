@@ -11,7 +11,17 @@ import pytest
 from helpers import toy_cluster
 
 from moekit import runconfig
-from moekit.parallel.planner import Candidate, ModelSpec, Workload, estimate, fsdp_exposed, fsdp_state_bytes
+from moekit.parallel.planner import (
+    Candidate,
+    ModelSpec,
+    Techniques,
+    Workload,
+    candidates,
+    estimate,
+    fsdp_collectives,
+    fsdp_exposed,
+    fsdp_state_bytes,
+)
 from moekit.parallel.planner.stages import busiest_stage
 from moekit.parallel.planner.tensor import shape_factor
 
@@ -187,3 +197,24 @@ def test_the_dense_gemm_curve_against_the_measured_dense_table() -> None:
     c = load_cluster("dgx-h100")
     for work, gemm in sorted(zip(works, table["gemms"], strict=True), key=lambda x: x[0])[:2]:
         assert shape_factor(work, c) == pytest.approx(gemm["tflops"] / median_rate, rel=0.04)
+
+
+def test_fsdp_shards_over_the_batch_ranks_cp_included() -> None:
+    """dp 2 x cp 2 = 4 batch ranks, ep 2: the units' gathers ring over all 4 (the ``G`` above), and the
+    experts, which the 2 ep ranks split and FSDP shards over the other 2, gather a layer's 98304 / 4 / 2
+    weights in fp32 over 2 ranks 2 apart in the node: 3 collectives a unit (5) and a MoE layer (4)."""
+    expert = 10e-6 + EXPERTS / 4 / 2 * 4 / 2 / 10e9
+    wire, count = fsdp_collectives(_tiny(), Candidate(2, 2, 1, 1, 1, cp=2), CLUSTER)
+    assert (wire, count) == pytest.approx((15 * G + 12 * expert, 15 + 12))
+
+
+def test_the_distributed_optimizer_switch_costs_each_layout_both_ways() -> None:
+    """With ``overlapped_grads`` every enumerated layout comes twice, under the distributed optimizer and
+    under FSDP; without it under FSDP alone."""
+    spec = _tiny()
+    fsdp_only = candidates(spec, CLUSTER, Techniques())
+    both = candidates(spec, CLUSTER, Techniques(overlapped_grads=True))
+    assert {k.grad_sync for k in fsdp_only} == {"fsdp"}
+    assert sorted(both, key=repr) == sorted(
+        [*fsdp_only, *(dataclasses.replace(k, grad_sync="overlapped") for k in fsdp_only)], key=repr
+    )
