@@ -15,7 +15,7 @@ rotating), with the machine's load average printed:
   decode  ``_engine_runner.py`` per engine and variant: load and first-token time, batch-1 decode
           tokens/s and inter-token latency (greedy, a 32-token prompt from the corpus), prefill tokens/s
           of 512 tokens, peak RSS, and the first position where the greedy tokens leave transformers'
-          fp32 tokens. moekit: fp32, bf16, int8 and int4 experts; transformers: fp32, bf16 (its
+          fp32 tokens. moekit: fp32, bf16, fp16, int8 and int4 experts; transformers: fp32, bf16 (its
           forward with a DynamicCache, the loop ``generate`` runs); llama.cpp (llama-cpp-python, files
           from llama.cpp's converter and quantizer): F16, BF16, Q8_0, Q4_K_M.
   serve   ``moekit serve`` and vLLM's CPU build (``vllm.entrypoints.openai.api_server``, with its CPU
@@ -52,7 +52,7 @@ MODELS = {
 SHARED = {"num_hidden_layers": 8, "num_attention_heads": 16, "num_key_value_heads": 4, "num_experts_per_tok": 2}
 VOCAB = 8192
 VARIANTS = {  # moekit's int8 / int4 are its experts' format (the rest bf16); llama.cpp's Q8_0 / Q4_K_M cover all
-    "moekit": ["fp32", "bf16", "int8", "int4"],
+    "moekit": ["fp32", "bf16", "fp16", "int8", "int4"],
     "transformers": ["fp32", "bf16"],
     "llama.cpp": ["F16", "BF16", "Q8_0", "Q4_K_M"],
 }
