@@ -41,11 +41,10 @@ def shape_factor(work: float, c: Cluster) -> float:
 
 
 def region_gemms(spec: ModelSpec, cand: Candidate, moe_layer: bool) -> list[tuple[float, float]]:
-    """A block's dense GEMMs on a tp rank, per token: (weights a GEMM multiplies, share of it in the
-    region's first GEMM): the attention projections into the heads and out of them, then the dense FFN's
-    (MoE blocks: the router and the shared experts') first GEMMs and its last. Each entry is
-    ``(params, first)``, ``first`` True for a region's column-parallel GEMM, the one whose backward hides
-    the collectives."""
+    """A block's dense GEMMs on a tp rank: the attention projections into the heads and out of them, then
+    the dense FFN's (MoE blocks: the router and the shared experts') first GEMMs and its last, each as
+    ``(weights, first)``: the weights it multiplies a token by, and whether it opens its tp region (the
+    column-parallel GEMM, whose backward the region's collectives run beside)."""
     m, e, a = spec.model, spec.moe, attention_dims(spec)
     D, tp = m.d_model, cand.tp
     out_proj = a["v"] * D
