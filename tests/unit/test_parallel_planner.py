@@ -135,7 +135,8 @@ def test_overlap_hides_only_the_forward_exchanges_hand_computed() -> None:
 
 
 def test_pass_overhead_and_fsdp_are_paid_per_micro_batch() -> None:
-    spec, c = _tiny(), CLUSTER  # 2 blocks, both MoE
+    # CPU ranks (4 cores for 4 ranks: no queue): FSDP's collectives run in line with the compute, all exposed.
+    spec, c = _tiny(), dataclasses.replace(CLUSTER, cores=4)  # 2 blocks, both MoE
     with_overhead = dataclasses.replace(c, pass_overhead_us=100.0)
     for micro in (1, 4):
         dp4 = Candidate(4, 1, 1, 1, micro, "flat", "none")

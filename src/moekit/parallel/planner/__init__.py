@@ -21,7 +21,6 @@ from moekit.parallel.planner.cost import (
     OVERLAP_CHUNKS,
     Estimate,
     estimate,
-    fsdp_collectives,
     gradient_sync_time,
     route_reach,
 )
@@ -32,6 +31,7 @@ from moekit.parallel.planner.flops import (
     param_counts,
     training_flops_per_token,
 )
+from moekit.parallel.planner.fsdp import fsdp_collectives, fsdp_exposed, fsdp_state_bytes
 from moekit.parallel.planner.layout import Candidate, in_flight, micro_tokens, paired_share, stage_blocks
 from moekit.parallel.planner.memory import MEMORY_USABLE, block_activation_bytes, memory_bytes
 from moekit.parallel.planner.presets import Cluster, ModelSpec, Shape, Workload, load_cluster, load_model
@@ -74,6 +74,8 @@ __all__ = [
     "fp8_cast_values",
     "format_table",
     "fsdp_collectives",
+    "fsdp_exposed",
+    "fsdp_state_bytes",
     "gradient_sync_time",
     "in_flight",
     "layer_flops",

@@ -2,15 +2,18 @@
 
 One step is ``micro + (pp - 1) / vp`` pipeline slots (the interleaved bubble; ``vp`` 1 is plain 1F1B)
 of one micro-batch through the busiest stage, plus the exposed part of the once-per-step gradient
-synchronisation and the optimizer step (``OPTIMIZER_BYTES`` a parameter over ``optimizer_gbps``). A
-micro-batch's time is its GEMMs (at ``efficiency`` of peak, the experts' at
+synchronisation, an interleaved pipeline's fill sends (``stages``) and the optimizer step
+(``OPTIMIZER_BYTES`` a parameter over ``optimizer_gbps``). A micro-batch's time is its GEMMs (at
+``efficiency`` of peak, slower at the small shapes tp leaves them (``tensor``), the experts' at
 ``expert_efficiency`` and slower when they have few rows, fp8 ones faster by ``fp8_speedup``), the
 attention scores (bf16, at ``attention_efficiency``), the elementwise work between them (bytes over
-``hbm_gbps``, with the casts into fp8), recomputation, and the exchanges left exposed: tp all-reduces (or
-sequence-parallel all-gather + reduce-scatter, the same bytes, never hidden), the expert all-to-alls
+``hbm_gbps``, with the casts into fp8), recomputation, the busiest end stage's own work (embedding
+gradient, or head and loss), a fixed cost a pipeline chunk, and the exchanges left exposed: tp's
+(``tensor``: the forward's exposed, the backward's beside their GEMMs), the expert all-to-alls
 (flat, two-level, or deduplicated: one copy a destination node), expert-tp gathers, context-parallel KV
 rings, pipeline sends (hidden when interleaved), and moekit's FSDP, which gathers every unit every
-micro-batch. An overlappable exchange hides ``cluster.overlap`` of itself, at most the compute that
+micro-batch, prefetched beside the compute on devices (``fsdp``: what stays exposed, and the contention
+of what does not). An overlappable exchange hides ``cluster.overlap`` of itself, at most the compute that
 runs beside it (interleaved pipeline sends, which nothing waits for until a chunk later, all of it);
 all-to-alls overlapped in both passes only in the micro-batches paired with another one
 (``paired_share``; refused where Megatron refuses it: ``check_both_pass_overlap``). Ranks that share
@@ -24,14 +27,16 @@ Techniques each have a switch in ``Candidate`` (all off is moekit's own runtime,
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 from moekit.parallel.planner.comm import all_to_all_time, deduplicated_time, members_per_node, p2p_time, ring_time
-from moekit.parallel.planner.flops import _blocks, attention_dims, layer_flops, param_counts
+from moekit.parallel.planner.flops import attention_dims, layer_flops, param_counts
+from moekit.parallel.planner.fsdp import fsdp_exposed
 from moekit.parallel.planner.layout import RECOMPUTE_GEMMS, Candidate, micro_tokens, paired_share, stage_blocks
 from moekit.parallel.planner.memory import MEMORY_USABLE, memory_bytes
 from moekit.parallel.planner.presets import Cluster, ModelSpec
+from moekit.parallel.planner.stages import busiest_stage, embedding_seconds, loss_seconds, pipeline_fixed
+from moekit.parallel.planner.tensor import dense_gemm_seconds, tp_exchanges
 from moekit.parallel.planner.traffic import FP8_CAST_BYTES, elementwise_bytes, fp8_cast_values
 
 # Bytes an AdamW step moves a parameter: fp32 weight, gradient and two moments read, weight and moments written.
@@ -45,35 +50,12 @@ class Estimate:
     step_s: float
     compute_s: float  # GEMMs, elementwise work and recomputation, with the pipeline bubble; the optimizer step
     a2a_s: float  # expert-parallel exchanges on the critical path
-    sync_s: float  # gradient and FSDP collectives, tp, cp and pipeline exchanges left exposed
+    sync_s: float  # gradient and FSDP collectives, tp, cp and pipeline exchanges left exposed, their fixed costs
     memory_gb: float  # peak per device
     fits: bool
     terms: dict[str, float] = field(default_factory=dict, compare=False)  # seconds a step of each named term
     # Seconds a step of each overlappable exchange that runs beside compute, hidden (not in ``step_s``).
     hidden: dict[str, float] = field(default_factory=dict, compare=False)
-
-
-def fsdp_collectives(spec: ModelSpec, cand: Candidate, c: Cluster) -> tuple[float, float]:
-    """moekit's FSDP on one micro-batch of a pipeline stage: (alpha-beta seconds, number of collectives).
-
-    Every micro-batch, each unit (a block, and the root) all-gathers its shard before the forward
-    and again before the backward, then reduce-scatters its gradient; sharded experts do the same
-    over the dp / ep ranks that hold the same experts, once per MoE layer even when overlapped
-    dispatch computes them chunk by chunk."""
-    m, w = spec.model, spec.workload
-    dense_p, expert_p = param_counts(spec)
-    n_moe = len(m.moe_layers())
-    units = m.n_layers / cand.pp + 1
-    seconds = count = 0.0
-    if cand.dp > 1:
-        unit_bytes = dense_p / (cand.tp * cand.pp) * w.dtype_bytes / units
-        seconds += 3 * units * ring_time(unit_bytes, cand.dp, cand.tp, c, passes=1)
-        count += 3 * units
-    if n_moe and cand.dp > cand.ep:
-        layer_bytes = expert_p / (cand.ep * n_moe) * w.dtype_bytes
-        seconds += 3 * n_moe / cand.pp * ring_time(layer_bytes, cand.dp // cand.ep, cand.tp * cand.ep, c, passes=1)
-        count += 3 * n_moe / cand.pp
-    return seconds, count
 
 
 def gradient_sync_time(spec: ModelSpec, cand: Candidate, c: Cluster) -> float:
@@ -89,20 +71,6 @@ def gradient_sync_time(spec: ModelSpec, cand: Candidate, c: Cluster) -> float:
         seconds += ring_time(dense_p / (cand.tp * cand.pp) * nbytes, cand.dp * cand.cp, cand.tp, c, passes=1)
         seconds += ring_time(expert_p / (cand.ep * cand.etp * cand.pp) * nbytes, edp, cand.ep * cand.etp, c, 1)
     return seconds
-
-
-def with_head(blocks_s: float, head_s: float, blocks: int, spec: ModelSpec, cand: Candidate) -> float:
-    """The busiest rank's time for one micro-batch with the output head: the head on top of the blocks,
-    except with interleaved stages, where the loss gets a chunk of its own and blocks move off the
-    last rank (Megatron's ``pipeline_model_parallel_layout``, e.g. ``Et|(tt|)*30mL`` in Megatron-Bridge's
-    DeepSeek-V3 H100 recipe, or ``account_for_loss_in_pipeline_split``). Blocks move whole: the last
-    rank keeps the ``b`` blocks that best balance them and the head against the other ranks'
-    ``ceil((N - b) / (pp - 1))``; never less than the rank's own blocks under even chunks."""
-    if cand.pp == 1 or cand.vp == 1:
-        return blocks_s + head_s
-    n, block_s = _blocks(spec)[0], blocks_s / blocks
-    balanced = min(max(math.ceil((n - b) / (cand.pp - 1)) * block_s, b * block_s + head_s) for b in range(n + 1))
-    return max(blocks_s, balanced)
 
 
 def route_reach(spec: ModelSpec, nodes: int) -> int:
@@ -134,33 +102,32 @@ def _hidden(exchange_s: float, beside_s: float, c: Cluster) -> float:
 
 def _compute_terms(
     spec: ModelSpec, cand: Candidate, c: Cluster, tokens: float, rows: float, load_imbalance: float
-) -> tuple[dict[str, float], float]:
-    """One micro-batch's compute on the busiest rank, by term (GEMMs, expert GEMMs, attention scores, the
-    fixed cost per block pass, elementwise work, the output head), and its total seconds with the head."""
+) -> tuple[dict[str, float], float, list[float]]:
+    """One micro-batch's compute on the busiest rank, by term (GEMMs at the large-GEMM rate and their
+    slowdown at their shapes, expert GEMMs, attention scores, the fixed cost per block pass, elementwise
+    work, the busiest stage's own: head, loss, embedding gradient), its total seconds, and the forward
+    seconds of the tp regions' opening GEMMs (``dense_gemm_seconds``)."""
     m, e = spec.model, spec.moe
     D = m.d_model
     blocks, n_moe = stage_blocks(spec, cand)
-    moe_f, dense_f = layer_flops(spec, True), layer_flops(spec, False)
+    moe_f = layer_flops(spec, True)
     extra_dense, extra_experts = RECOMPUTE_GEMMS[cand.recompute]
     fp8 = c.fp8_speedup if cand.fp8 else 1.0
     gemm_rate = c.flops * fp8
     attention_rate = c.peak_tflops * 1e12 * (c.attention_efficiency or c.efficiency)
     # Forward FLOPs of one micro-batch on the busiest rank.
-    attn = tokens * blocks * moe_f["attention"] / cand.tp
     redone = tokens * blocks * 2 * attention_dims(spec)["up"] / cand.tp if cand.recompute == "mla_up_proj" else 0.0
     core = tokens * blocks * moe_f["core"] / cand.tp
-    dense = tokens * (n_moe * moe_f["dense"] + (blocks - n_moe) * dense_f["dense"]) / cand.tp
     experts = rows * n_moe * moe_f["experts"] * load_imbalance
     head = tokens * 2 * D * m.vocab_size * (1 + spec.shape.mtp_layers) / cand.tp
-    # NOTE: the dense GEMMs (a whole micro-batch's rows, thousands, against d_model-wide weights) run at the
-    # large-GEMM rate; only the per-expert GEMMs (a few hundred rows each) are small enough to slow down.
-    dense_rate = gemm_rate
     per_expert = rows * cand.ep * e.top_k / e.num_experts  # rows of each local expert
     work = e.num_experts / cand.ep * per_expert * D * e.d_ff / cand.etp  # one grouped GEMM's multiply-adds
     expert_peak = c.peak_tflops * 1e12 * (c.expert_efficiency or c.efficiency) * fp8
     expert_rate = expert_peak * _size_factor(per_expert, work, c)
+    large, shaped, opening = dense_gemm_seconds(spec, cand, c, tokens, gemm_rate, blocks, n_moe)
     terms = {
-        "gemm": ((3 + extra_dense) * (attn + dense) + redone) / dense_rate,
+        "gemm": large + redone / gemm_rate,
+        "gemm_shape": shaped - large,  # the dense GEMMs' slowdown at the shapes tp leaves them
         "gemm_experts": (3 + extra_experts) * experts / expert_rate,
         "attention": (3 + extra_dense) * core / attention_rate,
         "overhead": blocks * c.pass_overhead_us * 1e-6,
@@ -171,9 +138,14 @@ def _compute_terms(
             elementwise += FP8_CAST_BYTES * fp8_cast_values(spec, cand, tokens, load_imbalance)
         terms["elementwise"] = elementwise / (c.hbm_gbps * 1e9)
     blocks_s = sum(terms.values())
-    compute_s = with_head(blocks_s, 3 * head / c.flops, blocks, spec, cand)
-    terms["head"] = compute_s - blocks_s
-    return terms, compute_s
+    ends = {
+        "head": 3 * head / c.flops,
+        "loss": loss_seconds(spec, cand, c, tokens),
+        "embedding": embedding_seconds(spec, cand, c),
+    }
+    compute_s, stage_terms = busiest_stage(blocks_s, ends, blocks, spec, cand)
+    terms.update(stage_terms)
+    return terms, compute_s, opening
 
 
 def _expert_exchanges(
@@ -219,20 +191,26 @@ def _expert_exchanges(
 
 
 def _other_exchanges(
-    spec: ModelSpec, cand: Candidate, c: Cluster, tokens: float, terms: dict[str, float], compute_s: float
+    spec: ModelSpec,
+    cand: Candidate,
+    c: Cluster,
+    tokens: float,
+    terms: dict[str, float],
+    compute_s: float,
+    opening: list[float],
 ) -> tuple[dict[str, float], dict[str, float]]:
     """Seconds a micro-batch's tp, cp, pipeline and FSDP exchanges leave exposed, by name, and what overlap
     hides of each."""
     D, dt = spec.model.d_model, spec.workload.dtype_bytes
     blocks = stage_blocks(spec, cand)[0]
     extra_dense = RECOMPUTE_GEMMS[cand.recompute][0]
-    passes = 2 + extra_dense
     sp = cand.tp if cand.sp else 1
     exchanges, hidden = {}, {}
-    if cand.tp > 1:  # 2 all-reduces (or all-gather + reduce-scatter) a block each pass, on the critical path
-        # NOTE: exposed: Megatron hides them only with its userbuffer tp_comm_overlap, which the published
-        # DGX-H100 MoE recipes leave off (Megatron-Bridge's Qwen3-235B-A22B H100 config).
-        exchanges["tp"] = 2 * passes * blocks * ring_time(tokens * D * dt, cand.tp, 1, c)
+    if cand.tp > 1:  # 2 regions a block, the backward's collectives beside its GEMMs (``tp_exchanges``)
+        # NOTE: the forward's stay exposed: Megatron hides them only with its userbuffer tp_comm_overlap,
+        # which the published DGX-H100 MoE recipes leave off (Megatron-Bridge's Qwen3-235B-A22B H100 config).
+        exchanges["tp"], hidden["tp"] = tp_exchanges(spec, cand, c, tokens, opening)
+        exchanges["tp_contention"] = c.overlap_contention * hidden["tp"]
     if cand.cp > 1:  # ring attention: K, V round the ring in the forward, K, V and their grads back
         kv = tokens * attention_dims(spec)["kv_act"] / cand.tp * dt
         cp_s = (1 + extra_dense + 2) * blocks * (cand.cp - 1) * p2p_time(kv, cand.tp, c, cand.cp)
@@ -246,9 +224,11 @@ def _other_exchanges(
         # waits for each send.
         exchanges["pp"] = max(0.0, pp_s - compute_s) if cand.vp > 1 else pp_s
         hidden["pp"] = pp_s - exchanges["pp"]
+        exchanges["pp_schedule"] = pipeline_fixed(spec, cand, c, 0.0)[0]
     if cand.grad_sync == "fsdp":
-        wire, collectives = fsdp_collectives(spec, cand, c)
-        exchanges["fsdp"] = wire + collectives * c.fsdp_overhead_us * 1e-6
+        exchanges["fsdp"], hidden["fsdp"] = fsdp_exposed(spec, cand, c, compute_s)
+        if hidden["fsdp"]:  # what the prefetched collectives take from the compute beside them
+            exchanges["fsdp_contention"] = c.overlap_contention * hidden["fsdp"]
     return exchanges, hidden
 
 
@@ -259,23 +239,24 @@ def estimate(spec: ModelSpec, cand: Candidate, c: Cluster, load_imbalance: float
     once-a-step gradient sync and optimizer step, and the queue for cores."""
     tokens = micro_tokens(spec, cand) / cand.cp  # a rank's tokens in attention
     rows = tokens / (cand.tp if cand.sp else 1)  # a rank's tokens entering the MoE layer (tp repeats them without sp)
-    terms, compute_s = _compute_terms(spec, cand, c, tokens, rows, load_imbalance)
+    terms, compute_s, opening = _compute_terms(spec, cand, c, tokens, rows, load_imbalance)
     a2a, hidden = _expert_exchanges(spec, cand, c, rows, terms, compute_s, load_imbalance)
     terms["a2a"] = a2a
-    exchanges, exchange_hidden = _other_exchanges(spec, cand, c, tokens, terms, compute_s)
+    exchanges, exchange_hidden = _other_exchanges(spec, cand, c, tokens, terms, compute_s, opening)
     hidden.update(exchange_hidden)
     terms.update(exchanges)
     sync = sum(exchanges.values())
     slots = cand.micro + (cand.pp - 1) / cand.vp
     step_terms = {name: cand.micro * t for name, t in terms.items()}
     step_terms["bubble"] = (slots - cand.micro) * (compute_s + a2a + sync)
-    step_sync = 0.0
+    sends = tokens * spec.model.d_model * spec.workload.dtype_bytes / (cand.tp if cand.sp else 1)
+    step_sync = step_terms["pp_fill"] = pipeline_fixed(spec, cand, c, sends)[1]  # the fill's sends, once a step
     step_hidden = {name: cand.micro * t for name, t in hidden.items()}
     if cand.grad_sync == "overlapped":  # beside the first micro-batch's forward and the last one's backward
         grads = gradient_sync_time(spec, cand, c)
         step_hidden["grads"] = _hidden(grads, compute_s + a2a, c)
-        step_sync = grads - step_hidden["grads"]
-        step_terms["grads"] = step_sync
+        step_terms["grads"] = grads - step_hidden["grads"]
+        step_sync += step_terms["grads"]
     optimizer = 0.0
     if c.optimizer_gbps:  # once a step, each rank updating its shard: every parameter over every rank
         world = cand.dp * cand.cp * cand.tp * cand.pp

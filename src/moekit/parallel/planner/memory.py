@@ -4,6 +4,7 @@ micro-batches in flight and the last rank's logits."""
 from __future__ import annotations
 
 from moekit.parallel.planner.flops import attention_dims, param_counts
+from moekit.parallel.planner.fsdp import fsdp_state_bytes
 from moekit.parallel.planner.layout import Candidate, check_both_pass_overlap, in_flight, micro_tokens, stage_blocks
 from moekit.parallel.planner.presets import ModelSpec
 
@@ -64,9 +65,9 @@ def block_activation_bytes(spec: ModelSpec, cand: Candidate, moe_layer: bool, lo
 
 
 def memory_bytes(spec: ModelSpec, cand: Candidate, load_imbalance: float = 1.0) -> float:
-    """Peak bytes per device, the larger of the first and the last pipeline rank's: training state,
-    FSDP's two gathered blocks, the activations of the micro-batches in flight
-    (``block_activation_bytes``, ``in_flight``) and, on the last rank, the fp32 logits the
+    """Peak bytes per device, the larger of the first and the last pipeline rank's: training state
+    (under FSDP ``fsdp_state_bytes``: sharded, with its gathered blocks and root), the activations of the
+    micro-batches in flight (``block_activation_bytes``, ``in_flight``) and, on the last rank, the fp32 logits the
     vocab-parallel cross-entropy keeps for its backward.
 
     Distributed optimizer (Megatron's, its documented ``6 + 12 / d`` bytes a parameter): bf16 weights
@@ -79,8 +80,7 @@ def memory_bytes(spec: ModelSpec, cand: Candidate, load_imbalance: float = 1.0) 
     dense, experts = param_counts(spec)
     world = cand.dp * cand.cp * cand.tp * cand.pp
     if cand.grad_sync == "fsdp":
-        state = dense * w.state_bytes / world + experts * w.state_bytes / (cand.pp * cand.dp * cand.cp * cand.etp)
-        states = [state + 2 * dense / m.n_layers / cand.tp * w.dtype_bytes]  # the block running and the next
+        states = fsdp_state_bytes(spec, cand)
     else:
         embed = m.vocab_size * m.d_model
         head = 0 if m.tie_embeddings else embed

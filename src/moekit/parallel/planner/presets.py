@@ -43,6 +43,9 @@ class Cluster:
     # One extra overlap chunk of one MoE layer's dispatch, forward and backward (its own expert pass,
     # permutes and hand-offs to the exchanging thread):
     chunk_overhead_us: float = 0.0
+    # One pipeline chunk's forward or backward on one micro-batch: the schedule's own work between chunks
+    # (its sends and receives posted and waited for, the chunk's first launches); derived in the preset.
+    stage_pass_us: float = 0.0
     # Cores the devices of a node share, where they are CPU ranks (0: each device computes on its own);
     # fewer cores than devices time-share them (benchmarks/planner_calibration.py sets it), and pay an
     # all-to-all's latency once a peer where devices pay it once (comm.posted_latency).
@@ -66,6 +69,10 @@ class Cluster:
     # Measured on the device (benchmarks/expert_gemm_rates.py --fit); 0 leaves a factor out.
     gemm_half_rows: float = 0.0
     gemm_half_work: float = 0.0
+    # Share of a scheduled collective's time hidden beside compute (FSDP2's prefetched gathers, tp's
+    # backward gathers and reduce-scatters) that the compute beside it loses: the collective's kernels
+    # hold some of the device's SMs meanwhile (derived in the cluster preset; 0 leaves it out).
+    overlap_contention: float = 0.0
     # Fraction of an overlappable exchange (gradient reduce-scatter / all-gather, all-to-all with both
     # passes overlapped, cp exchanges) hidden under the compute that runs beside it (fitted).
     overlap: float = 0.0
@@ -167,8 +174,11 @@ def load_cluster(name: str, nodes: int | None = None) -> Cluster:
         optional = f.default is not dataclasses.MISSING  # an optional field may be 0
         if not (isinstance(value, int | float) and (value >= 0 if optional else value > 0)):
             raise ValueError(f"cluster {label}: {f.name}={value!r} must be a number {'>= 0' if optional else '> 0'}")
-    if cluster.overlap > 1 or (cluster.fp8_speedup and cluster.fp8_speedup < 1):
-        raise ValueError(f"cluster {label}: overlap={cluster.overlap} must be <= 1, fp8_speedup >= 1")
+    if cluster.overlap > 1 or cluster.overlap_contention > 1 or (cluster.fp8_speedup and cluster.fp8_speedup < 1):
+        raise ValueError(
+            f"cluster {label}: overlap={cluster.overlap} and overlap_contention={cluster.overlap_contention} "
+            "must be <= 1, fp8_speedup >= 1"
+        )
     return cluster
 
 

@@ -25,7 +25,9 @@ class Techniques:
     """What the enumeration may use; all off is moekit's own runtime (FSDP every micro-batch, the
     chunked forward-only all-to-all overlap, plain 1F1B, no recomputation)."""
 
-    overlapped_grads: bool = False  # distributed optimizer: gradients reduced once a step, beside compute
+    # Distributed optimizer: gradients reduced once a step, beside compute, beside moekit's FSDP (each layout
+    # both ways; without it FSDP alone).
+    overlapped_grads: bool = False
     a2a_overlap: bool = False  # all-to-all beside another micro-batch's compute in both passes
     interleave: bool = False  # virtual pipeline stages (interleaved 1F1B, uneven stages allowed)
     recompute: bool = False  # the least recomputation (selective, mla_up_proj, experts, full) that fits
@@ -102,11 +104,12 @@ def candidates(spec: ModelSpec, c: Cluster, tech: Techniques = MOEKIT) -> list[C
                 # Megatron's both-pass overlap needs virtual stages on a pipeline (check_both_pass_overlap).
                 both = ("both",) if pp == 1 or vp > 1 else ("none",)
                 overlaps = ("none",) if ep == 1 else both if tech.a2a_overlap else ("none", "forward")
-                for form, overlap in itertools.product(forms, overlaps):
+                syncs = ("overlapped", "fsdp") if tech.overlapped_grads else ("fsdp",)
+                for form, overlap, grad_sync in itertools.product(forms, overlaps, syncs):
                     out.append(
                         Candidate(
                             dp, ep, tp, pp, micro, form, overlap, cp=cp, etp=etp, vp=vp,
-                            grad_sync="overlapped" if tech.overlapped_grads else "fsdp",
+                            grad_sync=grad_sync,
                             sp=tech.sequence_parallel and tp > 1,
                             fp8=tech.fp8 and w.precision == "fp8",
                             weighted_activation=tech.weighted_activation,
@@ -160,16 +163,16 @@ def throughput(spec: ModelSpec, est: Estimate, c: Cluster) -> Throughput:
 def format_table(rows: Sequence[Estimate], spec: ModelSpec, c: Cluster) -> str:
     """The ranked table ``moekit plan`` prints."""
     head = f"{'#':>3} {'dp':>4} {'ep':>3} {'etp':>3} {'tp':>2} {'cp':>2} {'pp':>3} {'vp':>2} {'mbs':>3} {'mb':>4} "
-    head += f"{'a2a':>12} {'ovl':>7} {'recomp':>11} {'step s':>8} {'compute':>8} {'a2a s':>7} {'sync s':>7} "
-    head += f"{'tok/s/GPU':>9} {'TFLOP/s':>7} {'MFU':>5} {'mem GB':>6}"
+    head += f"{'a2a':>12} {'ovl':>7} {'recomp':>11} {'grads':>10} {'step s':>8} {'compute':>8} {'a2a s':>7} "
+    head += f"{'sync s':>7} {'tok/s/GPU':>9} {'TFLOP/s':>7} {'MFU':>5} {'mem GB':>6}"
     lines = [head]
     for i, est in enumerate(rows, 1):
         k, t = est.candidate, throughput(spec, est, c)
         mbs = spec.workload.global_batch // (k.dp * k.micro)
         lines.append(
             f"{i:>3} {k.dp:>4} {k.ep:>3} {k.etp:>3} {k.tp:>2} {k.cp:>2} {k.pp:>3} {k.vp:>2} {mbs:>3} {k.micro:>4} "
-            f"{k.all_to_all:>12} {k.overlap:>7} {k.recompute:>11} {est.step_s:>8.3f} {est.compute_s:>8.3f} "
-            f"{est.a2a_s:>7.3f} {est.sync_s:>7.3f} {t.tokens_per_s:>9.0f} {t.tflops:>7.0f} {t.mfu:>5.1%} "
-            f"{est.memory_gb:>6.1f}"
+            f"{k.all_to_all:>12} {k.overlap:>7} {k.recompute:>11} {k.grad_sync:>10} {est.step_s:>8.3f} "
+            f"{est.compute_s:>8.3f} {est.a2a_s:>7.3f} {est.sync_s:>7.3f} {t.tokens_per_s:>9.0f} {t.tflops:>7.0f} "
+            f"{t.mfu:>5.1%} {est.memory_gb:>6.1f}"
         )
     return "\n".join(lines)
