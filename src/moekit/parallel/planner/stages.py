@@ -22,9 +22,11 @@ from moekit.parallel.planner.presets import Cluster, ModelSpec
 # bf16 gradient of the whole (vocabulary-parallel) table and reads it back (2 + 2), then adds it to the
 # fp32 gradient buffer (read 4, write 4).
 EMBEDDING_GRAD_BYTES = 12
-# Bytes a logit costs in the vocabulary-parallel cross-entropy: its bf16 logit read (2) and gradient
-# written (2); in fp32 the cast written, the max read, the shifted logits read and written, their
-# exponentials read and written, summed (read), and in the backward the softmax read and written: 8 x 4.
+# Bytes a logit costs in the vocabulary-parallel cross-entropy, as an unfused kernel moves them: its bf16
+# logit read (2) and gradient written (2), and about eight fp32 passes over the logits (the cast, the max,
+# the shift, the exponentials and their sum, the backward's softmax): 2 + 2 + 8 x 4. An estimate, not a
+# measurement: counting every pass apart gives 40, a fused cross-entropy (Megatron's
+# cross_entropy_loss_fusion) about 4-8; docs/planner.md shows the published rows at each.
 LOSS_BYTES = 36
 
 
