@@ -84,16 +84,13 @@ class PackedExperts(_PerExpert):
 
     def __init__(self, experts: GroupedExperts) -> None:
         super().__init__(experts)
-        # NOTE: opaque oneDNN tensors, one per expert and role, which torch cannot stack.
-        self.packed = {
-            role: [prepack(w_KN.t()) for w_KN in getattr(experts, role).detach()] for role in ("w_in", "w_out")
-        }
-        for role, packed in self.packed.items():
-            for e, w in enumerate(packed):
-                self.register_buffer(f"{role}_packed_{e}", w, persistent=False)
+        # NOTE: opaque oneDNN tensors, one per expert and role (torch cannot stack them).
+        for role in ("w_in", "w_out"):
+            for e, w_KN in enumerate(getattr(experts, role).detach()):
+                self.register_buffer(f"{role}_packed_{e}", prepack(w_KN.t()), persistent=False)
 
     def _matmul(self, role: str, expert: int, x_MK: Tensor) -> Tensor:
-        return packed_linear(x_MK, self.packed[role][expert])
+        return packed_linear(x_MK, getattr(self, f"{role}_packed_{expert}"))
 
 
 class UpcastLinear(nn.Module):

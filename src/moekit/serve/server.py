@@ -19,6 +19,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TypeVar
 
@@ -56,21 +57,8 @@ def on_a_passing_thread(fn: Callable[[], T]) -> T:
     main thread, a d1024 bf16 model's engine step took 15 ms instead of 9 on 2 cores (its small bmm
     and softmax 8-13x slower), and ``moekit serve`` ran at 0.6x ``moekit generate``'s tokens/s.
     """
-    out: list[T] = []
-    failure: list[BaseException] = []
-
-    def call() -> None:
-        try:
-            out.append(fn())
-        except BaseException as err:  # raised again on the caller's thread
-            failure.append(err)
-
-    thread = threading.Thread(target=call, name="moekit-load")
-    thread.start()
-    thread.join()
-    if failure:
-        raise failure[0]
-    return out[0]
+    with ThreadPoolExecutor(1, thread_name_prefix="moekit-load") as pool:  # its thread ends as it closes
+        return pool.submit(fn).result()
 
 
 def build_state(
