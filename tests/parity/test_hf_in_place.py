@@ -93,18 +93,20 @@ def test_cli_generates_from_a_hugging_face_directory_writing_nothing(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """``python -m moekit generate HF_DIR --memory-budget B`` in a child process whose temporary directory
-    is empty: nothing appears there or in the Hugging Face directory."""
+    is empty: nothing appears there or in the Hugging Face directory; the text is the resident model's,
+    in the checkpoint's bf16 (the resident model's weights prepacked, where this CPU has the kernels)."""
     hf, temp = tmp_path / "hf", tmp_path / "tmp"
-    save_hf("qwen3_moe", hf, router_scale=3.0)
+    model = save_hf("qwen3_moe", tmp_path / "fp32", router_scale=3.0, hidden_size=128, moe_intermediate_size=2048)
+    model.to(torch.bfloat16).save_pretrained(hf)
     save_tokenizer(hf)
     temp.mkdir()
     monkeypatch.setenv("TMPDIR", str(temp))
     before, budget = _files(hf), str(_budget(hf))
-    argv = ["generate", str(hf), "--prompt", "w1 w2 w3", "--temperature", "0", "--max-new-tokens", "6"]
+    argv = ["generate", str(hf), "--prompt", "w1 w2 w3", "--temperature", "0", "--max-new-tokens", "12"]
     cli = [sys.executable, "-m", "moekit", *argv]
     proc = subprocess.run([*cli, "--memory-budget", budget], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.split()[:3] == ["w1", "w2", "w3"] and len(proc.stdout.split()) == 9
+    assert proc.stdout.split()[:3] == ["w1", "w2", "w3"] and len(proc.stdout.split()) == 15
     assert "experts read in place from" in proc.stderr and "no copy written" in proc.stderr
     assert "hit rate" in proc.stderr
     assert _files(hf) == before and not list(temp.iterdir())
@@ -140,26 +142,41 @@ def test_experts_in_another_dtype_than_the_run_are_refused(tmp_path: Path) -> No
         load_for_inference(tmp_path / "hf", offload=OffloadOptions(1 << 40))
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize(("dtype", "source"), [(torch.bfloat16, "hf"), (torch.float16, "hf"), (torch.bfloat16, "run")])
+@pytest.mark.parametrize(
+    ("dtype", "source", "prepack"),
+    [
+        (torch.bfloat16, "hf", True),  # the CLI's route: prepacked weights where the CPU has the kernels
+        (torch.bfloat16, "hf", False),
+        (torch.float16, "hf", True),
+        (torch.bfloat16, "run", True),
+        (torch.bfloat16, "run", False),
+        (torch.float32, "hf", True),
+    ],
+)
 @pytest.mark.parametrize("slots", [2, None])
-def test_offloaded_16_bit_computes_exactly_what_resident_computes(dtype, source, slots, tmp_path: Path) -> None:
-    """A 16-bit Hugging Face directory read in place, or its conversion to a run (experts stored [in,
+def test_offloaded_experts_compute_exactly_what_resident_ones_compute(dtype, source, prepack, slots, tmp_path) -> None:
+    """A Hugging Face directory read in place, or its conversion to a run (16-bit experts stored [in,
     out]): offloaded experts (a cache of 2, evicting in every layer, or one holding them all) give the
-    resident model's logits bit for bit, prefill and decode. Both multiply each expert's rows with the
-    same kernel over the same output-major weights."""
+    resident model's logits bit for bit, prefill and decode, prepacked or not. Both multiply each
+    expert's rows with the same kernel over the same weights: plain, or oneDNN's prepacked experts'
+    kernel, which the offloaded ones call on their slot's weight (reordered on each call)."""
+    from moekit.experts.matmul import prepackable
     from moekit.infer.generate import decode_step, prefill
 
-    hf_model = save_hf("mixtral", tmp_path / "fp32", router_scale=3.0)
+    # NOTE: experts 2048 wide: from there oneDNN's one-row products sum in another order than ATen's GEMV
+    hf_model = save_hf("mixtral", tmp_path / "fp32", router_scale=3.0, hidden_size=128, intermediate_size=2048)
     hf_model.to(dtype).save_pretrained(tmp_path / "hf")
     save_tokenizer(tmp_path / "hf")
     path = tmp_path / source
     if source == "run":
         assert main(["convert", str(tmp_path / "hf"), "--out", str(path)]) == 0
-    resident, _ = load_for_inference(path, prepack=False)  # prepacked weights take oneDNN's other kernel
+    resident, _ = load_for_inference(path, prepack=prepack)
     assert resident.model.embed.weight.dtype == dtype
     budget = _budget(path) + (0 if slots else 1 << 30)
-    offloaded, _ = load_for_inference(path, offload=OffloadOptions(budget, prefetch="off"), prepack=False)
+    offloaded, _ = load_for_inference(path, offload=OffloadOptions(budget, prefetch="off"), prepack=prepack)
+    packs = prepack and prepackable(resident.model.embed.weight)
+    assert offloaded.offloader.packed_kernels == packs
+    assert any(type(m).__name__ == "PackedExperts" for m in resident.model.modules()) == packs
     try:
         prompt = tokens(hf_model.config.vocab_size, (1, 8))
         for batch in (prompt, torch.cat([prompt, prompt.flip(1)])):  # one sequence (GEMV kernels) and two

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from moekit.config import MoEConfig
-from moekit.experts.matmul import prepackable
+from moekit.experts.matmul import packed_linear, prepack, prepackable, single_token_kernels, unpacked_linear
 from moekit.infer.resident_experts import (
     PackedExperts,
     PackedLinear,
@@ -114,6 +114,24 @@ def test_prepacked_experts_and_linears_equal_the_plain_arithmetic(dtype, tokens:
         logits = model(ids).logits.double()
     assert float((got - ref).abs().amax()) <= eps * float(ref.abs().amax())
     assert float((logits - plain_logits).abs().amax()) <= 2 * eps * float(plain_logits.abs().amax())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 3, 40])
+def test_an_unpacked_weight_takes_the_packed_kernel_bit_for_bit(dtype, rows: int) -> None:
+    """``unpacked_linear`` (what offloaded experts multiply their slots by) equals ``packed_linear`` over
+    the weight ``prepack``-ed, exactly, for a weight stored [out, in] or [in, out] (seen transposed):
+    2048 inputs, where oneDNN's one-row sums are ordered otherwise than ATen's (shown beside)."""
+    if not prepackable(torch.empty(1, dtype=dtype)):
+        pytest.skip(f"this CPU's oneDNN has no native {dtype} kernels")
+    torch.manual_seed(rows)
+    w_NK, x_MK = torch.randn(512, 2048).to(dtype), torch.randn(rows, 2048).to(dtype)
+    packed = packed_linear(x_MK, prepack(w_NK))
+    assert torch.equal(unpacked_linear(x_MK, w_NK), packed)
+    assert torch.equal(unpacked_linear(x_MK, w_NK.t().contiguous().t()), packed)
+    if rows == 1 and dtype == torch.float32:
+        with single_token_kernels(1):
+            assert not torch.equal(torch.mm(x_MK, w_NK.t()), packed), "ATen's sums round alike: the test shows nothing"
 
 
 _WITHOUT_NATIVE_BF16 = """

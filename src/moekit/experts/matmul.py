@@ -155,3 +155,12 @@ def packed_linear(x: Tensor, packed: Tensor, bias: Tensor | None = None) -> Tens
     rows = x.reshape(-1, x.shape[-1])
     y = torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
     return y.view(*x.shape[:-1], y.shape[-1])
+
+
+def unpacked_linear(x_MK: Tensor, w_NK: Tensor) -> Tensor:
+    """``x @ w.t()`` by ``packed_linear``'s kernel over a weight not prepacked (``prepackable`` ones only):
+    oneDNN reorders it on each call as ``prepack`` does once, so the sums, and the numbers, are the same
+    (bit for bit: tests/unit/test_infer_resident_experts.py). For weights that cannot stay packed: an
+    offloaded expert's, whose slot is refilled. About 3x a packed product's time, cached or not."""
+    # NOTE: row-major [N, K]: over a transposed view, oneDNN's one-row fp32 kernel sums in another order.
+    return torch.ops.mkldnn._linear_pointwise(x_MK, w_NK.contiguous(), None, "none", [], "")

@@ -17,8 +17,9 @@ once for the cache's device) moves the bytes. Per layer and step:
    pinned first, so those loads cannot evict them); a router prediction is only
    fetched while the prefetcher's recent precision holds up (a mispredicted read costs a whole
    expert's bytes, a right one saves only the overlap), and keeps being scored while it is not;
-4. each expert's rows are computed with plain matmuls, the same arithmetic as the resident
-   per-expert path, so greedy tokens match resident inference exactly in full precision.
+4. each expert's rows are computed with the resident model's kernel for them (plain matmuls, or
+   oneDNN's prepacked experts' kernel reordering the slot's weight on each call), the same
+   arithmetic, so greedy tokens match resident inference exactly in full precision.
 
 When the budget holds fewer experts than a layer needs, the layer runs in chunks: resident
 experts first, then each missing one loaded into an evicted slot and computed at once.
@@ -141,6 +142,8 @@ class Offloader:
         self._in_use: dict[Key, Entry] = {}  # slots the running layer pinned and has not computed yet
         self._predicted: tuple[int, set[int]] | None = None  # (block, experts) the router prefetch predicted
         self.loader = make_loader(store, cache)  # file reads on the CPU, copies from pinned memory on a GPU
+        # full-precision experts by the resident model's prepacked kernel, set with it (``prepack_``)
+        self.packed_kernels = False
 
     def close(self) -> None:
         self.loader.close()
@@ -337,7 +340,9 @@ class Offloader:
         rows = slice(starts[e], starts[e + 1])
         self.loader.before_compute(entry)
         views = self.store.views(key, self.cache.slot(entry))
-        w_in, w_out = (lambda x, role=role: matmul(self.fmt, views, role, x) for role in ("w_in", "w_out"))
+        w_in, w_out = (
+            lambda x, role=role: matmul(self.fmt, views, role, x, self.packed_kernels) for role in ("w_in", "w_out")
+        )
         y_RD[rows] = compute(x_RD[rows], w_in, w_out, e)
         self.loader.after_compute(entry)  # before the unpin that lets the slot be loaded into again
         del self._in_use[key]

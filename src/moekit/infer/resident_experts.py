@@ -23,6 +23,7 @@ from torch import Tensor, nn
 from moekit.experts import DenseFFN
 from moekit.experts.grouped import ExpertCompute, GroupedExperts
 from moekit.experts.matmul import SIXTEEN_BIT, mm, packed_linear, prepack, prepackable
+from moekit.infer.offloader import OffloadedExperts
 from moekit.infer.quant import QUANT_FORMATS, int4_mm, int8_mm, pack_int4_for_cpu, quantize_int8
 from moekit.model.transformer import Attention
 
@@ -137,15 +138,18 @@ def prepack_(model: nn.Module) -> nn.Module:
     """Swap, in place, the weights oneDNN multiplies faster prepacked (fp32, and 16-bit on a CPU with
     native 16-bit kernels): the routed experts left in full precision, attention's projections, dense
     and shared FFNs, and the output head unless it is the embedding's (a packed copy would double it
-    outside the memory budget's count). Routers (computed in fp32) keep theirs; MLA's projections too
-    (its absorbed decode reads their weights). 16-bit weights a CPU has no native kernels for get
-    ``UpcastLinear`` (the experts already multiply by ``mm``)."""
+    outside the memory budget's count); offloaded experts are multiplied by the packed experts' kernel,
+    unpacked (``experts.matmul.unpacked_linear``), so they compute what resident ones do. Routers
+    (computed in fp32) keep theirs; MLA's projections too (its absorbed decode reads their weights).
+    16-bit weights a CPU has no native kernels for get ``UpcastLinear`` (the experts already multiply by ``mm``)."""
     weight = model.lm_head.weight
     if prepackable(weight):
         linear = PackedLinear
         for moe in model.moe_layers():
             if type(moe.experts) is GroupedExperts:
                 moe.experts = PackedExperts(moe.experts)
+            elif isinstance(moe.experts, OffloadedExperts):  # its slots are refilled: the kernel, unpacked
+                moe.experts.offloader.packed_kernels = True
     elif weight.device.type == "cpu" and weight.dtype in SIXTEEN_BIT:
         linear = UpcastLinear
     else:
