@@ -62,6 +62,14 @@ CASES = [
         "--train.grad_accum",
     ),
     ("resume-no-dir", ["train", "--resume"], None, "--run-dir"),
+    # the vocabulary is the tokenizer's: a typed one would be dropped
+    ("vocab-new", ["train", "--model.vocab_size", "999", "--run-dir", "{new}"], None, "--model.vocab_size: a run"),
+    (
+        "vocab-resume",
+        ["train", "--resume", "--run-dir", "{run}", "--model.vocab_size", "99"],
+        None,
+        "--model.vocab_size",
+    ),
     # a resume keeps what decides its data (every such field: tests/unit/test_train_resume.py)
     ("resume-seed", ["train", "--resume", "--run-dir", "{run}", "--train.seed", "5"], None, "train.seed=5"),
     ("config-type", ["generate", "{run}", "--max-new-tokens", "2"], "config", "config.json"),

@@ -76,6 +76,11 @@ def _config(args: argparse.Namespace):
     overrides = {k: v for k, v in vars(args).items() if "." in k}
     if args.data is not None:
         overrides["data.path"] = args.data
+    if "model.vocab_size" in overrides:  # train() sets it; a value typed here would be dropped unread
+        raise ValueError(
+            "--model.vocab_size: a run embeds its tokenizer's vocabulary (a resumed or --init run its own): "
+            "choose it with --data.tokenizer and --data.bpe_vocab_size"
+        )
     if not (args.resume or args.init):
         return runconfig.resolve(args.preset, overrides)
     if args.run_dir is None:
