@@ -54,6 +54,27 @@ def test_nproc_launches_an_expert_parallel_run(corpus_file, tmp_path) -> None:
 
 
 @pytest.mark.slow
+def test_expert_parallel_virtual_pipelines_checkpoint_and_resume(corpus_file, tmp_path) -> None:
+    """The README's ep x interleaved pipeline command saves its checkpoints, and a resume of it at the
+    other virtual-stage schedule (``looped_bfs``) loads one and trains on: both schedules hold two stage
+    modules per rank, which expert-parallel checkpointing reads expert by expert."""
+    run_dir = tmp_path / "run"
+    flags = ["--preset", "tiny", "--data", str(corpus_file), "--run-dir", str(run_dir), "--quiet"]
+    flags += ["--parallel.ep", "2", "--parallel.pp", "2", "--model.tie_embeddings", "false", "--model.n_layers", "4"]
+    flags += ["--train.eval_every", "100", "--train.ckpt_every", "1"]
+    first = _moekit("train", "--nproc", "4", *flags, "--parallel.pp_schedule", "interleaved_1f1b", "--train.steps", "2")
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_000002"
+    resumed = _moekit(
+        "train", "--nproc", "4", *flags, "--resume", "--parallel.pp_schedule", "looped_bfs", "--train.steps", "3"
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_000003"
+
+
+@pytest.mark.slow
 def test_a_data_parallel_run_raises_no_fsdp_view_warning(corpus_file, tmp_path) -> None:
     """FSDP2 warns when a sharded module returns a view (an in-place op on it would skip the module's
     pre-backward all-gather); the experts' grouped GEMM output and the blocks' outputs must not be one."""
