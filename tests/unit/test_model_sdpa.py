@@ -46,3 +46,28 @@ def test_one_query_attention_equals_the_written_out_softmax(dtype, B, H, G, mask
     tol = 1e-5 if dtype == torch.float32 else 2.0**-8 * float(ref.abs().amax()) + sdpa_err
     assert got.shape == (B, H, 1, d) and got.dtype == dtype
     assert float((got.double() - ref).abs().amax()) <= tol
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("window", [0, 4])
+def test_16_bit_prefill_attention_equals_the_written_out_softmax(dtype, window: int) -> None:
+    """Many queries in 16 bits (fp16 without native kernels is computed in fp32 and rounded once): within
+    one ulp of the largest output of the float64 causal softmax, each query over the keys up to its own
+    position (the ``window`` latest, when > 0)."""
+    from moekit.model.sdpa import causal_mask
+
+    gen = torch.Generator().manual_seed(window)
+    B, H, G, L, d = 2, 8, 2, 12, 64
+    q = (3 * torch.randn(B, H, L, d, generator=gen)).to(dtype)
+    k, v = ((f * torch.randn(B, G, L, d, generator=gen)).to(dtype) for f in (3, 1))
+    mask = causal_mask(0, L, L, window, None, q.device)
+    with torch.no_grad():
+        got = attend(q, k, v, mask, None, 0.0)
+    ref = torch.zeros(B, H, L, d, dtype=torch.float64)
+    for i in range(L):
+        visible = [s <= i if mask is None else bool(mask[i, s]) for s in range(L)]
+        assert visible == [s <= i and (not window or s > i - window) for s in range(L)]
+        ref[:, :, i : i + 1] = _reference(q[:, :, i : i + 1], k, v, torch.tensor(visible).view(1, 1, 1, L))
+    assert got.shape == (B, H, L, d) and got.dtype == dtype
+    eps = 2.0**-10 if dtype == torch.float16 else 2.0**-7
+    assert float((got.double() - ref).abs().amax()) <= eps * float(ref.abs().amax())
