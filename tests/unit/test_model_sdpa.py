@@ -71,3 +71,20 @@ def test_16_bit_prefill_attention_equals_the_written_out_softmax(dtype, window: 
     assert got.shape == (B, H, L, d) and got.dtype == dtype
     eps = 2.0**-10 if dtype == torch.float16 else 2.0**-7
     assert float((got.double() - ref).abs().amax()) <= eps * float(ref.abs().amax())
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_a_decode_step_needs_no_mask_and_sees_every_key(grad: bool) -> None:
+    """``causal_mask`` gives None for one query past the start (no window, no padding), and ``attend``
+    reads None as every key visible on both of its paths: the one-query kernels, and SDPA (with grad),
+    whose ``is_causal`` would show that query the first key only."""
+    from moekit.model.sdpa import causal_mask
+
+    assert causal_mask(6, 1, 7, 0, None, torch.device("cpu")) is None
+    assert causal_mask(6, 1, 7, 3, None, torch.device("cpu")) is not None  # a window hides keys
+    assert causal_mask(5, 2, 7, 0, None, torch.device("cpu")) is not None
+    gen = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(2, 4, n, 16, generator=gen) for n in (1, 7, 7))
+    with torch.set_grad_enabled(grad):
+        got = attend(q.requires_grad_(grad), k, v, None, None, 0.0)
+    assert float((got.double() - _reference(q.detach(), k, v, None)).abs().amax()) <= 1e-5

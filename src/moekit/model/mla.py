@@ -118,7 +118,7 @@ class MLA(nn.Module):
         B, L = q_nope.shape[:2]
         q = torch.cat([q_nope, q_rope], dim=-1).transpose(1, 2)
         dropout = self.dropout if self.training else 0.0
-        causal = mask is None
+        causal = mask is None and L > 1  # one query (a decode step) sees every key: SDPA's is_causal would hide them
         y = F.scaled_dot_product_attention(
             q, k_BHSd, v_BHSV, attn_mask=mask, is_causal=causal, dropout_p=dropout, scale=self.scale
         )

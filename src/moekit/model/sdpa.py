@@ -18,12 +18,13 @@ def causal_mask(
     start: int, num_queries: int, num_keys: int, window: int, left_pad_B: Tensor | None, device: torch.device
 ) -> Tensor | None:
     """``[B or 1, 1, L, S]`` (or ``[L, S]``) boolean mask for queries at positions ``start..`` over keys
-    at ``0..S-1``; None where plain causal attention from position 0 is the same.
+    at ``0..S-1``; None where each query sees every key up to its own and no other is hidden: plain
+    causal attention from position 0, or one query at the last position (a decode step).
 
     ``window`` > 0: a query sees only the ``window`` most recent keys, its own included (Mistral,
     gpt-oss). ``left_pad_B``: leading padding positions of each row, seen by no real token.
     """
-    if start == 0 and left_pad_B is None and not window:
+    if (start == 0 or num_queries == 1) and left_pad_B is None and not window:
         return None
     key_pos = torch.arange(num_keys, device=device)
     query_pos = (start + torch.arange(num_queries, device=device)).unsqueeze(1)
@@ -40,7 +41,8 @@ def causal_mask(
 def attend(
     q_BHLd: Tensor, k_BGSd: Tensor, v_BGSd: Tensor, mask: Tensor | None, sinks_H: Tensor | None, dropout: float
 ) -> Tensor:
-    """Attention output ``[B, H, L, d]``; ``mask`` None: causal, queries the last L of the S positions.
+    """Attention output ``[B, H, L, d]``; ``mask`` None: causal, queries the last L of the S positions
+    (``causal_mask``'s None: L == S, or one query seeing every key).
 
     ``sinks_H``: a learned logit per head that joins each softmax's denominator and no numerator
     (gpt-oss), so a head may put weight on nothing. It is computed as one extra key every query
@@ -61,8 +63,9 @@ def attend(
         return y.to(q_BHLd.dtype)
     if sinks_H is None:
         if mask is None:
+            # NOTE: SDPA aligns is_causal's mask top-left: right only for L == S; one query sees every key
             return F.scaled_dot_product_attention(
-                q_BHLd, k_BGSd, v_BGSd, is_causal=True, dropout_p=dropout, enable_gqa=gqa
+                q_BHLd, k_BGSd, v_BGSd, is_causal=L > 1, dropout_p=dropout, enable_gqa=gqa
             )
         return F.scaled_dot_product_attention(q_BHLd, k_BGSd, v_BGSd, attn_mask=mask, dropout_p=dropout, enable_gqa=gqa)
     B, H = q_BHLd.shape[:2]
