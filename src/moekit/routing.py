@@ -155,6 +155,13 @@ def _fp32_logits(x_TD: Tensor, weight_ED: Tensor, bias_E: Tensor | None = None) 
         return F.linear(*args)
 
 
+def _init_gate(weight_ED: Tensor) -> None:
+    """N(0, 1/d_model); nothing on the meta device, where a model is built to be loaded (meta's
+    ``normal_`` imports torch._dynamo, a second of the load)."""
+    if not weight_ED.is_meta:
+        nn.init.normal_(weight_ED, std=weight_ED.shape[1] ** -0.5)
+
+
 def _k_major(values_TK: Tensor) -> Tensor:
     """Flatten [T, K] picks so all first choices come first (GShard's capacity priority)."""
     return values_TK.t().reshape(-1)
@@ -179,7 +186,7 @@ class TopKRouter(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        nn.init.normal_(self.gate.weight, std=self.cfg.d_model**-0.5)
+        _init_gate(self.gate.weight)
         if self.gate.bias is not None:
             nn.init.zeros_(self.gate.bias)
         if self.noise is not None:
@@ -258,7 +265,7 @@ class ExpertChoiceRouter(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.gate = nn.Linear(cfg.d_model, cfg.num_experts, bias=False)
-        nn.init.normal_(self.gate.weight, std=cfg.d_model**-0.5)
+        _init_gate(self.gate.weight)
 
     def capacity(self, num_tokens: int) -> int:
         factor = self.cfg.capacity_factor or 1.0

@@ -19,7 +19,8 @@ import torch.distributed as dist
 
 from moekit import runconfig
 from moekit.parallel.mesh import LayoutError
-from moekit.parallel.runtime import RankFailure, collective_errors, exit_after_rank_failure, init_distributed
+from moekit.parallel.failures import RankFailure, collective_errors, exit_after_rank_failure
+from moekit.parallel.runtime import init_distributed
 from moekit.train.loop import train
 
 from .spawn import MOEKIT, run_ranks

@@ -157,3 +157,29 @@ def test_help_and_the_package_load_no_torch() -> None:
 def test_a_single_device_layer_loads_no_dtensor() -> None:
     """``torch.distributed.tensor`` (a second of imports) loads only where expert parallelism uses it."""
     assert "torch.distributed.tensor" not in _loaded_after("import moekit.layer, moekit.model")
+
+
+def test_loading_a_model_to_generate_imports_no_compiler(tmp_path: Path) -> None:
+    """A model loaded for inference (the command line's error handling, a run built on the meta device
+    and allocated, a Hugging Face layout joined on meta for its shape check) imports neither
+    ``torch._dynamo`` nor sympy: most ops on meta tensors run torch's Python references, whose first call
+    imports them, about a second of every ``moekit generate`` and ``moekit serve`` start."""
+    pytest.importorskip("transformers")
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    config = MixtralConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=32,
+    )  # fmt: skip
+    MixtralForCausalLM(config).save_pretrained(tmp_path)
+    from tokenizers import Tokenizer, models
+
+    Tokenizer(models.WordLevel({"[UNK]": 0, "a": 1}, unk_token="[UNK]")).save(str(tmp_path / "tokenizer.json"))
+    code = (
+        "import torch, moekit.cli\n"
+        "from moekit.parallel.failures import RankFailure\n"
+        "from moekit.model_dir import load_for_inference\n"
+        f"load_for_inference({str(tmp_path)!r})"
+    )
+    loaded = _loaded_after(code)
+    assert "moekit.model" in loaded and not {"torch._dynamo", "sympy"} & loaded

@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, value in getattr(args, "environment", {}).items():  # before torch loads: OpenMP reads them once
         os.environ.setdefault(name, value)
     from moekit.errors import MoekitError
-    from moekit.parallel.runtime import RankFailure, exit_after_rank_failure
+    from moekit.parallel.failures import RankFailure, exit_after_rank_failure
 
     rank = f" (rank {os.environ['RANK']})" if "RANK" in os.environ and "WORLD_SIZE" in os.environ else ""
     try:

@@ -87,7 +87,7 @@ def _reorder_rope(w: Tensor, heads: int, tail: int, split: tuple[int, int]) -> T
     per_head = w.reshape(heads, -1, *w.shape[1:])
     rest, rope = per_head.split([per_head.shape[1] - tail, tail] if tail else [0, per_head.shape[1]], dim=1)
     rope = rope.unflatten(1, split).transpose(1, 2).flatten(1, 2)
-    return torch.cat([rest, rope], dim=1).reshape(w.shape)
+    return concatenate([rest, rope], dim=1).reshape(w.shape)
 
 
 def _moe_at(model: ModelConfig, moe: MoEConfig | None, layer: int) -> MoEConfig | None:
@@ -229,17 +229,34 @@ def join(rule: Rule, read: Callable[[str], Tensor]) -> Tensor:
             t = read(part.key.format(e=expert))
             parts.append(interleave_rope(t, part.rope_heads, part.rope_tail) if part.rope_heads else t)
         if rule.groups:
-            return torch.cat([p.unflatten(0, (rule.groups, -1)) for p in parts], dim=1).flatten(0, 1)
-        return torch.cat(parts) if len(parts) > 1 else parts[0]
+            return concatenate([p.unflatten(0, (rule.groups, -1)) for p in parts], dim=1).flatten(0, 1)
+        return concatenate(parts)
 
     if rule.gate_up:
         t = matrix(0)
-        return torch.cat([t[..., 0::2], t[..., 1::2]], dim=-1)
+        return concatenate([t[..., 0::2], t[..., 1::2]], dim=-1)
     if not rule.experts:
         return matrix(0)
     if rule.experts == 1:  # one expert of a stream: a view, so copying it into place transposes once at most
         return matrix(0).t().unsqueeze(0)
-    return torch.stack([matrix(e).t() for e in range(rule.experts)])
+    return concatenate([matrix(e).t().unsqueeze(0) for e in range(rule.experts)])
+
+
+def concatenate(parts: list[Tensor], dim: int = 0) -> Tensor:
+    """``torch.cat`` (one part: itself), as one allocation and a copy per part. On the meta device, where
+    a load first checks every joined shape, ``torch.cat`` and ``torch.stack`` run torch's Python
+    references, whose first call imports torch._dynamo: a second of every load."""
+    if len(parts) == 1:
+        return parts[0]
+    dim %= parts[0].dim()
+    shape = list(parts[0].shape)
+    shape[dim] = sum(p.shape[dim] for p in parts)
+    out = parts[0].new_empty(shape)
+    start = 0
+    for p in parts:
+        out.narrow(dim, start, p.shape[dim]).copy_(p)
+        start += p.shape[dim]
+    return out
 
 
 def split(rule: Rule, tensor: Tensor) -> dict[str, Tensor]:

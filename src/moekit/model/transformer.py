@@ -269,7 +269,12 @@ class Transformer(nn.Module):
             raise ValueError("model has MoE blocks (model.moe_every > 0) but no MoE config was given")
         self.cfg, self.moe_cfg = cfg, moe_cfg
         experts = dict(zip(moe_layers, cfg.experts_per_layer or [None] * len(moe_layers), strict=True))
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        # NOTE: built on meta (a model about to be loaded), no value is computed: most ops on meta tensors
+        # (normal_, arange) run torch's Python references, whose first call imports torch._dynamo, a
+        # second of every load. nn.Embedding's own draw is redundant (reset_parameters draws it).
+        on_meta = torch.get_default_device().type == "meta"
+        empty = torch.empty(cfg.vocab_size, cfg.d_model) if on_meta else None
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model, _weight=empty)
         self.drop = dropout(cfg.dropout)
         self.blocks = nn.ModuleList(
             Block(
@@ -287,7 +292,8 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
-        self.register_buffer("rope_freqs", rope_table(cfg), persistent=False)
+        rope = torch.empty(cfg.context_length, cfg.rope_dim // 2, dtype=torch.complex64) if on_meta else rope_table(cfg)
+        self.register_buffer("rope_freqs", rope, persistent=False)  # materialised models compute it anew
         self.reset_parameters(expert_sink)
 
     @staticmethod

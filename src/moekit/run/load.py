@@ -72,12 +72,23 @@ def materialise(
         for moe in model.moe_layers():
             for p in (moe.experts.w_in, moe.experts.w_out):
                 p.data = inference_layout(p.data, dtype)
-    model.to_empty(device=device)
+    _allocate(model, torch.device(device))
     cfg = model.cfg
     if cfg.tie_embeddings:  # allocating meta tensors one module at a time unties shared ones
         model.lm_head.weight = model.embed.weight
     model.rope_freqs = rope_table(cfg).to(device)
     return model
+
+
+def _allocate(model: nn.Module, device: torch.device) -> None:
+    """``model.to_empty(device)``, by ``torch.empty_strided``: ``to_empty``'s ``empty_like`` of a meta
+    tensor runs torch's Python reference, which imports its symbolic-shapes machinery (sympy) on a load."""
+    for module in model.modules():
+        for name, p in module.named_parameters(recurse=False):
+            empty = torch.empty_strided(p.shape, p.stride(), dtype=p.dtype, device=device)
+            setattr(module, name, nn.Parameter(empty, requires_grad=p.requires_grad))
+        for name, b in module.named_buffers(recurse=False):
+            setattr(module, name, torch.empty_strided(b.shape, b.stride(), dtype=b.dtype, device=device))
 
 
 def load_model_weights(path: Path, model: nn.Module) -> None:

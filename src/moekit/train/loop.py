@@ -22,8 +22,9 @@ from tqdm.auto import tqdm
 from moekit.fileio import write_bytes_atomic
 from moekit.hostmem import keep_freed_memory
 from moekit.parallel.compile import CompileWatch
+from moekit.parallel.failures import collective_errors
 from moekit.parallel.mesh import Layout, LayoutError
-from moekit.parallel.runtime import ParallelModel, collective_errors, global_rank, init_distributed
+from moekit.parallel.runtime import ParallelModel, global_rank, init_distributed
 from moekit.run.layout import LATEST, checkpoint_dir, complete_checkpoints
 from moekit.run.manifest import load_manifest
 from moekit.run.saver import Checkpointer

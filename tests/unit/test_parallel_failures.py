@@ -1,11 +1,11 @@
-"""moekit.parallel.runtime.collective_errors: which failures become a rank failure (a real gloo group)."""
+"""moekit.parallel.failures.collective_errors: which failures become a rank failure (a real gloo group)."""
 
 from __future__ import annotations
 
 import pytest
 import torch.distributed as dist
 
-from moekit.parallel.runtime import RankFailure, collective_errors
+from moekit.parallel.failures import RankFailure, collective_errors
 from moekit.run.layout import CheckpointError
 
 
