@@ -40,8 +40,9 @@ import urllib.request
 from pathlib import Path
 
 import _peers
+from _serve_clients import SRC, Server, clients, latency
 from _spread import show, spread
-from serve import SRC, Server, clients, latency, text_prompts
+from serve import text_prompts
 
 DEFAULT_TEXT = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "tinyshakespeare.txt"
 RUNNER = Path(__file__).resolve().parent / "_engine_runner.py"
