@@ -1,0 +1,101 @@
+"""Where a batch-1 decode step's time goes on a CPU: its weights' products against everything else.
+
+Loads a model as ``moekit generate`` does (prepacked for oneDNN where the CPU has the kernels) and
+times decode steps two ways, taking turns in blocks: as they run, and with every prepacked product
+replayed from its first output (the same ops and Python around it, no weight read). The difference is
+what the products cost; the weights they read per step (attention's projections, the two routed
+experts of each layer picked that step, the head) over that time is the bandwidth they reach, beside
+the same products alone (each weight streamed from memory in turn, as ``cpu_matmul.py`` times them).
+
+    python benchmarks/decode_split.py MODEL_DIR [--threads 2] [--steps 40] [--rounds 4] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+from _spread import alternate_blocks, show, spread
+
+import moekit.infer.resident_experts as resident
+from moekit.infer.generate import decode_step, prefill
+from moekit.model_dir import load_for_inference
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("model", type=Path, help="a run or Hugging Face directory")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads (default: 2)")
+    parser.add_argument("--steps", type=int, default=40, help="decode steps per block (default: 40)")
+    parser.add_argument("--rounds", type=int, default=4, help="blocks of each kind (default: 4)")
+    parser.add_argument("--json", action="store_true", help="also print the figures as one JSON line")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    run, _ = load_for_inference(args.model)
+    if 8 + 2 * args.steps * args.rounds + 1 > run.config.model.context_length:
+        parser.error(
+            f"--steps x --rounds x 2 decode steps pass the model's {run.config.model.context_length} positions"
+        )
+    model, real = run.model, resident.packed_linear
+    logits, cache = prefill(model, torch.randint(0, run.config.model.vocab_size, (1, 8)))
+    token = [logits.argmax(-1, keepdim=True)]
+    weights: dict[int, torch.Tensor] = {}  # packed weight -> its first output
+    read: list[int] = [0]  # bytes of the weights read by the steps of a "real" block
+
+    def counted(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        y = real(x, packed, bias)
+        weights.setdefault(id(packed), y)
+        read[0] += y.shape[-1] * x.shape[-1] * x.element_size()
+        return y
+
+    def replayed(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        y = weights.get(id(packed))
+        return real(x, packed, bias) if y is None else y.view(*x.shape[:-1], y.shape[-1])
+
+    def step(product) -> None:
+        resident.packed_linear = product
+        token[0] = decode_step(model, token[0], cache).argmax(-1, keepdim=True)
+
+    step(counted)  # every weight's first output, for the replay
+    read[0] = 0
+    ms = alternate_blocks({"real": lambda: step(counted), "replayed": lambda: step(replayed)}, args.steps, args.rounds)
+    resident.packed_linear = real
+    gb_per_step = read[0] / (args.steps * args.rounds) / 1e9
+    products = [a - b for a, b in zip(ms["real"], ms["replayed"], strict=True)]
+    rates = [gb_per_step / (p / 1e3) for p in products]
+    alone = _alone_rate(model, args.rounds)
+    print(
+        f"{args.model}, {args.threads} threads, batch-1 decode, ms per step over {args.rounds} blocks of {args.steps}:"
+    )
+    print(f"  step                        {show(ms['real'], '.2f')}")
+    print(f"  without the weight products {show(ms['replayed'], '.2f')}")
+    print(f"  the products                {show(products, '.2f')}: {gb_per_step * 1e3:.0f} MB a step")
+    print(f"  their bandwidth, GB/s       {show(rates, '.1f')} (the same weights alone: {show(alone, '.1f')})")
+    if args.json:
+        figures = {"step_ms": ms["real"], "replayed_ms": ms["replayed"], "products_ms": products}
+        out = {k: spread(v, 3) for k, v in figures.items()} | {"mb_per_step": round(gb_per_step * 1e3, 1)}
+        print(json.dumps(out | {"gb_s": spread(rates, 2), "gb_s_alone": spread(alone, 2), "threads": args.threads}))
+    return 0
+
+
+def _alone_rate(model: torch.nn.Module, rounds: int) -> list[float]:
+    """GB/s of one row through every prepacked weight of the model in turn (more bytes than any cache)."""
+    packed = [b for name, b in model.named_buffers() if "packed" in name]
+    x = {p.size(1): torch.randn(1, p.size(1), dtype=model.embed.weight.dtype) for p in packed if p.dim() == 2}
+    if not packed or len(x) == 0:
+        return [0.0]
+    rates = []
+    for _ in range(rounds):
+        total, started = 0, time.perf_counter()
+        for p in packed:
+            y = resident.packed_linear(x[p.size(1)], p)
+            total += y.shape[-1] * p.size(1) * y.element_size()
+        rates.append(total / (time.perf_counter() - started) / 1e9)
+    return rates
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
