@@ -307,3 +307,12 @@ def assert_same_checkpoints(run: Path, reference: Path, steps: list[int]) -> Non
         files += [MODEL_FILE] if (a / MODEL_FILE).exists() else []
         for name in files:
             assert (a / name).read_bytes() == (b / name).read_bytes(), f"{a.name} {name}"
+
+
+def tiny_spec(**overrides: str):
+    """The planner's view of the tiny preset at 4 blocks (unless overridden): a batch of 16 sequences of
+    4-byte values; what the planner's unit tests count by hand."""
+    from moekit.parallel.planner import ModelSpec, Workload
+
+    cfg = runconfig.resolve("tiny", {"model.n_layers": "4", **overrides})
+    return ModelSpec("tiny", cfg.model, cfg.moe, Workload(global_batch=16, dtype_bytes=4))

@@ -5,15 +5,12 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from helpers import toy_cluster
+from helpers import tiny_spec, toy_cluster
 
-from moekit import runconfig
 from moekit.model import Transformer
 from moekit.parallel.planner import (
     Candidate,
     Cluster,
-    ModelSpec,
-    Workload,
     all_to_all_time,
     candidates,
     estimate,
@@ -30,11 +27,7 @@ from moekit.parallel.planner import (
 )
 
 CLUSTER = toy_cluster()
-
-
-def _tiny(**overrides: str) -> ModelSpec:
-    cfg = runconfig.resolve("tiny", overrides)
-    return ModelSpec("tiny", cfg.model, cfg.moe, Workload(global_batch=16, dtype_bytes=4))
+TWO_BLOCKS = {"model.n_layers": "2"}  # the tiny preset's own depth
 
 
 @pytest.mark.parametrize(
@@ -42,7 +35,7 @@ def _tiny(**overrides: str) -> ModelSpec:
     [{}, {"model.n_kv_heads": "1", "moe.num_shared_experts": "1", "model.first_dense_layers": "1", "moe.d_ff": "48"}],
 )
 def test_param_counts_equal_the_built_model(overrides: dict[str, str]) -> None:
-    spec = _tiny(**overrides)
+    spec = tiny_spec(**TWO_BLOCKS, **overrides)
     model = Transformer(spec.model, spec.moe)
     dense, experts = param_counts(spec)
     assert dense + experts == model.num_params()
@@ -50,7 +43,7 @@ def test_param_counts_equal_the_built_model(overrides: dict[str, str]) -> None:
 
 
 def test_layer_flops_hand_computed() -> None:
-    spec = _tiny()  # D=32, 2 heads of 16, ctx 32, 4 experts of F=64 (SwiGLU), top-2
+    spec = tiny_spec(**TWO_BLOCKS)  # D=32, 2 heads of 16, ctx 32, 4 experts of F=64 (SwiGLU), top-2
     f = layer_flops(spec, moe_layer=True)
     assert f["attention"] == 2 * 32 * 16 * 6 + 2 * 32 * 32
     assert f["core"] == 2 * (32 + 32) * 16  # QK^T and AV over 32 query dims, causal: 16 keys on average
@@ -87,7 +80,7 @@ def test_collective_times_hand_computed() -> None:
 
 
 def test_imbalance_slows_the_step_and_overlap_hides_exchanges() -> None:
-    spec, c = _tiny(), CLUSTER
+    spec, c = tiny_spec(**TWO_BLOCKS), CLUSTER
     ep4 = Candidate(4, 4, 1, 1, 1, "flat", "none")
     assert estimate(spec, ep4, c, 2.0).step_s > estimate(spec, ep4, c).step_s
     overlapped = Candidate(4, 4, 1, 1, 1, "flat", "forward")
@@ -105,7 +98,9 @@ def test_imbalance_slows_the_step_and_overlap_hides_exchanges() -> None:
 def test_overlap_hides_only_the_forward_exchanges_hand_computed() -> None:
     """The dispatcher overlaps the forward's dispatch and combine with the forward's expert GEMMs; the
     backward's exchanges run in the autograd thread, fully exposed."""
-    spec = _tiny()  # 2 MoE blocks of 4 experts, D=32, F=64 (SwiGLU), top-2, ctx 32, global batch 16, fp32
+    spec = tiny_spec(
+        **{"model.n_layers": "2"}
+    )  # 2 MoE blocks of 4 experts, D=32, F=64 (SwiGLU), top-2, ctx 32, global batch 16, fp32
     # ep=4, one micro-batch: 16 * 32 / 4 = 128 tokens per rank, 128 * 2 picks * 32 * 4 bytes = 32768 bytes
     # per exchange; each overlap chunk sends half. One rank's expert FLOPs, forward and backward:
     # 128 tokens * 3 * 2 blocks * 2 picks * (2 * 3 * 32 * 64).
@@ -136,7 +131,7 @@ def test_overlap_hides_only_the_forward_exchanges_hand_computed() -> None:
 
 def test_pass_overhead_and_fsdp_are_paid_per_micro_batch() -> None:
     # CPU ranks (4 cores for 4 ranks: no queue): FSDP's collectives run in line with the compute, all exposed.
-    spec, c = _tiny(), dataclasses.replace(CLUSTER, cores=4)  # 2 blocks, both MoE
+    spec, c = tiny_spec(**TWO_BLOCKS), dataclasses.replace(CLUSTER, cores=4)  # 2 blocks, both MoE
     with_overhead = dataclasses.replace(c, pass_overhead_us=100.0)
     for micro in (1, 4):
         dp4 = Candidate(4, 1, 1, 1, micro, "flat", "none")
@@ -168,7 +163,7 @@ def test_enumeration_and_memory_rejection() -> None:
 
 
 def test_rescore_with_skewed_loads_prefers_placement() -> None:
-    spec, c = _tiny(), CLUSTER
+    spec, c = tiny_spec(**TWO_BLOCKS), CLUSTER
     rows = [estimate(spec, Candidate(4, 4, 1, 1, 1, "flat", "none"), c)]
     skewed = [[70.0, 20.0, 8.0, 2.0]] * 2
     (r,) = rescore(spec, c, rows, skewed, remaining_steps=100)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from helpers import toy_cluster
+from helpers import tiny_spec, toy_cluster
 
 from moekit import runconfig
 from moekit.parallel.planner import (
@@ -25,14 +25,9 @@ from moekit.parallel.planner import (
 CLUSTER = toy_cluster()
 
 
-def _tiny(**overrides: str) -> ModelSpec:
-    cfg = runconfig.resolve("tiny", {"model.n_layers": "4", **overrides})
-    return ModelSpec("tiny", cfg.model, cfg.moe, Workload(global_batch=16, dtype_bytes=4))
-
-
 def test_weighted_activation_keeps_no_expert_output() -> None:
     """Gate weights in the activation: each of the 2 routed copies drops its 32 x 4-byte expert output."""
-    spec = _tiny()
+    spec = tiny_spec()
     base = Candidate(4, 1, 1, 1, 1)
     weighted = dataclasses.replace(base, weighted_activation=True)
     assert block_activation_bytes(spec, weighted, True) == pytest.approx(768 + 2304 - 2 * 128)
@@ -42,7 +37,7 @@ def test_weighted_activation_keeps_no_expert_output() -> None:
 def test_block_activations_follow_korthikanti() -> None:
     """Kept bytes per token of one block (D 32, q 32, K + V 64, experts F 64 SwiGLU top-2, 4-byte values):
     attention 4 (D + D + q + q + kv) = 768, the MoE layer 4 (D + D) + 2 x 4 (D + 2F + F + D) = 2304."""
-    spec = _tiny()
+    spec = tiny_spec()
     base = Candidate(4, 1, 1, 1, 1)
     assert block_activation_bytes(spec, base, True) == pytest.approx(768 + 2304)
     sp = Candidate(2, 1, 2, 1, 1, sp=True)  # everything split over tp
@@ -82,7 +77,7 @@ def test_distributed_optimizer_memory_per_pipeline_rank() -> None:
     """pp 2, dp 2 on 4 ranks, tied embedding on the first rank: 4-byte weights and 4-byte grads kept,
     12 bytes over 2 data ranks; the first rank holds 2 micro-batches of 2 blocks, the last 1 and the
     fp32 logits of 128 tokens x 256 entries."""
-    spec = _tiny()
+    spec = tiny_spec()
     cand = Candidate(2, 1, 1, 2, 2, grad_sync="overlapped")
     dense, experts = param_counts(spec)
     body = (dense - 256 * 32) / 2
@@ -117,4 +112,4 @@ def test_mla_up_projection_recompute_keeps_the_latents() -> None:
         redone / 1e12
     )
     with pytest.raises(ValueError, match="recompute=mla_up_proj: model tiny has no latent attention"):
-        block_activation_bytes(_tiny(), up, True)
+        block_activation_bytes(tiny_spec(), up, True)

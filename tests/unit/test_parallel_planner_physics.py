@@ -8,14 +8,11 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from helpers import toy_cluster
+from helpers import tiny_spec, toy_cluster
 
-from moekit import runconfig
 from moekit.parallel.planner import (
     Candidate,
-    ModelSpec,
     Techniques,
-    Workload,
     candidates,
     estimate,
     fsdp_collectives,
@@ -36,18 +33,13 @@ EMBED = 256 * 32
 G = 3 * 10e-6 + 25376 * 4 / 5 * 3 / 4 / 10e9
 
 
-def _tiny() -> ModelSpec:
-    cfg = runconfig.resolve("tiny", {"model.n_layers": "4"})
-    return ModelSpec("tiny", cfg.model, cfg.moe, Workload(global_batch=16, dtype_bytes=4))
-
-
 def test_fsdp_prefetch_leaves_the_first_gathers_and_the_last_reduce() -> None:
     """dp 4 = ep 4 (experts whole, not sharded): 5 units, 3 collectives each of ``G`` seconds, 15 G in all.
     Compute far longer: only the forward's first gather, the backward's first gather and its last
     reduce-scatter show, 3 G. No compute: all 15 G. Communication-bound, the forward's unit taking G / 2
     and the backward's G (compute 7.5 G over 5 units, a third forward): forward G + 4 (G - G/2) = 3 G,
     backward (a gather and a reduce-scatter beside each unit's G) G + 4 (2 G - G) + G = 6 G."""
-    spec, cand = _tiny(), Candidate(4, 4, 1, 1, 1)
+    spec, cand = tiny_spec(), Candidate(4, 4, 1, 1, 1)
     assert fsdp_exposed(spec, cand, CLUSTER, 1.0) == pytest.approx((3 * G, 12 * G))
     assert fsdp_exposed(spec, cand, CLUSTER, 0.0) == pytest.approx((15 * G, 0.0))
     assert fsdp_exposed(spec, cand, CLUSTER, 7.5 * G) == pytest.approx((9 * G, 6 * G))
@@ -65,7 +57,7 @@ def test_fsdp_terms_in_the_estimate() -> None:
     device): ``fsdp`` is 2 x 3 G a step, 2 x 12 G hidden, and the hidden part's contention (0.25 of it) is
     its own term, ``fsdp_contention``: 2 x 3 G."""
     slow = dataclasses.replace(CLUSTER, peak_tflops=1e-6, overlap_contention=0.25)
-    est = estimate(_tiny(), Candidate(4, 4, 1, 1, 2), slow)
+    est = estimate(tiny_spec(), Candidate(4, 4, 1, 1, 2), slow)
     assert est.terms["fsdp"] == pytest.approx(2 * 3 * G)
     assert est.hidden["fsdp"] == pytest.approx(2 * 12 * G)
     assert est.terms["fsdp_contention"] == pytest.approx(2 * 3 * G)
@@ -77,7 +69,7 @@ def test_fsdp_memory_is_the_shards_three_gathered_blocks_and_the_root() -> None:
     non-expert weights gathered in fp32 (the running one, the prefetched one, the running one's gradient),
     and the root (the tied embedding) gathered for the step. With ep 2 < dp 4 FSDP shards the experts too:
     a block's 98304 / 4 expert weights over ep 2 join each gathered block."""
-    spec = _tiny()
+    spec = tiny_spec()
     block = (DENSE - EMBED) / 4
     state = DENSE * 16 / 4 + EXPERTS * 16 / 4
     assert fsdp_state_bytes(spec, Candidate(4, 4, 1, 1, 1)) == pytest.approx([state + 3 * block * 4 + EMBED * 4])
@@ -104,7 +96,7 @@ def test_tp_backward_collectives_run_beside_the_first_gemm() -> None:
     GEMM to hide behind: 5 R. A step: 2 x 4 x (10 R - 2 QKV). Without sp: forward all-reduce 2 R,
     backward the input gradient's all-reduce beside the weight gradient 2 R - QKV; the MoE region 4 R:
     2 x 4 x (8 R - QKV)."""
-    spec = _tiny()
+    spec = tiny_spec()
     sp = estimate(spec, Candidate(1, 1, 2, 1, 2, sp=True), CLUSTER)
     assert sp.terms["tp"] == pytest.approx(2 * 4 * (10 * R - 2 * QKV))
     assert sp.hidden["tp"] == pytest.approx(2 * 4 * 2 * QKV)
@@ -136,7 +128,7 @@ def test_small_gemms_run_below_the_large_gemm_rate() -> None:
     c = dataclasses.replace(CLUSTER, gemm_half_work=1e5)
     ref = 1 / (1 + 1e5 / (8192 * 4096 * 9216))
     extra = sum(3 * 4 * 2 * 256 * p / 1e12 * (ref * (256 * p + 1e5) / (256 * p) - 1) for p in (1536, 512, 64))
-    est = estimate(_tiny(), Candidate(1, 1, 2, 1, 1, sp=True), c)
+    est = estimate(tiny_spec(), Candidate(1, 1, 2, 1, 1, sp=True), c)
     assert est.terms["gemm_shape"] == pytest.approx(extra)
 
 
@@ -146,7 +138,7 @@ def test_the_first_and_last_stages_own_work() -> None:
     last; the head, 3 x 2 x 128 x 32 x 256 FLOPs at 1 TFLOP/s, 6.291456 us. Without a pipeline one rank
     pays all three. pp 2, vp 1: the last stage (loss and head) is the busier, the embedding off the
     critical path."""
-    spec = _tiny()
+    spec = tiny_spec()
     c = dataclasses.replace(CLUSTER, hbm_gbps=1.0)
     embedding, loss, head = 256 * 32 * 12 / 1e9, 128 * 256 * 36 / 1e9, 3 * 2 * 128 * 32 * 256 / 1e12
     flat = estimate(spec, Candidate(4, 1, 1, 1, 1), c)
@@ -170,7 +162,7 @@ def test_pipeline_depth_costs_a_fixed_time_a_chunk_and_the_fills_sends() -> None
     critical path crosses 2 x 3 stage boundaries, each a send of 128 tokens (16 x 32 over 4) x 32 x 4 bytes in the node:
     6 x (10 us + 16384 / 10 GB/s) a step (``pp_fill``); plain 1F1B has none (its sends are waited for
     every micro-batch, in its bubble already)."""
-    spec = _tiny()
+    spec = tiny_spec()
     c = dataclasses.replace(CLUSTER, stage_pass_us=100.0)
     est = estimate(spec, Candidate(1, 1, 1, 4, 4, vp=2), c)
     assert est.terms["pp_schedule"] == pytest.approx(4 * 400e-6)
@@ -204,14 +196,14 @@ def test_fsdp_shards_over_the_batch_ranks_cp_included() -> None:
     experts, which the 2 ep ranks split and FSDP shards over the other 2, gather a layer's 98304 / 4 / 2
     weights in fp32 over 2 ranks 2 apart in the node: 3 collectives a unit (5) and a MoE layer (4)."""
     expert = 10e-6 + EXPERTS / 4 / 2 * 4 / 2 / 10e9
-    wire, count = fsdp_collectives(_tiny(), Candidate(2, 2, 1, 1, 1, cp=2), CLUSTER)
+    wire, count = fsdp_collectives(tiny_spec(), Candidate(2, 2, 1, 1, 1, cp=2), CLUSTER)
     assert (wire, count) == pytest.approx((15 * G + 12 * expert, 15 + 12))
 
 
 def test_the_distributed_optimizer_switch_costs_each_layout_both_ways() -> None:
     """With ``overlapped_grads`` every enumerated layout comes twice, under the distributed optimizer and
     under FSDP; without it under FSDP alone."""
-    spec = _tiny()
+    spec = tiny_spec()
     fsdp_only = candidates(spec, CLUSTER, Techniques())
     both = candidates(spec, CLUSTER, Techniques(overlapped_grads=True))
     assert {k.grad_sync for k in fsdp_only} == {"fsdp"}

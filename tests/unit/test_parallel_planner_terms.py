@@ -5,15 +5,12 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from helpers import toy_cluster
+from helpers import tiny_spec, toy_cluster
 
-from moekit import runconfig
 from moekit.parallel.planner import (
     MEMORY_USABLE,
     OVERLAP_CHUNKS,
     Candidate,
-    ModelSpec,
-    Workload,
     candidates,
     deduplicated_time,
     elementwise_bytes,
@@ -34,11 +31,6 @@ from moekit.parallel.planner import (
 from moekit.parallel.planner.stages import with_head
 
 CLUSTER = toy_cluster()
-
-
-def _tiny(**overrides: str) -> ModelSpec:
-    cfg = runconfig.resolve("tiny", {"model.n_layers": "4", **overrides})
-    return ModelSpec("tiny", cfg.model, cfg.moe, Workload(global_batch=16, dtype_bytes=4))
 
 
 def test_model_flops_follow_megatrons_count() -> None:
@@ -62,7 +54,7 @@ def test_interleaving_shrinks_the_bubble_and_spreads_the_head() -> None:
     puts the whole head (3 x 128 tokens x 2 D V FLOPs) on the last rank; interleaved, a head far
     smaller than a block stays there too: moving a whole block off would cost more
     (``test_the_head_balances_against_whole_blocks``)."""
-    spec = _tiny()
+    spec = tiny_spec()
     one, two = (Candidate(2, 1, 1, 2, 2, vp=v) for v in (1, 2))
     head_s = 3 * 128 * 2 * 32 * 256 / 1e12
     slot_one = estimate(spec, one, CLUSTER).compute_s / (2 + 1)
@@ -73,7 +65,7 @@ def test_interleaving_shrinks_the_bubble_and_spreads_the_head() -> None:
 def test_the_head_balances_against_whole_blocks() -> None:
     """pp 2, vp 2, 4 blocks of 1 s: a head of 0.5 s leaves the last rank 2 blocks (2.5 s, the other rank
     2 s), not the even 2.25 s of fractional blocks; a head of 2 s balances exactly (1 block, 3 s each)."""
-    spec, cand = _tiny(), Candidate(2, 1, 1, 2, 2, vp=2)
+    spec, cand = tiny_spec(), Candidate(2, 1, 1, 2, 2, vp=2)
     assert with_head(2.0, 0.5, 2, spec, cand) == pytest.approx(2.5)
     assert with_head(2.0, 2.0, 2, spec, cand) == pytest.approx(3.0)
     assert with_head(2.0, 0.5, 2, spec, Candidate(2, 1, 1, 2, 2)) == pytest.approx(2.5)  # 1F1B: head on top
@@ -82,14 +74,14 @@ def test_the_head_balances_against_whole_blocks() -> None:
 def test_tp_exchanges_are_not_hidden_by_the_fitted_overlap() -> None:
     """The fitted ``overlap`` hides none of the tp exchanges (what their schedule hides:
     test_parallel_planner_physics.py)."""
-    spec = _tiny()
+    spec = tiny_spec()
     cand = Candidate(1, 1, 2, 1, 2, sp=True)
     none, all_ = (estimate(spec, cand, dataclasses.replace(CLUSTER, overlap=x)).sync_s for x in (0.0, 1.0))
     assert none == pytest.approx(all_)
 
 
 def test_recomputation_adds_forward_flops() -> None:
-    spec = _tiny()
+    spec = tiny_spec()
     base = Candidate(4, 1, 1, 1, 1)
     tokens = 16 * 32 / 4
     experts = tokens * 4 * layer_flops(spec, True)["experts"]
@@ -103,7 +95,7 @@ def test_recomputation_adds_forward_flops() -> None:
 
 
 def test_fp8_speeds_only_the_gemms() -> None:
-    spec = _tiny()
+    spec = tiny_spec()
     fast = dataclasses.replace(CLUSTER, fp8_speedup=2.0)
     bf16, fp8 = Candidate(4, 1, 1, 1, 1), Candidate(4, 1, 1, 1, 1, fp8=True)
     tokens = 16 * 32 / 4
@@ -133,7 +125,7 @@ def test_fp8_casts_cost_memory_traffic() -> None:
     48 / 2 and D a row; the shared expert's input D a row and its second input 256 x 24 / 2 | 256 x 1 x 24
     / 2 and D a row; each routed copy's etp x D and 40 | 1 x 40 and etp x D. Recomputed forwards cast
     again. The elementwise term pays 4 bytes each at hbm_gbps."""
-    spec = _tiny(**UNEVEN)
+    spec = tiny_spec(**UNEVEN)
     rows, copies = 128, 128 * 3 * 1.5
     attention = (256 * 32 / 2, 256 * (32 + 16) / 2 + rows * 32)
     dense = (256 * 48 / 2, 256 * 2 * 48 / 2 + rows * 32)
@@ -161,7 +153,7 @@ def test_elementwise_bytes_by_hand() -> None:
     """4-byte values, forward then twice in the backward, recomputed forwards again: per block the norms
     and residuals 8 x 32 a row; the dense SwiGLU 3 x 48 / 2 a token; the shared GELU 2 x 24 / 2 a token;
     each routed copy's permutes and combine 4 x 32 (the routed activation is in the experts' rate)."""
-    spec = _tiny(**UNEVEN)
+    spec = tiny_spec(**UNEVEN)
     dense = 4 * 128 * 8 * 32 + 1 * 256 * 3 * 48 / 2 + 3 * 256 * 2 * 24 / 2
     routed = 3 * 128 * 3 * 1.5 * 4 * 32
     assert elementwise_bytes(spec, SP_FULL, 256, 1.5) == pytest.approx(4 * (4 * dense + 4 * routed))
@@ -181,7 +173,7 @@ def test_attention_and_expert_gemms_at_their_own_rates() -> None:
     """attention_efficiency and expert_efficiency replace efficiency for the attention scores (3 x 128
     tokens x 4 blocks x their forward FLOPs a step) and the routed experts' GEMMs (3 x 128 rows x 4 blocks
     x theirs); the other GEMMs keep efficiency's; 0 falls back to it."""
-    spec, cand = _tiny(), Candidate(4, 1, 1, 1, 1)
+    spec, cand = tiny_spec(), Candidate(4, 1, 1, 1, 1)
     half = dataclasses.replace(CLUSTER, efficiency=0.5)
     own = estimate(spec, cand, dataclasses.replace(half, attention_efficiency=0.25, expert_efficiency=0.125))
     flops = layer_flops(spec, True)
@@ -196,7 +188,7 @@ def test_attention_and_expert_gemms_at_their_own_rates() -> None:
 def test_the_optimizer_step_once_a_step_on_each_ranks_shard() -> None:
     """An AdamW step moves 28 bytes a parameter, every parameter updated once over all the ranks, at
     optimizer_gbps; in compute, not in the exchanges."""
-    spec, c = _tiny(), dataclasses.replace(CLUSTER, optimizer_gbps=1.0)
+    spec, c = tiny_spec(), dataclasses.replace(CLUSTER, optimizer_gbps=1.0)
     for cand in (Candidate(4, 1, 1, 1, 2), Candidate(2, 2, 1, 2, 4, grad_sync="overlapped")):
         est, base = estimate(spec, cand, c), estimate(spec, cand, CLUSTER)
         want = 28 * sum(param_counts(spec)) / 4 / 1e9
@@ -206,7 +198,7 @@ def test_the_optimizer_step_once_a_step_on_each_ranks_shard() -> None:
 
 
 def test_overlapped_gradients_once_a_step() -> None:
-    spec = _tiny()
+    spec = tiny_spec()
     cand = Candidate(16, 1, 1, 1, 2, grad_sync="overlapped")
     dense_p, expert_p = param_counts(spec)
     # 16 ranks over 4 nodes: ring of 15 inter-node steps; reduce-scatter and all-gather, dense and experts.
@@ -237,7 +229,7 @@ def test_overlapped_gradients_once_a_step() -> None:
 def test_all_to_all_overlap_in_both_passes() -> None:
     """4 micro-batches, no pipeline: the first forward and the last backward run alone, so 3 of 4 are
     paired and half of theirs is hidden (compute far longer than the exchanges): 1 - 3/4 x 1/2 = 5/8 left."""
-    spec = _tiny()
+    spec = tiny_spec()
     plain, both = Candidate(4, 4, 1, 1, 4), Candidate(4, 4, 1, 1, 4, overlap="both")
     half = dataclasses.replace(CLUSTER, overlap=0.5, peak_tflops=1e-6)
     assert estimate(spec, both, half).a2a_s == pytest.approx(estimate(spec, plain, half).a2a_s * 5 / 8)
@@ -258,7 +250,7 @@ def test_paired_share_leaves_out_warm_up_chunks() -> None:
 
 def test_both_pass_overlap_is_refused_where_megatron_refuses_it() -> None:
     """overlap_moe_expert_parallel_comm asserts virtual stages on a pipeline and no full recomputation."""
-    spec = _tiny()
+    spec = tiny_spec()
     with pytest.raises(ValueError, match="overlap=both: needs virtual pipeline stages"):
         estimate(spec, Candidate(1, 1, 1, 4, 4, overlap="both"), CLUSTER)
     with pytest.raises(ValueError, match="overlap=both: not with recompute=full"):
@@ -270,7 +262,7 @@ def test_both_pass_overlap_is_refused_where_megatron_refuses_it() -> None:
 def test_both_pass_overlap_enumerated_only_where_megatron_runs_it() -> None:
     """tiny: 4 layers, 16 sequences on 16 devices. With the overlap switched on, a pipeline without virtual
     stages exchanges unoverlapped; no pipeline, or virtual stages, overlap in both passes."""
-    spec = _tiny(**{"moe.num_experts": "8"})
+    spec = tiny_spec(**{"moe.num_experts": "8"})
     every = [c for c in candidates(spec, CLUSTER, parse_techniques("a2a_overlap,interleave")) if c.ep > 1]
     assert {c.overlap for c in every if c.pp > 1 and c.vp == 1} == {"none"}
     assert {c.overlap for c in every if c.pp == 1 or c.vp > 1} == {"both"}
@@ -280,7 +272,7 @@ def test_both_pass_overlap_enumerated_only_where_megatron_runs_it() -> None:
 def test_full_recomputation_turns_the_both_pass_overlap_off() -> None:
     """A device too small for anything less than full recomputation: the layout comes back with full
     recomputation and its all-to-alls unoverlapped; one that fits without it keeps the overlap."""
-    spec, tech = _tiny(), parse_techniques("recompute,a2a_overlap")
+    spec, tech = tiny_spec(), parse_techniques("recompute,a2a_overlap")
     both = Candidate(4, 4, 1, 1, 4, overlap="both")
     full = memory_bytes(spec, dataclasses.replace(both, recompute="full", overlap="none"))
     experts = memory_bytes(spec, dataclasses.replace(both, recompute="experts"))
@@ -298,8 +290,8 @@ def test_deduplicated_dispatch_crosses_nodes_once_a_node() -> None:
     1 a token, one group a node, it reaches one node: 0.5."""
     assert remote_nodes(2, 2, 2) == pytest.approx(0.75)
     assert remote_nodes(8, 8, 4) == pytest.approx(7 / 8 * 4 * (1 - 6561 / 65536))  # DeepSeek-V3 over ep 64
-    spec = _tiny(**{"moe.num_experts": "8"})
-    grouped = _tiny(**{"moe.num_experts": "8", "moe.n_group": "2", "moe.topk_group": "1"})
+    spec = tiny_spec(**{"moe.num_experts": "8"})
+    grouped = tiny_spec(**{"moe.num_experts": "8", "moe.n_group": "2", "moe.topk_group": "1"})
     assert (route_reach(spec, 2), route_reach(grouped, 2), route_reach(grouped, 4), route_reach(grouped, 3)) == (
         2,
         1,
@@ -322,7 +314,7 @@ def test_deduplicated_dispatch_crosses_nodes_once_a_node() -> None:
 
 
 def test_deduplicated_dispatch_is_enumerated_only_across_nodes() -> None:
-    spec = _tiny(**{"moe.num_experts": "8"})
+    spec = tiny_spec(**{"moe.num_experts": "8"})
     every = candidates(spec, CLUSTER, parse_techniques("deduplicated_dispatch"))
     forms = {(c.ep, c.tp, c.all_to_all) for c in every}
     # ep 4 of tp 1 fills one node of 4; ep 8, or ep 4 two ranks a node (tp 2), spans two.
@@ -334,15 +326,15 @@ def test_deduplicated_dispatch_is_enumerated_only_across_nodes() -> None:
 def test_context_parallel_only_where_each_share_is_long() -> None:
     """cp splits a sequence only into shares of 2048 tokens or more; a shorter sequence still gets cp 1."""
     tech = parse_techniques("all")
-    assert {k.cp for k in candidates(_tiny(), CLUSTER, tech)} == {1}  # 32 tokens
-    long = _tiny(**{"model.context_length": "8192"})
+    assert {k.cp for k in candidates(tiny_spec(), CLUSTER, tech)} == {1}  # 32 tokens
+    long = tiny_spec(**{"model.context_length": "8192"})
     assert {k.cp for k in candidates(long, CLUSTER, tech)} == {1, 2, 4}
 
 
 def test_context_parallel_ring_hides_behind_the_attention_scores() -> None:
     """With all of an overlappable exchange hidable, cp's ring hides behind the attention scores beside it
     (3 x 128 tokens x 4 blocks x their forward FLOPs, at attention_efficiency), up to all of itself."""
-    spec, cand = _tiny(), Candidate(2, 1, 1, 1, 1, cp=2)
+    spec, cand = tiny_spec(), Candidate(2, 1, 1, 1, 1, cp=2)
     exposed = estimate(spec, cand, CLUSTER).terms["cp"]
     for rate in (1e-3, 1e2):
         c = dataclasses.replace(CLUSTER, overlap=1.0, attention_efficiency=rate)
@@ -359,7 +351,7 @@ def test_parse_techniques() -> None:
 
 def test_terms_add_up_to_the_step() -> None:
     """The named terms a table shows are the step, nothing left out or counted twice."""
-    spec = _tiny()
+    spec = tiny_spec()
     c = dataclasses.replace(CLUSTER, overlap=0.5, pass_overhead_us=5.0, hbm_gbps=100.0, cores=2)
     for cand in (
         Candidate(2, 2, 2, 2, 4, "flat", "both", vp=2, sp=True, grad_sync="overlapped"),
@@ -373,7 +365,7 @@ def test_only_the_expert_gemms_slow_down_when_small() -> None:
     """128 tokens a rank, top-2 of 4 experts, all local: 64 rows an expert, half rate at gemm_half_rows 64;
     one grouped GEMM does 4 experts x 64 rows x 32 x 64 multiply-adds, half rate at gemm_half_work of
     that; both: a quarter. The dense GEMMs (all 128 rows against the model width) keep the large-GEMM rate."""
-    spec, cand = _tiny(), Candidate(4, 1, 1, 1, 1)
+    spec, cand = tiny_spec(), Candidate(4, 1, 1, 1, 1)
     work = 4 * 64 * 32 * 64
     base = estimate(spec, cand, CLUSTER)
     for rows, half_work, slower in ((64, 0, 2), (0, work, 2), (64, work, 4), (64, 3 * work, 8)):
@@ -386,7 +378,7 @@ def test_interleaved_pipeline_sends_hide_plain_ones_wait() -> None:
     """pp 2 of dp 2 in one node: 128 tokens x 32 x 4 bytes a send, one each way a virtual stage a
     micro-batch. Interleaved, they run beside the next chunk's compute, whatever the cluster's overlap
     fraction: hidden behind far longer compute, shown in full beside next to none; 1F1B waits."""
-    spec = _tiny()
+    spec = tiny_spec()
     slow = dataclasses.replace(CLUSTER, overlap=0.0, peak_tflops=1e-6)
     fast = dataclasses.replace(CLUSTER, overlap=0.0, peak_tflops=1e12)
     send = 10e-6 + 128 * 32 * 4 / 10e9
@@ -400,7 +392,7 @@ def test_interleaved_pipeline_sends_hide_plain_ones_wait() -> None:
 def test_ranks_sharing_cores_queue_and_their_bubble_is_free() -> None:
     """4 ranks a node on 2 cores: every step takes twice as long, except that a pipeline's bubble (its
     idle ranks give their cores away) costs nothing. Against 4 cores (CPU ranks, no queue)."""
-    spec = _tiny()
+    spec = tiny_spec()
     shared, own = dataclasses.replace(CLUSTER, cores=2), dataclasses.replace(CLUSTER, cores=4)
     flat = Candidate(4, 1, 1, 1, 2)
     assert estimate(spec, flat, shared).step_s == pytest.approx(2 * estimate(spec, flat, own).step_s)
@@ -410,7 +402,7 @@ def test_ranks_sharing_cores_queue_and_their_bubble_is_free() -> None:
 
 
 def test_each_overlap_chunk_pays_its_fixed_cost() -> None:
-    spec = _tiny()  # 4 MoE blocks
+    spec = tiny_spec()  # 4 MoE blocks
     ovl = Candidate(4, 4, 1, 1, 1, "flat", "forward")
     added = estimate(spec, ovl, dataclasses.replace(CLUSTER, chunk_overhead_us=100.0)).a2a_s
     assert added - estimate(spec, ovl, CLUSTER).a2a_s == pytest.approx((OVERLAP_CHUNKS - 1) * 4 * 100e-6)
