@@ -8,6 +8,8 @@ import re
 import typing
 from pathlib import Path
 
+from moekit.errors import NO_VALUE, Namer, python_words
+
 EXIT_FAILURE = 1  # the run failed (a dead or hung rank)
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
@@ -18,6 +20,31 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> typing.NoReturn:
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def flag_words(parser: argparse.ArgumentParser) -> Namer:
+    """How ``parser``'s command names an option a library error names (``errors.OptionError``): by the
+    long flag whose argparse dest it is, or the dest an alias of the parser gives it
+    (``set_defaults(option_aliases=...)``: ``load_run(offload=...)`` is built from ``--memory-budget``).
+    ``--flag`` for an option named without a value or a switch mentioned as set (``resume=True`` is
+    ``--resume``), else ``--flag=value``. Dotted config fields (``train.lr``), whose value may come
+    from a file, and names no flag sets keep their Python words."""
+    flags = {
+        action.dest: action
+        for action in parser._actions
+        if "." not in action.dest and any(s.startswith("--") for s in action.option_strings)
+    }
+    aliases = parser.get_default("option_aliases") or {}
+
+    def name(option: str, value: object) -> str:
+        action = flags.get(aliases.get(option, option))
+        if action is None:
+            return python_words(option, value)
+        flag = next(s for s in action.option_strings if s.startswith("--"))
+        switch = action.nargs == 0 and value is True
+        return flag if value is NO_VALUE or switch else f"{flag}={value}"
+
+    return name
 
 
 # Library arguments that a command sets through a flag of another name: load_run(offload=...) is
@@ -153,6 +180,7 @@ def add_run_flags(parser: argparse.ArgumentParser) -> None:
     off.add_argument(
         "--memory-budget", help="bytes for resident weights (e.g. 512MB): non-expert weights + an expert cache"
     )
+    parser.set_defaults(option_aliases={"offload": "memory_budget"})  # load_run(offload=...) is built from it
     off.add_argument("--policy", default="lru", help="expert cache eviction: lru, lfu, fifo (default: %(default)s)")
     off.add_argument(
         "--prefetch",
