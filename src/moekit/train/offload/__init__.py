@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from moekit.errors import OptionError
 from moekit.parallel.mesh import Layout, LayoutError, RunMesh
 from moekit.parallel.runtime import global_rank
 from moekit.runconfig import RunConfig
@@ -90,7 +91,7 @@ def check_offloadable(cfg: RunConfig, layout: Layout, device: torch.device) -> N
             raise LayoutError(f"{budget}: {why}")
     refusals = [
         (not cfg.is_moe, "the model has no MoE layers to offload"),
-        (device.type != "cpu", f"device={device.type}: offloaded training runs on cpu"),
+        (device.type != "cpu", "{device}: offloaded training runs on cpu"),
         (tc.dtype != "fp32", f"train.dtype={tc.dtype!r}: offloaded training runs in fp32"),
         (tc.compile, "train.compile=true: offloaded experts run eagerly"),
         (tc.async_checkpoint, "train.async_checkpoint=true: offloaded experts are checkpointed synchronously"),
@@ -101,7 +102,7 @@ def check_offloadable(cfg: RunConfig, layout: Layout, device: torch.device) -> N
     ]
     for refused, why in refusals:
         if refused:
-            raise ValueError(f"{budget}: {why}")
+            raise OptionError("train.memory_budget", why, tc.memory_budget, device=device)
 
 
 def offload_experts(
@@ -128,8 +129,9 @@ def _host_tier(offload: ExpertOffload, host_budget: str, grad_accum: int) -> Non
     file = offload.file
     capacity = parse_bytes(host_budget, "train.host_budget") // file.unit
     if capacity < 1:
-        raise ValueError(
-            f"train.host_budget={host_budget!r}: holds no region of expert state "
-            f"({format_bytes(file.unit)} each); give at least that, or leave it out"
+        raise OptionError(
+            "train.host_budget",
+            f"holds no region of expert state ({format_bytes(file.unit)} each); give at least that, or leave it out",
+            host_budget,
         )
     file.move_to_host(host_regions(len(offload.params), offload.ws.cache.num_slots, grad_accum, capacity))
