@@ -183,7 +183,9 @@ class Checkpointer:
         if named is not None and named not in candidates:
             problem = f"{pointer} names {named.name}, which is missing or incomplete"
             if not fallback:
-                raise CheckpointError(problem + " (pass fallback=True to resume from the newest intact checkpoint)")
+                raise CheckpointError(
+                    problem + " (pass {fallback} to resume from the newest intact checkpoint)", fallback=True
+                )
             say(f"moekit: {problem}; falling back")
         elif named is not None:
             candidates = [named] + [c for c in candidates if c != named]
@@ -192,7 +194,9 @@ class Checkpointer:
             if problem is None:
                 return path
             if not fallback:
-                raise CheckpointError(problem + " (pass fallback=True to resume from the previous complete checkpoint)")
+                raise CheckpointError(
+                    problem + " (pass {fallback} to resume from the previous complete checkpoint)", fallback=True
+                )
             say(f"moekit: {problem}; falling back")
         raise CheckpointError(f"{checkpoint_dir(self.run_dir)}: no intact checkpoint to resume from")
 
@@ -224,8 +228,8 @@ class Checkpointer:
         manifest = load_manifest(path)
         if not (path / SHARDED).is_dir():
             raise CheckpointError(
-                f"{path}: holds weights only (a converted, upcycled or exported model): "
-                f"start from it with init={self.run_dir}"
+                f"{path}: holds weights only (a converted, upcycled or exported model): start from it with {{init}}",
+                init=self.run_dir,
             )
         sharded.restore(path / SHARDED, model, optimizer, self.group, whole, slots, streamed)
         return manifest
