@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from moekit.config import MoEConfig
+from moekit.errors import OptionError
 
 
 @dataclass(frozen=True)
@@ -298,7 +299,7 @@ class HashRouter(nn.Module):
 
     def forward(self, x_TD: Tensor, token_ids: Tensor | None = None) -> RouterOutput:
         if token_ids is None:
-            raise ValueError("router='hash' needs token_ids: call the layer as moe(x, token_ids=ids)")
+            raise OptionError("router", "needs token_ids: call the layer as moe(x, token_ids=ids)", "hash")
         ids_T = token_ids.reshape(-1).long()
         if ids_T.numel() != x_TD.shape[0]:
             raise ValueError(f"token_ids has {ids_T.numel()} ids for {x_TD.shape[0]} tokens")
