@@ -96,7 +96,11 @@ def test_cli_refuses_a_bad_expert_format_and_a_dense_run(run_dir: Path, write_ru
     )
     dense = write_run(tmp_path / "dense", **{"model.moe_every": "0"})
     proc = moekit_cli("generate", str(dense), "--expert-format", "int8")
-    assert proc.returncode == 2 and "dense model" in proc.stderr and "Traceback" not in proc.stderr
+    named = f"moekit generate: error: --expert-format=int8: {dense} is a dense model; it has no experts"
+    assert proc.returncode == 2 and proc.stderr.splitlines() == [named]
+    proc = moekit_cli("generate", str(dense), "--memory-budget", "1MB")  # load_run(offload=...): the flag that set it
+    named = f"moekit generate: error: --memory-budget: {dense} is a dense model; it has no experts to offload"
+    assert proc.returncode == 2 and proc.stderr.splitlines() == [named]
 
 
 @pytest.mark.slow

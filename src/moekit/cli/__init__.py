@@ -11,7 +11,7 @@ import sys
 
 from moekit import __version__
 from moekit.cli import convert, export, generate, plan, plot, serve, train, upcycle
-from moekit.cli.common import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_USAGE, Parser, flag_words, in_flag_words
+from moekit.cli.common import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_USAGE, Parser, flag_words
 
 COMMANDS = (train, generate, serve, plot, plan, convert, export, upcycle)  # in --help's order
 
@@ -50,10 +50,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"moekit {args.command}{rank}: error: {err}", file=sys.stderr)
         exit_after_rank_failure(EXIT_FAILURE)
     except (MoekitError, ValueError, FileNotFoundError) as err:
-        if isinstance(err, MoekitError):
-            words = err.words(flag_words(args.command_parser))
-        else:
-            words = in_flag_words(str(err), args.command_parser)
+        words = err.words(flag_words(args.command_parser)) if isinstance(err, MoekitError) else str(err)
         print(f"moekit {args.command}{rank}: error: {words}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:

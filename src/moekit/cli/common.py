@@ -47,40 +47,6 @@ def flag_words(parser: argparse.ArgumentParser) -> Namer:
     return name
 
 
-# Library arguments that a command sets through a flag of another name: load_run(offload=...) is
-# built from --memory-budget (and the flags beside it).
-_SET_BY = {"offload": "memory_budget"}
-
-
-def in_flag_words(message: str, parser: argparse.ArgumentParser) -> str:
-    """A library error as the user of ``parser``'s command reads it: each option the library names as
-    its Python argument (``memory_budget=512``, ``resume=True``, or ``offload:`` opening the message)
-    becomes this command's flag for it (``--memory-budget=512``, ``--resume``, ``--memory-budget:``).
-
-    Library messages name options the way the caller passed them; only the CLI knows which flag that
-    was. Dotted config fields (``train.lr=...``) stay as they are: their value may come from a file.
-    """
-    flags: dict[str, str] = {}
-    switches: set[str] = set()  # store_true flags: "resume=True" is "--resume"
-    for action in parser._actions:
-        long = [s for s in action.option_strings if s.startswith("--")]
-        if long and "." not in action.dest and action.dest != "help":
-            flags[action.dest] = long[0]
-            if action.nargs == 0 and action.const is True:
-                switches.add(action.dest)
-    flags |= {name: flags[dest] for name, dest in _SET_BY.items() if dest in flags}
-    if not flags:
-        return message
-    names = "|".join(sorted(map(re.escape, flags), key=len, reverse=True))
-
-    def flag(match: re.Match) -> str:
-        name, tail = match.group("name"), match.group("tail")
-        return flags[name] if tail == "=True" and name in switches else flags[name] + tail
-
-    message = re.sub(rf"(?<![\w.\-/='\"])(?P<name>{names})(?P<tail>=True\b|=)", flag, message)
-    return re.sub(rf"^(?P<name>{names})(?P<tail>:)", flag, message)
-
-
 def device_name(text: str) -> str:
     if re.fullmatch(r"auto|cpu|cuda(:\d+)?", text):
         return text
