@@ -20,6 +20,7 @@ from moekit.convert.hf import load_hf
 from moekit.convert.in_place import expert_ranges
 from moekit.convert.safetensors_dir import INDEX, SINGLE
 from moekit.convert.source import hf_source
+from moekit.errors import OptionError
 from moekit.infer.expert_store import ExpertStoreError
 from moekit.infer.offload import OffloadOptions, offloaded_model
 from moekit.infer.quant import QUANT_FORMATS
@@ -64,15 +65,15 @@ def load_for_inference(
     kernels where the CPU has native ones (``infer.resident_experts``: faster; False keeps the plain
     layout, whose numbers offloaded experts reproduce exactly)."""
     if expert_format not in ("fp", *QUANT_FORMATS):
-        raise ValueError(f"expert_format={expert_format!r}: choose from fp, {', '.join(QUANT_FORMATS)}")
+        raise OptionError("expert_format", f"choose from fp, {', '.join(QUANT_FORMATS)}", expert_format)
     loaded, in_place = _load(path, device, offload, dtype)
     if expert_format != "fp":
         if offload is not None:
-            raise ValueError(
-                f"expert_format={expert_format!r}: offloaded experts take their format from the offload options"
+            raise OptionError(
+                "expert_format", "offloaded experts take their format from the offload options", expert_format
             )
         if not loaded.config.is_moe:
-            raise ValueError(f"expert_format={expert_format}: {path} is a dense model; it has no experts")
+            raise OptionError("expert_format", f"{path} is a dense model; it has no experts", expert_format)
         quantize_experts_(loaded.model, expert_format)
     if prepack:
         prepack_(loaded.model)
@@ -89,19 +90,23 @@ def _load(
     if offload is None:
         return LoadedRun(load_hf(checkpoint, for_inference=True).to(device), tokenizer, cfg, path), None
     if checkpoint.moe_cfg is None:
-        raise ValueError(f"offload: {path} is a dense model; it has no experts to offload")
+        raise OptionError("offload", f"{path} is a dense model; it has no experts to offload")
     if offload.expert_format != "fp":
-        raise ValueError(
-            f"expert_format={offload.expert_format!r}: a Hugging Face directory's experts are read in place, "
-            f"as stored (fp); for a quantized expert store convert it first (moekit convert)"
+        raise OptionError(
+            "expert_format",
+            "a Hugging Face directory's experts are read in place, as stored (fp); for a quantized expert "
+            "store convert it first (moekit convert)",
+            offload.expert_format,
         )
     ranges = expert_ranges(checkpoint)
     stored = {entry.dtype for roles in ranges.values() for parts in roles.values() for _, entry in parts}
     if stored != {checkpoint.dtype}:
         names = ", ".join(sorted(str(d).removeprefix("torch.") for d in stored))
-        raise ValueError(
-            f"dtype={str(checkpoint.dtype).removeprefix('torch.')}: {path}'s experts are stored as {names} and are "
-            f"read in place as stored; to run them in another dtype, or dequantised, convert first (moekit convert)"
+        raise OptionError(
+            "dtype",
+            f"{path}'s experts are stored as {names} and are read in place as stored; to run them in another "
+            "dtype, or dequantised, convert first (moekit convert)",
+            str(checkpoint.dtype).removeprefix("torch."),
         )
 
     def resident(wanted: Collection[str]) -> Iterator[tuple[str, Tensor]]:

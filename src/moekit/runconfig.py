@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from moekit.config import DataConfig, ModelConfig, MoEConfig, ParallelConfig, TrainConfig
+from moekit.errors import OptionError
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -67,8 +68,8 @@ def load_preset(name: str) -> dict[str, dict[str, Any]]:
         text = path.read_text()
     else:
         if name not in preset_names():
-            raise ValueError(
-                f"preset: unknown preset {name!r} (choose from {', '.join(preset_names())}, or a .toml file)"
+            raise OptionError(
+                "preset", f"unknown preset {name!r} (choose from {', '.join(preset_names())}, or a .toml file)"
             )
         text = resources.files("moekit.configs").joinpath(f"{name}.toml").read_text()
     try:

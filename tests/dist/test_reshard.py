@@ -27,6 +27,7 @@ from moekit.infer.offload import OffloadOptions
 from moekit.model import Transformer
 from moekit.parallel.mesh import Layout, LayoutError
 from moekit.run.export import export_run
+from moekit.errors import OptionError
 from moekit.run.layout import CheckpointError, latest_checkpoint
 from moekit.run.load import load_run
 from moekit.train.loop import _rebatch, train
@@ -145,7 +146,7 @@ def test_damaged_checkpoint_is_named_and_fallback_resumes(sharded_run: Path, nam
     tmp = sharded_run
     run = _damaged(tmp, name, damage)
     cfg = _cfg(tmp / "corpus.txt", tmp / "cache")
-    with pytest.raises(CheckpointError, match=message + r".*fallback=True"):
+    with pytest.raises(OptionError, match=r"^resume=True: .*" + message + r".*pass fallback=True"):
         train(cfg, run, resume=True, progress=False)
     if name != "no-latest-target":
         with pytest.raises(CheckpointError, match=message):
@@ -192,7 +193,7 @@ def test_export_consolidates_shards_for_inference(sharded_run: Path) -> None:
     assert generate_text(load_run(tmp / "ref"), "the ", 24, temperature=0) == want  # consolidated in memory
     offloaded = load_run(out, offload=OffloadOptions(memory_budget=1 << 30))  # byte-range reads of the file
     assert generate_text(offloaded, "the ", 24, temperature=0) == want
-    with pytest.raises(CheckpointError, match="is sharded .* moekit export"):
+    with pytest.raises(OptionError, match="^offload: .* is sharded .* moekit export"):
         load_run(tmp / "ref", offload=OffloadOptions(memory_budget=1 << 30))
 
 

@@ -84,6 +84,20 @@ CASES = [
     ("batch-size", ["generate", "{run}", "--batch-size", "0"], None, "--batch-size=0"),
     ("budget-small", ["generate", "{run}", "--memory-budget", "10KB"], None, "--memory-budget=10.0 KB"),
     ("init-resume", ["train", "--init", "{run}", "--resume", "--run-dir", "{new}"], None, "combined with --resume"),
+    ("resume-nothing", ["train", "--resume", "--run-dir", "{new}"], None, "new/config.json: cannot read"),
+    (
+        "nnodes",
+        ["train", "--nproc", "1", "--nnodes", "2", "--run-dir", "{new}"],
+        None,
+        "--nnodes=2: needs --rdzv-endpoint",
+    ),
+    (
+        "launcher-alone",
+        ["train", "--max-restarts", "2", "--run-dir", "{new}"],
+        None,
+        "--max-restarts: a flag of the launcher",
+    ),
+    ("bad-latest", ["train", "--resume", "--run-dir", "{run}"], "bad-latest", "(pass --fallback to resume from"),
     ("export-onto-run", ["export", "{run}", "--out", "{run}"], None, "--out="),
     (
         "host-budget",
@@ -121,6 +135,7 @@ EDITS = {
     "cf": lambda run, tmp: _write(tmp / "cf.toml", '[moe]\ncapacity_factor = "1.25"\n'),
     "broken": lambda run, tmp: _write(tmp / "broken.toml", "[train\nlr = 1\n"),
     "a-file": lambda run, tmp: _write(tmp / "a-file", "not a directory\n"),
+    "bad-latest": lambda run, tmp: _write(run / "checkpoints" / "latest", "step_999999\n"),
     "corpus": lambda run, tmp: write_corpus(tmp / "corpus.txt"),
     "config": lambda run, tmp: _edit_json(run / "config.json", lambda c: c["train"].update(lr="x")),
     "no-files": lambda run, tmp: _edit_json(_manifest(run), lambda m: m.pop("files")),
@@ -165,30 +180,3 @@ def test_bad_input_is_one_clear_line_and_loses_nothing(pristine_run, tmp_path, a
     assert named.format(tmp=tmp_path) in lines[0], lines[0]
     assert _snapshot(run) == before, "the run directory changed"
     assert not new.exists(), "a run directory was created"
-
-
-def test_library_option_names_become_the_commands_flags() -> None:
-    """``in_flag_words`` maps each argument a library message names to the flag of this command that
-    set it; config fields keep their dotted names (a value may come from a file), unknown names stay."""
-    from moekit.cli import build_parser
-    from moekit.cli.common import in_flag_words
-
-    parser = build_parser()
-    train = parser.parse_args(["train"]).command_parser
-    generate = parser.parse_args(["generate", "run"]).command_parser
-    cases = [
-        (
-            train,
-            "run_dir=r: holds a run; pass resume=True, or another",
-            "--run-dir=r: holds a run; pass --resume, or another",
-        ),
-        (train, "nnodes=2: needs rdzv_endpoint=HOST:PORT", "--nnodes=2: needs --rdzv-endpoint=HOST:PORT"),
-        (train, "preset: unknown preset 'x'", "--preset: unknown preset 'x'"),
-        (train, "train.lr=nan: must be finite; model.d_ff=3", "train.lr=nan: must be finite; model.d_ff=3"),
-        (train, "memory_budget=1: a flag of generate only", "memory_budget=1: a flag of generate only"),
-        (generate, "offload: r is a dense model", "--memory-budget: r is a dense model"),
-        (generate, "top_k=-3: must be >= 0; policy='top_k=1'", "--top-k=-3: must be >= 0; --policy='top_k=1'"),
-        (generate, "the offload: of r", "the offload: of r"),
-    ]
-    for command, library, cli in cases:
-        assert in_flag_words(library, command) == cli

@@ -33,7 +33,7 @@ def test_cli_generate_offloaded_batch(run_dir: Path, tmp_path: Path, capsys: pyt
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "smaller than the non-expert weights" in err
     assert main([*argv, "--memory-budget", budget, "--policy", "mru"]) == 2
-    assert "--policy='mru'" in capsys.readouterr().err
+    assert "--policy=mru: choose from" in capsys.readouterr().err
 
 
 @pytest.mark.slow
@@ -91,10 +91,14 @@ def test_cli_generates_with_experts_quantized_in_memory(write_run, tmp_path: Pat
 @pytest.mark.slow
 def test_cli_refuses_a_bad_expert_format_and_a_dense_run(run_dir: Path, write_run, tmp_path: Path) -> None:
     proc = moekit_cli("generate", str(run_dir), "--expert-format", "int3")
-    assert proc.returncode == 2 and "--expert-format='int3'" in proc.stderr and "Traceback" not in proc.stderr
+    assert (
+        proc.returncode == 2 and "--expert-format=int3: choose from" in proc.stderr and "Traceback" not in proc.stderr
+    )
     dense = write_run(tmp_path / "dense", **{"model.moe_every": "0"})
     proc = moekit_cli("generate", str(dense), "--expert-format", "int8")
-    assert proc.returncode == 2 and "dense model" in proc.stderr and "Traceback" not in proc.stderr
+    assert proc.returncode == 2 and "--expert-format=int8: " in proc.stderr and "dense model" in proc.stderr
+    proc = moekit_cli("generate", str(dense), "--memory-budget", "1GB")  # load_run(offload=...) is --memory-budget
+    assert proc.returncode == 2 and "error: --memory-budget: " in proc.stderr and "no experts to offload" in proc.stderr
 
 
 @pytest.mark.slow

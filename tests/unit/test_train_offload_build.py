@@ -24,8 +24,9 @@ from helpers import assert_same_checkpoints
 from safetensors.torch import load_file
 
 from moekit import runconfig
+from moekit.errors import OptionError
 from moekit.model import Transformer
-from moekit.run.layout import MANIFEST, MODEL_FILE, CheckpointError, latest_checkpoint
+from moekit.run.layout import MANIFEST, MODEL_FILE, latest_checkpoint
 from moekit.storage.files import StorageFile
 from moekit.train.loop import train
 from moekit.train.offload import ExpertWriter
@@ -110,7 +111,7 @@ def test_init_streams_another_runs_weights_as_in_memory_training_loads_them(tmp_
     model = runconfig.from_json(tmp_path / "source" / "config.json").model
     memory = dataclasses.replace(runconfig.resolve("tiny", values), model=model)
     disk = dataclasses.replace(runconfig.resolve("tiny", values | {"train.memory_budget": "800KB"}), model=model)
-    with pytest.raises(CheckpointError, match="consolidate it first with moekit export"):
+    with pytest.raises(OptionError, match="^init: .* consolidate it first with moekit export"):
         train(disk, tmp_path / "refused", init=tmp_path / "sharded", progress=False)
     in_memory = train(memory, tmp_path / "memory", init=tmp_path / "source", progress=False)
     offloaded = train(disk, tmp_path / "disk", init=tmp_path / "source", progress=False)

@@ -11,7 +11,7 @@ import sys
 
 from moekit import __version__
 from moekit.cli import convert, export, generate, plan, plot, serve, train, upcycle
-from moekit.cli.common import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_USAGE, Parser, in_flag_words
+from moekit.cli.common import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_USAGE, Parser, flag_words
 
 COMMANDS = (train, generate, serve, plot, plan, convert, export, upcycle)  # in --help's order
 
@@ -27,7 +27,7 @@ def build_parser() -> Parser:
     for command in COMMANDS:
         command.add_parser(commands)
     for sub in commands.choices.values():
-        sub.set_defaults(command_parser=sub)  # its flags put library errors in the user's words
+        sub.set_defaults(command_parser=sub)  # its flags name the options library errors name
     return parser
 
 
@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     for name, value in getattr(args, "environment", {}).items():  # before torch loads: OpenMP reads them once
         os.environ.setdefault(name, value)
-    from moekit.errors import MoekitError
+    from moekit.errors import MoekitError, OptionError
     from moekit.parallel.failures import RankFailure, exit_after_rank_failure
 
     rank = f" (rank {os.environ['RANK']})" if "RANK" in os.environ and "WORLD_SIZE" in os.environ else ""
@@ -50,7 +50,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"moekit {args.command}{rank}: error: {err}", file=sys.stderr)
         exit_after_rank_failure(EXIT_FAILURE)
     except (MoekitError, ValueError, FileNotFoundError) as err:
-        print(f"moekit {args.command}{rank}: error: {in_flag_words(str(err), args.command_parser)}", file=sys.stderr)
+        words = err.words(flag_words(args.command_parser)) if isinstance(err, OptionError) else str(err)
+        print(f"moekit {args.command}{rank}: error: {words}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
         print(f"moekit {args.command}: interrupted", file=sys.stderr)

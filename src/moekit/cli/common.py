@@ -8,6 +8,8 @@ import re
 import typing
 from pathlib import Path
 
+from moekit.errors import NO_VALUE, Namer, python_words
+
 EXIT_FAILURE = 1  # the run failed (a dead or hung rank)
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
@@ -20,38 +22,28 @@ class Parser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-# Library arguments that a command sets through a flag of another name: load_run(offload=...) is
-# built from --memory-budget (and the flags beside it).
-_SET_BY = {"offload": "memory_budget"}
+def flag_words(parser: argparse.ArgumentParser) -> Namer:
+    """How ``parser``'s command names a library option (``errors.OptionError``): by the flag that set it,
+    found by its argparse dest, or by the dest an alias names (``parser.get_default("option_aliases")``:
+    ``load_run(offload=...)`` is built from ``--memory-budget``): ``--flag=value``, or ``--flag`` alone
+    for an option named without a value or a switch mentioned as set. Dotted config fields
+    (``train.lr``), whose value may come from a file, and names no flag sets keep their Python words."""
+    flags = {
+        action.dest: action
+        for action in parser._actions
+        if "." not in action.dest and any(s.startswith("--") for s in action.option_strings)
+    }
+    aliases = parser.get_default("option_aliases") or {}
 
+    def name(option: str, value: object) -> str:
+        action = flags.get(aliases.get(option, option))
+        if action is None:
+            return python_words(option, value)
+        flag = next(s for s in action.option_strings if s.startswith("--"))
+        switch = action.nargs == 0 and value is True
+        return flag if value is NO_VALUE or switch else f"{flag}={value}"
 
-def in_flag_words(message: str, parser: argparse.ArgumentParser) -> str:
-    """A library error as the user of ``parser``'s command reads it: each option the library names as
-    its Python argument (``memory_budget=512``, ``resume=True``, or ``offload:`` opening the message)
-    becomes this command's flag for it (``--memory-budget=512``, ``--resume``, ``--memory-budget:``).
-
-    Library messages name options the way the caller passed them; only the CLI knows which flag that
-    was. Dotted config fields (``train.lr=...``) stay as they are: their value may come from a file.
-    """
-    flags: dict[str, str] = {}
-    switches: set[str] = set()  # store_true flags: "resume=True" is "--resume"
-    for action in parser._actions:
-        long = [s for s in action.option_strings if s.startswith("--")]
-        if long and "." not in action.dest and action.dest != "help":
-            flags[action.dest] = long[0]
-            if action.nargs == 0 and action.const is True:
-                switches.add(action.dest)
-    flags |= {name: flags[dest] for name, dest in _SET_BY.items() if dest in flags}
-    if not flags:
-        return message
-    names = "|".join(sorted(map(re.escape, flags), key=len, reverse=True))
-
-    def flag(match: re.Match) -> str:
-        name, tail = match.group("name"), match.group("tail")
-        return flags[name] if tail == "=True" and name in switches else flags[name] + tail
-
-    message = re.sub(rf"(?<![\w.\-/='\"])(?P<name>{names})(?P<tail>=True\b|=)", flag, message)
-    return re.sub(rf"^(?P<name>{names})(?P<tail>:)", flag, message)
+    return name
 
 
 def device_name(text: str) -> str:
@@ -153,6 +145,7 @@ def add_run_flags(parser: argparse.ArgumentParser) -> None:
     off.add_argument(
         "--memory-budget", help="bytes for resident weights (e.g. 512MB): non-expert weights + an expert cache"
     )
+    parser.set_defaults(option_aliases={"offload": "memory_budget"})  # load_run(offload=...) is built from it
     off.add_argument("--policy", default="lru", help="expert cache eviction: lru, lfu, fifo (default: %(default)s)")
     off.add_argument(
         "--prefetch",

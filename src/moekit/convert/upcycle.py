@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from moekit.config import MoEConfig
+from moekit.errors import OptionError
 from moekit.model import Transformer
 
 
@@ -58,13 +59,13 @@ def upcycle(
     if cfg.moe_layers():
         raise ValueError("upcycle: the model already has MoE blocks (model.moe_every > 0); give a dense model")
     if top_k < 2:  # the router renormalises only k > 1 picks: one pick would weigh the MLP by its raw probability
-        raise ValueError(f"top_k={top_k}: upcycling needs top_k >= 2 to start as the dense model exactly")
+        raise OptionError("top_k", "upcycling needs 2 or more to start as the dense model exactly", top_k)
     if split < 1 or num_experts % split:
-        raise ValueError(f"split={split}: must be >= 1 and divide num_experts={num_experts}")
+        raise OptionError("split", "must be >= 1 and divide {num_experts}", split, num_experts=num_experts)
     if cfg.d_ff % split:
-        raise ValueError(f"split={split}: must divide the dense MLP width model.d_ff={cfg.d_ff}")
+        raise OptionError("split", f"must divide the dense MLP width model.d_ff={cfg.d_ff}", split)
     if not (math.isfinite(noise) and noise >= 0):
-        raise ValueError(f"noise={noise}: must be a finite number >= 0")
+        raise OptionError("noise", "must be a finite number >= 0", noise)
     settings = dict(moe_overrides or {}) | {"normalize_topk": True, "softmax_before_topk": True}
     moe_cfg = MoEConfig(
         d_model=cfg.d_model,

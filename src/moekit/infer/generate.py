@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from moekit.config import MoEConfig
+from moekit.errors import OptionError
 from moekit.experts.matmul import single_token_kernels
 from moekit.model import KVCache, Transformer
 from moekit.run.load import LoadedRun
@@ -24,13 +25,13 @@ NextLogits = Callable[[Tensor], Tensor]  # tokens so far [B, L] -> the next posi
 def check_sampling(max_new_tokens: int, temperature: float, top_k: int, top_p: float) -> None:
     """ValueError naming the first out-of-range option (by its argument name, also the JSON field's)."""
     if max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens={max_new_tokens}: must be >= 0")
+        raise OptionError("max_new_tokens", "must be >= 0", max_new_tokens)
     if not (math.isfinite(temperature) and temperature >= 0):
-        raise ValueError(f"temperature={temperature}: must be a finite number >= 0 (0 = greedy)")
+        raise OptionError("temperature", "must be a finite number >= 0 (0 = greedy)", temperature)
     if top_k < 0:
-        raise ValueError(f"top_k={top_k}: must be >= 0 (0 = all tokens)")
+        raise OptionError("top_k", "must be >= 0 (0 = all tokens)", top_k)
     if not 0 < top_p <= 1:
-        raise ValueError(f"top_p={top_p}: must be in (0, 1]")
+        raise OptionError("top_p", "must be in (0, 1]", top_p)
 
 
 def check_batch_independent(moe: MoEConfig | None, others: str) -> None:
@@ -208,7 +209,7 @@ def generate_texts(
 ) -> list[str]:
     """Continuations of several prompts (each prompt included), generated ``batch_size`` at a time."""
     if batch_size < 1:
-        raise ValueError(f"batch_size={batch_size}: must be >= 1")
+        raise OptionError("batch_size", "must be >= 1", batch_size)
     encoded = [run.tokenizer.encode(p) for p in prompts]
     for i, ids in enumerate(encoded):
         if not ids:
@@ -233,5 +234,5 @@ def generate_text(
 ) -> str:
     """Decode the continuation of ``prompt`` (the prompt itself included)."""
     if not run.tokenizer.encode(prompt):
-        raise ValueError(f"prompt={prompt!r}: empty after tokenisation; give at least one character")
+        raise OptionError("prompt", "empty after tokenisation; give at least one character", prompt)
     return generate_texts(run, [prompt], max_new_tokens, temperature, top_k, top_p, seed)[0]

@@ -12,6 +12,7 @@ import torch
 from torch import Tensor, nn
 
 from moekit.config import ModelConfig, MoEConfig
+from moekit.errors import OptionError
 from moekit.infer.expert_store import ExpertStore, ExpertStoreError
 from moekit.infer.offloader import PREFETCH_MODES, OffloadedExperts, Offloader
 from moekit.infer.quant import QUANT_FORMATS, roles, write_quantized_store
@@ -45,13 +46,13 @@ class OffloadOptions:
         }
         for name, (value, allowed) in choices.items():
             if value not in allowed:
-                raise ValueError(f"{name}={value!r}: choose from {', '.join(allowed)}")
+                raise OptionError(name, f"choose from {', '.join(allowed)}", value)
         if self.memory_budget <= 0:
-            raise ValueError(f"memory_budget={self.memory_budget}: must be > 0")
+            raise OptionError("memory_budget", "must be > 0", self.memory_budget)
         if not 0 <= self.prefetch_min_precision <= 1:
-            raise ValueError(f"prefetch_min_precision={self.prefetch_min_precision}: must be in [0, 1]")
+            raise OptionError("prefetch_min_precision", "must be in [0, 1]", self.prefetch_min_precision)
         if self.record_trace < 0:
-            raise ValueError(f"record_trace={self.record_trace}: must be >= 0 (0 = no trace)")
+            raise OptionError("record_trace", "must be >= 0 (0 = no trace)", self.record_trace)
 
     def build(
         self,
@@ -173,15 +174,17 @@ def offloaded_model(
     if slots < 1:
         store.close()
     if budget < resident_bytes:
-        raise ValueError(
-            f"memory_budget={format_bytes(budget)} is smaller than the non-expert weights "
-            f"({format_bytes(resident_bytes)}), which stay resident"
+        raise OptionError(
+            "memory_budget",
+            f"smaller than the non-expert weights ({format_bytes(resident_bytes)}), which stay resident",
+            format_bytes(budget),
         )
     if slots < 1:
-        raise ValueError(
-            f"memory_budget={format_bytes(budget)} leaves {format_bytes(budget - resident_bytes)} for experts "
-            f"after the non-expert weights ({format_bytes(resident_bytes)}): "
-            f"less than one expert ({format_bytes(store.slot_bytes)})"
+        raise OptionError(
+            "memory_budget",
+            f"leaves {format_bytes(budget - resident_bytes)} for experts after the non-expert weights "
+            f"({format_bytes(resident_bytes)}): less than one expert ({format_bytes(store.slot_bytes)})",
+            format_bytes(budget),
         )
     cache = SlotCache(slots, store.slot_bytes, torch.device(device), make_policy(options.policy))
     offloader = Offloader(

@@ -38,6 +38,7 @@ import torch
 from torch import Tensor, nn
 
 from moekit.config import MoEConfig
+from moekit.errors import OptionError
 from moekit.experts.grouped import Activation, ExpertCompute, compute_dtype
 from moekit.infer.expert_store import ExpertStore, Key
 from moekit.infer.quant import matmul
@@ -129,7 +130,7 @@ class Offloader:
         record_trace: int = 0,
     ) -> None:
         if prefetch not in PREFETCH_MODES:
-            raise ValueError(f"prefetch={prefetch!r}: choose from {', '.join(PREFETCH_MODES)}")
+            raise OptionError("prefetch", f"choose from {', '.join(PREFETCH_MODES)}", prefetch)
         self.store, self.cache, self.fmt, self.prefetch = store, cache, fmt, prefetch
         self.min_precision = min_precision
         self.blocks = sorted(layers)

@@ -20,6 +20,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
+from moekit.errors import OptionError
 from moekit.experts import DenseFFN
 from moekit.experts.grouped import ExpertCompute, GroupedExperts
 from moekit.experts.matmul import SIXTEEN_BIT, mm, packed_linear, prepack, prepackable
@@ -67,7 +68,7 @@ class QuantizedExperts(_PerExpert):
     def __init__(self, experts: GroupedExperts, fmt: str) -> None:
         super().__init__(experts)
         if fmt not in QUANT_FORMATS:
-            raise ValueError(f"expert_format={fmt!r}: choose from {', '.join(QUANT_FORMATS)}")
+            raise OptionError("expert_format", f"choose from {', '.join(QUANT_FORMATS)}", fmt)
         self.fmt = fmt
         quantize = quantize_int8 if fmt == "int8" else pack_int4_for_cpu
         for role in ("w_in", "w_out"):
@@ -127,9 +128,11 @@ def quantize_experts_(model: nn.Module, fmt: str) -> nn.Module:
     (the full-precision weights of a layer are freed as its quantized ones are made)."""
     for moe in model.moe_layers():
         if fmt == "int4" and moe.experts.w_in.device.type != "cpu":
-            raise ValueError("expert_format='int4': experts quantized in memory run on a CPU (torch's int4 CPU kernel)")
+            raise OptionError(
+                "expert_format", "experts quantized in memory run on a CPU (torch's int4 CPU kernel)", fmt
+            )
         if not isinstance(moe.experts, GroupedExperts):
-            raise ValueError(f"expert_format={fmt!r}: the experts are already {type(moe.experts).__name__}")
+            raise OptionError("expert_format", f"the experts are already {type(moe.experts).__name__}", fmt)
         moe.experts = QuantizedExperts(moe.experts, fmt)
     return model
 

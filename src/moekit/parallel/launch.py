@@ -6,6 +6,8 @@ import signal
 from dataclasses import dataclass
 from pathlib import Path
 
+from moekit.errors import OptionError
+
 LAUNCH_FLAGS = ("--nproc", "--nnodes", "--rdzv-endpoint", "--rdzv-id", "--max-restarts")
 
 
@@ -45,7 +47,7 @@ def launch_training(launch: Launch, train_argv: list[str], run_dir: Path) -> tup
     from torch.distributed.run import main as torchrun
 
     if launch.multi_node and not launch.rdzv_endpoint:
-        raise ValueError(f"nnodes={launch.nnodes}: needs rdzv_endpoint=HOST:PORT")
+        raise OptionError("nnodes", "needs {rdzv_endpoint}", launch.nnodes, rdzv_endpoint="HOST:PORT")
     rendezvous = (
         ["--rdzv-backend", "c10d", "--rdzv-endpoint", launch.rdzv_endpoint, "--rdzv-id", launch.rdzv_id]
         if launch.multi_node

@@ -17,7 +17,7 @@ from typing import Any
 from safetensors.torch import save_model
 from torch import nn
 
-from moekit.errors import MoekitError
+from moekit.errors import MoekitError, OptionError
 from moekit.fileio import fsync_dir, replace_dir, write_bytes_atomic
 from moekit.run.layout import (
     CONFIG,
@@ -124,7 +124,7 @@ def save_weights_run(
     """
     run_dir = Path(run_dir)
     if latest_checkpoint(run_dir) is not None:
-        raise CheckpointError(f"run_dir={run_dir}: already holds a run; choose another directory")
+        raise OptionError("run_dir", "already holds a run; choose another directory", run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     write_bytes_atomic(run_dir / CONFIG, config_json.encode())
     tokenizer.save(run_dir)

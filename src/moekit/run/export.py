@@ -6,6 +6,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+from moekit.errors import OptionError
 from moekit.fileio import write_bytes_atomic
 from moekit.run.checkpoint import begin_checkpoint, publish_checkpoint, save_failed
 from moekit.run.consolidate import consolidate
@@ -23,7 +24,7 @@ def export_run(run_dir: Path, out: Path) -> Path:
     if not (run_dir / CONFIG).is_file():
         raise CheckpointError(f"{run_dir}: not a moekit run directory (no config.json)")
     if latest_checkpoint(out) is not None or (out / CONFIG).exists():
-        raise CheckpointError(f"out={out}: already holds a run; choose an empty directory")
+        raise OptionError("out", "already holds a run; choose an empty directory", out)
     source = latest_checkpoint(run_dir)
     if source is None:
         raise CheckpointError(f"{run_dir}: has no checkpoint yet")

@@ -12,6 +12,7 @@ from safetensors.torch import load_model
 from torch import nn
 
 from moekit.config import ModelConfig, MoEConfig
+from moekit.errors import OptionError
 from moekit.experts.matmul import inference_layout
 from moekit.model import Transformer
 from moekit.model.rope import rope_table
@@ -139,11 +140,12 @@ def load_run(
         raise CheckpointError(f"{run_dir}: has no checkpoint yet")
     if offload is not None:
         if not cfg.is_moe:
-            raise ValueError(f"offload: {run_dir} is a dense model; it has no experts to offload")
+            raise OptionError("offload", f"{run_dir} is a dense model; it has no experts to offload")
         if is_sharded(path):
-            raise CheckpointError(
-                f"offload: {path} is sharded (written by several ranks); offloaded experts are read from one "
-                f"file: consolidate it first with moekit export"
+            raise OptionError(
+                "offload",
+                f"{path} is sharded (written by several ranks); offloaded experts are read from one file: "
+                "consolidate it first with moekit export",
             )
         model, offloader = offload.build(cfg.model, cfg.moe, path, device, dtype or checkpoint_dtype(path))
         return LoadedRun(model, load_tokenizer(run_dir), cfg, path, offloader)

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from moekit.errors import OptionError
 from moekit.experts.matmul import single_token_kernels
 from moekit.run.load import LoadedRun
 from moekit.serve.kv import Chunk, KVPool, PagedStep
@@ -102,9 +103,10 @@ class Engine:
         context = model.cfg.context_length
         if num_blocks * bs < context:
             need = -(-context // bs) * KVPool.bytes_per_block(model.cfg, bs, dtype)
-            raise ValueError(
-                f"kv_budget={options.kv_budget}: holds {num_blocks * bs} positions, less than one "
-                f"context of {context}: give at least {need} bytes"
+            raise OptionError(
+                "kv_budget",
+                f"holds {num_blocks * bs} positions, less than one context of {context}: give at least {need} bytes",
+                options.kv_budget,
             )
         self.pool = KVPool(model.cfg, num_blocks, bs, self.device, dtype)
         self.budget = options.budget

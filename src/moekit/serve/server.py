@@ -25,6 +25,7 @@ from typing import TypeVar
 
 import uvicorn
 
+from moekit.errors import OptionError
 from moekit.fileio import read_json_object
 from moekit.hostmem import keep_freed_memory
 from moekit.infer.generate import check_batch_independent
@@ -158,7 +159,7 @@ def bind(host: str, port: int) -> socket.socket:
         sock.bind((host, port))
     except OSError as err:
         sock.close()
-        raise ValueError(f"port={port}: cannot listen on {host} ({err.strerror})") from None
+        raise OptionError("port", f"cannot listen on {host} ({err.strerror})", port) from None
     return sock
 
 

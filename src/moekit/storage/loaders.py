@@ -29,6 +29,7 @@ from typing import Protocol
 
 import torch
 
+from moekit.errors import OptionError
 from moekit.storage.host import HostTier
 from moekit.storage.slots import Entry, SlotCache
 from moekit.storage.transfers import Transfers
@@ -141,4 +142,4 @@ def make_loader(source: Source, cache: SlotCache) -> Loader:
         return CudaLoader(source, cache)
     if device.type == "cpu":
         return FileLoader(source, cache)
-    raise ValueError(f"device={device}: offloaded experts run on cpu or cuda")
+    raise OptionError("device", "offloaded experts run on cpu or cuda", device)

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from moekit.config import DataConfig
+from moekit.errors import OptionError
 from moekit.fileio import write_atomic, write_json_atomic
 from moekit.tokenizer import BPETokenizer, ByteTokenizer, CharTokenizer, DataError, Tokenizer, load_tokenizer
 
@@ -255,9 +256,11 @@ class Corpus:
         draws exactly the batches an uninterrupted run would, and global RNG state plays no part.
         """
         if split not in ("train", "val"):
-            raise ValueError(f"split={split!r}: must be train or val")
+            raise OptionError("split", "must be train or val", split)
         if batch_size < 1 or context_length < 1:
-            raise ValueError(f"batch_size={batch_size}, context_length={context_length}: both must be >= 1")
+            raise OptionError(
+                "batch_size", "it and {context_length} must both be >= 1", batch_size, context_length=context_length
+            )
         data = self.train if split == "train" else self.val
         if context_length + 1 > len(data):
             raise _context_error(context_length, split, self.source, len(data))
@@ -279,7 +282,7 @@ def prepare_corpus(cfg: DataConfig, context_length: int, tokenizer_dir: Path | N
     renaming files reuses it and editing one rebuilds it. Prints nothing.
     """
     if context_length < 1:
-        raise ValueError(f"context_length={context_length}: must be >= 1")
+        raise OptionError("context_length", "must be >= 1", context_length)
     files = resolve_files(cfg.path)
     texts = _read_texts(files, lenient=cfg.path is None)
     if cfg.path is None:

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
+from moekit.errors import OptionError
 from moekit.fileio import write_bytes_atomic
 from moekit.hostmem import keep_freed_memory
 from moekit.parallel.compile import CompileWatch
@@ -74,13 +75,13 @@ def _has_checkpoint(run_dir: Path) -> bool:
 def _check_run_dir(run_dir: Path, resume: bool) -> None:
     """Check (on every rank, before any collective) that the run directory fits the request."""
     if not resume and _has_checkpoint(run_dir):
-        raise TrainingError(
-            f"run_dir={run_dir}: already holds a trained run; pass resume=True, or choose another directory"
+        raise OptionError(
+            "run_dir", "already holds a trained run; pass {resume}, or choose another directory", run_dir, resume=True
         )
     if resume and not _has_checkpoint(run_dir):
-        raise TrainingError(f"resume=True: {run_dir} has no checkpoint to resume from")
+        raise OptionError("resume", f"{run_dir} has no checkpoint to resume from", True)
     if run_dir.exists() and not run_dir.is_dir():
-        raise TrainingError(f"run_dir={run_dir}: is a file, not a directory")
+        raise OptionError("run_dir", "is a file, not a directory", run_dir)
 
 
 def _elastic_restart(run_dir: Path) -> bool:
@@ -176,8 +177,11 @@ def _setup(
     if dev.type == "cpu":
         keep_freed_memory()
     if init is not None and resume:
-        raise TrainingError(
-            f"init={init}: starts a new run from another run's weights; it cannot be combined with resume=True"
+        raise OptionError(
+            "init",
+            "starts a new run from another run's weights; it cannot be combined with {resume}",
+            init,
+            resume=True,
         )
     main = global_rank() == 0  # before the process group
     say = tqdm.write if progress and main else (lambda msg: print(msg, file=sys.stderr))
@@ -224,9 +228,11 @@ def _build(
     if init is None:
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=corpus.tokenizer.vocab_size))
     elif corpus.tokenizer.vocab_size > cfg.model.vocab_size:
-        raise TrainingError(
-            f"init={init}: its tokenizer has {corpus.tokenizer.vocab_size} tokens, "
-            f"more than model.vocab_size={cfg.model.vocab_size}"
+        raise OptionError(
+            "init",
+            f"its tokenizer has {corpus.tokenizer.vocab_size} tokens, "
+            f"more than model.vocab_size={cfg.model.vocab_size}",
+            init,
         )
     if main and resume_from is None:
         write_bytes_atomic(run_dir / "config.json", cfg.to_json().encode())

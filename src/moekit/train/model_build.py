@@ -10,11 +10,12 @@ from typing import Any
 
 import torch
 
+from moekit.errors import OptionError
 from moekit.hostmem import large_blocks_returned
 from moekit.model import Transformer
 from moekit.parallel.mesh import Layout
 from moekit.parallel.runtime import ParallelModel
-from moekit.run.layout import CheckpointError, latest_checkpoint
+from moekit.run.layout import latest_checkpoint
 from moekit.run.load import load_model_weights
 from moekit.run.manifest import read_manifest
 from moekit.runconfig import RunConfig
@@ -56,7 +57,7 @@ def _load_init(init: Path, model: torch.nn.Module, writer: ExpertWriter | None) 
     (``writer``) are streamed into their file a layer at a time (``offload/init.py``)."""
     path = latest_checkpoint(init)
     if path is None:
-        raise CheckpointError(f"init={init}: has no checkpoint to start from")
+        raise OptionError("init", "has no checkpoint to start from", init)
     read_manifest(path)
     if writer is None:
         load_model_weights(path, model)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from moekit import runconfig
+from moekit.errors import NO_VALUE, OptionError, literal
 from moekit.runconfig import RunConfig
 
 KEPT = {
@@ -25,7 +26,7 @@ KEPT = {
 
 
 def check_resumable(cfg: RunConfig, run_dir: Path) -> None:
-    """Refuse (``ValueError`` naming the field) a resume of ``run_dir`` whose ``cfg`` changes a setting
+    """Refuse (``OptionError`` naming the field) a resume of ``run_dir`` whose ``cfg`` changes a setting
     the run keeps; a run directory without its config has nothing to compare with."""
     recorded_path = run_dir / "config.json"
     if not recorded_path.is_file():
@@ -35,7 +36,6 @@ def check_resumable(cfg: RunConfig, run_dir: Path) -> None:
         section, _, name = dotted.partition(".")
         new, old = getattr(getattr(cfg, section), name), getattr(getattr(recorded, section), name)
         if new != old:
-            raise ValueError(
-                f"{dotted}={new!r}: the run in {run_dir} keeps its own ({old!r}) when resumed, as {why}; "
-                "start a new run from its weights (init=RUN_DIR) to change it"
-            )
+            kept = literal(f"the run in {run_dir} keeps its own ({old!r}) when resumed, as {why}; ")
+            reason = kept + "start a new run from its weights ({init} RUN_DIR) to change it"
+            raise OptionError(dotted, reason, new, init=NO_VALUE)

@@ -13,6 +13,7 @@ from importlib import resources
 from pathlib import Path
 
 from moekit.config import ModelConfig, MoEConfig
+from moekit.errors import OptionError
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -134,18 +135,18 @@ def _read_toml(kind: str, name: str) -> tuple[str, dict]:
     path = Path(name)
     if path.suffix == ".toml":
         if not path.is_file():
-            raise ValueError(f"{kind}: no such file {name}")
+            raise OptionError(kind, f"no such file {name}")
         text, label = path.read_text(), path.stem
     else:
         folder = resources.files("moekit.configs").joinpath(f"{kind}s")
         names = sorted(p.name.removesuffix(".toml") for p in folder.iterdir() if p.name.endswith(".toml"))
         if name not in names:
-            raise ValueError(f"{kind}: unknown preset {name!r} (choose from {', '.join(names)}, or a .toml file)")
+            raise OptionError(kind, f"unknown preset {name!r} (choose from {', '.join(names)}, or a .toml file)")
         text, label = folder.joinpath(f"{name}.toml").read_text(), name
     try:
         return label, tomllib.loads(text)
     except tomllib.TOMLDecodeError as err:
-        raise ValueError(f"{kind}={name!r}: invalid TOML: {err}") from None
+        raise OptionError(kind, f"invalid TOML: {err}", name) from None
 
 
 def _build(kind: str, label: str, cls: type, values: dict, extra: dict | None = None):

@@ -11,6 +11,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from moekit.errors import OptionError
 from moekit.parallel.planner.comm import members_per_node
 from moekit.parallel.planner.cost import Estimate, estimate
 from moekit.parallel.planner.flops import _blocks, attention_dims, model_flops_per_token
@@ -54,7 +55,7 @@ def parse_techniques(text: str) -> Techniques:
     names = [n.strip().replace("-", "_") for n in text.split(",") if n.strip()]
     bad = [n for n in names if n not in known]
     if bad:
-        raise ValueError(f"techniques: unknown {', '.join(bad)} (all, moekit, or any of {', '.join(sorted(known))})")
+        raise OptionError("techniques", f"unknown {', '.join(bad)} (all, moekit, or any of {', '.join(sorted(known))})")
     return Techniques(**{n: True for n in names})
 
 

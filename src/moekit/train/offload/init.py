@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from moekit.errors import OptionError
 from moekit.run.layout import MODEL_FILE, CheckpointError, is_sharded
 from moekit.run.safetensors_io import read_header, read_tensor, rows
 from moekit.train.offload.build import ExpertWriter
@@ -20,9 +21,10 @@ def load_streamed(path: Path, model: nn.Module, writer: ExpertWriter) -> None:
     """Checkpoint ``path``'s weights into ``model`` (built with ``writer`` as its expert sink, not yet
     placed on a mesh) and ``writer``'s file; a key or shape that does not fit is named."""
     if is_sharded(path):
-        raise CheckpointError(
-            f"init: {path} is sharded (a multi-rank run's); offloaded experts are streamed from one file: "
-            "consolidate it first with moekit export"
+        raise OptionError(
+            "init",
+            f"{path} is sharded (a multi-rank run's); offloaded experts are streamed from one file: "
+            "consolidate it first with moekit export",
         )
     file = Path(path) / MODEL_FILE
     saved = read_header(file)
