@@ -94,8 +94,8 @@ def _load(
     if offload.expert_format != "fp":
         raise OptionError(
             "expert_format",
-            "a Hugging Face directory's experts are read in place, as stored (fp); for a quantized expert store "
-            "convert it first (moekit convert)",
+            "a Hugging Face directory's experts are read in place, as stored (fp); for a quantized expert "
+            "store convert it first (moekit convert)",
             offload.expert_format,
         )
     ranges = expert_ranges(checkpoint)

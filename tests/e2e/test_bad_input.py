@@ -67,12 +67,6 @@ CASES = [
         "--resume: {tmp}/run has no checkpoint to resume from",
     ),
     (
-        "nnodes-no-endpoint",
-        ["train", "--nproc", "2", "--nnodes", "2", "--run-dir", "{new}"],
-        None,
-        "--nnodes=2: needs --rdzv-endpoint=HOST:PORT",
-    ),
-    (
         "resume-batch",
         ["train", "--resume", "--run-dir", "{run}", "--train.grad_accum", "2"],
         None,
@@ -98,15 +92,24 @@ CASES = [
     ("not-a-run", ["generate", "{tmp}"], None, "config.json"),
     ("export-format", ["export", "{run}", "--out", "{new}", "--format", "onnx"], None, "--format"),
     # library errors name the argument (batch_size=0, init=..., out=...); the CLI names the flag typed
-    ("batch-size", ["generate", "{run}", "--batch-size", "0"], None, "--batch-size=0: must be >= 1"),
+    ("batch-size", ["generate", "{run}", "--batch-size", "0"], None, "--batch-size=0"),
     ("top-k", ["generate", "{run}", "--top-k", "-3"], None, "--top-k=-3: must be >= 0 (0 = all tokens)"),
-    ("budget-small", ["generate", "{run}", "--memory-budget", "10KB"], None, "--memory-budget=10.0 KB: is smaller"),
+    ("budget-small", ["generate", "{run}", "--memory-budget", "10KB"], None, "--memory-budget=10.0 KB"),
+    ("init-resume", ["train", "--init", "{run}", "--resume", "--run-dir", "{new}"], None, "combined with --resume"),
+    ("resume-nothing", ["train", "--resume", "--run-dir", "{new}"], None, "new/config.json: cannot read"),
     (
-        "init-resume",
-        ["train", "--init", "{run}", "--resume", "--run-dir", "{new}"],
+        "nnodes",
+        ["train", "--nproc", "1", "--nnodes", "2", "--run-dir", "{new}"],
         None,
-        "--init={tmp}/run: starts a new run from another run's weights; it cannot be combined with --resume",
+        "--nnodes=2: needs --rdzv-endpoint",
     ),
+    (
+        "launcher-alone",
+        ["train", "--max-restarts", "2", "--run-dir", "{new}"],
+        None,
+        "--max-restarts: a flag of the launcher",
+    ),
+    ("bad-latest", ["train", "--resume", "--run-dir", "{run}"], "bad-latest", "(pass --fallback to resume from"),
     ("export-onto-run", ["export", "{run}", "--out", "{run}"], None, "--out="),
     (
         "host-budget",
@@ -145,6 +148,7 @@ EDITS = {
     "broken": lambda run, tmp: _write(tmp / "broken.toml", "[train\nlr = 1\n"),
     "a-file": lambda run, tmp: _write(tmp / "a-file", "not a directory\n"),
     "no-checkpoint": lambda run, tmp: shutil.rmtree(run / "checkpoints"),  # a run stopped before its first one
+    "bad-latest": lambda run, tmp: _write(run / "checkpoints" / "latest", "step_999999\n"),
     "corpus": lambda run, tmp: write_corpus(tmp / "corpus.txt"),
     "config": lambda run, tmp: _edit_json(run / "config.json", lambda c: c["train"].update(lr="x")),
     "no-files": lambda run, tmp: _edit_json(_manifest(run), lambda m: m.pop("files")),

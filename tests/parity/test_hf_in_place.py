@@ -22,7 +22,6 @@ from test_hf_parity import tokens  # noqa: E402
 
 from moekit.cli import main  # noqa: E402
 from moekit.convert import ConversionError  # noqa: E402
-from moekit.errors import OptionError  # noqa: E402
 from moekit.infer.generate import generate  # noqa: E402
 from moekit.infer.offload import OffloadOptions, model_bytes  # noqa: E402
 from moekit.model_dir import load_for_inference  # noqa: E402
@@ -126,7 +125,7 @@ def test_layouts_that_cannot_be_read_in_place_are_refused(tmp_path: Path, capsys
     capsys.readouterr()
     assert main(argv) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "--expert-format=int8:" in err and "convert it first" in err
+    assert err.count("\n") == 1 and "--expert-format=int8: " in err and "convert it first" in err
 
 
 def test_experts_in_another_dtype_than_the_run_are_refused(tmp_path: Path) -> None:
@@ -136,7 +135,7 @@ def test_experts_in_another_dtype_than_the_run_are_refused(tmp_path: Path) -> No
 
     save_hf("qwen3_moe", tmp_path / "hf", vocab_size=97)
     save_tokenizer(tmp_path / "hf")
-    with pytest.raises(OptionError, match=r"dtype='bfloat16': .* stored as float32 .*convert first"):
+    with pytest.raises(ValueError, match=r"dtype='bfloat16': .* stored as float32 .*convert first"):
         load_for_inference(tmp_path / "hf", offload=OffloadOptions(1 << 40), dtype=torch.bfloat16)
     quantize_dir(tmp_path / "hf", tmp_path / "dequantized")
     with pytest.raises(ValueError, match=r"stored as float8_e4m3fn .*dequantised, convert first"):

@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     for name, value in getattr(args, "environment", {}).items():  # before torch loads: OpenMP reads them once
         os.environ.setdefault(name, value)
-    from moekit.errors import MoekitError
+    from moekit.errors import MoekitError, OptionError
     from moekit.parallel.failures import RankFailure, exit_after_rank_failure
 
     rank = f" (rank {os.environ['RANK']})" if "RANK" in os.environ and "WORLD_SIZE" in os.environ else ""
@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"moekit {args.command}{rank}: error: {err}", file=sys.stderr)
         exit_after_rank_failure(EXIT_FAILURE)
     except (MoekitError, ValueError, FileNotFoundError) as err:
-        words = err.words(flag_words(args.command_parser)) if isinstance(err, MoekitError) else str(err)
+        words = err.words(flag_words(args.command_parser)) if isinstance(err, OptionError) else str(err)
         print(f"moekit {args.command}{rank}: error: {words}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:

@@ -23,12 +23,11 @@ class Parser(argparse.ArgumentParser):
 
 
 def flag_words(parser: argparse.ArgumentParser) -> Namer:
-    """How ``parser``'s command names an option a library error names (``errors.OptionError``): by the
-    long flag whose argparse dest it is, or the dest an alias of the parser gives it
-    (``set_defaults(option_aliases=...)``: ``load_run(offload=...)`` is built from ``--memory-budget``).
-    ``--flag`` for an option named without a value or a switch mentioned as set (``resume=True`` is
-    ``--resume``), else ``--flag=value``. Dotted config fields (``train.lr``), whose value may come
-    from a file, and names no flag sets keep their Python words."""
+    """How ``parser``'s command names a library option (``errors.OptionError``): by the flag that set it,
+    found by its argparse dest, or by the dest an alias names (``parser.get_default("option_aliases")``:
+    ``load_run(offload=...)`` is built from ``--memory-budget``): ``--flag=value``, or ``--flag`` alone
+    for an option named without a value or a switch mentioned as set. Dotted config fields
+    (``train.lr``), whose value may come from a file, and names no flag sets keep their Python words."""
     flags = {
         action.dest: action
         for action in parser._actions

@@ -98,6 +98,11 @@ def run(args: argparse.Namespace) -> int:
     from moekit.parallel.runtime import global_rank
     from moekit.train.loop import train
 
+    launcher_flags = {"--nnodes": args.nnodes != "1", "--rdzv-endpoint": args.rdzv_endpoint is not None}
+    launcher_flags |= {"--rdzv-id": args.rdzv_id != "moekit", "--max-restarts": args.max_restarts != 0}
+    given = [flag for flag, set_ in launcher_flags.items() if set_]
+    if given and args.nproc is None and "WORLD_SIZE" not in os.environ:  # they would be dropped unread
+        raise ValueError(f"{given[0]}: a flag of the launcher, which --nproc N (ranks on this machine) starts")
     cfg = _config(args)
     run_dir = args.run_dir or Path("runs") / f"{Path(args.preset).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
     if args.nproc is not None and "WORLD_SIZE" not in os.environ:

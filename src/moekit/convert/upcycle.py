@@ -61,7 +61,7 @@ def upcycle(
     if num_experts < 1:  # checked here, as MoEConfig would, to name the argument as the caller passed it
         raise OptionError("num_experts", "must be a positive integer", num_experts)
     if top_k < 2:  # the router renormalises only k > 1 picks: one pick would weigh the MLP by its raw probability
-        raise OptionError("top_k", "upcycling needs top_k >= 2 to start as the dense model exactly", top_k)
+        raise OptionError("top_k", "upcycling needs 2 or more to start as the dense model exactly", top_k)
     if top_k > num_experts:
         raise OptionError("top_k", "cannot exceed {num_experts}", top_k, num_experts=num_experts)
     if split < 1 or num_experts % split:

@@ -176,7 +176,7 @@ def offloaded_model(
     if budget < resident_bytes:
         raise OptionError(
             "memory_budget",
-            f"is smaller than the non-expert weights ({format_bytes(resident_bytes)}), which stay resident",
+            f"smaller than the non-expert weights ({format_bytes(resident_bytes)}), which stay resident",
             format_bytes(budget),
         )
     if slots < 1:

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from moekit.errors import OptionError, literal
 from moekit.run import sharded
 from moekit.run.checkpoint import begin_checkpoint, publish_checkpoint, remove_stale, save_failed
 from moekit.run.consolidate import consolidate
@@ -183,9 +184,8 @@ class Checkpointer:
         if named is not None and named not in candidates:
             problem = f"{pointer} names {named.name}, which is missing or incomplete"
             if not fallback:
-                raise CheckpointError(
-                    problem + " (pass {fallback} to resume from the newest intact checkpoint)", fallback=True
-                )
+                reason = literal(problem) + " (pass {fallback} to resume from the newest intact checkpoint)"
+                raise OptionError("resume", reason, True, fallback=True)
             say(f"moekit: {problem}; falling back")
         elif named is not None:
             candidates = [named] + [c for c in candidates if c != named]
@@ -194,9 +194,8 @@ class Checkpointer:
             if problem is None:
                 return path
             if not fallback:
-                raise CheckpointError(
-                    problem + " (pass {fallback} to resume from the previous complete checkpoint)", fallback=True
-                )
+                reason = literal(problem) + " (pass {fallback} to resume from the previous complete checkpoint)"
+                raise OptionError("resume", reason, True, fallback=True)
             say(f"moekit: {problem}; falling back")
         raise CheckpointError(f"{checkpoint_dir(self.run_dir)}: no intact checkpoint to resume from")
 
@@ -227,10 +226,11 @@ class Checkpointer:
         ``streamed``: state held outside the model (offloaded experts), which reads its keys itself."""
         manifest = load_manifest(path)
         if not (path / SHARDED).is_dir():
-            raise CheckpointError(
-                f"{path}: holds weights only (a converted, upcycled or exported model): start from it with {{init}}",
-                init=self.run_dir,
+            reason = (
+                literal(path)
+                + " holds weights only (a converted, upcycled or exported model): start from it with {init}"
             )
+            raise OptionError("resume", reason, True, init=self.run_dir)
         sharded.restore(path / SHARDED, model, optimizer, self.group, whole, slots, streamed)
         return manifest
 
