@@ -23,6 +23,9 @@ def test_upcycle_a_run_then_train_from_it(corpus_file: Path, tmp_path: Path, cap
     )
     dense = train(dense_cfg, tmp_path / "dense", progress=False)  # the tiny preset's 30 steps
     up = tmp_path / "up"
+    capsys.readouterr()
+    assert main(["upcycle", str(tmp_path / "dense"), "--experts", "4", "--top-k", "5", "--out", str(up)]) == 2
+    assert capsys.readouterr().err == "moekit upcycle: error: --top-k=5: cannot exceed --experts=4\n"
     assert main(["upcycle", str(tmp_path / "dense"), "--experts", "4", "--top-k", "2", "--out", str(up)]) == 0
     dense_run, up_run = load_run(tmp_path / "dense"), load_run(up)
     assert up_run.config.is_moe and up_run.config.data.path == str(corpus_file)

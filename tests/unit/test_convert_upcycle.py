@@ -7,6 +7,7 @@ import torch
 
 from moekit.config import ModelConfig
 from moekit.convert.upcycle import expert_slices, upcycle
+from moekit.errors import OptionError
 from moekit.experts import DenseFFN
 from moekit.model import Transformer
 
@@ -82,8 +83,10 @@ def test_upcycle_rejects_bad_requests() -> None:
     dense = dense_model()
     with pytest.raises(ValueError, match="split=3: must be >= 1 and divide num_experts=4"):
         upcycle(dense, 4, 2, split=3)
-    with pytest.raises(ValueError, match="top_k"):
+    with pytest.raises(OptionError, match=r"^top_k=5: cannot exceed num_experts=4$"):  # upcycle's arguments
         upcycle(dense, 4, 5)
+    with pytest.raises(OptionError, match=r"^num_experts=0: must be a positive integer$"):
+        upcycle(dense, 0, 2)
     moe = upcycle(dense, 4, 2)
     with pytest.raises(ValueError, match="already has MoE blocks"):
         upcycle(moe, 4, 2)

@@ -21,7 +21,10 @@ from helpers import assert_same_checkpoints
 from nan_watch import Watch
 
 from moekit import runconfig
+from moekit.cli import build_parser
+from moekit.cli.common import flag_words
 from moekit.config import TrainConfig
+from moekit.errors import OptionError
 from moekit.parallel.mesh import Layout, LayoutError
 from moekit.run.load import load_run
 from moekit.run.planners import MODEL_PREFIX
@@ -301,10 +304,16 @@ def test_unsupported_offloaded_runs_are_refused(corpus: Path, tmp_path: Path, ov
 
 
 def test_offloaded_runs_off_cpu_are_refused(corpus: Path) -> None:
-    """Checked before the device is used: a ``meta`` device stands in for a GPU here."""
+    """Checked before the device is used: a ``meta`` device stands in for a GPU here. The device is a
+    mentioned option: ``moekit train`` names it by its flag."""
     cfg = tiny(corpus, **{"train.memory_budget": BUDGET})
-    with pytest.raises(ValueError, match="device=meta: offloaded training runs on cpu"):
+    with pytest.raises(OptionError, match="device=meta: offloaded training runs on cpu") as refused:
         check_offloadable(cfg, Layout(1, 1, 1, 1, 1), torch.device("meta"))
+    train_flags = flag_words(build_parser().parse_args(["train"]).command_parser)
+    assert (
+        refused.value.words(train_flags)
+        == f"train.memory_budget={BUDGET!r}: --device=meta: offloaded training runs on cpu"
+    )
 
 
 EP2 = Layout(1, 2, 1, 1, 2)
