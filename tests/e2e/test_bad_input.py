@@ -50,6 +50,7 @@ CASES = [
     ("inf-lr", ["train", "--train.lr", "inf", "--run-dir", "{new}"], None, "train.lr=inf: must be a finite number"),
     ("weight-decay", ["train", "--train.weight_decay", "-1", "--run-dir", "{new}"], None, "train.weight_decay=-1.0"),
     ("beta1", ["train", "--train.beta1", "1.5", "--run-dir", "{new}"], None, "train.beta1=1.5: must be in [0, 1)"),
+    ("rope-theta", ["train", "--model.rope_theta", "0", "--run-dir", "{new}"], None, "model.rope_theta=0.0: must be"),
     ("missing-data", ["train", "--data", "{tmp}/missing.txt", "--run-dir", "{new}"], None, "missing.txt"),
     ("toml-string-lr", ["train", "--preset", "{tmp}/lr.toml", "--run-dir", "{new}"], "lr", "train.lr"),
     ("toml-string-float", ["train", "--preset", "{tmp}/cf.toml", "--run-dir", "{new}"], "cf", "moe.capacity_factor"),

@@ -173,3 +173,17 @@ def test_end_tokens_ignore_eos_min_tokens_and_stop_token_ids(run: LoadedRun, run
         )
     finally:
         s.close()
+
+
+def test_a_prompt_past_the_context_is_refused_and_a_huge_one_before_tokenising(served: Served, run: LoadedRun) -> None:
+    """A prompt of more tokens than the context (64) holds is a 400 naming its length; one of more
+    characters than 64 a context token could cover is refused by its length alone (its message counts
+    characters: no tokenising, so a client's megabyte body costs the server none); the server answers on."""
+    from moekit.serve.protocol import ApiError, _encode
+
+    with pytest.raises(openai.BadRequestError, match=r"the prompt is \d+ tokens: the context holds 64"):
+        create(served, prompt="the king " * 20, max_tokens=2)
+    with pytest.raises(ApiError, match=r"the prompt is 513 characters: more than the context's 8 tokens hold"):
+        _encode(run.tokenizer, "k" * (8 * 64 + 1), 8, False)
+    assert len(_encode(run.tokenizer, "k" * 7, 8, False)) == 7  # within the bound: tokenised
+    assert create(served, max_tokens=3, temperature=0).choices[0].text == expected(run, PROMPT, 3)

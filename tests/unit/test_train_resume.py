@@ -55,3 +55,20 @@ def test_a_resume_changing_a_kept_setting_is_refused(trained, tmp_path: Path, fi
     with pytest.raises(ValueError, match=rf"^{re.escape(field)}=\S+: the run in .* keeps its own \(.+\) when resumed"):
         train(cfg, run, resume=True, progress=False)
     assert _digests(run) == before
+
+
+@pytest.mark.slow
+def test_a_resume_to_fewer_steps_than_ran_is_refused(corpus_file: Path, tmp_path: Path) -> None:
+    """``moekit train --resume --train.steps 1`` on a run at step 2 would train nothing and record one
+    step in config.json: refused by name, the run as it was."""
+    from helpers import moekit_cli
+
+    run = tmp_path / "run"
+    train(tiny(corpus_file, tmp_path / "cache", **{"train.steps": "2"}), run, progress=False)
+    before = _digests(run)
+    done = moekit_cli("train", "--resume", "--run-dir", str(run), "--train.steps", "1", "--quiet")
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.strip().endswith(
+        f"train.steps=1: the run in {run} is at step 2: give at least that many to resume it"
+    )
+    assert _digests(run) == before

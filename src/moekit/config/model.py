@@ -3,6 +3,7 @@ the MoE layer itself is ``[moe]``)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from moekit.config.fields import (
@@ -10,6 +11,7 @@ from moekit.config.fields import (
     NONNEGATIVE_INT,
     POSITIVE,
     POSITIVE_INT,
+    Check,
     check_fields,
     choice,
     option,
@@ -18,6 +20,7 @@ from moekit.config.fields import (
 
 MLP_ACTIVATIONS = ("swiglu", "gelu")
 ROPE_SCALINGS = ("none", "yarn")
+ROPE_BASE = Check(lambda v: math.isfinite(v) and v > 1, "must be a finite number > 1")  # theta^(-2j/d) must fall
 NORMS = ("rmsnorm", "layernorm")
 ATTENTIONS = ("mha", "mla")
 
@@ -42,7 +45,7 @@ class ModelConfig:
     norm: str = option("rmsnorm", "rmsnorm (Llama, Mixtral) or layernorm without bias (GPT-2, nanoGPT)", choice(*NORMS))
     dropout: float = option(0.0, "dropout on attention and residual branches while training")
     tie_embeddings: bool = option(True, "share the input embedding with the output projection")
-    rope_theta: float = option(10000.0, "RoPE base frequency")
+    rope_theta: float = option(10000.0, "RoPE base frequency", ROPE_BASE)
     attention: str = option(
         "mha",
         "mha (multi-head, grouped-query with n_kv_heads) | mla (DeepSeek's latent attention)",

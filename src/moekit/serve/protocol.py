@@ -34,6 +34,10 @@ from moekit.tokenizer import Tokenizer
 MAX_SEED = 2**63 - 1
 MAX_LOGPROBS = 20
 MAX_STOP = 64  # stop strings (and stop token ids) per request: each is checked after every token
+# NOTE: a string prompt longer than this many characters a context token is refused before it is
+# tokenised (which would cost the server time in proportion to the body, for an answer it cannot give):
+# byte-level BPE tokens average 3-5 characters of text, and few of any vocabulary pass 64.
+MAX_CHARS_PER_TOKEN = 64
 STREAM_OPTIONS = {"include_usage", "include_obfuscation"}  # the second has nothing to hide here: ignored
 
 
@@ -198,6 +202,9 @@ def _completion_prompts(body: dict) -> list[Any]:
 
 def _encode(tokenizer: Tokenizer, prompt: Any, context: int, add_special_tokens: bool) -> list[int]:
     if isinstance(prompt, str):
+        if len(prompt) > context * MAX_CHARS_PER_TOKEN:
+            why = f"more than the context's {context} tokens hold ({MAX_CHARS_PER_TOKEN} characters a token at most)"
+            raise ApiError(400, f"the prompt is {len(prompt)} characters: {why}", "prompt")
         try:
             ids = tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
         except ValueError as err:  # a character outside a char vocabulary, a lone surrogate

@@ -247,6 +247,9 @@ def _build(
     start_step = 0
     if resume_from is not None:
         start_step = _restore(saver, resume_from, local, optimizer, model, experts)
+        if start_step > cfg.train.steps:  # it would train nothing, and config.json would say fewer steps than ran
+            reason = f"the run in {run_dir} is at step {start_step}: give at least that many to resume it"
+            raise OptionError("train.steps", reason, cfg.train.steps)
         if main:  # the resumed run's settings (a new train.steps, ...), once its checkpoint has loaded
             write_bytes_atomic(run_dir / "config.json", cfg.to_json().encode())
     return _Run(
