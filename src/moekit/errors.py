@@ -27,11 +27,6 @@ def python_words(option: str, value: object) -> str:
     return f"{option}={value!r}" if isinstance(value, str) else f"{option}={value}"
 
 
-def literal(text: object) -> str:
-    """``text`` (a path, a problem found) put in a reason that names options as fields: its braces doubled."""
-    return str(text).replace("{", "{{").replace("}", "}}")
-
-
 class OptionError(MoekitError, ValueError):
     """A bad option, named as the caller passed it. ``reason`` may name other options as ``{name}``
     fields, ``mentioned`` giving each one's value (True for a switch): ``OptionError("run_dir",
@@ -43,7 +38,9 @@ class OptionError(MoekitError, ValueError):
 
     def words(self, name: Namer) -> str:
         """The message with the option, and every option its reason mentions, written by ``name``."""
+        # NOTE: each mentioned field replaced alone (not str.format): any other brace in the reason, a path's
+        # or a problem's, stays as written.
         reason = self.reason
-        if self.mentioned:
-            reason = reason.format_map({k: name(k, v) for k, v in self.mentioned.items()})
+        for option, value in self.mentioned.items():
+            reason = reason.replace("{" + option + "}", name(option, value))
         return f"{name(self.option, self.value)}: {reason}"

@@ -32,6 +32,8 @@ def test_an_option_error_reads_as_python_and_is_a_value_error() -> None:
     with pytest.raises(ValueError, match=r"^offload: r is a dense model$"):
         raise OptionError("offload", "r is a dense model")
     assert str(OptionError("techniques", "unknown {x} (literal braces)")) == "techniques: unknown {x} (literal braces)"
+    with_braces = OptionError("resume", "r/{a} is corrupt (pass {fallback})", True, fallback=True)
+    assert str(with_braces) == "resume=True: r/{a} is corrupt (pass fallback=True)"  # a path's braces as written
 
 
 def test_a_command_names_each_option_by_its_flag() -> None:

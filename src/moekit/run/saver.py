@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from moekit.errors import OptionError, literal
+from moekit.errors import OptionError
 from moekit.run import sharded
 from moekit.run.checkpoint import begin_checkpoint, publish_checkpoint, remove_stale, save_failed
 from moekit.run.consolidate import consolidate
@@ -184,7 +184,7 @@ class Checkpointer:
         if named is not None and named not in candidates:
             problem = f"{pointer} names {named.name}, which is missing or incomplete"
             if not fallback:
-                reason = literal(problem) + " (pass {fallback} to resume from the newest intact checkpoint)"
+                reason = problem + " (pass {fallback} to resume from the newest intact checkpoint)"
                 raise OptionError("resume", reason, True, fallback=True)
             say(f"moekit: {problem}; falling back")
         elif named is not None:
@@ -194,7 +194,7 @@ class Checkpointer:
             if problem is None:
                 return path
             if not fallback:
-                reason = literal(problem) + " (pass {fallback} to resume from the previous complete checkpoint)"
+                reason = problem + " (pass {fallback} to resume from the previous complete checkpoint)"
                 raise OptionError("resume", reason, True, fallback=True)
             say(f"moekit: {problem}; falling back")
         raise CheckpointError(f"{checkpoint_dir(self.run_dir)}: no intact checkpoint to resume from")
@@ -227,8 +227,7 @@ class Checkpointer:
         manifest = load_manifest(path)
         if not (path / SHARDED).is_dir():
             reason = (
-                literal(path)
-                + " holds weights only (a converted, upcycled or exported model): start from it with {init}"
+                str(path) + " holds weights only (a converted, upcycled or exported model): start from it with {init}"
             )
             raise OptionError("resume", reason, True, init=self.run_dir)
         sharded.restore(path / SHARDED, model, optimizer, self.group, whole, slots, streamed)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from moekit import runconfig
-from moekit.errors import NO_VALUE, OptionError, literal
+from moekit.errors import NO_VALUE, OptionError
 from moekit.runconfig import RunConfig
 
 KEPT = {
@@ -36,6 +36,6 @@ def check_resumable(cfg: RunConfig, run_dir: Path) -> None:
         section, _, name = dotted.partition(".")
         new, old = getattr(getattr(cfg, section), name), getattr(getattr(recorded, section), name)
         if new != old:
-            kept = literal(f"the run in {run_dir} keeps its own ({old!r}) when resumed, as {why}; ")
+            kept = f"the run in {run_dir} keeps its own ({old!r}) when resumed, as {why}; "
             reason = kept + "start a new run from its weights ({init} RUN_DIR) to change it"
             raise OptionError(dotted, reason, new, init=NO_VALUE)
