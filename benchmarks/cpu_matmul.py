@@ -35,6 +35,7 @@ def kernels(weights_NK: list[torch.Tensor]) -> dict[str, Callable[[torch.Tensor]
     fp16 = [w.half() for w in weights_NK]
     fp32_kn = [w.t().contiguous() for w in weights_NK]
     packed16, packed32 = [prepack(w) for w in bf16], [prepack(w) for w in weights_NK]
+    packed32_one_row = [torch.ops.mkldnn._reorder_linear_weight(w, 1) for w in weights_NK]
     q8 = [quantize_int8(w.t()) for w in weights_NK]
     q4 = [pack_int4_for_cpu(w.t()) for w in weights_NK]
 
@@ -45,6 +46,7 @@ def kernels(weights_NK: list[torch.Tensor]) -> dict[str, Callable[[torch.Tensor]
     table = {
         "fp32 [K,N] mm": lambda x: [torch.mm(x, w) for w in fp32_kn],
         "fp32 prepacked": lambda x: [packed_linear(x, p) for p in packed32],
+        "fp32 prepacked for one row": lambda x: [packed_linear(x, p) for p in packed32_one_row],
         "bf16 [N,K] oneDNN": lambda x: [torch.mm(x.bfloat16(), w.t()) for w in bf16],
         "bf16 [N,K] ATen GEMV": lambda x: gemv_off(x.bfloat16(), bf16),
         "bf16 prepacked": lambda x: [packed_linear(x.bfloat16(), p) for p in packed16],

@@ -89,12 +89,12 @@ def upcasts(x_MK: Tensor, w_KN: Tensor) -> bool:
 
 def mm(x_MK: Tensor, w_KN: Tensor, out: Tensor | None = None) -> Tensor:
     """``x @ w`` (into ``out`` when given), upcast to fp32 where ``upcasts`` says so: by oneDNN's fp32
-    kernel over the weight reordered on the way (``unpacked_linear``), 2.1x MKL's ``mm`` at 512 rows
+    kernel over the weight reordered on the way (``_onednn_linear``), 2.1x MKL's ``mm`` at 512 rows
     (1024 x 4096, 2 threads: 11.9 ms against 25.2, the fp16 -> fp32 conversion 0.2 of them)."""
     if not upcasts(x_MK, w_KN):
         return torch.mm(x_MK, w_KN, out=out)
     x32 = x_MK.float()
-    y = unpacked_linear(x32, w_KN.t().float()) if torch.backends.mkldnn.is_available() else x32 @ w_KN.float()
+    y = _onednn_linear(x32, w_KN.t().float()) if torch.backends.mkldnn.is_available() else x32 @ w_KN.float()
     return y.to(x_MK.dtype) if out is None else out.copy_(y)
 
 
@@ -144,13 +144,21 @@ def prepackable(w: Tensor) -> bool:
     return w.dtype == torch.float32 or (w.dtype in SIXTEEN_BIT and native_16bit(w.dtype))
 
 
+PREPACK_ROWS = 512  # the rows oneDNN picks the blocked layout for: best at every count of rows, see prepack
+
+
 def prepack(w_NK: Tensor) -> Tensor:
     """``w`` ([out, in], nn.Linear's layout) reordered once into oneDNN's blocked layout for its kernel:
     an opaque tensor for ``packed_linear`` only. Never slower than the plain layout and up to 2.2x
     faster (``benchmarks/measured/cpu-matmul.json``, 1024 x 4096, one thread: bf16 0.25 ms against 0.34
     for ATen's GEMV at one row, 0.31 against 0.55 for oneDNN unpacked at 4 rows; fp32 0.60 against 0.67
-    for MKL at one row, 0.92 against 1.34 at 4, 18.0 against 39.5 at 512)."""
-    return torch.ops.mkldnn._reorder_linear_weight(w_NK.contiguous(), 1)
+    for MKL at one row, 0.92 against 1.34 at 4, 18.0 against 39.5 at 512).
+
+    The layout is the one oneDNN picks for ``PREPACK_ROWS`` rows: for fp32 the one it picks for a single
+    row is 1.1-1.5x slower at every count of rows, one included (1024 x 4096, 2 threads, ms: 0.54 / 0.45
+    at 1 row, 0.69 / 0.45 at 4, 0.86 / 0.54 at 16, 11.0 / 9.1 at 512; ``cpu_matmul.py``'s "fp32 prepacked
+    for one row"); bf16 gets the same layout either way."""
+    return torch.ops.mkldnn._reorder_linear_weight(w_NK.contiguous(), PREPACK_ROWS)
 
 
 def packed_linear(x: Tensor, packed: Tensor, bias: Tensor | None = None) -> Tensor:
@@ -161,9 +169,16 @@ def packed_linear(x: Tensor, packed: Tensor, bias: Tensor | None = None) -> Tens
 
 
 def unpacked_linear(x_MK: Tensor, w_NK: Tensor) -> Tensor:
-    """``x @ w.t()`` by ``packed_linear``'s kernel over a weight not prepacked (``prepackable`` ones only):
-    oneDNN reorders it on each call as ``prepack`` does once, so the sums, and the numbers, are the same
-    (bit for bit: tests/unit/test_infer_resident_experts.py). For weights that cannot stay packed: an
-    offloaded expert's, whose slot is refilled. About 3x a packed product's time, cached or not."""
-    # NOTE: row-major [N, K]: over a transposed view, oneDNN's one-row fp32 kernel sums in another order.
+    """``x @ w.t()`` by ``packed_linear``'s kernel over a weight not prepacked (``prepackable`` ones only),
+    the same sums, bit for bit (tests/unit/test_infer_resident_experts.py). For weights that cannot stay
+    packed: an offloaded expert's, whose slot is refilled. 16-bit weights: oneDNN's layout for them is
+    the same at any count of rows, so its own reorder for this call's rows is the one ``prepack`` made,
+    about 1.6x a packed product's time (bf16, 1024 x 4096, 2 threads: 0.35 against 0.22 ms at one row).
+    fp32: reordered into ``prepack``'s layout on each call, about 6x (2.1 against 0.33 ms at one row)."""
+    return packed_linear(x_MK, prepack(w_NK)) if w_NK.dtype == torch.float32 else _onednn_linear(x_MK, w_NK)
+
+
+def _onednn_linear(x_MK: Tensor, w_NK: Tensor) -> Tensor:
+    """``x @ w.t()`` by oneDNN, the weight reordered for this call's rows."""
+    # NOTE: row-major [N, K]: over a transposed view, oneDNN's one-row kernel sums in another order.
     return torch.ops.mkldnn._linear_pointwise(x_MK, w_NK.contiguous(), None, "none", [], "")
