@@ -155,9 +155,10 @@ def prepack(w_NK: Tensor) -> Tensor:
     for MKL at one row, 0.92 against 1.34 at 4, 18.0 against 39.5 at 512).
 
     The layout is the one oneDNN picks for ``PREPACK_ROWS`` rows: for fp32 the one it picks for a single
-    row is 1.1-1.5x slower at every count of rows, one included (1024 x 4096, 2 threads, ms: 0.54 / 0.45
-    at 1 row, 0.69 / 0.45 at 4, 0.86 / 0.54 at 16, 11.0 / 9.1 at 512; ``cpu_matmul.py``'s "fp32 prepacked
-    for one row"); bf16 gets the same layout either way."""
+    row is no faster at one row and up to 1.3x slower at a few (``python benchmarks/cpu_matmul.py
+    --threads 2 --rows 1 4 16 512``, ``benchmarks/measured/cpu-matmul-2-threads.json``, ms, one-row layout
+    / this one: 0.49 / 0.48 at 1 row, 0.61 / 0.48 at 4, 0.76 / 0.62 at 16, 9.7 / 9.5 at 512); bf16 gets
+    the same layout either way."""
     return torch.ops.mkldnn._reorder_linear_weight(w_NK.contiguous(), PREPACK_ROWS)
 
 
