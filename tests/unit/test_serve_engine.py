@@ -174,3 +174,52 @@ def test_preempted_sequences_recompute_to_generates_tokens(write_run, tmp_path: 
     assert sorted(e.choice for e in events if isinstance(e, Finish)) == list(range(5))
     assert engine.preemptions > 0 and engine.pool.free_blocks == engine.pool.num_blocks
     assert f"moekit_preemptions_total {float(engine.preemptions)}" in metrics.render().decode()
+
+
+def test_the_logits_of_chosen_positions_equal_the_whole_forwards_rows() -> None:
+    """``logits_at`` (repeats and any order) gives the rows the whole forward gives; with targets, refused."""
+    cfg = runconfig.resolve("tiny", GQA)
+    torch.manual_seed(0)
+    model = Transformer(cfg.model, cfg.moe).eval()
+    ids = torch.randint(0, 256, (2, 9))
+    at = torch.tensor([8, 2, 2, 0])
+    with torch.no_grad():
+        whole, chosen = model(ids).logits, model(ids, logits_at=at).logits
+    assert chosen.shape == (2, 4, cfg.model.vocab_size)
+    torch.testing.assert_close(chosen, whole[:, at], rtol=0, atol=1e-5)
+    with pytest.raises(ValueError, match="targets or logits_at"):
+        model(ids, targets_BL=ids, logits_at=at)
+
+
+@pytest.mark.parametrize("prompt_logprobs", [False, True])
+def test_a_step_projects_only_the_positions_it_samples_from(write_run, tmp_path: Path, prompt_logprobs) -> None:
+    """Prompts fed in chunks beside decodes: the output head sees one row per sequence sampling that step
+    (none while a prompt is still being fed), every position fed when a prompt is scored; tokens equal
+    ``generate``'s either way."""
+    from moekit.serve.engine import Engine, EngineOptions, Token
+
+    run = load_run(write_run(tmp_path / "run", **{"model.tie_embeddings": "false"}))
+    engine = Engine(run, EngineOptions(kv_budget=1 << 20, block_size=4, prefill_chunk=4))
+    fed: list[int] = []  # positions each step feeds, and the rows its output head projects
+    projected: list[int] = []
+    hooks = [
+        run.model.register_forward_pre_hook(lambda module, args: fed.append(args[0].shape[1])),
+        run.model.lm_head.register_forward_pre_hook(lambda module, args: projected.append(args[0].shape[1])),
+    ]
+    events: list = []
+    prompts = ["the king and queen", "the queen"]  # 5 and 3 chunks of 4
+    params = SamplingParams(5, 0.0, prompt_logprobs=prompt_logprobs)
+    engine.waiting.extend(Seq(list(p.encode()), params, events.append, i) for i, p in enumerate(prompts))
+    sampled: list[int] = []
+    while engine.running or engine.waiting:
+        tokens = sum(isinstance(e, Token) for e in events)
+        engine.step()
+        sampled.append(sum(isinstance(e, Token) for e in events) - tokens)
+    for hook in hooks:
+        hook.remove()
+    assert projected == (fed if prompt_logprobs else sampled)
+    assert 0 in sampled and sum(fed) > sum(sampled), "steps that feed more positions than they sample from"
+    for i, p in enumerate(prompts):
+        ids = torch.tensor([list(p.encode())])
+        want = generate(run.model, ids, 5, 0.0)[0, ids.shape[1] :].tolist()
+        assert [e.token for e in events if isinstance(e, Token) and e.choice == i] == want

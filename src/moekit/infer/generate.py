@@ -80,7 +80,8 @@ def prefill(model: Transformer, tokens_BL: Tensor, left_pad_B: Tensor | None = N
     ``left_pad_B``: leading padding positions of each row, masked out of attention."""
     cache = KVCache(model.cfg, tokens_BL.shape[0], tokens_BL.device, model.embed.weight.dtype, left_pad_B)
     with single_token_kernels(tokens_BL.numel()):
-        return model(tokens_BL, cache=cache, last_only=True).logits[:, -1], cache
+        last = torch.tensor([tokens_BL.shape[1] - 1], device=tokens_BL.device)
+        return model(tokens_BL, cache=cache, logits_at=last).logits[:, -1], cache
 
 
 @torch.no_grad()

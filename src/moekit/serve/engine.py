@@ -256,17 +256,21 @@ class Engine:
             if seq.computed + n == len(seq.tokens):  # its forks sample from the same logits
                 sampling += [(len(ids) - 1, s) for s in (seq, *self._fork(seq, seq.computed + n))]
         step = PagedStep(self.pool, [Chunk(s.blocks, s.computed, n) for s, n in plan.chunks], self.device)
+        # the logits of the positions sampled from alone, unless a prompt is scored (prompt_logprobs)
+        scored = any(seq.params.prompt_logprobs for seq, _ in plan.chunks)
+        sampled = torch.tensor([i for i, _ in sampling], dtype=torch.long, device=self.device)
         hooks = []
         if any(seq.params.return_routing for _, seq in sampling):  # hooks only on the steps that record
             hooks = [moe.router.register_forward_hook(self._keep_routing(i)) for i, moe in enumerate(self.moe_layers)]
         t1 = time.perf_counter()
         try:
             with single_token_kernels(len(ids)):
-                out = self.run.model(torch.tensor([ids], device=self.device), cache=step)
+                at = None if scored else sampled
+                out = self.run.model(torch.tensor([ids], device=self.device), cache=step, logits_at=at)
         finally:
             for hook in hooks:
                 hook.remove()
-        if any(seq.params.prompt_logprobs for seq, _ in plan.chunks):
+        if scored:
             self._score_prompts(plan.chunks, starts, out.logits[0])
         for seq, n in plan.chunks:
             seq.computed += n
@@ -276,8 +280,7 @@ class Engine:
         self.steps += 1
         t2 = time.perf_counter()
         if sampling:
-            rows = torch.tensor([i for i, _ in sampling], device=self.device)
-            self._emit(sampling, out.logits[0, rows])
+            self._emit(sampling, out.logits[0, sampled] if scored else out.logits[0])
         self._account(t0, t1, t2)
         return True
 
