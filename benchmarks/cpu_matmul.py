@@ -22,7 +22,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from moekit.experts.matmul import native_16bit, packed_linear, prepack
+from moekit.experts.matmul import native_16bit, packed_linear, prepack, unpacked_linear
 from moekit.infer.quant import dequantize_int8, int4_mm, int8_mm, pack_int4_for_cpu, quantize_int8
 from moekit.model.sdpa import _one_query
 
@@ -47,9 +47,11 @@ def kernels(weights_NK: list[torch.Tensor]) -> dict[str, Callable[[torch.Tensor]
         "fp32 [K,N] mm": lambda x: [torch.mm(x, w) for w in fp32_kn],
         "fp32 prepacked": lambda x: [packed_linear(x, p) for p in packed32],
         "fp32 prepacked for one row": lambda x: [packed_linear(x, p) for p in packed32_one_row],
+        "fp32 unpacked_linear (offloaded)": lambda x: [unpacked_linear(x, w) for w in weights_NK],
         "bf16 [N,K] oneDNN": lambda x: [torch.mm(x.bfloat16(), w.t()) for w in bf16],
         "bf16 [N,K] ATen GEMV": lambda x: gemv_off(x.bfloat16(), bf16),
         "bf16 prepacked": lambda x: [packed_linear(x.bfloat16(), p) for p in packed16],
+        "bf16 unpacked_linear (offloaded)": lambda x: [unpacked_linear(x.bfloat16(), w) for w in bf16],
         "fp16 [N,K] mm": lambda x: [torch.mm(x.half(), w.t()) for w in fp16],
         "fp16 upcast": lambda x: [torch.mm(x, w.float().t()) for w in fp16],
         "int8 (int8_mm)": lambda x: [int8_mm(x.bfloat16(), q, s) for q, s in q8],

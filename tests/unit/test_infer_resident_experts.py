@@ -116,12 +116,13 @@ def test_prepacked_experts_and_linears_equal_the_plain_arithmetic(dtype, tokens:
     assert float((logits - plain_logits).abs().amax()) <= 2 * eps * float(plain_logits.abs().amax())
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 3, 40])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", [1, 3, 40, 512])
 def test_an_unpacked_weight_takes_the_packed_kernel_bit_for_bit(dtype, rows: int) -> None:
     """``unpacked_linear`` (what offloaded experts multiply their slots by) equals ``packed_linear`` over
     the weight ``prepack``-ed, exactly, for a weight stored [out, in] or [in, out] (seen transposed):
-    2048 inputs, where oneDNN's one-row sums are ordered otherwise than ATen's (shown beside)."""
+    2048 inputs, where oneDNN's one-row sums are ordered otherwise than ATen's (shown beside); up to a
+    prefill's 512 rows, where a CPU with other kernels (AMX) could pick another 16-bit layout."""
     if not prepackable(torch.empty(1, dtype=dtype)):
         pytest.skip(f"this CPU's oneDNN has no native {dtype} kernels")
     torch.manual_seed(rows)

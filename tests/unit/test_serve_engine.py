@@ -191,35 +191,40 @@ def test_the_logits_of_chosen_positions_equal_the_whole_forwards_rows() -> None:
         model(ids, targets_BL=ids, logits_at=at)
 
 
-@pytest.mark.parametrize("prompt_logprobs", [False, True])
-def test_a_step_projects_only_the_positions_it_samples_from(write_run, tmp_path: Path, prompt_logprobs) -> None:
+@pytest.mark.parametrize("scored", [False, True], ids=["none scored", "one scored"])
+def test_a_step_projects_only_the_positions_it_scores_or_samples_from(write_run, tmp_path: Path, scored) -> None:
     """Prompts fed in chunks beside decodes: the output head sees one row per sequence sampling that step
-    (none while a prompt is still being fed), every position fed when a prompt is scored; tokens equal
-    ``generate``'s either way."""
+    (none while prompts are still being fed), and with one prompt scored (``prompt_logprobs``) its
+    prompt positions besides, not the other prompt's; tokens equal ``generate``'s either way, and the
+    scored prompt's logprobs equal its positions' log-softmax from the whole forward."""
     from moekit.serve.engine import Engine, EngineOptions, Token
 
     run = load_run(write_run(tmp_path / "run", **{"model.tie_embeddings": "false"}))
     engine = Engine(run, EngineOptions(kv_budget=1 << 20, block_size=4, prefill_chunk=4))
-    fed: list[int] = []  # positions each step feeds, and the rows its output head projects
     projected: list[int] = []
-    hooks = [
-        run.model.register_forward_pre_hook(lambda module, args: fed.append(args[0].shape[1])),
-        run.model.lm_head.register_forward_pre_hook(lambda module, args: projected.append(args[0].shape[1])),
-    ]
+    hook = run.model.lm_head.register_forward_pre_hook(lambda module, args: projected.append(args[0].shape[1]))
     events: list = []
     prompts = ["the king and queen", "the queen"]  # 5 and 3 chunks of 4
-    params = SamplingParams(5, 0.0, prompt_logprobs=prompt_logprobs)
-    engine.waiting.extend(Seq(list(p.encode()), params, events.append, i) for i, p in enumerate(prompts))
+    params = [SamplingParams(5, 0.0, prompt_logprobs=scored), SamplingParams(5, 0.0)]
+    seqs = [Seq(list(p.encode()), sp, events.append, i) for i, (p, sp) in enumerate(zip(prompts, params, strict=True))]
+    engine.waiting.extend(seqs)
     sampled: list[int] = []
     while engine.running or engine.waiting:
         tokens = sum(isinstance(e, Token) for e in events)
         engine.step()
         sampled.append(sum(isinstance(e, Token) for e in events) - tokens)
-    for hook in hooks:
-        hook.remove()
-    assert projected == (fed if prompt_logprobs else sampled)
-    assert 0 in sampled and sum(fed) > sum(sampled), "steps that feed more positions than they sample from"
+    hook.remove()
+    if scored:
+        assert sum(projected) == sum(sampled) + len(prompts[0]) - 1
+    else:
+        assert projected == sampled and 0 in sampled
     for i, p in enumerate(prompts):
         ids = torch.tensor([list(p.encode())])
         want = generate(run.model, ids, 5, 0.0)[0, ids.shape[1] :].tolist()
         assert [e.token for e in events if isinstance(e, Token) and e.choice == i] == want
+    if scored:
+        ids = torch.tensor([list(prompts[0].encode())])
+        with torch.no_grad():
+            want = run.model(ids).logits[0, :-1].log_softmax(-1).gather(1, ids[0, 1:, None])[:, 0]
+        got = torch.tensor([score.logprob for score in seqs[0].prompt_scores])
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-4)

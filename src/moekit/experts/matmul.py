@@ -150,15 +150,15 @@ PREPACK_ROWS = 512  # the rows oneDNN picks the blocked layout for: best at ever
 def prepack(w_NK: Tensor) -> Tensor:
     """``w`` ([out, in], nn.Linear's layout) reordered once into oneDNN's blocked layout for its kernel:
     an opaque tensor for ``packed_linear`` only. Never slower than the plain layout and up to 2.2x
-    faster (``benchmarks/measured/cpu-matmul.json``, 1024 x 4096, one thread: bf16 0.25 ms against 0.34
+    faster at one thread (``benchmarks/measured/cpu-matmul.json``, 1024 x 4096: bf16 0.25 ms against 0.34
     for ATen's GEMV at one row, 0.31 against 0.55 for oneDNN unpacked at 4 rows; fp32 0.60 against 0.67
     for MKL at one row, 0.92 against 1.34 at 4, 18.0 against 39.5 at 512).
 
     The layout is the one oneDNN picks for ``PREPACK_ROWS`` rows: for fp32 the one it picks for a single
-    row is no faster at one row and up to 1.3x slower at a few (``python benchmarks/cpu_matmul.py
-    --threads 2 --rows 1 4 16 512``, ``benchmarks/measured/cpu-matmul-2-threads.json``, ms, one-row layout
-    / this one: 0.49 / 0.48 at 1 row, 0.61 / 0.48 at 4, 0.76 / 0.62 at 16, 9.7 / 9.5 at 512); bf16 gets
-    the same layout either way."""
+    row is slower at every count of rows (``python benchmarks/cpu_matmul.py --threads 2 --rows 1 4 16
+    512``, ``benchmarks/measured/cpu-matmul-2-threads.json``, ms, one-row layout / this one: 0.39 / 0.30
+    at 1 row, 0.69 / 0.33 at 4, 0.95 / 0.55 at 16, 10.4 / 9.1 at 512; an earlier run on a busier
+    machine: 0.49 / 0.48, 0.61 / 0.48, 0.76 / 0.62, 9.7 / 9.5); bf16 gets the same layout either way."""
     return torch.ops.mkldnn._reorder_linear_weight(w_NK.contiguous(), PREPACK_ROWS)
 
 
@@ -173,9 +173,10 @@ def unpacked_linear(x_MK: Tensor, w_NK: Tensor) -> Tensor:
     """``x @ w.t()`` by ``packed_linear``'s kernel over a weight not prepacked (``prepackable`` ones only),
     the same sums, bit for bit (tests/unit/test_infer_resident_experts.py). For weights that cannot stay
     packed: an offloaded expert's, whose slot is refilled. 16-bit weights: oneDNN's layout for them is
-    the same at any count of rows, so its own reorder for this call's rows is the one ``prepack`` made,
-    about 1.6x a packed product's time (bf16, 1024 x 4096, 2 threads: 0.35 against 0.22 ms at one row).
-    fp32: reordered into ``prepack``'s layout on each call, about 6x (2.1 against 0.33 ms at one row)."""
+    the same at any count of rows (on this CPU, 1 to 1000 rows), so its own reorder for this call's rows
+    is the one ``prepack`` made. fp32: reordered into ``prepack``'s layout on each call, which oneDNN's
+    own reorder for one row would not give. Per 1024 x 4096 weight at one row, 2 threads
+    (``cpu-matmul-2-threads.json``): bf16 0.43 against 0.16 ms prepacked, fp32 1.46 against 0.30."""
     return packed_linear(x_MK, prepack(w_NK)) if w_NK.dtype == torch.float32 else _onednn_linear(x_MK, w_NK)
 
 

@@ -256,22 +256,22 @@ class Engine:
             if seq.computed + n == len(seq.tokens):  # its forks sample from the same logits
                 sampling += [(len(ids) - 1, s) for s in (seq, *self._fork(seq, seq.computed + n))]
         step = PagedStep(self.pool, [Chunk(s.blocks, s.computed, n) for s, n in plan.chunks], self.device)
-        # the logits of the positions sampled from alone, unless a prompt is scored (prompt_logprobs)
-        scored = any(seq.params.prompt_logprobs for seq, _ in plan.chunks)
-        sampled = torch.tensor([i for i, _ in sampling], dtype=torch.long, device=self.device)
+        # the output head projects only the positions scored (prompt_logprobs) and sampled from, in that order
+        scoring = self._prompt_scoring(plan.chunks, starts)
+        projected = [i for i, _, _ in scoring] + [i for i, _ in sampling]
+        at = torch.tensor(projected, dtype=torch.long, device=self.device)
         hooks = []
         if any(seq.params.return_routing for _, seq in sampling):  # hooks only on the steps that record
             hooks = [moe.router.register_forward_hook(self._keep_routing(i)) for i, moe in enumerate(self.moe_layers)]
         t1 = time.perf_counter()
         try:
             with single_token_kernels(len(ids)):
-                at = None if scored else sampled
                 out = self.run.model(torch.tensor([ids], device=self.device), cache=step, logits_at=at)
         finally:
             for hook in hooks:
                 hook.remove()
-        if scored:
-            self._score_prompts(plan.chunks, starts, out.logits[0])
+        if scoring:
+            self._score_prompts(scoring, out.logits[0, : len(scoring)])
         for seq, n in plan.chunks:
             seq.computed += n
         if out.moe_stats:
@@ -280,7 +280,7 @@ class Engine:
         self.steps += 1
         t2 = time.perf_counter()
         if sampling:
-            self._emit(sampling, out.logits[0, sampled] if scored else out.logits[0])
+            self._emit(sampling, out.logits[0, len(scoring) :])
         self._account(t0, t1, t2)
         return True
 
@@ -334,29 +334,27 @@ class Engine:
         self.seconds["forward"] += t2 - t1
         self.seconds["emit"] += time.perf_counter() - t2
 
-    def _score_prompts(self, chunks: list[tuple[Seq, int]], starts: list[int], logits_TV: Tensor) -> None:
-        """Score the prompt tokens this step's chunks reach (``prompt_logprobs``): the logits at position
-        i give token i + 1's. A sequence prefilled again after a preemption keeps its first scores."""
-        rows: list[int] = []
-        owners: list[Seq] = []
-        targets: list[int] = []
+    @staticmethod
+    def _prompt_scoring(chunks: list[tuple[Seq, int]], starts: list[int]) -> list[tuple[int, Seq, int]]:
+        """The prompt tokens this step's chunks let it score (``prompt_logprobs``), as (packed position
+        whose logits score it, its sequence, the token): position i's logits give token i + 1's. A
+        sequence prefilled again after a preemption keeps its first scores."""
+        out = []
         for (seq, n), start in zip(chunks, starts, strict=True):
             if not seq.params.prompt_logprobs:
                 continue
             scored, end = len(seq.prompt_scores), min(seq.computed + n, len(seq.prompt) - 1)
-            for position in range(max(seq.computed, scored), end):
-                rows.append(start + position - seq.computed)
-                owners.append(seq)
-                targets.append(seq.prompt[position + 1])
-        if rows:
-            counts = [seq.params.logprobs or 0 for seq in owners]
-            scores = top_logprobs(
-                logits_TV[torch.tensor(rows, device=logits_TV.device)],
-                torch.tensor(targets, device=logits_TV.device),
-                counts,
-            )
-            for seq, score in zip(owners, scores, strict=True):
-                seq.prompt_scores.append(score)
+            out += [(start + i - seq.computed, seq, seq.prompt[i + 1]) for i in range(max(seq.computed, scored), end)]
+        return out
+
+    @staticmethod
+    def _score_prompts(scoring: list[tuple[int, Seq, int]], logits_RV: Tensor) -> None:
+        """Each scored prompt token's logprob (and its ``logprobs`` likeliest) from its row of ``logits``."""
+        owners = [seq for _, seq, _ in scoring]
+        targets = torch.tensor([token for _, _, token in scoring], device=logits_RV.device)
+        scores = top_logprobs(logits_RV, targets, [seq.params.logprobs or 0 for seq in owners])
+        for seq, score in zip(owners, scores, strict=True):
+            seq.prompt_scores.append(score)
 
     def _ends(self, seq: Seq) -> frozenset[int]:
         """The tokens that end ``seq``: the model's (unless ``ignore_eos``) and its ``stop_token_ids``."""
