@@ -56,6 +56,40 @@ def test_greedy_tokens_equal_resident_and_budget_holds(run_dir: Path, experts: i
         off.close()
 
 
+@pytest.mark.parametrize("experts", [2, 5, 36])  # 1, 2 and all 18 experts kept reordered, within the budget
+def test_fp32_experts_are_kept_reordered_for_the_packed_kernel_within_the_budget(
+    run_dir: Path, experts: int, monkeypatch
+) -> None:
+    """Prepacked fp32 experts: each cached one is reordered for oneDNN's kernel once per load, not per
+    product, beside its slot; the cache keeps half the slots the budget pays for, so slots and copies fit
+    it; the logits equal the resident prepacked model's, bit for bit."""
+    from moekit.experts.matmul import prepack, prepackable
+    from moekit.infer.generate import decode_step, prefill
+    from moekit.infer.resident_experts import prepack_
+
+    if not prepackable(torch.empty(1)):
+        pytest.skip("this CPU's torch has no oneDNN")
+    resident = prepack_(load_run(run_dir).model)
+    run = load_run(run_dir, offload=OffloadOptions(memory_budget=budget_for(run_dir, experts), prefetch="off"))
+    reorders: list[int] = []
+    monkeypatch.setattr(offloader, "prepack", lambda w: reorders.append(1) or prepack(w))
+    off = run.offloader
+    try:
+        prepack_(run.model)
+        assert off.copies == 2 and off.cache.num_slots == min(experts // 2, 18)
+        assert model_bytes(run.model) + 2 * off.cache.capacity_bytes <= budget_for(run_dir, experts)
+        prompt = torch.tensor([PROMPTS[0]])
+        (want, cache_a), (got, cache_b) = prefill(resident, prompt), prefill(run.model, prompt)
+        for _ in range(6):
+            assert torch.equal(got, want)
+            token = want.argmax(-1, keepdim=True)
+            want, got = decode_step(resident, token, cache_a), decode_step(run.model, token, cache_b)
+        assert len(reorders) == 2 * off.stats.reads, "w_in and w_out reordered once per expert read"
+        assert (off.stats.hits > off.stats.reads) == (experts == 36), "with every expert cached, hits reorder nothing"
+    finally:
+        off.close()
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("prefetch", ["router", "all", "off"])
 @pytest.mark.parametrize("experts", [2, 9, 18])

@@ -89,12 +89,13 @@ def _memory_report(loaded, budget: str, runtime: int) -> str:
     from moekit.infer.offload import model_bytes
     from moekit.units import format_bytes, parse_bytes
 
-    cache = loaded.offloader.cache
+    cache, copies = loaded.offloader.cache, loaded.offloader.copies
     resident = model_bytes(loaded.model)
+    slots = f"{cache.num_slots} expert slot{'s' * (cache.num_slots != 1)} of {format_bytes(cache.slot_bytes)}"
     return (
         f"memory: --memory-budget {format_bytes(parse_bytes(budget, '--memory-budget'))} holds the resident "
-        f"weights, {format_bytes(resident + cache.capacity_bytes)}: "
-        f"non-expert {format_bytes(resident)} + {cache.num_slots} expert slots of {format_bytes(cache.slot_bytes)}; "
+        f"weights, {format_bytes(resident + copies * cache.capacity_bytes)}: non-expert {format_bytes(resident)} "
+        f"+ {slots}{', each with its expert reordered for the kernel' if copies == 2 else ''}; "
         f"peak RSS {format_bytes(peak_rss())}, which also holds activations, the KV cache and the runtime "
         f"({format_bytes(runtime)} before the model loaded)"
     )

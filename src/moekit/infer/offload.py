@@ -170,7 +170,8 @@ def offloaded_model(
         store.close()
         raise
     budget, resident_bytes = options.memory_budget, model_bytes(model)
-    slots = min((budget - resident_bytes) // store.slot_bytes, len(store.pieces))
+    in_budget = (budget - resident_bytes) // store.slot_bytes
+    slots = min(in_budget, len(store.pieces))
     if slots < 1:
         store.close()
     if budget < resident_bytes:
@@ -195,6 +196,7 @@ def offloaded_model(
         resolve_prefetch(options.prefetch, torch.device(device)),
         options.prefetch_min_precision,
         options.record_trace,
+        in_budget,
     )
     for moe in layers.values():
         moe.experts.offloader = offloader

@@ -40,6 +40,7 @@ from torch import Tensor, nn
 from moekit.config import MoEConfig
 from moekit.errors import OptionError
 from moekit.experts.grouped import Activation, ExpertCompute, compute_dtype
+from moekit.experts.matmul import inference_layout, packed_linear, prepack
 from moekit.infer.expert_store import ExpertStore, Key
 from moekit.infer.quant import matmul
 from moekit.layer import MoE
@@ -128,7 +129,10 @@ class Offloader:
         prefetch: str = "router",
         min_precision: float = 0.5,
         record_trace: int = 0,
+        slots_in_budget: int | None = None,
     ) -> None:
+        """``slots_in_budget``: the slots the budget pays for, beyond the experts there are (``cache``
+        has no more slots than experts); what ``use_packed_kernels`` may split between slots and copies."""
         if prefetch not in PREFETCH_MODES:
             raise OptionError("prefetch", f"choose from {', '.join(PREFETCH_MODES)}", prefetch)
         self.store, self.cache, self.fmt, self.prefetch = store, cache, fmt, prefetch
@@ -143,8 +147,27 @@ class Offloader:
         self._in_use: dict[Key, Entry] = {}  # slots the running layer pinned and has not computed yet
         self._predicted: tuple[int, set[int]] | None = None  # (block, experts) the router prefetch predicted
         self.loader = make_loader(store, cache)  # file reads on the CPU, copies from pinned memory on a GPU
-        # full-precision experts by the resident model's prepacked kernel, set with it (``prepack_``)
-        self.packed_kernels = False
+        self.slots_in_budget = cache.num_slots if slots_in_budget is None else slots_in_budget
+        self.packed_kernels = False  # full-precision experts by the resident model's prepacked kernel
+        self._reordered: dict[int, tuple[Key, dict[str, Tensor]]] | None = None  # slot -> its expert, prepacked
+
+    @property
+    def copies(self) -> int:
+        """Copies the cache keeps of each expert: 2 where fp32 ones are kept reordered beside their slots."""
+        return 1 if self._reordered is None else 2
+
+    def use_packed_kernels(self, dtype: torch.dtype) -> None:
+        """Multiply full-precision experts by the resident model's prepacked kernel (``prepack_``). An fp32
+        weight's prepacked layout costs a reorder no cheaper than 5x its product (``unpacked_linear``),
+        so each cached fp32 expert is kept reordered beside its slot, made once as it is first computed:
+        the cache holds half the experts the budget would, so that slots and copies stay within it.
+        ``dtype``: the model's, which full-precision experts are stored and computed in."""
+        self.packed_kernels = True
+        fp32 = self.fmt == "fp" and dtype == torch.float32
+        if not fp32 or self.slots_in_budget < 2 or self._reordered is not None:
+            return
+        self.cache.keep(min(self.slots_in_budget // 2, self.cache.num_slots))
+        self._reordered = {}
 
     def close(self) -> None:
         self.loader.close()
@@ -341,9 +364,16 @@ class Offloader:
         rows = slice(starts[e], starts[e + 1])
         self.loader.before_compute(entry)
         views = self.store.views(key, self.cache.slot(entry))
-        w_in, w_out = (
-            lambda x, role=role: matmul(self.fmt, views, role, x, self.packed_kernels) for role in ("w_in", "w_out")
-        )
+        if self._reordered is not None:
+            if self._reordered.get(entry.slot, (None,))[0] != key:  # the slot holds another expert now
+                weights = {role: inference_layout(views[role], torch.float32).t() for role in ("w_in", "w_out")}
+                self._reordered[entry.slot] = (key, {role: prepack(w_NK) for role, w_NK in weights.items()})
+            packed = self._reordered[entry.slot][1]
+            w_in, w_out = (lambda x, role=role: packed_linear(x, packed[role]) for role in ("w_in", "w_out"))
+        else:
+            w_in, w_out = (
+                lambda x, role=role: matmul(self.fmt, views, role, x, self.packed_kernels) for role in ("w_in", "w_out")
+            )
         y_RD[rows] = compute(x_RD[rows], w_in, w_out, e)
         self.loader.after_compute(entry)  # before the unpin that lets the slot be loaded into again
         del self._in_use[key]

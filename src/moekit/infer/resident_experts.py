@@ -152,7 +152,7 @@ def prepack_(model: nn.Module) -> nn.Module:
             if type(moe.experts) is GroupedExperts:
                 moe.experts = PackedExperts(moe.experts)
             elif isinstance(moe.experts, OffloadedExperts):  # its slots are refilled: the kernel, unpacked
-                moe.experts.offloader.packed_kernels = True
+                moe.experts.offloader.use_packed_kernels(weight.dtype)
     elif weight.device.type == "cpu" and weight.dtype in SIXTEEN_BIT:
         linear = UpcastLinear
     else:

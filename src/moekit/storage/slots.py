@@ -219,6 +219,14 @@ class SlotCache:
             self._free = list(range(self.num_slots - 1, -1, -1))
         wait(landing)
 
+    def keep(self, num_slots: int) -> None:
+        """Keep the first ``num_slots`` slots and free the others' memory: before anything is loaded."""
+        with self.lock:
+            assert 1 <= num_slots <= self.num_slots and not self.entries, "only an empty cache shrinks"
+            del self.slots[num_slots:]
+            self.num_slots = num_slots
+            self._free = list(range(num_slots - 1, -1, -1))
+
     def pin_resident(self, key: Hashable) -> Entry | None:
         """Pin key's entry if it is resident, without counting a use (a prediction is not one); else None."""
         with self.lock:
