@@ -18,8 +18,9 @@ once for the cache's device) moves the bytes. Per layer and step:
    fetched while the prefetcher's recent precision holds up (a mispredicted read costs a whole
    expert's bytes, a right one saves only the overlap), and keeps being scored while it is not;
 4. each expert's rows are computed with the resident model's kernel for them (plain matmuls, or
-   oneDNN's prepacked experts' kernel over the slot's weight reordered on each call), the same
-   arithmetic, so greedy tokens match resident inference exactly in full precision.
+   oneDNN's prepacked experts' kernel over the slot's weight: 16-bit ones reordered on each call, fp32
+   ones once per read and kept beside the slot, ``use_packed_kernels``), the same arithmetic, so greedy
+   tokens match resident inference exactly in full precision.
 
 When the budget holds fewer experts than a layer needs, the layer runs in chunks: resident
 experts first, then each missing one loaded into an evicted slot and computed at once.
