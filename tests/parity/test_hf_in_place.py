@@ -157,10 +157,11 @@ def test_experts_in_another_dtype_than_the_run_are_refused(tmp_path: Path) -> No
 @pytest.mark.parametrize("slots", [2, None])
 def test_offloaded_experts_compute_exactly_what_resident_ones_compute(dtype, source, prepack, slots, tmp_path) -> None:
     """A Hugging Face directory read in place, or its conversion to a run (16-bit experts stored [in,
-    out]): offloaded experts (a cache of 2, evicting in every layer, or one holding them all) give the
-    resident model's logits bit for bit, prefill and decode, prepacked or not. Both multiply each
+    out]): offloaded experts (a budget of 2 slots, evicting in every layer, or one holding them all) give
+    the resident model's logits bit for bit, prefill and decode, prepacked or not. Both multiply each
     expert's rows with the same kernel over the same weights: plain, or oneDNN's prepacked experts'
-    kernel, which the offloaded ones call on their slot's weight (reordered on each call)."""
+    kernel, which the offloaded ones call on their slot's weight (16-bit: reordered on each call; fp32:
+    reordered once per read and kept, the budget's 2 slots becoming 1 and its copy)."""
     from moekit.experts.matmul import prepackable
     from moekit.infer.generate import decode_step, prefill
 

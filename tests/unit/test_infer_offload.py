@@ -71,13 +71,13 @@ def test_fp32_experts_are_kept_reordered_for_the_packed_kernel_within_the_budget
         pytest.skip("this CPU's torch has no oneDNN")
     resident = prepack_(load_run(run_dir).model)
     run = load_run(run_dir, offload=OffloadOptions(memory_budget=budget_for(run_dir, experts), prefetch="off"))
-    reorders: list[int] = []
-    monkeypatch.setattr(offloader, "prepack", lambda w: reorders.append(1) or prepack(w))
     off = run.offloader
     try:
         prepack_(run.model)
-        assert off.copies == 2 and off.cache.num_slots == min(experts // 2, 18)
-        assert model_bytes(run.model) + 2 * off.cache.capacity_bytes <= budget_for(run_dir, experts)
+        reorders: list[int] = []
+        monkeypatch.setattr(offloader, "prepack", lambda w: reorders.append(1) or prepack(w))
+        assert off.cache.num_slots == min(experts // 2, 18) and off.reordered_bytes > 0
+        assert model_bytes(run.model) + off.cache.capacity_bytes + off.reordered_bytes <= budget_for(run_dir, experts)
         prompt = torch.tensor([PROMPTS[0]])
         (want, cache_a), (got, cache_b) = prefill(resident, prompt), prefill(run.model, prompt)
         for _ in range(6):
@@ -85,6 +85,8 @@ def test_fp32_experts_are_kept_reordered_for_the_packed_kernel_within_the_budget
             token = want.argmax(-1, keepdim=True)
             want, got = decode_step(resident, token, cache_a), decode_step(run.model, token, cache_b)
         assert len(reorders) == 2 * off.stats.reads, "w_in and w_out reordered once per expert read"
+        held = [torch.ops.mkldnn._nbytes(w) for _, copy in off._reordered.values() for w in copy.values()]
+        assert len(held) == 2 * min(off.cache.num_slots, off.stats.reads) and sum(held) <= off.reordered_bytes
         assert (off.stats.hits > off.stats.reads) == (experts == 36), "with every expert cached, hits reorder nothing"
     finally:
         off.close()

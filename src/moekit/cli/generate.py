@@ -89,13 +89,14 @@ def _memory_report(loaded, budget: str, runtime: int) -> str:
     from moekit.infer.offload import model_bytes
     from moekit.units import format_bytes, parse_bytes
 
-    cache, copies = loaded.offloader.cache, loaded.offloader.copies
+    cache, reordered = loaded.offloader.cache, loaded.offloader.reordered_bytes
     resident = model_bytes(loaded.model)
     slots = f"{cache.num_slots} expert slot{'s' * (cache.num_slots != 1)} of {format_bytes(cache.slot_bytes)}"
+    copies = f" + their experts reordered for the kernel, {format_bytes(reordered)}" if reordered else ""
     return (
         f"memory: --memory-budget {format_bytes(parse_bytes(budget, '--memory-budget'))} holds the resident "
-        f"weights, {format_bytes(resident + copies * cache.capacity_bytes)}: non-expert {format_bytes(resident)} "
-        f"+ {slots}{', each with its expert reordered for the kernel' if copies == 2 else ''}; "
+        f"weights, {format_bytes(resident + cache.capacity_bytes + reordered)}: non-expert "
+        f"{format_bytes(resident)} + {slots}{copies}; "
         f"peak RSS {format_bytes(peak_rss())}, which also holds activations, the KV cache and the runtime "
         f"({format_bytes(runtime)} before the model loaded)"
     )

@@ -141,6 +141,7 @@ class Offloader:
         self.blocks = sorted(layers)
         self.routers = {b: layers[b].router for b in self.blocks}
         self.num_experts = {b: layers[b].cfg.num_experts for b in self.blocks}
+        self._moe_cfgs = [layers[b].cfg for b in self.blocks]
         self.stats = OffloadStats()
         self.trace = OffloadTrace(record_trace) if record_trace else None
         self._step_reads: dict[int, Counter[Key]] = {}  # reads per expert of the steps in flight (this, next)
@@ -151,24 +152,27 @@ class Offloader:
         self.slots_in_budget = cache.num_slots if slots_in_budget is None else slots_in_budget
         self.packed_kernels = False  # full-precision experts by the resident model's prepacked kernel
         self._reordered: dict[int, tuple[Key, dict[str, Tensor]]] | None = None  # slot -> its expert, prepacked
+        self._reordered_bytes = 0  # one expert's, prepacked
 
     @property
-    def copies(self) -> int:
-        """Copies the cache keeps of each expert: 2 where fp32 ones are kept reordered beside their slots."""
-        return 1 if self._reordered is None else 2
+    def reordered_bytes(self) -> int:
+        """At most what the fp32 experts kept reordered beside their slots hold (``use_packed_kernels``)."""
+        return 0 if self._reordered is None else self.cache.num_slots * self._reordered_bytes
 
     def use_packed_kernels(self, dtype: torch.dtype) -> None:
         """Multiply full-precision experts by the resident model's prepacked kernel (``prepack_``). An fp32
         weight's prepacked layout costs a reorder no cheaper than 5x its product (``unpacked_linear``),
         so each cached fp32 expert is kept reordered beside its slot, made once as it is first computed:
-        the cache holds half the experts the budget would, so that slots and copies stay within it.
-        ``dtype``: the model's, which full-precision experts are stored and computed in."""
+        the cache holds fewer experts, so that slots and copies stay within what the budget pays for.
+        ``dtype``: the model's, which full-precision experts are computed in. Before the first step."""
         self.packed_kernels = True
-        fp32 = self.fmt == "fp" and dtype == torch.float32
-        if not fp32 or self.slots_in_budget < 2 or self._reordered is not None:
+        if self.fmt != "fp" or dtype != torch.float32 or self._reordered is not None:
             return
-        self.cache.keep(min(self.slots_in_budget // 2, self.cache.num_slots))
-        self._reordered = {}
+        slot, self._reordered_bytes = self.cache.slot_bytes, max(map(_reordered_nbytes, self._moe_cfgs))
+        slots = min(self.slots_in_budget * slot // (slot + self._reordered_bytes), self.cache.num_slots)
+        if slots >= 1:
+            self.cache.keep(slots)
+            self._reordered = {}
 
     def close(self) -> None:
         self.loader.close()
@@ -367,6 +371,7 @@ class Offloader:
         views = self.store.views(key, self.cache.slot(entry))
         if self._reordered is not None:
             if self._reordered.get(entry.slot, (None,))[0] != key:  # the slot holds another expert now
+                self._reordered.pop(entry.slot, None)  # the old copy goes before the new one is made
                 weights = {role: inference_layout(views[role], torch.float32).t() for role in ("w_in", "w_out")}
                 self._reordered[entry.slot] = (key, {role: prepack(w_NK) for role, w_NK in weights.items()})
             packed = self._reordered[entry.slot][1]
@@ -411,3 +416,10 @@ class OffloadedExperts(nn.Module):
         assert self.offloader is not None, "build_offloaded sets the offloader"
         compute = ExpertCompute(self.activation, self.w_in_bias, self.w_out_bias)
         return self.offloader.run_layer(self.block, x_RD, tokens_per_expert, compute)
+
+
+def _reordered_nbytes(cfg: MoEConfig) -> int:
+    """Bytes of one fp32 expert's two weights in oneDNN's prepacked layout (padded to its blocks)."""
+    width_in = cfg.d_ff * (2 if Activation(cfg.activation).gated else 1)
+    shapes_NK = [(width_in, cfg.d_model), (cfg.d_model, cfg.d_ff)]
+    return sum(torch.ops.mkldnn._nbytes(prepack(torch.empty(shape))) for shape in shapes_NK)

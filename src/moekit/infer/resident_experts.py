@@ -142,7 +142,7 @@ def prepack_(model: nn.Module) -> nn.Module:
     native 16-bit kernels): the routed experts left in full precision, attention's projections, dense
     and shared FFNs, and the output head unless it is the embedding's (a packed copy would double it
     outside the memory budget's count); offloaded experts are multiplied by the packed experts' kernel,
-    unpacked (``experts.matmul.unpacked_linear``), so they compute what resident ones do. Routers
+    over their slots' weights (``Offloader.use_packed_kernels``), so they compute what resident ones do. Routers
     (computed in fp32) keep theirs; MLA's projections too (its absorbed decode reads their weights).
     16-bit weights a CPU has no native kernels for get ``UpcastLinear`` (the experts already multiply by ``mm``)."""
     weight = model.lm_head.weight
@@ -151,7 +151,7 @@ def prepack_(model: nn.Module) -> nn.Module:
         for moe in model.moe_layers():
             if type(moe.experts) is GroupedExperts:
                 moe.experts = PackedExperts(moe.experts)
-            elif isinstance(moe.experts, OffloadedExperts):  # its slots are refilled: the kernel, unpacked
+            elif isinstance(moe.experts, OffloadedExperts):  # its slots are refilled: the kernel over them
                 moe.experts.offloader.use_packed_kernels(weight.dtype)
     elif weight.device.type == "cpu" and weight.dtype in SIXTEEN_BIT:
         linear = UpcastLinear

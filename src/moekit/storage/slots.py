@@ -222,7 +222,9 @@ class SlotCache:
     def keep(self, num_slots: int) -> None:
         """Keep the first ``num_slots`` slots and free the others' memory: before anything is loaded."""
         with self.lock:
-            assert 1 <= num_slots <= self.num_slots and not self.entries, "only an empty cache shrinks"
+            if self.entries:
+                raise RuntimeError("a slot cache shrinks only before anything is loaded into it")
+            assert 1 <= num_slots <= self.num_slots
             del self.slots[num_slots:]
             self.num_slots = num_slots
             self._free = list(range(num_slots - 1, -1, -1))
