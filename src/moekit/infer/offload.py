@@ -196,7 +196,7 @@ def offloaded_model(
         resolve_prefetch(options.prefetch, torch.device(device)),
         options.prefetch_min_precision,
         options.record_trace,
-        in_budget,
+        slots_in_budget=in_budget,
     )
     for moe in layers.values():
         moe.experts.offloader = offloader

@@ -130,7 +130,8 @@ class Offloader:
         prefetch: str = "router",
         min_precision: float = 0.5,
         record_trace: int = 0,
-        slots_in_budget: int | None = None,
+        *,
+        slots_in_budget: int,
     ) -> None:
         """``slots_in_budget``: the slots the budget pays for, beyond the experts there are (``cache``
         has no more slots than experts); what ``use_packed_kernels`` may split between slots and copies."""
@@ -141,7 +142,7 @@ class Offloader:
         self.blocks = sorted(layers)
         self.routers = {b: layers[b].router for b in self.blocks}
         self.num_experts = {b: layers[b].cfg.num_experts for b in self.blocks}
-        self._moe_cfgs = [layers[b].cfg for b in self.blocks]
+        self._expert_shapes = {_expert_shapes_NK(layers[b].cfg) for b in self.blocks}  # distinct, for the copies
         self.stats = OffloadStats()
         self.trace = OffloadTrace(record_trace) if record_trace else None
         self._step_reads: dict[int, Counter[Key]] = {}  # reads per expert of the steps in flight (this, next)
@@ -149,7 +150,7 @@ class Offloader:
         self._in_use: dict[Key, Entry] = {}  # slots the running layer pinned and has not computed yet
         self._predicted: tuple[int, set[int]] | None = None  # (block, experts) the router prefetch predicted
         self.loader = make_loader(store, cache)  # file reads on the CPU, copies from pinned memory on a GPU
-        self.slots_in_budget = cache.num_slots if slots_in_budget is None else slots_in_budget
+        self.slots_in_budget = slots_in_budget
         self.packed_kernels = False  # full-precision experts by the resident model's prepacked kernel
         self._reordered: dict[int, tuple[Key, dict[str, Tensor]]] | None = None  # slot -> its expert, prepacked
         self._reordered_bytes = 0  # one expert's, prepacked
@@ -168,7 +169,7 @@ class Offloader:
         self.packed_kernels = True
         if self.fmt != "fp" or dtype != torch.float32 or self._reordered is not None:
             return
-        slot, self._reordered_bytes = self.cache.slot_bytes, max(map(_reordered_nbytes, self._moe_cfgs))
+        slot, self._reordered_bytes = self.cache.slot_bytes, max(map(_reordered_nbytes, self._expert_shapes))
         slots = min(self.slots_in_budget * slot // (slot + self._reordered_bytes), self.cache.num_slots)
         if slots >= 1:
             self.cache.keep(slots)
@@ -370,11 +371,7 @@ class Offloader:
         self.loader.before_compute(entry)
         views = self.store.views(key, self.cache.slot(entry))
         if self._reordered is not None:
-            if self._reordered.get(entry.slot, (None,))[0] != key:  # the slot holds another expert now
-                self._reordered.pop(entry.slot, None)  # the old copy goes before the new one is made
-                weights = {role: inference_layout(views[role], torch.float32).t() for role in ("w_in", "w_out")}
-                self._reordered[entry.slot] = (key, {role: prepack(w_NK) for role, w_NK in weights.items()})
-            packed = self._reordered[entry.slot][1]
+            packed = self._reordered_weights(key, entry, views)
             w_in, w_out = (lambda x, role=role: packed_linear(x, packed[role]) for role in ("w_in", "w_out"))
         else:
             w_in, w_out = (
@@ -384,6 +381,17 @@ class Offloader:
         self.loader.after_compute(entry)  # before the unpin that lets the slot be loaded into again
         del self._in_use[key]
         self.cache.unpin(entry)
+
+    def _reordered_weights(self, key: Key, entry: Entry, views: dict[str, Tensor]) -> dict[str, Tensor]:
+        """The fp32 expert in ``entry``'s slot, prepacked: kept from its last computation there, or made
+        now when the slot holds another expert (the old copy freed first)."""
+        kept = self._reordered.get(entry.slot)
+        if kept is not None and kept[0] == key:
+            return kept[1]
+        self._reordered.pop(entry.slot, None)
+        weights = {role: inference_layout(views[role], torch.float32).t() for role in ("w_in", "w_out")}
+        self._reordered[entry.slot] = (key, {role: prepack(w_NK) for role, w_NK in weights.items()})
+        return self._reordered[entry.slot][1]
 
     def _record_prediction(self, block: int, needed: list[int]) -> None:
         if self._predicted is None or self._predicted[0] != block:
@@ -418,8 +426,12 @@ class OffloadedExperts(nn.Module):
         return self.offloader.run_layer(self.block, x_RD, tokens_per_expert, compute)
 
 
-def _reordered_nbytes(cfg: MoEConfig) -> int:
-    """Bytes of one fp32 expert's two weights in oneDNN's prepacked layout (padded to its blocks)."""
+def _expert_shapes_NK(cfg: MoEConfig) -> tuple[tuple[int, int], tuple[int, int]]:
+    """One expert's two weights' shapes, [out, in]: the input projection (gated or not), the output one."""
     width_in = cfg.d_ff * (2 if Activation(cfg.activation).gated else 1)
-    shapes_NK = [(width_in, cfg.d_model), (cfg.d_model, cfg.d_ff)]
+    return (width_in, cfg.d_model), (cfg.d_model, cfg.d_ff)
+
+
+def _reordered_nbytes(shapes_NK: tuple[tuple[int, int], ...]) -> int:
+    """Bytes of one fp32 expert's weights in oneDNN's prepacked layout (padded to its blocks)."""
     return sum(torch.ops.mkldnn._nbytes(prepack(torch.empty(shape))) for shape in shapes_NK)
