@@ -33,8 +33,10 @@ def _moekit(args: argparse.Namespace):
 
     torch.set_num_threads(args.threads)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}.get(args.variant, torch.bfloat16)
-    fmt = args.variant if args.variant in ("int8", "int4") else "fp"
-    model = load_for_inference(args.model, "cpu", None, dtype, expert_format=fmt)[0].model
+    fmt, _, dense = args.variant.partition("+")  # int8+dense: the experts and every other linear weight
+    fmt = fmt if fmt in ("int8", "int4") else "fp"
+    dense_format = fmt if dense == "dense" else "fp"
+    model = load_for_inference(args.model, "cpu", None, dtype, expert_format=fmt, dense_format=dense_format)[0].model
     state: dict = {}
 
     def forward(ids: list[int], fresh: bool) -> list[float]:
@@ -139,7 +141,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("engine", choices=sorted(ENGINES))
     parser.add_argument("model", help="a Hugging Face directory (moekit, transformers) or a GGUF file (llama.cpp)")
-    parser.add_argument("--variant", required=True, help="fp32 | bf16 | int8 | int4 (moekit), F16 | Q8_0 | ...")
+    parser.add_argument("--variant", required=True, help="fp32 | bf16 | int8+dense | ... (moekit), F16 | Q8_0 | ...")
     parser.add_argument("--threads", type=int, required=True)
     parser.add_argument("--prompt", required=True, help="the prompt's token ids, as a JSON list")
     parser.add_argument("--new-tokens", type=int, required=True)

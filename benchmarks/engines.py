@@ -2,7 +2,7 @@
 
     python benchmarks/engines.py --setup                   # once: the peers' environments (vLLM, llama.cpp)
     python benchmarks/engines.py [--models d1024 d2048] [--threads 2] [--rounds 3] [--new-tokens 64]
-                                 [--sections decode serve] [--clients 1 16 64] [--json]
+                                 [--sections decode serve] [--variants ...] [--clients 1 16 64] [--json]
 
 Models (Hugging Face directories built by transformers from a local config, random weights, bf16, with a
 byte-level BPE tokenizer of 8,192 words trained with ``tokenizers`` on tinyshakespeare; made once under
@@ -15,7 +15,8 @@ rotating), with the machine's load average printed:
   decode  ``_engine_runner.py`` per engine and variant: load and first-token time, batch-1 decode
           tokens/s and inter-token latency (greedy, a 32-token prompt from the corpus), prefill tokens/s
           of 512 tokens, peak RSS, and the first position where the greedy tokens leave transformers'
-          fp32 tokens. moekit: fp32, bf16, fp16, int8 and int4 experts; transformers: fp32, bf16 (its
+          fp32 tokens. moekit: fp32, bf16, fp16, int8 and int4 experts, and int8+dense / int4+dense (every
+          other linear weight quantized too, ``--dense-format``); transformers: fp32, bf16 (its
           forward with a DynamicCache, the loop ``generate`` runs); llama.cpp (llama-cpp-python, files
           from llama.cpp's converter and quantizer): F16, BF16, Q8_0, Q4_K_M.
   serve   ``moekit serve`` and vLLM's CPU build (``vllm.entrypoints.openai.api_server``, with its CPU
@@ -52,8 +53,9 @@ MODELS = {
 }
 SHARED = {"num_hidden_layers": 8, "num_attention_heads": 16, "num_key_value_heads": 4, "num_experts_per_tok": 2}
 VOCAB = 8192
-VARIANTS = {  # moekit's int8 / int4 are its experts' format (the rest bf16); llama.cpp's Q8_0 / Q4_K_M cover all
-    "moekit": ["fp32", "bf16", "fp16", "int8", "int4"],
+VARIANTS = {  # moekit's int8 / int4: its experts' format, the rest bf16; +dense: every other linear weight too (the
+    # head int8 under int4), as llama.cpp's Q8_0 / Q4_K_M quantize every matrix (Q4_K_M's output head: 6 bits)
+    "moekit": ["fp32", "bf16", "fp16", "int8", "int4", "int8+dense", "int4+dense"],
     "transformers": ["fp32", "bf16"],
     "llama.cpp": ["F16", "BF16", "Q8_0", "Q4_K_M"],
 }
@@ -116,7 +118,7 @@ def run_engine(args, engine: str, variant: str, model_dir: Path, prompt: list[in
 
 
 def decode_section(args, model_dir: Path, prompt: list[int]) -> dict:
-    pairs = [(e, v) for e in args.engines if e in VARIANTS for v in VARIANTS[e]]
+    pairs = [(e, v) for e in args.engines if e in VARIANTS for v in VARIANTS[e] if v in (args.variants or [v])]
     results: dict[str, list[dict]] = {}
     for r in range(args.rounds):
         print(f"[decode] round {r + 1}/{args.rounds}, load average {os.getloadavg()[0]:.2f}", file=sys.stderr)
@@ -257,6 +259,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--sections", nargs="+", default=["decode", "serve"], choices=["decode", "serve"], help="(default: both)"
+    )
+    parser.add_argument(
+        "--variants", nargs="+", help="decode only these variants, of whichever engine has them (default: all)"
     )
     parser.add_argument("--threads", type=int, default=2, help="compute threads of every engine (default: 2)")
     parser.add_argument("--rounds", type=int, default=3, help="rounds, the engines taking turns (default: 3)")

@@ -73,8 +73,8 @@ OVERRIDES = {
 }
 COMPUTE_NOTE = (
     "int8/int4 experts save bytes read and cache slots, not compute: every multiply-add runs in the compute "
-    "dtype. int4 experts, and int8 ones with more than 2 rows or on a GPU, are dequantized into a full-precision "
-    "weight before torch.mm (extra work per use); int8 with 1-2 rows on a CPU goes through "
+    "dtype. Offloaded int4 experts, and int8 ones with more than 32 rows or on a GPU, are dequantized into a "
+    "full-precision weight before torch.mm (extra work per use); int8 with up to 32 rows on a CPU goes through "
     "torch._weight_int8pack_mm, which converts the weights inside the kernel. No integer GEMM yet."
 )
 # --variants: name -> (label, OffloadOptions fields; warm: through a filled page cache); "naive" is built apart

@@ -1,9 +1,11 @@
-"""Quantized experts on a trained model: what int8 / int4 cost in quality, through the offloaded path.
+"""Quantized weights on a trained model: what int8 / int4 cost in quality.
 
 Trains the ``shakespeare-moe`` preset with ``moekit train`` (once per seed; runs are kept under
 --cache-dir), then loads each run with its experts offloaded as fp, int8 and int4 (what ``moekit
-generate --memory-budget ... --expert-format`` runs) and compares each with the resident fp32 model
-on the validation split (the tail of the corpus, never trained on):
+generate --memory-budget ... --expert-format`` runs), and resident with every other linear weight
+quantized too (``--expert-format F --dense-format F``: attention, the head in int8 under int4), and
+compares each with the resident fp32 model on the validation split (the tail of the corpus, never
+trained on):
   val loss      teacher-forced cross-entropy over every non-overlapping context window of the split
   top-1         share of those positions whose most likely token is the resident model's
   rerouted      share of those tokens that any MoE layer sends to other experts than the resident model
@@ -13,7 +15,7 @@ on the validation split (the tail of the corpus, never trained on):
                 the new tokens equal to the resident model's, and the first position that differs
 Spread: median and min-max over seeds (loss, logits) and over seeds x prompts (greedy).
 
-    python benchmarks/quant_quality.py [--json] [--seeds 1 2 3] [--steps 1000] [--cache-dir DIR]
+    python benchmarks/quant_quality.py [--json] [--seeds 1 2 3] [--steps 1000] [--variants ...] [--cache-dir DIR]
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from moekit.infer.generate import generate
 from moekit.infer.offload import OffloadOptions
 from moekit.layer import MoE
 from moekit.model import Transformer
+from moekit.model_dir import load_for_inference
 from moekit.routing import RouterOutput
 from moekit.run.layout import latest_checkpoint
 from moekit.run.load import LoadedRun, load_run
@@ -44,10 +47,12 @@ from moekit.train.data import prepare_corpus
 from moekit.units import format_bytes, parse_bytes
 
 sys.path.insert(0, str(Path(__file__).parent))
-from offload import COMPUTE_NOTE, DEFAULT_TEXT  # noqa: E402
+from offload import COMPUTE_NOTE, TEXTS  # noqa: E402
 
 PRESET = "shakespeare-moe"
-FORMATS = ("fp", "int8", "int4")
+FORMATS = ("fp", "int8", "int4")  # offloaded experts
+DENSE = ("int8", "int4")  # resident, experts and dense weights in one format
+VARIANTS = (*FORMATS, *(f"{fmt}+dense" for fmt in DENSE))
 
 
 def trained_run(cache_dir: Path, data: Path, steps: int, seed: int, threads: int | None) -> Path:
@@ -116,7 +121,7 @@ def greedy_match(new_PN: Tensor, ref_PN: Tensor) -> list[dict]:
 
 
 def evaluate_seed(run_dir: Path, args: argparse.Namespace) -> dict:
-    """Every format of one trained run against its resident fp32 model."""
+    """Each of ``args.variants`` of one trained run against its resident fp32 model."""
     resident = load_run(run_dir)
     x_NC, y_NC = val_windows(resident, run_dir, args.data)
     step = len(x_NC) // args.prompts
@@ -124,16 +129,24 @@ def evaluate_seed(run_dir: Path, args: argparse.Namespace) -> dict:
     ref_loss, ref_logits, ref_experts = teacher_forced(resident.model, x_NC, y_NC, args.batch)
     ref_new = generate(resident.model, prompts_PL, args.new_tokens, temperature=0)[:, args.prompt_len :]
     out = dict(run_dir=str(run_dir), val_tokens=y_NC.numel(), resident_val_loss=ref_loss, formats={})
-    for fmt in FORMATS:
-        # NOTE: prefetch only reads ahead (outputs are the same); off, each router runs once per layer
-        options = OffloadOptions(memory_budget=args.budget, expert_format=fmt, prefetch="off")
-        run = load_run(run_dir, offload=options)
+    for variant in args.variants:
+        fmt = variant.removesuffix("+dense")
+        if variant in FORMATS:
+            # NOTE: prefetch only reads ahead (outputs are the same); off, each router runs once per layer
+            options = OffloadOptions(memory_budget=args.budget, expert_format=fmt, prefetch="off")
+            run = load_run(run_dir, offload=options)
+        else:
+            run = load_for_inference(run_dir, expert_format=fmt, dense_format=fmt)[0]
         loss, logits, experts = teacher_forced(run.model, x_NC, y_NC, args.batch)
         new = generate(run.model, prompts_PL, args.new_tokens, temperature=0)[:, args.prompt_len :]
-        store = run.offloader.store
-        run.offloader.close()
-        out["formats"][fmt] = dict(
-            expert_bytes=len(store.pieces) * store.bytes_per_expert,
+        if run.offloader is not None:
+            store = run.offloader.store
+            run.offloader.close()
+            expert_bytes = len(store.pieces) * store.bytes_per_expert
+        else:
+            expert_bytes = sum(b.nbytes for moe in run.model.moe_layers() for b in moe.experts.buffers())
+        out["formats"][variant] = dict(
+            expert_bytes=expert_bytes,
             val_loss=loss,
             val_loss_delta=loss - ref_loss,
             top1_same=(logits.argmax(-1) == ref_logits.argmax(-1)).float().mean().item(),
@@ -142,7 +155,7 @@ def evaluate_seed(run_dir: Path, args: argparse.Namespace) -> dict:
             max_logit_diff=(logits - ref_logits).abs().max().item(),
             greedy=greedy_match(new, ref_new),
         )
-        print(f"# seed run {run_dir.name} {fmt}: val loss {loss:.4f}", file=sys.stderr, flush=True)
+        print(f"# seed run {run_dir.name} {variant}: val loss {loss:.4f}", file=sys.stderr, flush=True)
     return out
 
 
@@ -150,13 +163,13 @@ def spread(values: list[float]) -> dict[str, float]:
     return dict(median=statistics.median(values), min=min(values), max=max(values))
 
 
-def summarise(seeds: dict[int, dict], new_tokens: int) -> dict[str, dict]:
-    """Per format: median and min-max over seeds, greedy figures over seeds x prompts."""
+def summarise(seeds: dict[int, dict], new_tokens: int, variants: list[str]) -> dict[str, dict]:
+    """Per variant: median and min-max over seeds, greedy figures over seeds x prompts."""
     summary = {}
-    for fmt in FORMATS:
-        per_seed = [s["formats"][fmt] for s in seeds.values()]
+    for variant in variants:
+        per_seed = [s["formats"][variant] for s in seeds.values()]
         greedy = [g for f in per_seed for g in f["greedy"]]
-        summary[fmt] = dict(
+        summary[variant] = dict(
             expert_bytes=per_seed[0]["expert_bytes"],
             val_loss=spread([f["val_loss"] for f in per_seed]),
             val_loss_delta=spread([f["val_loss_delta"] for f in per_seed]),
@@ -193,10 +206,11 @@ def table(r: dict) -> str:
         f"{PRESET} trained {r['steps']} steps, seeds {' '.join(map(str, r['seeds']))}; resident fp32 val loss "
         + ", ".join(f"{s['resident_val_loss']:.4f}" for s in r["seeds"].values()),
         f"held-out: {first['val_tokens']:,} tokens of the validation split; greedy: {r['prompts']} prompts of "
-        f"{r['prompt_len']} tokens x {r['new_tokens']} new tokens; offloaded at a {format_bytes(r['budget'])} budget",
+        f"{r['prompt_len']} tokens x {r['new_tokens']} new tokens; experts offloaded at a {format_bytes(r['budget'])} "
+        "budget, or resident with the dense weights quantized too (+dense)",
         "each cell: median [min, max] over seeds (greedy rows: over seeds x prompts), against the resident fp32 model",
-        f"{'experts':24}" + "".join(f"{fmt:>30}" for fmt in summary),
-        f"{'bytes':24}" + "".join(f"{format_bytes(s['expert_bytes']):>30}" for s in summary.values()),
+        f"{'weights':24}" + "".join(f"{variant:>30}" for variant in summary),
+        f"{'expert bytes':24}" + "".join(f"{format_bytes(s['expert_bytes']):>30}" for s in summary.values()),
     ]
     for label, key, f in rows:
         lines.append(f"{label:24}" + "".join(f"{fmt_spread(s[key], f):>30}" for s in summary.values()))
@@ -208,11 +222,15 @@ def table(r: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--data", type=Path, default=DEFAULT_TEXT, help="training and validation text")
+    text = next((p for p in TEXTS if p.is_file()), TEXTS[0])
+    parser.add_argument("--data", type=Path, default=text, help="training and validation text (tinyshakespeare)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     parser.add_argument("--cache-dir", type=Path, default=Path("/tmp/moekit-quant-bench"), help="trained runs")
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3], help="one trained model per seed")
     parser.add_argument("--steps", type=int, default=1000, help="training steps (the preset's schedule: 2000)")
+    parser.add_argument(
+        "--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS, help="(default: all: %(default)s)"
+    )
     parser.add_argument("--budget", default="4MB", help="memory budget of the offloaded runs (no effect on outputs)")
     parser.add_argument("--prompts", type=int, default=16, help="greedy prompts per seed")
     parser.add_argument("--prompt-len", type=int, default=32, help="tokens per prompt")
@@ -234,7 +252,7 @@ def main() -> None:
         prompt_len=args.prompt_len,
         new_tokens=args.new_tokens,
         seeds=seeds,
-        summary=summarise(seeds, args.new_tokens),
+        summary=summarise(seeds, args.new_tokens, args.variants),
     )
     print(json.dumps(result, indent=2) if args.json else table(result))
 

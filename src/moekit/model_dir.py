@@ -25,7 +25,7 @@ from moekit.infer.expert_store import ExpertStoreError
 from moekit.infer.offload import OffloadOptions, offloaded_model
 from moekit.infer.quant import QUANT_FORMATS
 from moekit.infer.range_store import RangeStore
-from moekit.infer.resident_experts import prepack_, quantize_experts_
+from moekit.infer.resident_experts import prepack_, quantize_dense_, quantize_experts_
 from moekit.run.load import LoadedRun, load_run
 from moekit.units import format_bytes
 
@@ -56,16 +56,21 @@ def load_for_inference(
     dtype: torch.dtype | None = None,
     expert_format: str = "fp",
     prepack: bool = True,
+    dense_format: str = "fp",
 ) -> tuple[LoadedRun, InPlace | None]:
     """A run directory (``load_run``) or a Hugging Face directory, its experts offloaded under ``offload``;
     with what reading a Hugging Face directory in place costs (None for a run or a resident model).
 
     ``expert_format`` (int8 | int4; resident experts only, an offloaded store takes its format from
-    ``offload``): the experts quantized in memory. ``prepack``: 16-bit weights reordered for oneDNN's
+    ``offload``): the experts quantized in memory; ``dense_format`` (int8 | int4; resident models only) every
+    other linear weight (``quantize_dense_``). ``prepack``: 16-bit weights reordered for oneDNN's
     kernels where the CPU has native ones (``infer.resident_experts``: faster; False keeps the plain
     layout, whose numbers offloaded experts reproduce exactly)."""
-    if expert_format not in ("fp", *QUANT_FORMATS):
-        raise OptionError("expert_format", f"choose from fp, {', '.join(QUANT_FORMATS)}", expert_format)
+    for field, fmt in (("expert_format", expert_format), ("dense_format", dense_format)):
+        if fmt not in ("fp", *QUANT_FORMATS):
+            raise OptionError(field, f"choose from fp, {', '.join(QUANT_FORMATS)}", fmt)
+    if dense_format != "fp" and offload is not None:
+        raise OptionError("dense_format", "offloaded models keep their dense weights as stored", dense_format)
     loaded, in_place = _load(path, device, offload, dtype)
     if expert_format != "fp":
         if offload is not None:
@@ -75,6 +80,8 @@ def load_for_inference(
         if not loaded.config.is_moe:
             raise OptionError("expert_format", f"{path} is a dense model; it has no experts", expert_format)
         quantize_experts_(loaded.model, expert_format)
+    if dense_format != "fp":
+        quantize_dense_(loaded.model, dense_format)
     if prepack:
         prepack_(loaded.model)
     return loaded, in_place

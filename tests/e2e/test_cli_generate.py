@@ -68,10 +68,12 @@ def test_generate_rejects_bad_sampling_flags(flag: list[str], message: str, tmp_
 
 @pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
-def test_cli_generates_with_experts_quantized_in_memory(write_run, tmp_path: Path, fmt: str) -> None:
-    """``--expert-format`` without ``--memory-budget`` quantizes the experts at load (it was ignored): the
-    text is the quantized model's, not the full-precision one's (a model whose experts move its greedy
-    tokens: untied, larger weights), and no file is written into the run."""
+@pytest.mark.parametrize("weights", ["expert", "dense"])
+def test_cli_generates_with_weights_quantized_in_memory(write_run, tmp_path: Path, weights: str, fmt: str) -> None:
+    """``--expert-format`` without ``--memory-budget`` quantizes the experts at load (it was ignored),
+    ``--dense-format`` attention and the head: the text is the quantized model's, not the full-precision
+    one's (a model whose weights move its greedy tokens: untied, larger weights), and no file is
+    written into the run."""
     import torch
 
     from moekit.infer.generate import generate_text
@@ -80,10 +82,11 @@ def test_cli_generates_with_experts_quantized_in_memory(write_run, tmp_path: Pat
     run = write_run(tmp_path / "run", **{"model.init_std": "0.2", "model.tie_embeddings": "false"})
     before = sorted(p.name for p in run.rglob("*"))
     argv = ["--prompt", "the king", "--temperature", "0", "--max-new-tokens", "16"]
-    proc = moekit_cli("generate", str(run), "--expert-format", fmt, *argv)
+    proc = moekit_cli("generate", str(run), f"--{weights}-format", fmt, *argv)
     assert proc.returncode == 0, proc.stderr
     with torch.no_grad():
-        quantized = generate_text(load_for_inference(run, expert_format=fmt)[0], "the king", 16, temperature=0)
+        loaded = load_for_inference(run, **{f"{weights}_format": fmt})[0]
+        quantized = generate_text(loaded, "the king", 16, temperature=0)
         full = generate_text(load_for_inference(run)[0], "the king", 16, temperature=0)
     assert quantized != full, "the test model must tell the formats apart"
     assert proc.stdout == quantized + "\n"
@@ -101,6 +104,11 @@ def test_cli_refuses_a_bad_expert_format_and_a_dense_run(run_dir: Path, write_ru
     assert proc.returncode == 2 and "--expert-format=int8: " in proc.stderr and "dense model" in proc.stderr
     proc = moekit_cli("generate", str(dense), "--memory-budget", "1GB")  # load_run(offload=...) is --memory-budget
     assert proc.returncode == 2 and "error: --memory-budget: " in proc.stderr and "no experts to offload" in proc.stderr
+    proc = moekit_cli("generate", str(run_dir), "--dense-format", "int3")
+    assert proc.returncode == 2 and "--dense-format=int3: choose from fp, int8, int4" in proc.stderr
+    proc = moekit_cli("generate", str(run_dir), "--dense-format", "int8", "--memory-budget", "1GB")
+    assert proc.returncode == 2 and "--dense-format=int8: offloaded models keep" in proc.stderr
+    assert "Traceback" not in proc.stderr
 
 
 @pytest.mark.slow

@@ -188,6 +188,14 @@ FAMILIES = {
 }
 
 
+def _randomise_biases(model: torch.nn.Module) -> None:
+    """Biases drawn large (initialised to zeros, a dropped one would not show)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0.0, 0.5)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_prepacked_models_of_every_shape_keep_their_logits(dtype, family: str) -> None:
@@ -203,10 +211,7 @@ def test_prepacked_models_of_every_shape_keep_their_logits(dtype, family: str) -
     cfg = runconfig.resolve("tiny", {"model.n_layers": "3", "moe.num_experts": "4", **FAMILIES[family]})
     torch.manual_seed(0)
     model = Transformer(cfg.model, cfg.moe).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("bias"):
-                p.normal_(0.0, 0.5)
+    _randomise_biases(model)
     model = model.to(dtype)
     ids = torch.randint(0, cfg.model.vocab_size, (2, 12))
 
@@ -227,3 +232,78 @@ def test_prepacked_models_of_every_shape_keep_their_logits(dtype, family: str) -
     eps = 2.0**-20 if dtype == torch.float32 else 2.0**-5
     for got, ref in zip(packed, plain, strict=True):
         assert float((got - ref).abs().amax()) <= eps * float(ref.abs().amax())
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("family", ["biases", "shared", "tied"])
+def test_quantized_dense_weights_equal_a_written_out_reference(fmt: str, family: str) -> None:
+    """``--dense-format``: every linear weight outside the routed experts (attention's projections with
+    their biases, the shared expert and the dense block, an untied head: int8 under int4) becomes a
+    ``QuantizedLinear`` whose products equal the written-out reference (``_dequantized``) over rows
+    rounded to bf16, within bf16 rounding; the experts, the routers, the shared expert's gate and a tied
+    head keep their weights, and prefill and cached decode still run (then prepacked, as
+    ``load_for_inference`` does)."""
+    from moekit import runconfig
+    from moekit.experts import DenseFFN
+    from moekit.infer.generate import decode_step, prefill
+    from moekit.infer.resident_experts import QuantizedLinear, quantize_dense_
+    from moekit.model import Transformer
+    from moekit.model.transformer import Attention
+
+    cfg = runconfig.resolve("tiny", {"model.n_layers": "3", "moe.num_experts": "4", **FAMILIES[family]})
+    torch.manual_seed(0)
+    model = Transformer(cfg.model, cfg.moe).eval()
+    _randomise_biases(model)
+    experts = [moe.experts for moe in model.moe_layers()]
+    linears = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()]
+    linears = [(parent, name, child) for parent, name, child in linears if type(child) is torch.nn.Linear]
+    dense = {
+        (parent, name): (child.weight.detach().clone(), child.bias)
+        for parent, name, child in linears
+        if isinstance(parent, Attention | DenseFFN) or (parent is model and not cfg.model.tie_embeddings)
+    }
+    kept = [child for parent, name, child in linears if (parent, name) not in dense]
+    ffns = sum(isinstance(m, DenseFFN) for m in model.modules())
+    assert len(dense) == 2 * cfg.model.n_layers + 3 * ffns + (not cfg.model.tie_embeddings)
+    with torch.no_grad():
+        quantize_dense_(model, fmt)
+        for (parent, name), (w_NK, bias) in dense.items():
+            linear = getattr(parent, name)
+            assert isinstance(linear, QuantizedLinear) and linear.q.element_size() == 1
+            assert linear.fmt == ("int8" if parent is model else fmt), "the head in int8 under int4"
+            x = torch.randn(5, w_NK.shape[1])
+            ref = x.bfloat16().double() @ _dequantized(w_NK.t(), linear.fmt)
+            ref = ref if bias is None else ref + bias.double()
+            got = linear(x).double()
+            bound = (x.abs().double() @ w_NK.t().abs().double()).amax()
+            assert float((got - ref).abs().amax()) <= 2.0**-7 * float(bound), f"{name} within bf16 rounding"
+        assert [moe.experts for moe in model.moe_layers()] == experts
+        assert all(type(child) is torch.nn.Linear for child in kept) and len(kept) >= cfg.model.n_layers
+        assert all(any(child is getattr(p, n) for p, n, _ in linears) for child in kept), "still in place"
+        if cfg.model.tie_embeddings:
+            assert type(model.lm_head) is torch.nn.Linear and model.lm_head.weight is model.embed.weight
+        prepack_(model)
+        ids = torch.randint(0, cfg.model.vocab_size, (2, 12))
+        first, cache = prefill(model, ids)
+        step = decode_step(model, first.argmax(-1, keepdim=True), cache)
+    assert torch.isfinite(first).all() and torch.isfinite(step).all()
+
+
+def test_dense_formats_are_refused_where_untested(tmp_path) -> None:
+    """A bad name, int4 where the CPU kernel cannot run (a width not a multiple of 32), and an offloaded
+    model (its dense weights count in the memory budget as stored): each a one-line OptionError."""
+    from moekit import runconfig
+    from moekit.errors import OptionError
+    from moekit.infer.offload import OffloadOptions
+    from moekit.infer.resident_experts import quantize_dense_
+    from moekit.model import Transformer
+    from moekit.model_dir import load_for_inference
+
+    cfg = runconfig.resolve("tiny", {"model.n_layers": "1", "moe.num_experts": "4", "model.d_model": "48"})
+    model = Transformer(cfg.model, cfg.moe).eval()
+    with pytest.raises(OptionError, match="choose from fp, int8, int4"):
+        quantize_dense_(model, "int3")
+    with pytest.raises(OptionError, match="multiples of 32"):
+        quantize_dense_(model, "int4")
+    with pytest.raises(OptionError, match="offloaded models keep their dense weights"):
+        load_for_inference(tmp_path, offload=OffloadOptions(1 << 20), dense_format="int8")

@@ -159,6 +159,12 @@ def add_run_flags(parser: argparse.ArgumentParser) -> None:
         "once beside the checkpoint and read from; without, the experts are quantized in memory at load "
         "(default: %(default)s)",
     )
+    parser.add_argument(
+        "--dense-format",
+        default="fp",
+        help="fp, int8 or int4 for every other linear weight (attention, dense and shared FFNs, the output head, "
+        "which int4 keeps in int8), quantized in memory at load; not with --memory-budget (default: %(default)s)",
+    )
 
 
 def load_for_inference(args: argparse.Namespace):
@@ -180,7 +186,9 @@ def load_for_inference(args: argparse.Namespace):
         offload = OffloadOptions(budget, args.policy, args.prefetch, args.expert_format)
     resident_format = args.expert_format if offload is None else "fp"
     device, dtype = resolve_device(args.device), resolve_dtype(args.dtype)
-    loaded, in_place = load(args.run_dir, device, offload, dtype, expert_format=resident_format)
+    loaded, in_place = load(
+        args.run_dir, device, offload, dtype, expert_format=resident_format, dense_format=args.dense_format
+    )
     if in_place is not None:
         print(in_place.describe(args.run_dir), file=sys.stderr)
     return loaded

@@ -3,6 +3,9 @@
 - ``QuantizedExperts``: ``moekit generate RUN --expert-format int8|int4`` without ``--memory-budget``.
   Every expert stays in memory, a quarter (int8) or about an eighth (int4) of its bf16 bytes, so a
   memory-bound decode step reads that much less; the formats and kernels are ``infer.quant``'s.
+- ``QuantizedLinear``: ``--dense-format int8|int4``, the weights outside the routed experts (attention's
+  projections, dense and shared FFNs, the output head) in the same formats, as llama.cpp's Q8_0 and
+  Q4_K_M files hold every matrix: a batch-1 step reads each of them once, like the picked experts.
 - ``PackedExperts`` and ``PackedLinear``: fp32 weights, and 16-bit ones on a CPU with native 16-bit
   kernels, reordered once into oneDNN's blocked layout (``experts.matmul.prepack``), which it reads
   up to 2.2x faster.
@@ -25,7 +28,7 @@ from moekit.experts import DenseFFN
 from moekit.experts.grouped import ExpertCompute, GroupedExperts
 from moekit.experts.matmul import SIXTEEN_BIT, mm, packed_linear, prepack, prepackable
 from moekit.infer.offloader import OffloadedExperts
-from moekit.infer.quant import QUANT_FORMATS, int4_mm, int8_mm, pack_int4_for_cpu, quantize_int8
+from moekit.infer.quant import INT4_GROUP, QUANT_FORMATS, int4_mm, int8_mm, pack_int4_for_cpu, quantize_int8
 from moekit.model.transformer import Attention
 
 Matmul = Callable[[str, int, Tensor], Tensor]  # (role, expert, rows [M, K]) -> [M, N]
@@ -95,6 +98,27 @@ class PackedExperts(_PerExpert):
         return packed_linear(x_MK, getattr(self, f"{role}_packed_{expert}"))
 
 
+class QuantizedLinear(nn.Module):
+    """An ``nn.Linear`` whose weight is quantized (``infer.quant``'s formats and kernels); its bias, when
+    it has one, stays in full precision."""
+
+    def __init__(self, linear: nn.Linear, fmt: str) -> None:
+        super().__init__()
+        w_KN = linear.weight.detach().t()
+        q, scale = quantize_int8(w_KN) if fmt == "int8" else pack_int4_for_cpu(w_KN)
+        self.fmt = fmt
+        self.register_buffer("q", q, persistent=False)  # [N, K] int8 | torch's int4 packing
+        self.register_buffer("scale", scale, persistent=False)  # [N] | [K/G, N, 2]
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach(), persistent=False)
+        self.out_features = linear.out_features
+
+    def forward(self, x: Tensor) -> Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        y = int8_mm(rows, self.q, self.scale) if self.fmt == "int8" else int4_mm(rows, self.q, self.scale)
+        y = y if self.bias is None else y + self.bias
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+
 class UpcastLinear(nn.Module):
     """An ``nn.Linear`` of a 16-bit weight this CPU has no native kernels for, computed by
     ``experts.matmul.mm``: many rows (a prefill) in fp32, a few in the weight's dtype."""
@@ -137,6 +161,46 @@ def quantize_experts_(model: nn.Module, fmt: str) -> nn.Module:
     return model
 
 
+HEAD_FORMAT = {"int8": "int8", "int4": "int8"}  # the output head's format under each --dense-format
+
+
+def quantize_dense_(model: nn.Module, fmt: str) -> nn.Module:
+    """Swap, in place, the linear weights outside the routed experts for ``QuantizedLinear``: attention's
+    projections, dense and shared FFNs, and the output head unless it is the embedding's (a quantized copy
+    would be read beside it, not instead). Routers (computed in fp32, a few columns) and MLA's projections
+    (its absorbed decode reads their weights) keep theirs.
+
+    Under int4 the head is int8, as llama.cpp's Q4_K_M keeps its output at 6 bits: the head's error lands
+    on the logits whole, where a layer's is one of many summed into the residual stream."""
+    if fmt not in QUANT_FORMATS:
+        raise OptionError("dense_format", f"choose from fp, {', '.join(QUANT_FORMATS)}", fmt)
+    if fmt == "int4" and model.embed.weight.device.type != "cpu":
+        raise OptionError("dense_format", "int4 weights run on a CPU (torch's int4 CPU kernel)", fmt)
+    swaps = [(parent, name, HEAD_FORMAT[fmt] if parent is model else fmt) for parent, name in _dense_linears(model)]
+    for parent, name, child_fmt in swaps:
+        width = getattr(parent, name).in_features
+        if child_fmt == "int4" and width % INT4_GROUP:
+            raise OptionError(
+                "dense_format", f"int4 needs input widths that are multiples of {INT4_GROUP} ({name}: {width})", fmt
+            )
+    for parent, name, child_fmt in swaps:  # one at a time: each full-precision weight freed as it goes
+        setattr(parent, name, QuantizedLinear(getattr(parent, name), child_fmt))
+    return model
+
+
+def _dense_linears(model: nn.Module) -> list[tuple[nn.Module, str]]:
+    """(parent, name) of the plain ``nn.Linear`` weights outside the routed experts that inference swaps:
+    attention's projections, dense and shared FFNs', and the output head (a child of the model) unless
+    it is the embedding's."""
+    found = []
+    for parent in [model, *(m for m in model.modules() if isinstance(m, DenseFFN | Attention))]:
+        for name, child in parent.named_children():
+            head = parent is model and name == "lm_head"
+            if type(child) is nn.Linear and (parent is not model or (head and not model.cfg.tie_embeddings)):
+                found.append((parent, name))
+    return found
+
+
 def prepack_(model: nn.Module) -> nn.Module:
     """Swap, in place, the weights oneDNN multiplies faster prepacked (fp32, and 16-bit on a CPU with
     native 16-bit kernels): the routed experts left in full precision, attention's projections, dense
@@ -145,7 +209,7 @@ def prepack_(model: nn.Module) -> nn.Module:
     over their slots' weights (``Offloader.use_packed_kernels``), so they compute what resident ones do. Routers
     (computed in fp32) keep theirs; MLA's projections too (its absorbed decode reads their weights).
     16-bit weights a CPU has no native kernels for get ``UpcastLinear`` (the experts already multiply by ``mm``)."""
-    weight = model.lm_head.weight
+    weight = model.embed.weight  # the head's dtype and device (the head may be quantized already)
     if prepackable(weight):
         linear = PackedLinear
         for moe in model.moe_layers():
@@ -157,9 +221,6 @@ def prepack_(model: nn.Module) -> nn.Module:
         linear = UpcastLinear
     else:
         return model
-    for parent in [model, *(m for m in model.modules() if isinstance(m, DenseFFN | Attention))]:
-        for name, child in list(parent.named_children()):
-            head = parent is model and name == "lm_head"
-            if type(child) is nn.Linear and (parent is not model or (head and not model.cfg.tie_embeddings)):
-                setattr(parent, name, linear(child))
+    for parent, name in _dense_linears(model):
+        setattr(parent, name, linear(getattr(parent, name)))
     return model
