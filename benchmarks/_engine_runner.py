@@ -35,7 +35,9 @@ def _moekit(args: argparse.Namespace):
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}.get(args.variant, torch.bfloat16)
     fmt, _, dense = args.variant.partition("+")  # int8+dense: the experts and every other linear weight
     fmt = fmt if fmt in ("int8", "int4") else "fp"
-    dense_format = fmt if dense == "dense" else "fp"
+    if dense and (dense != "dense" or fmt == "fp"):
+        raise SystemExit(f"--variant {args.variant}: +dense goes with int8 or int4")
+    dense_format = fmt if dense else "fp"
     model = load_for_inference(args.model, "cpu", None, dtype, expert_format=fmt, dense_format=dense_format)[0].model
     state: dict = {}
 

@@ -25,7 +25,14 @@ from moekit.infer.expert_store import ExpertStoreError
 from moekit.infer.offload import OffloadOptions, offloaded_model
 from moekit.infer.quant import QUANT_FORMATS
 from moekit.infer.range_store import RangeStore
-from moekit.infer.resident_experts import prepack_, quantize_dense_, quantize_experts_
+from moekit.infer.resident_experts import (
+    QuantizedExperts,
+    prepack_,
+    quantize_dense_,
+    quantize_experts_,
+    quantize_layer_experts_,
+)
+from moekit.layer import MoE
 from moekit.run.load import LoadedRun, load_run
 from moekit.units import format_bytes
 
@@ -71,15 +78,15 @@ def load_for_inference(
             raise OptionError(field, f"choose from fp, {', '.join(QUANT_FORMATS)}", fmt)
     if dense_format != "fp" and offload is not None:
         raise OptionError("dense_format", "offloaded models keep their dense weights as stored", dense_format)
-    loaded, in_place = _load(path, device, offload, dtype)
+    if expert_format != "fp" and offload is not None:
+        reason = "offloaded experts take their format from the offload options"
+        raise OptionError("expert_format", reason, expert_format)
+    loaded, in_place = _load(path, device, offload, dtype, expert_format)
     if expert_format != "fp":
-        if offload is not None:
-            raise OptionError(
-                "expert_format", "offloaded experts take their format from the offload options", expert_format
-            )
         if not loaded.config.is_moe:
             raise OptionError("expert_format", f"{path} is a dense model; it has no experts", expert_format)
-        quantize_experts_(loaded.model, expert_format)
+        if not any(isinstance(moe.experts, QuantizedExperts) for moe in loaded.model.moe_layers()):
+            quantize_experts_(loaded.model, expert_format)  # not on a CPU: read whole, then quantized
     if dense_format != "fp":
         quantize_dense_(loaded.model, dense_format)
     if prepack:
@@ -88,14 +95,22 @@ def load_for_inference(
 
 
 def _load(
-    path: Path, device: str, offload: OffloadOptions | None, dtype: torch.dtype | None
+    path: Path, device: str, offload: OffloadOptions | None, dtype: torch.dtype | None, expert_format: str = "fp"
 ) -> tuple[LoadedRun, InPlace | None]:
+    """``expert_format`` int8 | int4: each MoE layer's experts quantized as soon as they are read, so the
+    full-precision ones are held a layer at a time (on a CPU; elsewhere, after the load)."""
     path = Path(path)
+
+    def quantize(moe: MoE) -> None:
+        quantize_layer_experts_(moe, expert_format)
+
+    quantizing = quantize if expert_format != "fp" and torch.device(device).type == "cpu" else None
     if not is_hf_dir(path):
-        return load_run(path, device, offload, dtype, for_inference=True), None
+        return load_run(path, device, offload, dtype, for_inference=True, experts_loaded=quantizing), None
     checkpoint, tokenizer, cfg = hf_source(path, dtype)
     if offload is None:
-        return LoadedRun(load_hf(checkpoint, for_inference=True).to(device), tokenizer, cfg, path), None
+        model = load_hf(checkpoint, for_inference=True, experts_loaded=quantizing)
+        return LoadedRun(model.to(device), tokenizer, cfg, path), None
     if checkpoint.moe_cfg is None:
         raise OptionError("offload", f"{path} is a dense model; it has no experts to offload")
     if offload.expert_format != "fp":

@@ -234,8 +234,15 @@ def test_prepacked_models_of_every_shape_keep_their_logits(dtype, family: str) -
         assert float((got - ref).abs().amax()) <= eps * float(ref.abs().amax())
 
 
+DENSE_FAMILIES = {
+    **FAMILIES,
+    # DeepSeek's latent attention: its projections stay (the absorbed decode reads their weights)
+    "mla": {"model.attention": "mla", "model.n_heads": "2", "model.q_lora_rank": "8", "model.tie_embeddings": "false"},
+}
+
+
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
-@pytest.mark.parametrize("family", ["biases", "shared", "tied"])
+@pytest.mark.parametrize("family", sorted(DENSE_FAMILIES))
 def test_quantized_dense_weights_equal_a_written_out_reference(fmt: str, family: str) -> None:
     """``--dense-format``: every linear weight outside the routed experts (attention's projections with
     their biases, the shared expert and the dense block, an untied head: int8 under int4) becomes a
@@ -250,7 +257,7 @@ def test_quantized_dense_weights_equal_a_written_out_reference(fmt: str, family:
     from moekit.model import Transformer
     from moekit.model.transformer import Attention
 
-    cfg = runconfig.resolve("tiny", {"model.n_layers": "3", "moe.num_experts": "4", **FAMILIES[family]})
+    cfg = runconfig.resolve("tiny", {"model.n_layers": "3", "moe.num_experts": "4", **DENSE_FAMILIES[family]})
     torch.manual_seed(0)
     model = Transformer(cfg.model, cfg.moe).eval()
     _randomise_biases(model)
@@ -264,7 +271,8 @@ def test_quantized_dense_weights_equal_a_written_out_reference(fmt: str, family:
     }
     kept = [child for parent, name, child in linears if (parent, name) not in dense]
     ffns = sum(isinstance(m, DenseFFN) for m in model.modules())
-    assert len(dense) == 2 * cfg.model.n_layers + 3 * ffns + (not cfg.model.tie_embeddings)
+    attention = 2 * cfg.model.n_layers if cfg.model.attention == "mha" else 0
+    assert len(dense) == attention + 3 * ffns + (not cfg.model.tie_embeddings)
     with torch.no_grad():
         quantize_dense_(model, fmt)
         for (parent, name), (w_NK, bias) in dense.items():
@@ -272,13 +280,16 @@ def test_quantized_dense_weights_equal_a_written_out_reference(fmt: str, family:
             assert isinstance(linear, QuantizedLinear) and linear.q.element_size() == 1
             assert linear.fmt == ("int8" if parent is model else fmt), "the head in int8 under int4"
             x = torch.randn(5, w_NK.shape[1])
+            if linear.fmt == "int8":  # the codes themselves: a weight left unquantized would pass the bound below
+                exact = w_NK.double().abs().amax(dim=1, keepdim=True) / 127
+                assert torch.equal(linear.q, torch.round(w_NK.double() / exact).clamp(-127, 127).to(torch.int8))
             ref = x.bfloat16().double() @ _dequantized(w_NK.t(), linear.fmt)
             ref = ref if bias is None else ref + bias.double()
             got = linear(x).double()
             bound = (x.abs().double() @ w_NK.t().abs().double()).amax()
             assert float((got - ref).abs().amax()) <= 2.0**-7 * float(bound), f"{name} within bf16 rounding"
         assert [moe.experts for moe in model.moe_layers()] == experts
-        assert all(type(child) is torch.nn.Linear for child in kept) and len(kept) >= cfg.model.n_layers
+        assert all(type(child) is torch.nn.Linear for child in kept) and len(kept) >= cfg.model.n_layers  # routers
         assert all(any(child is getattr(p, n) for p, n, _ in linears) for child in kept), "still in place"
         if cfg.model.tie_embeddings:
             assert type(model.lm_head) is torch.nn.Linear and model.lm_head.weight is model.embed.weight
@@ -290,8 +301,9 @@ def test_quantized_dense_weights_equal_a_written_out_reference(fmt: str, family:
 
 
 def test_dense_formats_are_refused_where_untested(tmp_path) -> None:
-    """A bad name, int4 where the CPU kernel cannot run (a width not a multiple of 32), and an offloaded
-    model (its dense weights count in the memory budget as stored): each a one-line OptionError."""
+    """A bad name, int4 where torch's packing cannot take a weight (an input width not a multiple of 32,
+    an output width not a multiple of 16), and an offloaded model (its dense weights count in the memory
+    budget as stored): each a one-line OptionError."""
     from moekit import runconfig
     from moekit.errors import OptionError
     from moekit.infer.offload import OffloadOptions
@@ -303,7 +315,11 @@ def test_dense_formats_are_refused_where_untested(tmp_path) -> None:
     model = Transformer(cfg.model, cfg.moe).eval()
     with pytest.raises(OptionError, match="choose from fp, int8, int4"):
         quantize_dense_(model, "int3")
-    with pytest.raises(OptionError, match="multiples of 32"):
+    with pytest.raises(OptionError, match=r"input widths in multiples of 32 .*\(qkv: 48 ->"):
         quantize_dense_(model, "int4")
+    narrow = {"model.n_layers": "1", "moe.num_experts": "4", "model.n_heads": "8", "model.n_kv_heads": "1"}
+    cfg = runconfig.resolve("tiny", narrow)  # d 32, 8 heads of 4 over 1 key/value head: qkv 40 wide
+    with pytest.raises(OptionError, match=r"output widths in multiples of 16 \(qkv: 32 -> 40\)"):
+        quantize_dense_(Transformer(cfg.model, cfg.moe).eval(), "int4")
     with pytest.raises(OptionError, match="offloaded models keep their dense weights"):
         load_for_inference(tmp_path, offload=OffloadOptions(1 << 20), dense_format="int8")

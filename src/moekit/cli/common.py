@@ -162,8 +162,9 @@ def add_run_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--dense-format",
         default="fp",
-        help="fp, int8 or int4 for every other linear weight (attention, dense and shared FFNs, the output head, "
-        "which int4 keeps in int8), quantized in memory at load; not with --memory-budget (default: %(default)s)",
+        help="fp, int8 or int4 for every other linear weight (attention's projections but MLA's, dense and shared "
+        "FFNs, the output head, which int4 keeps in int8), quantized in memory at load, on a CPU; not with "
+        "--memory-budget (default: %(default)s)",
     )
 
 

@@ -24,7 +24,7 @@ from moekit.convert.keymap import Family, inert, rules, split
 from moekit.convert.stream import HFCheckpoint, open_hf
 from moekit.fileio import write_bytes_atomic
 from moekit.model import Transformer
-from moekit.run.load import materialise
+from moekit.run.load import ExpertsLoaded, ExpertTracker, materialise
 
 
 def from_hf(path: Path, dtype: torch.dtype | None = None) -> Transformer:
@@ -37,15 +37,21 @@ def from_hf(path: Path, dtype: torch.dtype | None = None) -> Transformer:
     return load_hf(open_hf(path, dtype))
 
 
-def load_hf(checkpoint: HFCheckpoint, for_inference: bool = False) -> Transformer:
+def load_hf(
+    checkpoint: HFCheckpoint, for_inference: bool = False, experts_loaded: ExpertsLoaded | None = None
+) -> Transformer:
     """The model of a checked checkpoint: allocated without random init, filled one tensor (one expert)
-    at a time. ``for_inference``: its experts in inference's layout (``run.load.materialise``)."""
+    at a time. ``for_inference``: its experts in inference's layout (``run.load.materialise``).
+    ``experts_loaded``: each MoE layer as soon as its experts are read (``run.load.ExpertTracker``)."""
     with torch.device("meta"):
         model = Transformer(checkpoint.model_cfg, checkpoint.moe_cfg)
     state = materialise(model, checkpoint.dtype, "cpu", for_inference).state_dict()
+    tracker = ExpertTracker(model, state, experts_loaded) if experts_loaded is not None else None
     with torch.no_grad():
         for name, rows, piece in checkpoint.pieces():
             state[name][rows].copy_(piece)
+            if tracker is not None:
+                tracker.filled(name, rows)
     return model.eval()
 
 

@@ -29,6 +29,7 @@ from moekit.experts.grouped import ExpertCompute, GroupedExperts
 from moekit.experts.matmul import SIXTEEN_BIT, mm, packed_linear, prepack, prepackable
 from moekit.infer.offloader import OffloadedExperts
 from moekit.infer.quant import INT4_GROUP, QUANT_FORMATS, int4_mm, int8_mm, pack_int4_for_cpu, quantize_int8
+from moekit.layer import MoE
 from moekit.model.transformer import Attention
 
 Matmul = Callable[[str, int, Tensor], Tensor]  # (role, expert, rows [M, K]) -> [M, N]
@@ -73,15 +74,23 @@ class QuantizedExperts(_PerExpert):
         if fmt not in QUANT_FORMATS:
             raise OptionError("expert_format", f"choose from {', '.join(QUANT_FORMATS)}", fmt)
         self.fmt = fmt
-        quantize = quantize_int8 if fmt == "int8" else pack_int4_for_cpu
         for role in ("w_in", "w_out"):
-            parts = [quantize(w_KN) for w_KN in getattr(experts, role).detach()]
+            parts = [_quantized(w_KN, fmt) for w_KN in getattr(experts, role).detach()]
             self.register_buffer(f"{role}_q", torch.stack([q for q, _ in parts]))  # [E, N, K] int8 | torch's int4
             self.register_buffer(f"{role}_scale", torch.stack([s for _, s in parts]))  # [E, N] | [E, K/G, N, 2]
 
     def _matmul(self, role: str, expert: int, x_MK: Tensor) -> Tensor:
-        q, scale = getattr(self, f"{role}_q")[expert], getattr(self, f"{role}_scale")[expert]
-        return int8_mm(x_MK, q, scale) if self.fmt == "int8" else int4_mm(x_MK, q, scale)
+        return _product(self.fmt, x_MK, getattr(self, f"{role}_q")[expert], getattr(self, f"{role}_scale")[expert])
+
+
+def _quantized(w_KN: Tensor, fmt: str) -> tuple[Tensor, Tensor]:
+    """A weight in ``fmt`` for ``_product``: int8 q [N, K] and scale [N], or torch's int4 packing."""
+    return quantize_int8(w_KN) if fmt == "int8" else pack_int4_for_cpu(w_KN)
+
+
+def _product(fmt: str, x_MK: Tensor, q: Tensor, scale: Tensor) -> Tensor:
+    """``x @ w`` for a weight ``_quantized`` in ``fmt``, by torch's weight-only kernels."""
+    return int8_mm(x_MK, q, scale) if fmt == "int8" else int4_mm(x_MK, q, scale)
 
 
 class PackedExperts(_PerExpert):
@@ -104,17 +113,14 @@ class QuantizedLinear(nn.Module):
 
     def __init__(self, linear: nn.Linear, fmt: str) -> None:
         super().__init__()
-        w_KN = linear.weight.detach().t()
-        q, scale = quantize_int8(w_KN) if fmt == "int8" else pack_int4_for_cpu(w_KN)
+        q, scale = _quantized(linear.weight.detach().t(), fmt)
         self.fmt = fmt
         self.register_buffer("q", q, persistent=False)  # [N, K] int8 | torch's int4 packing
         self.register_buffer("scale", scale, persistent=False)  # [N] | [K/G, N, 2]
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach(), persistent=False)
-        self.out_features = linear.out_features
 
     def forward(self, x: Tensor) -> Tensor:
-        rows = x.reshape(-1, x.shape[-1])
-        y = int8_mm(rows, self.q, self.scale) if self.fmt == "int8" else int4_mm(rows, self.q, self.scale)
+        y = _product(self.fmt, x.reshape(-1, x.shape[-1]), self.q, self.scale)
         y = y if self.bias is None else y + self.bias
         return y.view(*x.shape[:-1], y.shape[-1])
 
@@ -151,37 +157,46 @@ def quantize_experts_(model: nn.Module, fmt: str) -> nn.Module:
     """Swap every MoE layer's ``GroupedExperts`` for ``QuantizedExperts`` in place, one layer at a time
     (the full-precision weights of a layer are freed as its quantized ones are made)."""
     for moe in model.moe_layers():
-        if fmt == "int4" and moe.experts.w_in.device.type != "cpu":
-            raise OptionError(
-                "expert_format", "experts quantized in memory run on a CPU (torch's int4 CPU kernel)", fmt
-            )
-        if not isinstance(moe.experts, GroupedExperts):
-            raise OptionError("expert_format", f"the experts are already {type(moe.experts).__name__}", fmt)
-        moe.experts = QuantizedExperts(moe.experts, fmt)
+        quantize_layer_experts_(moe, fmt)
     return model
 
 
-HEAD_FORMAT = {"int8": "int8", "int4": "int8"}  # the output head's format under each --dense-format
+def quantize_layer_experts_(moe: MoE, fmt: str) -> None:
+    """``quantize_experts_`` of one MoE layer."""
+    if fmt == "int4" and moe.experts.w_in.device.type != "cpu":
+        raise OptionError("expert_format", "experts quantized in memory run on a CPU (torch's int4 CPU kernel)", fmt)
+    if not isinstance(moe.experts, GroupedExperts):
+        raise OptionError("expert_format", f"the experts are already {type(moe.experts).__name__}", fmt)
+    moe.experts = QuantizedExperts(moe.experts, fmt)
+
+
+HEAD_FORMAT = "int8"  # the output head's under either --dense-format (see quantize_dense_)
+INT4_OUT_MULTIPLE = 16  # torch's int4 CPU packing takes output widths in multiples of 16
 
 
 def quantize_dense_(model: nn.Module, fmt: str) -> nn.Module:
     """Swap, in place, the linear weights outside the routed experts for ``QuantizedLinear``: attention's
     projections, dense and shared FFNs, and the output head unless it is the embedding's (a quantized copy
     would be read beside it, not instead). Routers (computed in fp32, a few columns) and MLA's projections
-    (its absorbed decode reads their weights) keep theirs.
+    (its absorbed decode reads their weights) keep theirs. On a CPU only: on a GPU an int8 product would
+    dequantize its weight first at any count of rows (``quant.int8_mm``), as a CPU does beyond
+    ``INT8PACK_MAX_ROWS`` rows (a serving step of more sequences pays that for every dense weight).
 
     Under int4 the head is int8, as llama.cpp's Q4_K_M keeps its output at 6 bits: the head's error lands
     on the logits whole, where a layer's is one of many summed into the residual stream."""
     if fmt not in QUANT_FORMATS:
         raise OptionError("dense_format", f"choose from fp, {', '.join(QUANT_FORMATS)}", fmt)
-    if fmt == "int4" and model.embed.weight.device.type != "cpu":
-        raise OptionError("dense_format", "int4 weights run on a CPU (torch's int4 CPU kernel)", fmt)
-    swaps = [(parent, name, HEAD_FORMAT[fmt] if parent is model else fmt) for parent, name in _dense_linears(model)]
+    if model.embed.weight.device.type != "cpu":
+        raise OptionError("dense_format", "dense weights quantized in memory run on a CPU", fmt)
+    swaps = [(parent, name, HEAD_FORMAT if parent is model else fmt) for parent, name in _dense_linears(model)]
     for parent, name, child_fmt in swaps:
-        width = getattr(parent, name).in_features
-        if child_fmt == "int4" and width % INT4_GROUP:
+        linear = getattr(parent, name)
+        if child_fmt == "int4" and (linear.in_features % INT4_GROUP or linear.out_features % INT4_OUT_MULTIPLE):
             raise OptionError(
-                "dense_format", f"int4 needs input widths that are multiples of {INT4_GROUP} ({name}: {width})", fmt
+                "dense_format",
+                f"int4 needs input widths in multiples of {INT4_GROUP} and output widths in multiples of "
+                f"{INT4_OUT_MULTIPLE} ({name}: {linear.in_features} -> {linear.out_features})",
+                fmt,
             )
     for parent, name, child_fmt in swaps:  # one at a time: each full-precision weight freed as it goes
         setattr(parent, name, QuantizedLinear(getattr(parent, name), child_fmt))

@@ -3,17 +3,19 @@ what generation, serving, conversion, export and upcycling start from."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
-from safetensors.torch import load_model
-from torch import nn
+from safetensors import safe_open
+from torch import Tensor, nn
 
 from moekit.config import ModelConfig, MoEConfig
 from moekit.errors import OptionError
 from moekit.experts.matmul import inference_layout
+from moekit.layer import MoE
 from moekit.model import Transformer
 from moekit.model.rope import rope_table
 from moekit.run.layout import CONFIG, MODEL_FILE, SHARDED, CheckpointError, is_sharded, latest_checkpoint
@@ -92,27 +94,71 @@ def _allocate(model: nn.Module, device: torch.device) -> None:
             setattr(module, name, torch.empty_strided(b.shape, b.stride(), dtype=b.dtype, device=device))
 
 
-def load_model_weights(path: Path, model: nn.Module) -> None:
+ExpertsLoaded = Callable[[MoE], None]  # called with an MoE layer once its routed experts are whole
+
+
+class ExpertTracker:
+    """Calls ``experts_loaded`` with each MoE layer as soon as every routed-expert tensor of it is whole,
+    and drops ``state``'s references to them first: a loader filling a model tensor by tensor and
+    quantizing each layer's experts there holds one layer's in full precision at a time (allocated
+    but unwritten, a tensor costs no memory)."""
+
+    def __init__(self, model: nn.Module, state: dict[str, Tensor], experts_loaded: ExpertsLoaded) -> None:
+        layers = {f"{name}.experts.": m for name, m in model.named_modules() if isinstance(m, MoE)}
+        self.owners = {n: moe for n in state for prefix, moe in layers.items() if n.startswith(prefix)}
+        self.rows_left = {n: state[n].shape[0] for n in self.owners}
+        self.state, self.experts_loaded = state, experts_loaded
+
+    def filled(self, name: str, rows: slice = slice(None)) -> None:
+        """``rows`` (leading) of state tensor ``name`` hold their values now."""
+        if name not in self.rows_left:
+            return
+        self.rows_left[name] -= len(range(*rows.indices(self.state[name].shape[0])))
+        moe = self.owners[name]
+        names = [n for n, owner in self.owners.items() if owner is moe]
+        if not any(self.rows_left[n] for n in names):
+            for n in names:
+                del self.state[n], self.owners[n], self.rows_left[n]
+            self.experts_loaded(moe)
+
+
+def load_model_weights(path: Path, model: nn.Module, experts_loaded: ExpertsLoaded | None = None) -> None:
     """Load a checkpoint's weights into ``model``; a shape or key mismatch names the keys.
 
-    A sharded checkpoint is consolidated in memory (every shard read in this process).
-    """
+    One file is read a tensor at a time into the model's allocated state (never a second copy of the
+    whole model); ``experts_loaded``: see ``ExpertTracker``. A sharded checkpoint is consolidated in
+    memory (every shard read in this process), each layer handed to ``experts_loaded`` after."""
     if is_sharded(path):
         from moekit.run.sharded import load_weights  # DCP (and what it pulls in) only for a sharded checkpoint
 
         load_weights(Path(path) / SHARDED, model)
+        for moe in model.moe_layers() if experts_loaded is not None else []:
+            experts_loaded(moe)
         return
-    try:
-        missing, unexpected = load_model(model, str(Path(path) / MODEL_FILE), strict=False)
-    except RuntimeError as err:  # safetensors reports size mismatches this way
-        first = str(err).strip().splitlines()
-        raise CheckpointError(f"{Path(path) / MODEL_FILE}: does not fit this model: {' '.join(first[-2:])}") from None
-    unexpected = [k for k in unexpected if k not in model.state_dict()]  # a tied weight's second name
-    if missing or unexpected:
-        raise CheckpointError(
-            f"{Path(path) / MODEL_FILE}: does not fit this model (missing {sorted(missing)[:3]}, "
-            f"unexpected {sorted(unexpected)[:3]})"
-        )
+    file = Path(path) / MODEL_FILE
+    state = model.state_dict()
+    wanted = {n: t.data_ptr() for n, t in state.items() if t.numel()}  # before experts_loaded swaps any
+    tracker = ExpertTracker(model, state, experts_loaded) if experts_loaded is not None else None
+    loaded: set[int] = set()  # storage of every state tensor filled (a tied weight's two names share one)
+    with safe_open(str(file), "pt", device="cpu") as f:
+        names = list(f.keys())
+        unexpected = [n for n in names if n not in state]
+        if unexpected:
+            raise CheckpointError(f"{file}: does not fit this model (unexpected {sorted(unexpected)[:3]})")
+        for name in names:
+            with torch.no_grad():
+                tensor = f.get_tensor(name)
+                if tuple(tensor.shape) != tuple(state[name].shape):
+                    have, want = list(tensor.shape), list(state[name].shape)
+                    raise CheckpointError(f"{file}: does not fit this model: {name} is {have}, the model's {want}")
+                loaded.add(state[name].data_ptr())
+                state[name].copy_(tensor)
+            del tensor
+            if tracker is not None:
+                tracker.filled(name)
+    missing = [n for n, ptr in wanted.items() if ptr not in loaded]
+    if missing:
+        raise CheckpointError(f"{file}: does not fit this model (missing {sorted(missing)[:3]})")
 
 
 def load_run(
@@ -121,6 +167,7 @@ def load_run(
     offload: Offload | None = None,
     dtype: torch.dtype | None = None,
     for_inference: bool = False,
+    experts_loaded: ExpertsLoaded | None = None,
 ) -> LoadedRun:
     """The trained model (newest checkpoint, weights verified), its tokenizer and config.
 
@@ -130,6 +177,7 @@ def load_run(
     With ``offload`` (``moekit.infer.offload.OffloadOptions``) the experts stay on disk and are served
     through a budgeted cache; only the non-expert weights are loaded. ``for_inference``: the experts in
     inference's layout (``materialise``); such a model is for generating, not for training or saving.
+    ``experts_loaded``: each MoE layer as its experts are read (``load_model_weights``).
     """
     run_dir = Path(run_dir)
     if not (run_dir / CONFIG).is_file():
@@ -153,5 +201,5 @@ def load_run(
     with torch.device("meta"):
         model = Transformer(cfg.model, cfg.moe if cfg.is_moe else None)
     materialise(model, dtype or checkpoint_dtype(path), device, for_inference)
-    load_model_weights(path, model)
+    load_model_weights(path, model, experts_loaded)
     return LoadedRun(model.eval(), load_tokenizer(run_dir), cfg, path)
