@@ -64,27 +64,16 @@ def test_each_layer_is_quantized_before_the_next_one_is_read(dirs, monkeypatch, 
         object.__setattr__(checkpoint, "pieces", logged)  # a frozen dataclass
         model = load_hf(checkpoint, for_inference=True, experts_loaded=quantize)
     else:
-        opened = run_load.safe_open
 
-        class Logged:  # the real file, each tensor's read logged
-            def __init__(self, *args, **kwargs) -> None:
-                self.file = opened(*args, **kwargs)
+        def logged(read):  # the real file, each tensor's read logged
+            def reading(path, entry, *args, **kwargs):
+                events.append(entry.name)
+                return read(path, entry, *args, **kwargs)
 
-            def __enter__(self):
-                self.handle = self.file.__enter__()
-                return self
+            return reading
 
-            def __exit__(self, *exc):
-                return self.file.__exit__(*exc)
-
-            def keys(self):
-                return self.handle.keys()
-
-            def get_tensor(self, name: str):
-                events.append(name)
-                return self.handle.get_tensor(name)
-
-        monkeypatch.setattr(run_load, "safe_open", Logged)
+        for reader in ("read_tensor", "copy_tensor"):
+            monkeypatch.setattr(run_load, reader, logged(getattr(run_load, reader)))
         model = run_load.load_run(dirs["run"], for_inference=True, experts_loaded=quantize).model
     gc.collect()
     assert all(ref.expired() for ref in full) and len(full) == 6

@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import torch
-from safetensors import safe_open
 from torch import Tensor, nn
 
 from moekit.config import ModelConfig, MoEConfig
@@ -20,7 +19,7 @@ from moekit.model import Transformer
 from moekit.model.rope import rope_table
 from moekit.run.layout import CONFIG, MODEL_FILE, SHARDED, CheckpointError, is_sharded, latest_checkpoint
 from moekit.run.manifest import read_manifest
-from moekit.run.safetensors_io import read_header
+from moekit.run.safetensors_io import copy_tensor, read_header, read_tensor
 from moekit.runconfig import RunConfig, from_json
 from moekit.tokenizer import Tokenizer, load_tokenizer
 
@@ -140,22 +139,24 @@ def load_model_weights(path: Path, model: nn.Module, experts_loaded: ExpertsLoad
     wanted = {n: t.data_ptr() for n, t in state.items() if t.numel()}  # before experts_loaded swaps any
     tracker = ExpertTracker(model, state, experts_loaded) if experts_loaded is not None else None
     loaded: set[int] = set()  # storage of every state tensor filled (a tied weight's two names share one)
-    with safe_open(str(file), "pt", device="cpu") as f:
-        names = list(f.keys())
-        unexpected = [n for n in names if n not in state]
-        if unexpected:
-            raise CheckpointError(f"{file}: does not fit this model (unexpected {sorted(unexpected)[:3]})")
-        for name in names:
-            with torch.no_grad():
-                tensor = f.get_tensor(name)
-                if tuple(tensor.shape) != tuple(state[name].shape):
-                    have, want = list(tensor.shape), list(state[name].shape)
-                    raise CheckpointError(f"{file}: does not fit this model: {name} is {have}, the model's {want}")
-                loaded.add(state[name].data_ptr())
-                state[name].copy_(tensor)
-            del tensor
-            if tracker is not None:
-                tracker.filled(name)
+    header = read_header(file)
+    unexpected = [n for n in header if n not in state]
+    if unexpected:
+        raise CheckpointError(f"{file}: does not fit this model (unexpected {sorted(unexpected)[:3]})")
+    for name, entry in header.items():
+        if tuple(entry.shape) != tuple(state[name].shape):
+            have, want = list(entry.shape), list(state[name].shape)
+            raise CheckpointError(f"{file}: does not fit this model: {name} is {have}, the model's {want}")
+        target = state[name]
+        # never the whole file mapped (its touched pages would stay resident): read straight into place
+        # where the layout is the file's, else copied out of a map of this tensor's range alone
+        if target.dtype == entry.dtype and target.is_contiguous() and target.device.type == "cpu":
+            read_tensor(file, entry, out=target.detach())
+        else:
+            copy_tensor(file, entry, target)
+        loaded.add(target.data_ptr())
+        if tracker is not None:
+            tracker.filled(name)
     missing = [n for n, ptr in wanted.items() if ptr not in loaded]
     if missing:
         raise CheckpointError(f"{file}: does not fit this model (missing {sorted(missing)[:3]})")

@@ -4,17 +4,20 @@ through a bounded amount of memory.
 A safetensors file is an 8-byte little-endian header length, a JSON header (each tensor's dtype, shape
 and ``[begin, end)`` byte range in the data that follows), then the data. ``read_header`` checks every
 entry against the file's size (a truncated shard is named before any data is read); ``read_tensor``
-reads one tensor with ``os.pread`` into a fresh tensor. NOTE: never a memory map: the pages of a mapped
-file that were touched stay in the process's resident set until it is unmapped, so reading a whole
-checkpoint through ``safe_open`` holds all of it resident. ``StreamWriter`` writes the header first,
-from the names, dtypes and shapes alone, then each tensor's bytes in order (a tensor may arrive in
-pieces, one expert at a time), hashing them as they pass: the manifest's SHA-256 without a second read.
+reads one tensor with ``os.pread`` into a fresh tensor (or into place); ``copy_tensor`` copies one into
+a tensor of another layout. NOTE: never a map of the whole file: the pages of a mapped file that were
+touched stay in the process's resident set until it is unmapped, so reading a whole checkpoint through
+``safe_open`` holds all of it resident; ``copy_tensor`` maps one tensor's range and unmaps it at once.
+``StreamWriter`` writes the header first, from the names, dtypes and shapes alone, then each tensor's
+bytes in order (a tensor may arrive in pieces, one expert at a time), hashing them as they pass: the
+manifest's SHA-256 without a second read.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import mmap
 import os
 import struct
 from dataclasses import dataclass
@@ -109,9 +112,12 @@ def rows(entry: Entry, start: int, stop: int) -> Entry:
     )
 
 
-def read_tensor(path: Path, entry: Entry) -> Tensor:
-    """Tensor ``entry`` of the file at ``path``, read into memory of its own (no map of the file)."""
-    out = torch.empty(entry.shape, dtype=entry.dtype)
+def read_tensor(path: Path, entry: Entry, out: Tensor | None = None) -> Tensor:
+    """Tensor ``entry`` of the file at ``path``, read into memory of its own (no map of the file), or into
+    ``out`` (a contiguous CPU tensor of its dtype and shape)."""
+    if out is None:
+        out = torch.empty(entry.shape, dtype=entry.dtype)
+    assert out.dtype == entry.dtype and out.is_contiguous() and tuple(out.shape) == tuple(entry.shape)
     buffer = memoryview(out.view(-1).view(torch.uint8).numpy()) if out.numel() else memoryview(b"")
     with open(path, "rb", buffering=0) as f:
         done = 0
@@ -121,6 +127,23 @@ def read_tensor(path: Path, entry: Entry) -> Tensor:
                 raise CheckpointError(f"{path}: truncated: tensor {entry.name!r} ends past the file's end")
             done += got
     return out
+
+
+def copy_tensor(path: Path, entry: Entry, target: Tensor) -> None:
+    """``target.copy_`` of tensor ``entry`` of the file at ``path`` (any layout, dtype or device): one pass
+    over the file's pages through a map of its range alone, unmapped before returning (a read into a
+    fresh tensor, then a copy, is two passes: a d1024 checkpoint's experts, laid out anew, loaded 0.3 s
+    slower that way)."""
+    if entry.end > os.path.getsize(path):
+        raise CheckpointError(f"{path}: truncated: tensor {entry.name!r} ends past the file's end")
+    if entry.end == entry.begin:
+        return
+    start = entry.begin - entry.begin % mmap.ALLOCATIONGRANULARITY
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), entry.end - start, access=mmap.ACCESS_COPY, offset=start) as m:
+        raw = torch.frombuffer(m, dtype=torch.uint8)
+        with torch.no_grad():
+            target.copy_(raw[entry.begin - start :].view(entry.dtype).view(entry.shape))
+        del raw  # before the map closes: no view of it may outlive it
 
 
 class StreamWriter:
