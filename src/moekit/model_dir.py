@@ -29,7 +29,6 @@ from moekit.infer.resident_experts import (
     QuantizedExperts,
     prepack_,
     quantize_dense_,
-    quantize_experts_,
     quantize_layer_experts_,
 )
 from moekit.layer import MoE
@@ -85,8 +84,9 @@ def load_for_inference(
     if expert_format != "fp":
         if not loaded.config.is_moe:
             raise OptionError("expert_format", f"{path} is a dense model; it has no experts", expert_format)
-        if not any(isinstance(moe.experts, QuantizedExperts) for moe in loaded.model.moe_layers()):
-            quantize_experts_(loaded.model, expert_format)  # not on a CPU: read whole, then quantized
+        for moe in loaded.model.moe_layers():  # off a CPU (read whole, then quantized), or a layer read apart
+            if not isinstance(moe.experts, QuantizedExperts):
+                quantize_layer_experts_(moe, expert_format)
     if dense_format != "fp":
         quantize_dense_(loaded.model, dense_format)
     if prepack:

@@ -16,6 +16,7 @@ pytest.importorskip("transformers", reason="the Hugging Face parity tests need t
 from hf_models import save_hf, save_tokenizer  # noqa: E402
 from test_hf_parity import tokens  # noqa: E402
 
+import moekit.model_dir as model_dir  # noqa: E402
 import moekit.run.load as run_load  # noqa: E402
 from moekit.cli import main  # noqa: E402
 from moekit.convert.hf import load_hf  # noqa: E402
@@ -89,7 +90,10 @@ def test_each_layer_is_quantized_before_the_next_one_is_read(dirs, monkeypatch, 
 @pytest.mark.parametrize("source", ["hf", "run"])
 def test_the_layer_by_layer_load_equals_quantizing_after_a_whole_load(dirs, source: str, fmt: str) -> None:
     """``load_for_inference(DIR, expert_format=F)`` against loading in full precision, then
-    ``quantize_experts_``: the same quantized tensors, and the same prefill and decode logits, exactly."""
+    ``quantize_experts_``: the same quantized tensors, and the same prefill and decode logits, exactly.
+    The loader itself (``model_dir._load``) returns every layer quantized: none is left to the fallback."""
+    loaded, _ = model_dir._load(dirs[source], "cpu", None, None, fmt)
+    assert all(isinstance(moe.experts, QuantizedExperts) for moe in loaded.model.moe_layers())
     streamed = load_for_inference(dirs[source], expert_format=fmt, prepack=False)[0].model
     whole = quantize_experts_(load_for_inference(dirs[source], prepack=False)[0].model, fmt)
     for a, b in zip(streamed.moe_layers(), whole.moe_layers(), strict=True):

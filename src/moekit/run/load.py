@@ -3,6 +3,7 @@ what generation, serving, conversion, export and upcycling start from."""
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -115,7 +116,7 @@ class ExpertTracker:
         self.rows_left[name] -= len(range(*rows.indices(self.state[name].shape[0])))
         moe = self.owners[name]
         names = [n for n, owner in self.owners.items() if owner is moe]
-        if not any(self.rows_left[n] for n in names):
+        if all(self.rows_left[n] <= 0 for n in names):
             for n in names:
                 del self.state[n], self.owners[n], self.rows_left[n]
             self.experts_loaded(moe)
@@ -143,10 +144,13 @@ def load_model_weights(path: Path, model: nn.Module, experts_loaded: ExpertsLoad
     unexpected = [n for n in header if n not in state]
     if unexpected:
         raise CheckpointError(f"{file}: does not fit this model (unexpected {sorted(unexpected)[:3]})")
-    for name, entry in header.items():
+    for name, entry in header.items():  # all of them before any is read
         if tuple(entry.shape) != tuple(state[name].shape):
             have, want = list(entry.shape), list(state[name].shape)
             raise CheckpointError(f"{file}: does not fit this model: {name} is {have}, the model's {want}")
+    if sys.byteorder != "little":
+        raise CheckpointError(f"{file}: safetensors stores little-endian values; this machine is big-endian")
+    for name, entry in header.items():
         target = state[name]
         # never the whole file mapped (its touched pages would stay resident): read straight into place
         # where the layout is the file's, else copied out of a map of this tensor's range alone
