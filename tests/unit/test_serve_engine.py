@@ -124,26 +124,54 @@ def test_text_stream_holds_back_split_characters_and_stop_prefixes() -> None:
 def test_offloaded_experts_serve_the_whole_batch_in_each_layer(write_run, tmp_path: Path) -> None:
     """Four prompts through the engine with experts on disk: tokens equal the resident model's, and each
     step reads an expert at most once however many sequences route to it."""
-    from moekit.serve.engine import Engine, EngineOptions, Finish, Token
+    from moekit.serve.engine import Finish, Token
 
     run_dir = write_run(tmp_path / "run", **{"model.tie_embeddings": "false"})
     resident = load_run(run_dir)
     run = load_run(run_dir, offload=OffloadOptions(memory_budget=1 << 30, prefetch="off"))
-    engine = Engine(run, EngineOptions(kv_budget=1 << 20, block_size=4, prefill_chunk=4))
-    events: list = []
-    prompts = ["the king", "ab", "hello there", "x"]
-    engine.submit([Seq(list(p.encode()), SamplingParams(6, 0.0), events.append, i) for i, p in enumerate(prompts)])
-    engine.waiting.extend(engine._inbox)
-    engine._inbox.clear()
-    while engine.running or engine.waiting:
-        engine.step()
-    for i, p in enumerate(prompts):
+    engine, events = _served(run)
+    for i, p in enumerate(PROMPTS):
         ids = torch.tensor([list(p.encode())])
         want = generate(resident.model, ids, 6, 0.0)[0, ids.shape[1] :].tolist()
         assert [e.token for e in events if isinstance(e, Token) and e.choice == i] == want
     assert sum(isinstance(e, Finish) for e in events) == 4
     assert run.offloader.stats.max_reads_per_step == 1 and engine.steps < 4 * 6
     run.offloader.close()
+
+
+PROMPTS = ["the king", "ab", "hello there", "x"]
+
+
+def _served(run):
+    """An engine's step loop over ``PROMPTS``, 6 greedy tokens each, run to the end: it and its events."""
+    from moekit.serve.engine import Engine, EngineOptions
+
+    engine = Engine(run, EngineOptions(kv_budget=1 << 20, block_size=4, prefill_chunk=4))
+    events: list = []
+    engine.submit([Seq(list(p.encode()), SamplingParams(6, 0.0), events.append, i) for i, p in enumerate(PROMPTS)])
+    engine.waiting.extend(engine._inbox)
+    engine._inbox.clear()
+    while engine.running or engine.waiting:
+        engine.step()
+    return engine, events
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_quantized_weights_serve_the_tokens_generate_gives(write_run, tmp_path: Path, fmt: str) -> None:
+    """``moekit serve --expert-format F --dense-format F``: four prompts batched through the engine (a
+    quantized head, attention and experts over packed rows) give the tokens ``generate`` gives each
+    alone on the same quantized model."""
+    from moekit.model_dir import load_for_inference
+    from moekit.serve.engine import Token
+
+    run_dir = write_run(tmp_path / "run", **{"model.tie_embeddings": "false"})
+    run = load_for_inference(run_dir, expert_format=fmt, dense_format=fmt)[0]
+    assert type(run.model.lm_head).__name__ == "QuantizedLinear"
+    _, events = _served(run)
+    for i, p in enumerate(PROMPTS):
+        ids = torch.tensor([list(p.encode())])
+        want = generate(run.model, ids, 6, 0.0)[0, ids.shape[1] :].tolist()
+        assert [e.token for e in events if isinstance(e, Token) and e.choice == i] == want
 
 
 @pytest.mark.slow
