@@ -20,7 +20,7 @@ from moekit.model import Transformer
 from moekit.model.rope import rope_table
 from moekit.run.layout import CONFIG, MODEL_FILE, SHARDED, CheckpointError, is_sharded, latest_checkpoint
 from moekit.run.manifest import read_manifest
-from moekit.run.safetensors_io import copy_tensor, read_header, read_tensor
+from moekit.run.safetensors_io import copy_tensor, read_header
 from moekit.runconfig import RunConfig, from_json
 from moekit.tokenizer import Tokenizer, load_tokenizer
 
@@ -104,8 +104,11 @@ class ExpertTracker:
     but unwritten, a tensor costs no memory)."""
 
     def __init__(self, model: nn.Module, state: dict[str, Tensor], experts_loaded: ExpertsLoaded) -> None:
-        layers = {f"{name}.experts.": m for name, m in model.named_modules() if isinstance(m, MoE)}
-        self.owners = {n: moe for n in state for prefix, moe in layers.items() if n.startswith(prefix)}
+        self.pending: dict[MoE, set[str]] = {}  # each layer's expert tensors not yet whole
+        for name, moe in model.named_modules():
+            if isinstance(moe, MoE):
+                self.pending[moe] = {n for n in state if n.startswith(f"{name}.experts.")}
+        self.owners = {n: moe for moe, names in self.pending.items() for n in names}
         self.rows_left = {n: state[n].shape[0] for n in self.owners}
         self.state, self.experts_loaded = state, experts_loaded
 
@@ -114,11 +117,13 @@ class ExpertTracker:
         if name not in self.rows_left:
             return
         self.rows_left[name] -= len(range(*rows.indices(self.state[name].shape[0])))
-        moe = self.owners[name]
-        names = [n for n, owner in self.owners.items() if owner is moe]
-        if all(self.rows_left[n] <= 0 for n in names):
-            for n in names:
-                del self.state[n], self.owners[n], self.rows_left[n]
+        if self.rows_left[name] > 0:
+            return
+        moe = self.owners.pop(name)
+        del self.rows_left[name], self.state[name]
+        self.pending[moe].discard(name)
+        if not self.pending[moe]:
+            del self.pending[moe]
             self.experts_loaded(moe)
 
 
@@ -150,15 +155,9 @@ def load_model_weights(path: Path, model: nn.Module, experts_loaded: ExpertsLoad
             raise CheckpointError(f"{file}: does not fit this model: {name} is {have}, the model's {want}")
     if sys.byteorder != "little":
         raise CheckpointError(f"{file}: safetensors stores little-endian values; this machine is big-endian")
-    for name, entry in header.items():
-        target = state[name]
-        # never the whole file mapped (its touched pages would stay resident): read straight into place
-        # where the layout is the file's, else copied out of a map of this tensor's range alone
-        if target.dtype == entry.dtype and target.is_contiguous() and target.device.type == "cpu":
-            read_tensor(file, entry, out=target.detach())
-        else:
-            copy_tensor(file, entry, target)
-        loaded.add(target.data_ptr())
+    for name, entry in header.items():  # never the whole file mapped: its touched pages would stay resident
+        copy_tensor(file, entry, state[name])
+        loaded.add(state[name].data_ptr())
         if tracker is not None:
             tracker.filled(name)
     missing = [n for n, ptr in wanted.items() if ptr not in loaded]

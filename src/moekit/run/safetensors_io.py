@@ -5,7 +5,7 @@ A safetensors file is an 8-byte little-endian header length, a JSON header (each
 and ``[begin, end)`` byte range in the data that follows), then the data. ``read_header`` checks every
 entry against the file's size (a truncated shard is named before any data is read); ``read_tensor``
 reads one tensor with ``os.pread`` into a fresh tensor (or into place); ``copy_tensor`` copies one into
-a tensor of another layout. NOTE: never a map of the whole file: the pages of a mapped file that were
+any tensor. NOTE: never a map of the whole file: the pages of a mapped file that were
 touched stay in the process's resident set until it is unmapped, so reading a whole checkpoint through
 ``safe_open`` holds all of it resident; ``copy_tensor`` maps one tensor's range and unmaps it at once.
 ``StreamWriter`` writes the header first, from the names, dtypes and shapes alone, then each tensor's
@@ -130,11 +130,15 @@ def read_tensor(path: Path, entry: Entry, out: Tensor | None = None) -> Tensor:
 
 
 def copy_tensor(path: Path, entry: Entry, target: Tensor) -> None:
-    """``target.copy_`` of tensor ``entry`` of the file at ``path`` (any layout, dtype or device): one pass
-    over the file's pages through a map of its range alone, unmapped before returning (a read into a
-    fresh tensor, then a copy, is two passes: a d1024 checkpoint's experts, laid out anew, loaded 0.3 s
-    slower that way). A range the map cannot view in its dtype (an offset not a multiple of the element
-    size, which the format allows) or a file that cannot be mapped is read, then copied."""
+    """``target.copy_`` of tensor ``entry`` of the file at ``path`` (any layout, dtype or device), in one
+    pass over the file's pages: read straight into a contiguous CPU target of its dtype, else through a
+    map of its range alone, unmapped before returning (a read into a fresh tensor, then a copy, is two
+    passes: a d1024 checkpoint's experts, laid out anew, loaded 0.3 s slower that way). A range the map
+    cannot view in its dtype (an offset not a multiple of the element size, which the format allows) or
+    a file that cannot be mapped is read, then copied."""
+    if target.dtype == entry.dtype and target.is_contiguous() and target.device.type == "cpu":
+        read_tensor(path, entry, out=target.detach())
+        return
     if entry.end > os.path.getsize(path):
         raise CheckpointError(f"{path}: truncated: tensor {entry.name!r} ends past the file's end")
     if entry.end == entry.begin:
