@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from moekit.experts.matmul import native_16bit, packed_linear, prepack, unpacked_linear
 from moekit.infer.quant import dequantize_int8, int4_mm, int8_mm, pack_int4_for_cpu, quantize_int8
-from moekit.model.sdpa import _one_query
+from moekit.model.sdpa import one_query
 
 K, N = 1024, 4096
 
@@ -98,7 +98,7 @@ def attention_table(args) -> dict:
         mask = torch.ones(B, 1, 1, S, dtype=torch.bool)
         calls = {
             "SDPA": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True),  # noqa: B023
-            "one-query": lambda: _one_query(q, k, v, mask, 0.125),  # noqa: B023
+            "one-query": lambda: one_query(q, k, v, mask, 0.125),  # noqa: B023
         }
         times: dict[str, list[float]] = {name: [] for name in calls}
         for _ in range(args.rounds):

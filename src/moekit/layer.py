@@ -55,6 +55,14 @@ class MoE(nn.Module):
         x_TD = x.reshape(-1, self.cfg.d_model)
         routing = self.router(x_TD, token_ids)
         y_TD, meta = self.dispatcher.apply(x_TD, routing, self.experts)
+        y = self.add_dense(x_TD, y_TD).to(x.dtype).reshape(x.shape)
+        if not return_stats:
+            return y
+        return y, self._stats(routing, meta.tokens_per_expert, meta.routed_per_expert, losses)
+
+    def add_dense(self, x_TD: Tensor, y_TD: Tensor) -> Tensor:
+        """The routed experts' output ``y`` with what the dense experts add: the residual MLP's mix and the
+        shared experts (both none in most models)."""
         if self.residual_mlp is not None:
             # DeepSpeed PR-MoE: a per-token learned mix of the dense MLP and the experts.
             mix = torch.softmax(self.residual_gate(x_TD), dim=-1)
@@ -64,10 +72,7 @@ class MoE(nn.Module):
             if self.shared_gate is not None:
                 shared_TD = shared_TD * torch.sigmoid(self.shared_gate(x_TD))
             y_TD = y_TD + shared_TD
-        y = y_TD.to(x.dtype).reshape(x.shape)
-        if not return_stats:
-            return y
-        return y, self._stats(routing, meta.tokens_per_expert, meta.routed_per_expert, losses)
+        return y_TD
 
     def _stats(self, routing: RouterOutput, kept: Tensor, routed: Tensor, losses: bool) -> MoEStats:
         if not losses:

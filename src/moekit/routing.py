@@ -194,8 +194,19 @@ class TopKRouter(nn.Module):
             nn.init.zeros_(self.noise.weight)
 
     def forward(self, x_TD: Tensor, token_ids: Tensor | None = None) -> RouterOutput:
+        logits, probs, weights_TK, experts_TK = self.pick(x_TD)
+        num_tokens, top_k = experts_TK.shape
+        tokens_TK = torch.arange(num_tokens, device=x_TD.device).unsqueeze(1).expand(-1, top_k)
+        token_idx, expert_idx, weights = _k_major(tokens_TK), _k_major(experts_TK), _k_major(weights_TK)
+        if self.cfg.router == "gshard" and self.training:
+            token_idx, expert_idx, weights = self._random_second_dispatch(token_idx, expert_idx, weights, weights_TK)
+        return RouterOutput(token_idx, expert_idx, weights, logits, probs, num_tokens, num_tokens * top_k)
+
+    def pick(self, x_TD: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """Each token's picks: logits and probs ``[T, E]`` (fp32), combine weights and experts ``[T, k]``
+        (k: ``top_k``, or the DTS schedule's at its step). ``forward`` lays them out as assignments;
+        a decode step of one token reads them as they are (``moekit.infer.token_step``)."""
         cfg = self.cfg
-        num_tokens = x_TD.shape[0]
         logits = _fp32_logits(x_TD, self.gate.weight, self.gate.bias)
         top_k, temperature = cfg.top_k, 1.0
         if cfg.dts_steps and self.step is not None:
@@ -222,12 +233,7 @@ class TopKRouter(nn.Module):
             weights_TK = weights_TK / weights_TK.sum(dim=-1, keepdim=True)
         if cfg.route_scale != 1.0:
             weights_TK = weights_TK * cfg.route_scale
-
-        tokens_TK = torch.arange(num_tokens, device=x_TD.device).unsqueeze(1).expand(-1, top_k)
-        token_idx, expert_idx, weights = _k_major(tokens_TK), _k_major(experts_TK), _k_major(weights_TK)
-        if cfg.router == "gshard" and self.training:
-            token_idx, expert_idx, weights = self._random_second_dispatch(token_idx, expert_idx, weights, weights_TK)
-        return RouterOutput(token_idx, expert_idx, weights, logits, probs, num_tokens, num_tokens * top_k)
+        return logits, probs, weights_TK, experts_TK
 
     def _select(self, scores_TE: Tensor, top_k: int) -> tuple[Tensor, Tensor]:
         """Top-k over scores plus the balancing bias, within the kept groups; returns the picked

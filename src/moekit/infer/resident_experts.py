@@ -19,6 +19,7 @@ Legend: R rows sorted by expert, D model dim, E experts, K input dim, N output d
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 import torch
 from torch import Tensor, nn
@@ -32,11 +33,11 @@ from moekit.infer.quant import INT4_GROUP, QUANT_FORMATS, int4_mm, int8_mm, pack
 from moekit.layer import MoE
 from moekit.model.transformer import Attention
 
-Matmul = Callable[[str, int, Tensor], Tensor]  # (role, expert, rows [M, K]) -> [M, N]
+Kernel = Callable[[Tensor], Tensor]  # rows [M, K] -> [M, N]: one expert's product with one of its weights
 
 
-class _PerExpert(nn.Module):
-    """Rows grouped by expert, each expert's computed with its own two matmuls (``_matmul``)."""
+class PerExpert(nn.Module):
+    """Rows grouped by expert, each expert's computed with its own two products (``kernels``)."""
 
     def __init__(self, experts: GroupedExperts) -> None:
         super().__init__()
@@ -47,7 +48,8 @@ class _PerExpert(nn.Module):
         self.compute = ExpertCompute(experts.activation, self.w_in_bias, self.w_out_bias)
         self.num_experts = experts.num_experts
 
-    def _matmul(self, role: str, expert: int, x_MK: Tensor) -> Tensor:
+    def kernels(self, e: int) -> tuple[Kernel, Kernel]:
+        """Expert ``e``'s two products: with ``w_in``, with ``w_out``."""
         raise NotImplementedError
 
     def forward(self, x_RD: Tensor, tokens_per_expert: Tensor | None = None, *, schedule=None) -> Tensor:
@@ -58,14 +60,12 @@ class _PerExpert(nn.Module):
         start = 0
         for e, n in enumerate(tokens_per_expert.tolist()):
             if n:
-                rows = slice(start, start + n)
-                w_in, w_out = (lambda x, role=role, e=e: self._matmul(role, e, x) for role in ("w_in", "w_out"))
-                y_RD[rows] = self.compute(x_RD[rows], w_in, w_out, e)
+                y_RD[start : start + n] = self.compute(x_RD[start : start + n], *self.kernels(e), e)
             start += n
         return y_RD
 
 
-class QuantizedExperts(_PerExpert):
+class QuantizedExperts(PerExpert):
     """The experts of one ``GroupedExperts``, quantized (``int8`` per output channel, ``int4`` in groups
     of 32); biases, when the experts have them, stay in full precision."""
 
@@ -79,8 +79,9 @@ class QuantizedExperts(_PerExpert):
             self.register_buffer(f"{role}_q", torch.stack([q for q, _ in parts]))  # [E, N, K] int8 | torch's int4
             self.register_buffer(f"{role}_scale", torch.stack([s for _, s in parts]))  # [E, N] | [E, K/G, N, 2]
 
-    def _matmul(self, role: str, expert: int, x_MK: Tensor) -> Tensor:
-        return _product(self.fmt, x_MK, getattr(self, f"{role}_q")[expert], getattr(self, f"{role}_scale")[expert])
+    def kernels(self, e: int) -> tuple[Kernel, Kernel]:
+        weights = ((getattr(self, f"{r}_q")[e], getattr(self, f"{r}_scale")[e]) for r in ("w_in", "w_out"))
+        return tuple(partial(_product, self.fmt, q=q, scale=scale) for q, scale in weights)
 
 
 def _quantized(w_KN: Tensor, fmt: str) -> tuple[Tensor, Tensor]:
@@ -93,7 +94,7 @@ def _product(fmt: str, x_MK: Tensor, q: Tensor, scale: Tensor) -> Tensor:
     return int8_mm(x_MK, q, scale) if fmt == "int8" else int4_mm(x_MK, q, scale)
 
 
-class PackedExperts(_PerExpert):
+class PackedExperts(PerExpert):
     """The experts of one ``GroupedExperts``, each weight ``prepack``-ed."""
 
     def __init__(self, experts: GroupedExperts) -> None:
@@ -103,8 +104,8 @@ class PackedExperts(_PerExpert):
             for e, w_KN in enumerate(getattr(experts, role).detach()):
                 self.register_buffer(f"{role}_packed_{e}", prepack(w_KN.t()), persistent=False)
 
-    def _matmul(self, role: str, expert: int, x_MK: Tensor) -> Tensor:
-        return packed_linear(x_MK, getattr(self, f"{role}_packed_{expert}"))
+    def kernels(self, e: int) -> tuple[Kernel, Kernel]:
+        return tuple(partial(packed_linear, packed=getattr(self, f"{r}_packed_{e}")) for r in ("w_in", "w_out"))
 
 
 class QuantizedLinear(nn.Module):

@@ -54,7 +54,7 @@ def attend(
     gqa = q_BHLd.shape[1] != k_BGSd.shape[1]
     cpu = q_BHLd.device.type == "cpu"
     if L == 1 and sinks_H is None and not dropout and cpu and not torch.is_grad_enabled():
-        return _one_query(q_BHLd, k_BGSd, v_BGSd, mask, scale)
+        return one_query(q_BHLd, k_BGSd, v_BGSd, mask, scale)
     if cpu and q_BHLd.dtype in SIXTEEN_BIT and not native_16bit(q_BHLd.dtype):
         # NOTE: SDPA's kernels accumulate in fp32 anyway; without native 16-bit kernels (fp16 on most
         # CPUs) they convert block by block: fp16, 512 positions, 16 heads over 4 groups, 2 threads,
@@ -81,7 +81,7 @@ def attend(
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, enable_gqa=gqa, scale=scale)
 
 
-def _one_query(q_BH1d: Tensor, k_BGSd: Tensor, v_BGSd: Tensor, mask: Tensor | None, scale: float) -> Tensor:
+def one_query(q_BH1d: Tensor, k_BGSd: Tensor, v_BGSd: Tensor, mask: Tensor | None, scale: float) -> Tensor:
     """Decoding's attention on a CPU, one query per sequence: each key/value group's queries against its
     keys as two batched matmuls in fp32 (as SDPA computes inside its kernels), the result rounded to
     the inputs' dtype.
@@ -94,10 +94,14 @@ def _one_query(q_BH1d: Tensor, k_BGSd: Tensor, v_BGSd: Tensor, mask: Tensor | No
     B, H, _, d = q_BH1d.shape
     G, S = k_BGSd.shape[1], k_BGSd.shape[2]
     Q = H // G
-    # [G, B] leading, so that each (group, sequence) is one matrix of a batch of G * B; one pass each
-    # to reorder and convert the keys and values
-    q = q_BH1d.reshape(B, G, Q, d).transpose(0, 1).reshape(G * B, Q, d).float()
-    k, v = (q.new_empty(G, B, S, d).copy_(t.transpose(0, 1)).view(G * B, S, d) for t in (k_BGSd, v_BGSd))
+    if B == 1:  # one sequence: its keys and values are [G, S, d] already
+        q = q_BH1d.reshape(G, Q, d).float()
+        k, v = k_BGSd[0].float(), v_BGSd[0].float()
+    else:
+        # [G, B] leading, so that each (group, sequence) is one matrix of a batch of G * B; one pass
+        # each to reorder and convert the keys and values
+        q = q_BH1d.reshape(B, G, Q, d).transpose(0, 1).reshape(G * B, Q, d).float()
+        k, v = (q.new_empty(G, B, S, d).copy_(t.transpose(0, 1)).view(G * B, S, d) for t in (k_BGSd, v_BGSd))
     scores = torch.bmm(q, k.transpose(1, 2)).mul_(scale).view(G, B, Q, S)
     if mask is not None:
         scores = scores.masked_fill_(~mask.view(1, -1, 1, S), float("-inf"))

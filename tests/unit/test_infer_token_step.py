@@ -1,0 +1,154 @@
+"""``token_step``: a decode step of one sequence computes what the model's forward through the cache
+computes, bit for bit, for every model shape it takes, and the steps it does not take are left to the
+forward."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from moekit import runconfig
+from moekit.experts.matmul import single_token_kernels
+from moekit.infer.generate import decode_step, prefill
+from moekit.infer.resident_experts import prepack_, quantize_dense_, quantize_experts_
+from moekit.infer.token_step import takes
+from moekit.model import KVCache, Transformer
+
+FAMILIES = {
+    "mixtral": {"model.n_heads": "4", "model.n_kv_heads": "2"},
+    # Qwen2-MoE: a gated shared expert, a dense first block, unnormalised top-k weights, one KV head
+    "qwen2-moe": {
+        "moe.num_shared_experts": "1",
+        "moe.shared_expert_gate": "true",
+        "moe.normalize_topk": "false",
+        "model.first_dense_layers": "1",
+        "model.n_heads": "4",
+        "model.n_kv_heads": "1",
+    },
+    # OLMoE: q/k norms over the whole projection; 3 of 8 picks, so the sum's order is the dispatcher's
+    "olmoe": {"model.qk_norm": "true", "moe.num_experts": "8", "moe.top_k": "3"},
+    "qwen3": {"model.qk_head_norm": "true", "moe.softmax_before_topk": "false", "model.tie_embeddings": "false"},
+    # DeepSeek-V3's router (a selection bias, groups, sigmoid scores, a route scale) over standard attention
+    "deepseek-router": {
+        "moe.score_func": "sigmoid",
+        "moe.route_scale": "2.5",
+        "moe.num_experts": "8",
+        "moe.top_k": "3",
+        "moe.n_group": "4",
+        "moe.topk_group": "2",
+    },
+    # gpt-oss without its window and sinks: biases everywhere, clamped SwiGLU, an untied head
+    "biases": {
+        "model.qkv_bias": "true",
+        "model.attn_out_bias": "true",
+        "moe.expert_ffn_bias": "true",
+        "moe.router_bias": "true",
+        "moe.activation": "clamped_swiglu",
+        "model.tie_embeddings": "false",
+    },
+    "residual+capacity": {"moe.residual": "true", "moe.capacity_factor": "0.5", "model.norm": "layernorm"},
+    "every-other": {"model.moe_every": "2", "model.n_layers": "4", "moe.activation": "gelu"},
+}
+FORMATS = {  # dtype, expert format, dense format: load_for_inference's resident forms
+    "fp32": (torch.float32, None, None),
+    "bf16": (torch.bfloat16, None, None),
+    "int8": (torch.bfloat16, "int8", "int8"),
+    "int4": (torch.bfloat16, "int4", "int4"),
+}
+
+
+def _model(family: str, fmt: str, seed: int = 0) -> Transformer:
+    """A tiny model of ``family`` in ``fmt``, its biases and selection biases drawn large (a dropped one shows)."""
+    cfg = runconfig.resolve("tiny", {"model.n_layers": "3", "model.context_length": "64", **FAMILIES[family]})
+    torch.manual_seed(seed)
+    model = Transformer(cfg.model, cfg.moe).eval()
+    dtype, experts, dense = FORMATS[fmt]
+    with torch.no_grad():
+        for name, t in [*model.named_parameters(), *model.named_buffers()]:
+            if name.endswith(("bias", "expert_bias")):
+                t.normal_(0.0, 0.5)
+        for p in model.parameters():  # as a load converts them (a complex RoPE table is no bf16 tensor)
+            p.data = p.data.to(dtype)
+        if experts:
+            quantize_experts_(model, experts)
+            quantize_dense_(model, dense)
+        return prepack_(model)
+
+
+def _forward_step(model: Transformer, token_11: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    """The model's own forward through the cache (what ``decode_step`` ran for every step before)."""
+    with torch.no_grad(), single_token_kernels(1):
+        return model(token_11, cache=cache).logits[:, -1]
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_a_token_step_equals_the_forward_bit_for_bit(family: str, fmt: str) -> None:
+    """Logits, the cached keys and values and the cache's length equal the forward's after each of 20
+    steps (greedy tokens fed back, the prompt's 7 positions first); the token path is the one taken."""
+    model = _model(family, fmt)
+    prompt = torch.randint(0, model.cfg.vocab_size, (1, 7), generator=torch.Generator().manual_seed(1))
+    logits, cache = prefill(model, prompt)
+    reference = copy.deepcopy(cache)
+    token = logits.argmax(-1, keepdim=True)
+    for _ in range(20):
+        assert takes(model, token, cache)
+        got, want = decode_step(model, token, cache), _forward_step(model, token, reference)
+        assert torch.equal(got, want)
+        assert cache.length == reference.length
+        for mine, theirs in zip([*cache.keys, *cache.values], [*reference.keys, *reference.values], strict=True):
+            assert torch.equal(mine, theirs)
+        token = got.argmax(-1, keepdim=True)
+
+
+def test_token_steps_follow_the_uncached_forward() -> None:
+    """Independently of the cache's path: fp32, each step's logits within 1e-5 (relative) of the model run
+    over every token so far without a cache."""
+    model = _model("qwen2-moe", "fp32")
+    tokens = torch.randint(0, model.cfg.vocab_size, (1, 5), generator=torch.Generator().manual_seed(2))
+    logits, cache = prefill(model, tokens)
+    for _ in range(12):
+        tokens = torch.cat([tokens, logits.argmax(-1, keepdim=True)], dim=1)
+        logits = decode_step(model, tokens[:, -1:], cache)
+        with torch.no_grad():
+            full = model(tokens).logits[:, -1]
+        assert float((logits - full).abs().amax()) <= 1e-5 * float(full.abs().amax())
+
+
+def test_steps_it_cannot_compute_exactly_are_left_to_the_forward() -> None:
+    """Two sequences, a padded one, training mode, experts not computed one at a time (plain grouped
+    weights), expert-choice routing, windows, sinks and MLA: ``takes`` says no; a model whose experts
+    are swapped between steps is checked again at the next."""
+    model = _model("mixtral", "fp32")
+    one = torch.tensor([[3]])
+    _, cache = prefill(model, torch.tensor([[1, 2]]))
+    assert takes(model, one, cache)
+    _, pair = prefill(model, torch.tensor([[1, 2], [3, 4]]))
+    assert not takes(model, torch.tensor([[3], [4]]), pair)
+    _, padded = prefill(model, torch.tensor([[0, 2]]), torch.tensor([1]))
+    assert not takes(model, one, padded)
+    assert not takes(model.train(), one, cache)
+    model.eval()
+
+    def refused(overrides: dict[str, str]) -> bool:
+        cfg = runconfig.resolve("tiny", {"model.n_layers": "2", **overrides})
+        other = Transformer(cfg.model, cfg.moe).eval()
+        prepack_(other)
+        return not takes(other, one, prefill(other, torch.tensor([[1, 2]]))[1])
+
+    assert refused({"moe.router": "expert_choice"})
+    assert refused({"model.sliding_window": "4"})
+    assert refused({"model.attn_sinks": "true"})
+    assert refused({"model.attention": "mla", "model.q_lora_rank": "8"})
+
+    plain = Transformer(model.cfg, model.moe_cfg).eval()
+    logits, cache = prefill(plain, torch.tensor([[1, 2]]))
+    assert not takes(plain, one, cache)
+    reference = copy.deepcopy(cache)
+    token = logits.argmax(-1, keepdim=True)
+    assert torch.equal(decode_step(plain, token, cache), _forward_step(plain, token, reference))
+    prepack_(plain)  # its experts swapped for prepacked ones: the next step takes the token path
+    assert takes(plain, token, cache)
+    assert torch.equal(decode_step(plain, token, cache), _forward_step(plain, token, reference))
