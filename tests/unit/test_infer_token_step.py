@@ -13,7 +13,7 @@ from moekit import runconfig
 from moekit.experts.matmul import single_token_kernels
 from moekit.infer.generate import decode_step, prefill
 from moekit.infer.resident_experts import prepack_, quantize_dense_, quantize_experts_
-from moekit.infer.token_step import takes
+from moekit.infer.token_step import takes, token_step
 from moekit.model import KVCache, Transformer
 
 FAMILIES = {
@@ -39,8 +39,11 @@ FAMILIES = {
         "moe.n_group": "4",
         "moe.topk_group": "2",
     },
-    # gpt-oss without its window and sinks: biases everywhere, clamped SwiGLU, an untied head
-    "biases": {
+    # gpt-oss: biases everywhere, clamped SwiGLU, sinks, a sliding window on every other block, an untied head
+    "gpt-oss": {
+        "model.attn_sinks": "true",
+        "model.sliding_window": "4",
+        "model.full_attention_every": "2",
         "model.qkv_bias": "true",
         "model.attn_out_bias": "true",
         "moe.expert_ffn_bias": "true",
@@ -94,7 +97,7 @@ def test_a_token_step_equals_the_forward_bit_for_bit(family: str, fmt: str) -> N
     reference = copy.deepcopy(cache)
     token = logits.argmax(-1, keepdim=True)
     for _ in range(20):
-        assert takes(model, token, cache)
+        assert takes(model, token)
         got, want = decode_step(model, token, cache), _forward_step(model, token, reference)
         assert torch.equal(got, want)
         assert cache.length == reference.length
@@ -117,38 +120,94 @@ def test_token_steps_follow_the_uncached_forward() -> None:
         assert float((logits - full).abs().amax()) <= 1e-5 * float(full.abs().amax())
 
 
+def test_a_serving_step_of_one_sequence_equals_the_forward_and_counts_its_picks() -> None:
+    """Through the serving engine's paged cache (``PagedStep``, blocks of 4, so steps cross blocks): the
+    logits and the pool's keys and values equal the forward's, and each MoE layer's tokens per expert
+    equal the forward's routing statistics."""
+    from moekit.serve.kv import Chunk, KVPool, PagedStep
+
+    model = _model("gpt-oss", "bf16")
+    pool = KVPool(model.cfg, 8, 4, torch.device("cpu"), torch.bfloat16)
+    blocks = pool.allocate(6)
+    prompt = torch.randint(0, model.cfg.vocab_size, (1, 6), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        logits = model(prompt, cache=PagedStep(pool, [Chunk(blocks, 0, 6)], torch.device("cpu"))).logits[:, -1]
+    reference = copy.deepcopy(pool)
+    for position in range(6, 20):
+        token = logits.argmax(-1, keepdim=True)
+        loads: list[torch.Tensor] = []
+        with torch.no_grad(), single_token_kernels(1):
+            logits = token_step(model, token, PagedStep(pool, [Chunk(blocks, position, 1)], pool.keys[0].device), loads)
+            out = model(token, cache=PagedStep(reference, [Chunk(blocks, position, 1)], pool.keys[0].device))
+        assert torch.equal(logits, out.logits[:, -1])
+        assert [torch.equal(a, b.tokens_per_expert) for a, b in zip(loads, out.moe_stats, strict=True)] == [True] * 3
+        for mine, theirs in zip([*pool.keys, *pool.values], [*reference.keys, *reference.values], strict=True):
+            assert torch.equal(mine, theirs)
+
+
 def test_steps_it_cannot_compute_exactly_are_left_to_the_forward() -> None:
-    """Two sequences, a padded one, training mode, experts not computed one at a time (plain grouped
-    weights), expert-choice routing, windows, sinks and MLA: ``takes`` says no; a model whose experts
-    are swapped between steps is checked again at the next."""
+    """Two sequences, training mode, experts not computed one at a time (plain grouped weights),
+    expert-choice routing and MLA: ``takes`` says no; a model whose experts are swapped between steps
+    is checked again at the next."""
     model = _model("mixtral", "fp32")
     one = torch.tensor([[3]])
-    _, cache = prefill(model, torch.tensor([[1, 2]]))
-    assert takes(model, one, cache)
-    _, pair = prefill(model, torch.tensor([[1, 2], [3, 4]]))
-    assert not takes(model, torch.tensor([[3], [4]]), pair)
-    _, padded = prefill(model, torch.tensor([[0, 2]]), torch.tensor([1]))
-    assert not takes(model, one, padded)
-    assert not takes(model.train(), one, cache)
+    assert takes(model, one)
+    assert not takes(model, torch.tensor([[3], [4]]))
+    assert not takes(model.train(), one)
     model.eval()
 
     def refused(overrides: dict[str, str]) -> bool:
         cfg = runconfig.resolve("tiny", {"model.n_layers": "2", **overrides})
-        other = Transformer(cfg.model, cfg.moe).eval()
-        prepack_(other)
-        return not takes(other, one, prefill(other, torch.tensor([[1, 2]]))[1])
+        return not takes(prepack_(Transformer(cfg.model, cfg.moe).eval()), one)
 
     assert refused({"moe.router": "expert_choice"})
-    assert refused({"model.sliding_window": "4"})
-    assert refused({"model.attn_sinks": "true"})
+    assert refused({"moe.router": "hash"})
     assert refused({"model.attention": "mla", "model.q_lora_rank": "8"})
 
     plain = Transformer(model.cfg, model.moe_cfg).eval()
     logits, cache = prefill(plain, torch.tensor([[1, 2]]))
-    assert not takes(plain, one, cache)
+    assert not takes(plain, one)
     reference = copy.deepcopy(cache)
     token = logits.argmax(-1, keepdim=True)
     assert torch.equal(decode_step(plain, token, cache), _forward_step(plain, token, reference))
     prepack_(plain)  # its experts swapped for prepacked ones: the next step takes the token path
-    assert takes(plain, token, cache)
+    assert takes(plain, token)
     assert torch.equal(decode_step(plain, token, cache), _forward_step(plain, token, reference))
+
+
+def test_blocks_forward_pre_hooks_run_before_each_block_and_other_hooks_leave_the_step() -> None:
+    """The serving engine stops between layers through blocks' forward pre-hooks: the token path runs
+    them, in order, with the forward's arguments (one raising stops the step there); one returning new
+    arguments is refused; a hook on a module the path does not call (an MoE layer's) leaves the step to
+    the forward."""
+    model = _model("mixtral", "fp32")
+    logits, cache = prefill(model, torch.tensor([[1, 2, 3]]))
+    token = logits.argmax(-1, keepdim=True)
+    seen: list[tuple[int, int]] = []
+    hooks = [
+        block.register_forward_pre_hook(lambda block, args: seen.append((args[3], args[0].shape[-1])))
+        for block in model.blocks
+    ]
+    assert takes(model, token)
+    decode_step(model, token, cache)
+    assert seen == [(i, model.cfg.d_model) for i in range(len(model.blocks))]
+
+    class Stopped(Exception):
+        pass
+
+    def stop(block, args):
+        raise Stopped
+
+    seen.clear()
+    hooks.append(model.blocks[1].register_forward_pre_hook(stop))
+    with pytest.raises(Stopped):
+        decode_step(model, token, cache)
+    assert seen == [(0, model.cfg.d_model), (1, model.cfg.d_model)]
+    for hook in hooks:
+        hook.remove()
+    returns_args = model.blocks[2].register_forward_pre_hook(lambda block, args: args)
+    with returns_args, pytest.raises(RuntimeError, match="block 2"):
+        decode_step(model, token, cache)
+    with model.blocks[1].ffn.register_forward_hook(lambda module, args, out: None):
+        assert not takes(model, token)
+    assert takes(model, token)

@@ -11,6 +11,7 @@ import torch
 from moekit import runconfig
 from moekit.infer.generate import generate
 from moekit.infer.offload import OffloadOptions
+from moekit.infer.token_step import takes
 from moekit.model import Transformer
 from moekit.run.load import load_run
 from moekit.serve.kv import Chunk, KVPool, PagedStep
@@ -256,3 +257,33 @@ def test_a_step_projects_only_the_positions_it_scores_or_samples_from(write_run,
             want = run.model(ids).logits[0, :-1].log_softmax(-1).gather(1, ids[0, 1:, None])[:, 0]
         got = torch.tensor([score.logprob for score in seqs[0].prompt_scores])
         torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
+
+
+def test_one_sequence_steps_equal_the_forwards_tokens_logprobs_and_expert_load(write_run, tmp_path: Path) -> None:
+    """A prepacked model served one request at a time takes ``token_step`` at its decode steps; the same
+    requests on a second load of it whose routers carry a (no-op) hook, which leaves every step to the forward,
+    give the same tokens, the same logprobs bit for bit, and the same expert load counts."""
+    from moekit.model_dir import load_for_inference
+    from moekit.serve.engine import Engine, EngineOptions, Token
+
+    run_dir = write_run(tmp_path / "run")
+    run, hooked = load_for_inference(run_dir)[0], load_for_inference(run_dir)[0]
+    for moe in hooked.model.moe_layers():
+        moe.router.register_forward_hook(lambda module, args, out: None)
+
+    def serve(r) -> tuple[list, list[torch.Tensor]]:
+        engine = Engine(r, EngineOptions(kv_budget=1 << 20, block_size=4))
+        events: list = []
+        for i, p in enumerate(PROMPTS):  # one at a time: every decode step is one sequence's
+            engine.waiting.append(Seq(list(p.encode()), SamplingParams(6, 0.0, logprobs=2), events.append, i))
+            while engine.running or engine.waiting:
+                engine.step()
+        tokens = [(e.choice, e.token, e.logprobs) for e in events if isinstance(e, Token)]
+        return tokens, [load.clone() for load in engine.expert_load]
+
+    with torch.no_grad():
+        assert takes(run.model, torch.tensor([[1]])) and not takes(hooked.model, torch.tensor([[1]]))
+    (tokens, load), (want_tokens, want_load) = serve(run), serve(hooked)
+    assert tokens == want_tokens and len(tokens) == 6 * len(PROMPTS)
+    assert all(torch.equal(a, b) for a, b in zip(load, want_load, strict=True))
+    assert sum(int(x.sum()) for x in load) > 0

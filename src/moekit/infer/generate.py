@@ -88,9 +88,9 @@ def prefill(model: Transformer, tokens_BL: Tensor, left_pad_B: Tensor | None = N
 @torch.no_grad()
 def decode_step(model: Transformer, token_B1: Tensor, cache: KVCache) -> Tensor:
     """One new position per row through the cache (which grows by one): its logits [B, V]. One token of
-    one sequence goes through ``token_step`` where it computes the model exactly (``token_step.takes``)."""
+    one sequence goes through ``token_step`` where it computes the model exactly (``takes``)."""
     with single_token_kernels(token_B1.numel()):
-        if takes(model, token_B1, cache):
+        if takes(model, token_B1):
             return token_step(model, token_B1, cache)
         return model(token_B1, cache=cache).logits[:, -1]
 

@@ -22,6 +22,7 @@ from torch import Tensor
 
 from moekit.errors import OptionError
 from moekit.experts.matmul import single_token_kernels
+from moekit.infer.token_step import takes, token_step
 from moekit.run.load import LoadedRun
 from moekit.serve.kv import Chunk, KVPool, PagedStep
 from moekit.serve.sampling import TopLogprobs, sample_rows, top_logprobs
@@ -265,24 +266,36 @@ class Engine:
             hooks = [moe.router.register_forward_hook(self._keep_routing(i)) for i, moe in enumerate(self.moe_layers)]
         t1 = time.perf_counter()
         try:
-            with single_token_kernels(len(ids)):
-                out = self.run.model(torch.tensor([ids], device=self.device), cache=step, logits_at=at)
+            one_token = len(ids) == 1 and len(sampling) == 1 and not scoring and not hooks
+            logits, loads = self._forward(ids, step, at, one_token)
         finally:
             for hook in hooks:
                 hook.remove()
         if scoring:
-            self._score_prompts(scoring, out.logits[0, : len(scoring)])
+            self._score_prompts(scoring, logits[: len(scoring)])
         for seq, n in plan.chunks:
             seq.computed += n
-        if out.moe_stats:
-            assert len(out.moe_stats) == len(self.expert_load), "a routing count per MoE layer"
-            self._load += torch.cat([stats.tokens_per_expert for stats in out.moe_stats]).cpu()
+        if loads:
+            assert len(loads) == len(self.expert_load), "a routing count per MoE layer"
+            self._load += torch.cat(loads).cpu()
         self.steps += 1
         t2 = time.perf_counter()
         if sampling:
-            self._emit(sampling, out.logits[0, len(scoring) :])
+            self._emit(sampling, logits[len(scoring) :])
         self._account(t0, t1, t2)
         return True
+
+    def _forward(self, ids: list[int], step: PagedStep, at: Tensor, one_token: bool) -> tuple[Tensor, list[Tensor]]:
+        """The logits of the positions ``at`` ``[P, V]`` and each MoE layer's tokens per expert. A step of
+        ``one_token`` (one sequence's, sampled from, nothing scored or recorded) takes ``token_step``
+        where it computes the model exactly."""
+        model, tokens = self.run.model, torch.tensor([ids], device=self.device)
+        with single_token_kernels(len(ids)):
+            if one_token and takes(model, tokens):
+                loads: list[Tensor] = []
+                return token_step(model, tokens, step, loads), loads
+            out = model(tokens, cache=step, logits_at=at)
+        return out.logits[0], [stats.tokens_per_expert for stats in out.moe_stats]
 
     def _begin(self, seq: Seq) -> None:
         """A choice's text state and sampling generator, on its first admission (a preempted choice
