@@ -6,6 +6,8 @@ replayed from its first output (the same ops and Python around it, no weight rea
 what the products cost; the weights they read per step (attention's projections, the two routed
 experts of each layer picked that step, the head) over that time is the bandwidth they reach, beside
 the same products alone (each weight streamed from memory in turn, as ``cpu_matmul.py`` times them).
+A third kind of block runs the step through the model's forward instead of ``decode_step``'s one-token
+path (``infer/token_step.py``): what that path saves.
 
     python benchmarks/decode_split.py MODEL_DIR [--threads 2] [--steps 40] [--rounds 4] [--json]
 """
@@ -21,6 +23,7 @@ import torch
 from _spread import alternate_blocks, show, spread
 
 import moekit.infer.resident_experts as resident
+from moekit.experts.matmul import single_token_kernels
 from moekit.infer.generate import decode_step, prefill
 from moekit.model_dir import load_for_inference
 
@@ -35,9 +38,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     run, _ = load_for_inference(args.model)
-    if 8 + 2 * args.steps * args.rounds + 1 > run.config.model.context_length:
+    if 8 + 3 * args.steps * args.rounds + 1 > run.config.model.context_length:
         parser.error(
-            f"--steps x --rounds x 2 decode steps pass the model's {run.config.model.context_length} positions"
+            f"--steps x --rounds x 3 decode steps pass the model's {run.config.model.context_length} positions"
         )
     model, real = run.model, resident.packed_linear
     logits, cache = prefill(model, torch.randint(0, run.config.model.vocab_size, (1, 8)))
@@ -59,9 +62,16 @@ def main(argv: list[str] | None = None) -> int:
         resident.packed_linear = product
         token[0] = decode_step(model, token[0], cache).argmax(-1, keepdim=True)
 
+    @torch.no_grad()
+    def forward() -> None:
+        resident.packed_linear = real
+        with single_token_kernels(1):
+            token[0] = model(token[0], cache=cache).logits[:, -1].argmax(-1, keepdim=True)
+
     step(counted)  # every weight's first output, for the replay
     read[0] = 0
-    ms = alternate_blocks({"real": lambda: step(counted), "replayed": lambda: step(replayed)}, args.steps, args.rounds)
+    kinds = {"real": lambda: step(counted), "replayed": lambda: step(replayed), "forward": forward}
+    ms = alternate_blocks(kinds, args.steps, args.rounds)
     resident.packed_linear = real
     gb_per_step = read[0] / (args.steps * args.rounds) / 1e9
     products = [a - b for a, b in zip(ms["real"], ms["replayed"], strict=True)]
@@ -74,8 +84,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  without the weight products {show(ms['replayed'], '.2f')}")
     print(f"  the products                {show(products, '.2f')}: {gb_per_step * 1e3:.0f} MB a step")
     print(f"  their bandwidth, GB/s       {show(rates, '.1f')} (the same weights alone: {show(alone, '.1f')})")
+    print(f"  through the forward         {show(ms['forward'], '.2f')}")
     if args.json:
         figures = {"step_ms": ms["real"], "replayed_ms": ms["replayed"], "products_ms": products}
+        figures["forward_ms"] = ms["forward"]
         out = {k: spread(v, 3) for k, v in figures.items()} | {"mb_per_step": round(gb_per_step * 1e3, 1)}
         print(json.dumps(out | {"gb_s": spread(rates, 2), "gb_s_alone": spread(alone, 2), "threads": args.threads}))
     return 0

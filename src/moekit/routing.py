@@ -205,7 +205,7 @@ class TopKRouter(nn.Module):
     def pick(self, x_TD: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """Each token's picks: logits and probs ``[T, E]`` (fp32), combine weights and experts ``[T, k]``
         (k: ``top_k``, or the DTS schedule's at its step). ``forward`` lays them out as assignments;
-        a decode step of one token reads them as they are (``moekit.infer.token_step``)."""
+        a decode step of one token reads them as they are."""
         cfg = self.cfg
         logits = _fp32_logits(x_TD, self.gate.weight, self.gate.bias)
         top_k, temperature = cfg.top_k, 1.0

@@ -27,7 +27,9 @@ def _reference(q, k, v, mask):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("B", "H", "G", "masked"), [(1, 4, 4, False), (3, 8, 2, True), (5, 6, 1, True)])
+@pytest.mark.parametrize(
+    ("B", "H", "G", "masked"), [(1, 4, 4, False), (1, 8, 2, True), (3, 8, 2, True), (5, 6, 1, True)]
+)
 def test_one_query_attention_equals_the_written_out_softmax(dtype, B, H, G, masked) -> None:
     gen = torch.Generator().manual_seed(B * H + G)
     S, d = 11, 64

@@ -11,7 +11,7 @@ import torch
 from moekit import runconfig
 from moekit.infer.generate import generate
 from moekit.infer.offload import OffloadOptions
-from moekit.infer.token_step import takes
+from moekit.infer.token_step import takes, token_step
 from moekit.model import Transformer
 from moekit.run.load import load_run
 from moekit.serve.kv import Chunk, KVPool, PagedStep
@@ -259,12 +259,23 @@ def test_a_step_projects_only_the_positions_it_scores_or_samples_from(write_run,
         torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
 
 
-def test_one_sequence_steps_equal_the_forwards_tokens_logprobs_and_expert_load(write_run, tmp_path: Path) -> None:
-    """A prepacked model served one request at a time takes ``token_step`` at its decode steps; the same
-    requests on a second load of it whose routers carry a (no-op) hook, which leaves every step to the forward,
-    give the same tokens, the same logprobs bit for bit, and the same expert load counts."""
+def test_one_sequence_steps_equal_the_forwards_tokens_logprobs_and_expert_load(
+    write_run, tmp_path: Path, monkeypatch
+) -> None:
+    """A prepacked model served one request at a time takes ``token_step`` at each decode step (counted);
+    the same requests on a second load of it whose routers carry a (no-op) hook, which leaves every step
+    to the forward, give the same tokens, the same logprobs bit for bit, and the same expert load counts."""
+    import moekit.serve.engine
     from moekit.model_dir import load_for_inference
     from moekit.serve.engine import Engine, EngineOptions, Token
+
+    taken: list[int] = []
+
+    def counted(*args, **kwargs):
+        taken.append(1)
+        return token_step(*args, **kwargs)
+
+    monkeypatch.setattr(moekit.serve.engine, "token_step", counted)
 
     run_dir = write_run(tmp_path / "run")
     run, hooked = load_for_inference(run_dir)[0], load_for_inference(run_dir)[0]
@@ -283,7 +294,11 @@ def test_one_sequence_steps_equal_the_forwards_tokens_logprobs_and_expert_load(w
 
     with torch.no_grad():
         assert takes(run.model, torch.tensor([[1]])) and not takes(hooked.model, torch.tensor([[1]]))
-    (tokens, load), (want_tokens, want_load) = serve(run), serve(hooked)
+    tokens, load = serve(run)
+    one_token_steps = sum(5 + (len(p.encode()) == 1) for p in PROMPTS)  # each decode, and a 1-token prompt
+    assert len(taken) == one_token_steps
+    want_tokens, want_load = serve(hooked)
+    assert len(taken) == one_token_steps
     assert tokens == want_tokens and len(tokens) == 6 * len(PROMPTS)
     assert all(torch.equal(a, b) for a, b in zip(load, want_load, strict=True))
     assert sum(int(x.sum()) for x in load) > 0

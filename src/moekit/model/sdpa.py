@@ -94,9 +94,9 @@ def one_query(q_BH1d: Tensor, k_BGSd: Tensor, v_BGSd: Tensor, mask: Tensor | Non
     B, H, _, d = q_BH1d.shape
     G, S = k_BGSd.shape[1], k_BGSd.shape[2]
     Q = H // G
-    if B == 1:  # one sequence: its keys and values are [G, S, d] already
+    if B == 1:  # one sequence: its keys and values are [G, S, d] already, copied contiguous as below
         q = q_BH1d.reshape(G, Q, d).float()
-        k, v = k_BGSd[0].float(), v_BGSd[0].float()
+        k, v = (t[0].to(torch.float32, memory_format=torch.contiguous_format) for t in (k_BGSd, v_BGSd))
     else:
         # [G, B] leading, so that each (group, sequence) is one matrix of a batch of G * B; one pass
         # each to reorder and convert the keys and values

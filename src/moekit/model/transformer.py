@@ -246,7 +246,9 @@ class Block(nn.Module):
         self.drop = dropout(cfg.dropout)
 
     def forward(self, x, freqs, cache, layer, token_ids, losses: bool = True) -> tuple[Tensor, MoEStats | None]:
-        """``losses``: whether the MoE statistics carry the balancing losses (``MoE.forward``)."""
+        """``losses``: whether the MoE statistics carry the balancing losses (``MoE.forward``). NOTE:
+        ``moekit.infer.token_step`` computes this for one token of an eval model: keep the two in step
+        (tests/unit/test_infer_token_step.py)."""
         x = x + self.drop(self.attn(self.attn_norm(x), freqs, cache, layer))
         h = self.ffn_norm(x)
         if isinstance(self.ffn, MoE):
