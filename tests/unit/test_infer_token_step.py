@@ -122,10 +122,11 @@ def test_a_token_step_equals_the_forward_bit_for_bit(family: str, fmt: str) -> N
         token = got.argmax(-1, keepdim=True)
 
 
-def test_token_steps_follow_the_uncached_forward() -> None:
+@pytest.mark.parametrize("family", ["qwen2-moe", "olmoe", "gpt-oss", "deepseek-router"])
+def test_token_steps_follow_the_uncached_forward(family: str) -> None:
     """Independently of the cache's path: fp32, each step's logits within 1e-5 (relative) of the model run
     over every token so far without a cache."""
-    model = _model("qwen2-moe", "fp32")
+    model = _model(family, "fp32")
     tokens = torch.randint(0, model.cfg.vocab_size, (1, 5), generator=torch.Generator().manual_seed(2))
     logits, cache = prefill(model, tokens)
     for _ in range(12):
@@ -194,9 +195,10 @@ def test_steps_it_cannot_compute_exactly_are_left_to_the_forward() -> None:
 
 def test_blocks_forward_pre_hooks_run_before_each_block_and_other_hooks_leave_the_step() -> None:
     """The serving engine stops between layers through blocks' forward pre-hooks: the token path runs
-    them, in order, with the forward's arguments (one raising stops the step there); one returning new
-    arguments is refused; a hook on a module the path does not call (an MoE layer's) leaves the step to
-    the forward."""
+    them, in order, with the forward's arguments (one raising stops the step there); a block whose
+    pre-hook returns new arguments runs its forward on them. A hook on any module the path does not
+    call, a module in training mode, a forward of its own or a compiled module leaves the step to the
+    forward."""
     model = _model("mixtral", "fp32")
     logits, cache = prefill(model, torch.tensor([[1, 2, 3]]))
     token = logits.argmax(-1, keepdim=True)
@@ -222,10 +224,13 @@ def test_blocks_forward_pre_hooks_run_before_each_block_and_other_hooks_leave_th
     assert seen == [(0, model.cfg.d_model), (1, model.cfg.d_model)]
     for hook in hooks:
         hook.remove()
-    returns_args = model.blocks[2].register_forward_pre_hook(lambda block, args: args)
-    with returns_args, pytest.raises(RuntimeError, match="block 2"):
-        decode_step(model, token, cache)
-    for module in (model, model.blocks[1].attn, model.blocks[1].ffn, model.blocks[1].ffn.router):
+    # a pre-hook giving new arguments (the residual stream doubled at block 2): that block runs its own
+    # forward on them, and the step still equals the model's forward with the same hook
+    reference = copy.deepcopy(cache)
+    with model.blocks[2].register_forward_pre_hook(lambda block, args: (2 * args[0], *args[1:])):
+        assert torch.equal(decode_step(model, token, cache), _forward_step(model, token, reference))
+    skipped = (model, model.drop, model.blocks[1].drop, model.blocks[1].attn, model.blocks[1].ffn)
+    for module in (*skipped, model.blocks[1].ffn.router, model.blocks[1].ffn.experts):
         with module.register_forward_hook(lambda module, args, out: None):
             assert not takes(model, token)
     with model.blocks[0].register_forward_pre_hook(lambda block, args, kwargs: None, with_kwargs=True):
@@ -237,4 +242,7 @@ def test_blocks_forward_pre_hooks_run_before_each_block_and_other_hooks_leave_th
     block.forward = functools.partial(type(block).forward, block)  # a forward of its own, as torch.compile sets
     assert not takes(model, token)
     del block.forward
+    model.blocks[1].ffn.compile()  # compiled on its first call, which the token path would not make
+    assert not takes(model, token)
+    model.blocks[1].ffn._compiled_call_impl = None
     assert takes(model, token)

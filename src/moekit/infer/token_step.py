@@ -34,20 +34,28 @@ def takes(model: Transformer, token_B1: Tensor) -> bool:
     computed from stale ones."""
     if token_B1.numel() != 1 or not _plain(model, Transformer) or _hooked(model) or _global_hooks():
         return False
-    return not model.drop.training and all(_computes_exactly(block) for block in model.blocks)
+    return _inactive(model.drop) and all(_computes_exactly(block) for block in model.blocks)
 
 
 def token_step(model: Transformer, token_11: Tensor, cache: Cache, loads: list[Tensor] | None = None) -> Tensor:
     """``model(token, cache=cache).logits[:, -1]`` for a step ``takes`` allows: logits ``[1, V]``. ``loads``:
     where to append each MoE layer's tokens per expert (the forward's ``MoEStats.tokens_per_expert``).
-    Each block's forward pre-hooks run before it, with the arguments the forward gives it (the serving
-    engine stops between layers through them); one that returns new arguments is refused."""
+    Each block's forward pre-hooks run before it, as a module call runs them (the serving engine stops
+    between layers through them); a block whose pre-hooks return new arguments runs its own forward
+    on them."""
     freqs = cache.rope(model.rope_freqs, 1)
     x = model.embed(token_11)  # [1, 1, D]
     for i, block in enumerate(model.blocks):
+        given = args = (x, freqs, cache, i, token_11, False)
         for hook in block._forward_pre_hooks.values():
-            if hook(block, (x, freqs, cache, i, token_11, False)) is not None:
-                raise RuntimeError(f"a forward pre-hook of block {i} returned new arguments: run the model instead")
+            result = hook(block, args)
+            if result is not None:
+                args = result if isinstance(result, tuple) else (result,)
+        if args is not given:
+            x, stats = block.forward(*args)
+            if loads is not None and stats is not None:
+                loads.append(stats.tokens_per_expert)
+            continue
         # Block.forward in eval mode (its dropout an identity), the attention's own forward unwrapped
         x = x + block.attn.forward(block.attn_norm(x), freqs, cache, i)
         h = block.ffn_norm(x)
@@ -64,7 +72,7 @@ def _global_hooks() -> bool:
 def _computes_exactly(block: Block) -> bool:
     """Whether ``token_step`` computes this block as its forward does."""
     attn, ffn = block.attn, block.ffn
-    if not (_plain(block, Block) and _plain(attn, Attention)) or _hooked(attn) or block.drop.training:
+    if not (_plain(block, Block) and _plain(attn, Attention)) or _hooked(attn) or not _inactive(block.drop):
         return False
     # token_step runs a block's pre-hooks (positional arguments only), not its forward hooks
     if block._forward_hooks or block._forward_pre_hooks_with_kwargs:
@@ -83,8 +91,15 @@ def _computes_exactly(block: Block) -> bool:
 
 
 def _plain(module: torch.nn.Module, kind: type) -> bool:
-    """A module of exactly ``kind``, in eval mode, without a forward of its own (``torch.compile`` sets one)."""
-    return type(module) is kind and not module.training and "forward" not in vars(module)
+    """A module of exactly ``kind``, in eval mode, running its class's forward: none of its own (as
+    ``torch.compile(module.forward)`` sets) and not compiled (``module.compile()``)."""
+    own = "forward" in vars(module) or module._compiled_call_impl is not None
+    return type(module) is kind and not module.training and not own
+
+
+def _inactive(drop: torch.nn.Module) -> bool:
+    """A block's or the model's dropout that computes nothing: an identity, or dropout in eval mode."""
+    return any(_plain(drop, kind) for kind in (torch.nn.Identity, torch.nn.Dropout)) and not _hooked(drop)
 
 
 def _hooked(module: torch.nn.Module) -> bool:
