@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import torch
+from _provenance import source_commit
 from _spread import alternate_blocks, show, spread
 
 import moekit.infer.resident_experts as resident
@@ -89,7 +90,8 @@ def main(argv: list[str] | None = None) -> int:
         figures = {"step_ms": ms["real"], "replayed_ms": ms["replayed"], "products_ms": products}
         figures["forward_ms"] = ms["forward"]
         out = {k: spread(v, 3) for k, v in figures.items()} | {"mb_per_step": round(gb_per_step * 1e3, 1)}
-        print(json.dumps(out | {"gb_s": spread(rates, 2), "gb_s_alone": spread(alone, 2), "threads": args.threads}))
+        out |= {"gb_s": spread(rates, 2), "gb_s_alone": spread(alone, 2), "threads": args.threads}
+        print(json.dumps(out | {"commit": source_commit()}))
     return 0
 
 

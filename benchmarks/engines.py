@@ -41,6 +41,7 @@ import urllib.request
 from pathlib import Path
 
 import _peers
+from _provenance import source_commit
 from _serve_clients import SRC, Server, clients, latency
 from _spread import show, spread
 from serve import text_prompts
@@ -275,7 +276,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.setup:
         _peers.setup(args.work, ["vllm", "llama"])
         return 0
-    report: dict = {"threads": args.threads, "versions": _peers.VERSIONS, "load_average": [], "models": {}}
+    report: dict = {"threads": args.threads, "versions": _peers.VERSIONS, "commit": source_commit()}
+    report |= {"load_average": [], "models": {}}
     for name in args.models:
         model_dir = build_model(args.work, name, args.text)
         sections: dict = {}
