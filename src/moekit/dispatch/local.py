@@ -69,10 +69,16 @@ class LocalDispatcher:
     @staticmethod
     def combine(y_sorted_RD: Tensor, meta: DispatchMeta) -> Tensor:
         """Weighted sum of each token's expert outputs: y[t] = sum_r w_r * y_sorted[r] (r of t)."""
-        weighted = y_sorted_RD * meta.weights.unsqueeze(1).to(y_sorted_RD.dtype)
         if meta.num_tokens == 1:
-            # NOTE: a decode step of one sequence: every row is the token's. A sum, not index_add_, whose
-            # kernel enters a parallel region whatever its size, which a busy machine's descheduled thread stalls.
-            return weighted.sum(0, keepdim=True)
+            return LocalDispatcher.combine_one_token(y_sorted_RD, meta.weights)
+        weighted = y_sorted_RD * meta.weights.unsqueeze(1).to(y_sorted_RD.dtype)
         out = y_sorted_RD.new_zeros(meta.num_tokens, y_sorted_RD.shape[1])
         return out.index_add_(0, meta.token_idx, weighted)
+
+    @staticmethod
+    def combine_one_token(y_sorted_KD: Tensor, weights_K: Tensor) -> Tensor:
+        """``combine`` of a single token, whose rows (in the dispatcher's order) are all its own: ``[1, D]``.
+
+        NOTE: a sum, not index_add_, whose kernel enters a parallel region whatever its size, which a busy
+        machine's descheduled thread stalls."""
+        return (y_sorted_KD * weights_K.unsqueeze(1).to(y_sorted_KD.dtype)).sum(0, keepdim=True)

@@ -109,7 +109,7 @@ def _hooked(module: torch.nn.Module) -> bool:
 
 def _moe(moe: MoE, h_11D: Tensor, loads: list[Tensor] | None) -> Tensor:
     """``moe(h)`` for one token: each picked expert's output, in the dispatcher's order (by expert),
-    weighted and summed as ``LocalDispatcher.combine`` sums one token's rows."""
+    weighted and summed by the dispatcher's own one-token combine."""
     x_1D = h_11D.view(1, -1)
     _, _, weights_1K, experts_1K = moe.router.pick(x_1D)
     if loads is not None:
@@ -118,6 +118,5 @@ def _moe(moe: MoE, h_11D: Tensor, loads: list[Tensor] | None) -> Tensor:
     order = sorted(range(len(picked)), key=picked.__getitem__)
     experts = moe.experts
     y_KD = torch.cat([experts.compute(x_1D, *experts.kernels(picked[k]), picked[k]) for k in order])
-    weights_K = weights_1K[0, order]
-    y_1D = (y_KD * weights_K.unsqueeze(1).to(y_KD.dtype)).sum(0, keepdim=True)
+    y_1D = LocalDispatcher.combine_one_token(y_KD, weights_1K[0, order])
     return moe.add_dense(x_1D, y_1D).to(h_11D.dtype).view_as(h_11D)
