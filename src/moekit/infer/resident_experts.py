@@ -121,9 +121,7 @@ class QuantizedLinear(nn.Module):
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach(), persistent=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        y = _product(self.fmt, x.reshape(-1, x.shape[-1]), self.q, self.scale)
-        y = y if self.bias is None else y + self.bias
-        return y.view(*x.shape[:-1], y.shape[-1])
+        return _linear_rows(x, lambda rows: _product(self.fmt, rows, self.q, self.scale), self.bias)
 
 
 class UpcastLinear(nn.Module):
@@ -136,9 +134,14 @@ class UpcastLinear(nn.Module):
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach(), persistent=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        y = mm(x.reshape(-1, x.shape[-1]), self.weight.t())
-        y = y if self.bias is None else y + self.bias
-        return y.view(*x.shape[:-1], y.shape[-1])
+        return _linear_rows(x, lambda rows: mm(rows, self.weight.t()), self.bias)
+
+
+def _linear_rows(x: Tensor, product: Kernel, bias: Tensor | None) -> Tensor:
+    """A linear layer's output from its weight's ``product`` over ``x``'s rows, plus ``bias``, shaped as ``x``."""
+    y = product(x.reshape(-1, x.shape[-1]))
+    y = y if bias is None else y + bias
+    return y.view(*x.shape[:-1], y.shape[-1])
 
 
 class PackedLinear(nn.Module):
