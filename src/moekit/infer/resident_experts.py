@@ -33,7 +33,7 @@ from moekit.infer.quant import INT4_GROUP, QUANT_FORMATS, int4_mm, int8_mm, pack
 from moekit.layer import MoE
 from moekit.model.transformer import Attention
 
-Kernel = Callable[[Tensor], Tensor]  # rows [M, K] -> [M, N]: one expert's product with one of its weights
+Kernel = Callable[[Tensor], Tensor]  # rows [M, K] -> [M, N]: the product with one weight (an expert's, a linear's)
 
 
 class PerExpert(nn.Module):
