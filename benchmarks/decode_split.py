@@ -7,7 +7,8 @@ what the products cost; the weights they read per step (attention's projections,
 experts of each layer picked that step, the head) over that time is the bandwidth they reach, beside
 the same products alone (each weight streamed from memory in turn, as ``cpu_matmul.py`` times them).
 A third kind of block runs the step through the model's forward instead of ``decode_step``'s one-token
-path (``infer/token_step.py``): what that path saves.
+path (``infer/token_step.py``): what that path saves; a fourth runs the one-token path under
+``no_grad`` instead of ``decode_step``'s inference mode: what that mode saves.
 
     python benchmarks/decode_split.py MODEL_DIR [--threads 2] [--steps 40] [--rounds 4] [--json]
 """
@@ -26,6 +27,7 @@ from _spread import alternate_blocks, show, spread
 import moekit.infer.resident_experts as resident
 from moekit.experts.matmul import single_token_kernels
 from moekit.infer.generate import decode_step, prefill
+from moekit.infer.token_step import takes, token_step
 from moekit.model_dir import load_for_inference
 
 
@@ -39,9 +41,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     run, _ = load_for_inference(args.model)
-    if 8 + 3 * args.steps * args.rounds + 1 > run.config.model.context_length:
+    if 8 + 4 * args.steps * args.rounds + 1 > run.config.model.context_length:
         parser.error(
-            f"--steps x --rounds x 3 decode steps pass the model's {run.config.model.context_length} positions"
+            f"--steps x --rounds x 4 decode steps pass the model's {run.config.model.context_length} positions"
         )
     model, real = run.model, resident.packed_linear
     logits, cache = prefill(model, torch.randint(0, run.config.model.vocab_size, (1, 8)))
@@ -69,9 +71,17 @@ def main(argv: list[str] | None = None) -> int:
         with single_token_kernels(1):
             token[0] = model(token[0], cache=cache).logits[:, -1].argmax(-1, keepdim=True)
 
+    @torch.no_grad()
+    def grad_mode() -> None:  # decode_step's one-token path, not in inference mode
+        resident.packed_linear = real
+        with single_token_kernels(1):
+            assert takes(model, token[0]), "a model the one-token path takes"
+            token[0] = token_step(model, token[0], cache).argmax(-1, keepdim=True)
+
     step(counted)  # every weight's first output, for the replay
     read[0] = 0
     kinds = {"real": lambda: step(counted), "replayed": lambda: step(replayed), "forward": forward}
+    kinds["no_grad"] = grad_mode
     ms = alternate_blocks(kinds, args.steps, args.rounds)
     resident.packed_linear = real
     gb_per_step = read[0] / (args.steps * args.rounds) / 1e9
@@ -86,9 +96,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  the products                {show(products, '.2f')}: {gb_per_step * 1e3:.0f} MB a step")
     print(f"  their bandwidth, GB/s       {show(rates, '.1f')} (the same weights alone: {show(alone, '.1f')})")
     print(f"  through the forward         {show(ms['forward'], '.2f')}")
+    print(f"  under no_grad               {show(ms['no_grad'], '.2f')} (not inference mode)")
     if args.json:
         figures = {"step_ms": ms["real"], "replayed_ms": ms["replayed"], "products_ms": products}
-        figures["forward_ms"] = ms["forward"]
+        figures["forward_ms"], figures["no_grad_ms"] = ms["forward"], ms["no_grad"]
         out = {k: spread(v, 3) for k, v in figures.items()} | {"mb_per_step": round(gb_per_step * 1e3, 1)}
         out |= {"gb_s": spread(rates, 2), "gb_s_alone": spread(alone, 2), "threads": args.threads}
         print(json.dumps(out | {"commit": source_commit()}))

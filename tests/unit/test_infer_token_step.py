@@ -122,6 +122,23 @@ def test_a_token_step_equals_the_forward_bit_for_bit(family: str, fmt: str) -> N
         token = got.argmax(-1, keepdim=True)
 
 
+def test_what_a_token_step_hands_back_is_outside_inference_mode() -> None:
+    """The one-token path runs in inference mode; what leaves it does not: its logits are written in
+    place, and a forward with autograd through the same cache after it records its graph (a rollout
+    decoded, then scored for learning)."""
+    model = _model("mixtral", "fp32")
+    prompt = torch.randint(0, model.cfg.vocab_size, (1, 5), generator=torch.Generator().manual_seed(3))
+    logits, cache = prefill(model, prompt)
+    token = logits.argmax(-1, keepdim=True)
+    assert takes(model, token)
+    got = decode_step(model, token, cache)
+    assert not got.is_inference() and not any(t.is_inference() for t in [*cache.keys, *cache.values])
+    got.add_(1.0)
+    model.embed.weight.requires_grad_(True)
+    scored = model(got.argmax(-1, keepdim=True), cache=cache)
+    assert scored.logits.requires_grad and cache.length == 7
+
+
 @pytest.mark.parametrize("family", ["qwen2-moe", "olmoe", "gpt-oss", "deepseek-router"])
 def test_token_steps_follow_the_uncached_forward(family: str) -> None:
     """Independently of the cache's path: fp32, each step's logits within 1e-5 (relative) of the model run
