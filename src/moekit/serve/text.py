@@ -3,6 +3,12 @@ where each token's text begins (``text_offset``).
 
 Text is held back while it may still change or be cut: a trailing U+FFFD (a multi-byte character
 whose remaining bytes have not been generated yet) and a tail that begins a stop string.
+
+Each token decodes a window of the last few ids, not every id so far: a token costs the same at the
+2,000th as at the first (decoding all of them took 0.17 ms a token at 2,000, d1024's BPE tokenizer).
+The window starts one final piece back (ids whose text ended in a whole character), so a tokenizer
+that renders a piece by what precedes it (SentencePiece's leading space) renders it as in the whole
+text; where the window's text is no extension of that piece's, the whole text is decoded instead.
 """
 
 from __future__ import annotations
@@ -20,16 +26,32 @@ class TextStream:
         self.stop = stop
         self.ids: list[int] = []
         self.sent = 0  # characters of the text already released
-        self.text = ""
+        self.text = ""  # the text of the ids, as ``decode`` renders it
         self.offset = 0  # where the last token's text begins
+        self._final = ""  # the text up to the last whole character
+        self._start = self._settled = 0  # the window's first id; the first id past the final text
+        self._context = ""  # the text of ids[_start:_settled], as decoded alone
 
     def add(self, token: int, check_stops: bool = True) -> tuple[str, str | None]:
         """The text ``token`` releases, and the stop string that ended the choice, if one did (the stop
         string and what follows it are never released). ``check_stops`` False: none can, yet."""
-        before = self.text
+        before, final = self.text, self._final
         self.ids.append(token)
-        self.text = self.tokenizer.decode(self.ids)
-        self.offset = token_start(before, self.text)
+        window = self.tokenizer.decode(self.ids[self._start :])
+        if window.startswith(self._context):
+            self.text = final + window[len(self._context) :]
+        else:  # the window's text is no extension of its context's: the whole text, decoded
+            self.text = self.tokenizer.decode(self.ids)
+        if before.startswith(final) and self.text.startswith(final):  # the final text left as it was
+            self.offset = len(final) + token_start(before[len(final) :], self.text[len(final) :])
+            if not self.text.endswith("\ufffd"):  # final up to here: the next window starts a piece back
+                piece = self.tokenizer.decode(self.ids[self._settled :])
+                # NOTE: a piece with no text of its own (special tokens, which decode skips) is no context
+                # (a SentencePiece decoder strips the space of the first piece that has text)
+                self._start, self._context = (self._settled, piece) if piece else (self._start, window)
+                self._final, self._settled = self.text, len(self.ids)
+        else:
+            self.offset = token_start(before, self.text)
         for stop in self.stop if check_stops else ():
             at = self.text.find(stop, max(0, self.sent - len(stop) + 1))
             if at >= 0:

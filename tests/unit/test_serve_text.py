@@ -1,0 +1,96 @@
+"""``TextStream``: the text of a choice's ids, built a window of ids at a time, against the whole text
+decoded anew at every token. Reference, written out: after each token the text is ``decode`` of every
+id so far, and the token's text begins where that text first differs from the text before it, or one
+character earlier where the token left a trailing U+FFFD as it was (it continues that character).
+Tokenizers: bytes (any id: invalid and cut UTF-8), a byte-level BPE, a SentencePiece-style BPE
+(byte fallback, leading-space marker stripped at the start, as Llama's and Mixtral's), and WordPiece,
+whose decoder joins pieces by what precedes them."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import tokenizers
+from helpers import sample_text
+from tokenizers import decoders, models, normalizers, pre_tokenizers, trainers
+
+from moekit.serve.text import TextStream
+from moekit.tokenizer import BPETokenizer, ByteTokenizer
+
+TEXTS = [sample_text(seed) for seed in range(3)] + ["naïve café → 東京 🙂 déjà vu, ok.", "a b  c\n\n¿qué?"]
+
+
+def _sentencepiece() -> BPETokenizer:
+    tk = tokenizers.Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>", fuse_unk=True))
+    tk.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tk.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    byte_tokens = [f"<0x{b:02X}>" for b in range(256)]
+    tk.train_from_iterator(TEXTS, trainers.BpeTrainer(vocab_size=400, special_tokens=["<unk>", *byte_tokens]))
+    return BPETokenizer(tk)
+
+
+def _wordpiece() -> BPETokenizer:
+    tk = tokenizers.Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    tk.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tk.decoder = decoders.WordPiece()
+    tk.train_from_iterator(TEXTS, trainers.WordPieceTrainer(vocab_size=300, special_tokens=["[UNK]"]))
+    return BPETokenizer(tk)
+
+
+TOKENIZERS = {
+    "bytes": ByteTokenizer,
+    "byte-level-bpe": lambda: BPETokenizer.train(TEXTS, vocab_size=400),
+    "sentencepiece": _sentencepiece,
+    "wordpiece": _wordpiece,
+}
+
+
+def _reference_offset(before: str, after: str) -> int:
+    common = 0
+    while common < min(len(before), len(after)) and before[common] == after[common]:
+        common += 1
+    return common - 1 if after == before and before.endswith("\ufffd") else common
+
+
+class _Counting:
+    """A tokenizer that records how many ids each ``decode`` got."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer, self.lengths = tokenizer, []
+
+    def decode(self, ids: list[int]) -> str:
+        self.lengths.append(len(ids))
+        return self.tokenizer.decode(ids)
+
+
+@pytest.mark.parametrize("name", sorted(TOKENIZERS))
+def test_a_streams_text_and_offsets_equal_the_whole_decode_at_every_token(name: str) -> None:
+    tokenizer = TOKENIZERS[name]()
+    rng = random.Random(0)
+    sequences = [tokenizer.encode(text) for text in TEXTS]
+    sequences += [[rng.randrange(tokenizer.vocab_size) for _ in range(300)] for _ in range(3)]  # anything sampled
+    for ids in sequences:
+        counting = _Counting(tokenizer)
+        stream = TextStream(counting, ())
+        for i, token in enumerate(ids):
+            stream.add(token)
+            assert stream.text == tokenizer.decode(ids[: i + 1])
+            assert stream.offset == _reference_offset(tokenizer.decode(ids[:i]), stream.text)
+        if name != "wordpiece" and len(ids) > 40:  # wordpiece may rejoin a piece to the one before it
+            # a few ids (more where a run of them has no text yet: sampled special or byte tokens)
+            assert max(counting.lengths) <= 40, "each token decodes a window, not every id so far"
+
+
+def test_a_long_stream_decodes_a_window_of_ids_per_token() -> None:
+    """2,000 ids of text: no decode past a handful of ids, the whole text exact at the end."""
+    tokenizer = BPETokenizer.train(TEXTS, vocab_size=400)
+    ids = tokenizer.encode(" ".join(TEXTS * 8))[:2000]
+    counting = _Counting(tokenizer)
+    stream = TextStream(counting, ())
+    for token in ids:
+        stream.add(token)
+    assert len(ids) == 2000 and stream.text == tokenizer.decode(ids)
+    assert max(counting.lengths) <= 8 and len(counting.lengths) <= 2 * len(ids)
