@@ -50,11 +50,12 @@ def main(argv: list[str] | None = None) -> int:
     token = [logits.argmax(-1, keepdim=True)]
     weights: dict[int, torch.Tensor] = {}  # packed weight -> its first output
     read: list[int] = [0]  # bytes of the weights read by the steps of a "real" block
+    counting = [True]  # whether the products read now are counted (the same call in every kind of block)
 
     def counted(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         y = real(x, packed, bias)
         weights.setdefault(id(packed), y)
-        read[0] += y.shape[-1] * x.shape[-1] * x.element_size()
+        read[0] += y.shape[-1] * x.shape[-1] * x.element_size() if counting[0] else 0
         return y
 
     def replayed(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -62,21 +63,21 @@ def main(argv: list[str] | None = None) -> int:
         return real(x, packed, bias) if y is None else y.view(*x.shape[:-1], y.shape[-1])
 
     def step(product) -> None:
-        resident.packed_linear = product
+        resident.packed_linear, counting[0] = product, True
         token[0] = decode_step(model, token[0], cache).argmax(-1, keepdim=True)
 
     @torch.no_grad()
     def forward() -> None:
-        resident.packed_linear = real
+        resident.packed_linear, counting[0] = counted, False
         with single_token_kernels(1):
             token[0] = model(token[0], cache=cache).logits[:, -1].argmax(-1, keepdim=True)
 
     @torch.no_grad()
     def grad_mode() -> None:  # decode_step's one-token path, not in inference mode
-        resident.packed_linear = real
+        resident.packed_linear, counting[0] = counted, False
         with single_token_kernels(1):
             assert takes(model, token[0]), "a model the one-token path takes"
-            token[0] = token_step(model, token[0], cache).argmax(-1, keepdim=True)
+            token[0] = token_step(model, token[0], cache).clone().argmax(-1, keepdim=True)
 
     step(counted)  # every weight's first output, for the replay
     read[0] = 0

@@ -123,15 +123,19 @@ def test_a_token_step_equals_the_forward_bit_for_bit(family: str, fmt: str) -> N
 
 
 def test_what_a_token_step_hands_back_is_outside_inference_mode() -> None:
-    """The one-token path runs in inference mode; what leaves it does not: its logits are written in
-    place, and a forward with autograd through the same cache after it records its graph (a rollout
-    decoded, then scored for learning)."""
+    """The one-token path runs in inference mode (its blocks' pre-hooks see it); what leaves it does
+    not: its logits are written in place, and a forward with autograd through the same cache after it
+    records its graph (a rollout decoded, then scored for learning)."""
     model = _model("mixtral", "fp32")
     prompt = torch.randint(0, model.cfg.vocab_size, (1, 5), generator=torch.Generator().manual_seed(3))
     logits, cache = prefill(model, prompt)
     token = logits.argmax(-1, keepdim=True)
     assert takes(model, token)
+    modes: list[bool] = []
+    hook = model.blocks[0].register_forward_pre_hook(lambda m, a: modes.append(torch.is_inference_mode_enabled()))
     got = decode_step(model, token, cache)
+    hook.remove()
+    assert modes == [True]  # the step ran in inference mode
     assert not got.is_inference() and not any(t.is_inference() for t in [*cache.keys, *cache.values])
     got.add_(1.0)
     model.embed.weight.requires_grad_(True)

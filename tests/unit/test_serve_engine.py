@@ -140,6 +140,27 @@ def test_offloaded_experts_serve_the_whole_batch_in_each_layer(write_run, tmp_pa
     run.offloader.close()
 
 
+def test_steps_run_in_inference_mode(write_run, tmp_path: Path) -> None:
+    """Every block of every step runs without autograd's dispatch (what each block's pre-hook sees),
+    the one-token path's steps and the batch's alike; the tokens are the model's own (greedy)."""
+    from moekit.serve.engine import Token
+
+    run = load_run(write_run(tmp_path / "run"))
+    seen: list[bool] = []
+    hooks = [
+        b.register_forward_pre_hook(lambda m, a: seen.append(torch.is_inference_mode_enabled()))
+        for b in run.model.blocks
+    ]
+    _, events = _served(run)
+    for hook in hooks:
+        hook.remove()
+    assert len(seen) > len(run.model.blocks) and all(seen)
+    for i, p in enumerate(PROMPTS):
+        ids = torch.tensor([list(p.encode())])
+        want = generate(run.model, ids, 6, 0.0)[0, ids.shape[1] :].tolist()
+        assert [e.token for e in events if isinstance(e, Token) and e.choice == i] == want
+
+
 PROMPTS = ["the king", "ab", "hello there", "x"]
 
 
