@@ -6,12 +6,13 @@ import subprocess
 from pathlib import Path
 
 
-def source_commit() -> str | None:
-    """``git describe --always --dirty`` of this checkout (``...-dirty``: uncommitted changes); None outside git."""
+def source_commit(tree: Path | None = None) -> str | None:
+    """``git describe --always --dirty`` of this checkout, or of the checkout holding ``tree``
+    (``...-dirty``: uncommitted changes); None outside git."""
     try:
         done = subprocess.run(
             ["git", "describe", "--always", "--dirty"],
-            cwd=Path(__file__).parent,
+            cwd=tree or Path(__file__).parent,
             capture_output=True,
             text=True,
             timeout=10,
