@@ -71,6 +71,18 @@ class _Counting:
         return self.tokenizer.decode(ids)
 
 
+def _streamed(tokenizer, ids: list[int]) -> list[int]:
+    """Stream ``ids``, checking the text and the token's offset after each against the reference; the
+    number of ids each of the stream's decodes got."""
+    counting = _Counting(tokenizer)
+    stream = TextStream(counting, ())
+    for i, token in enumerate(ids):
+        stream.add(token)
+        assert stream.text == tokenizer.decode(ids[: i + 1])
+        assert stream.offset == _reference_offset(tokenizer.decode(ids[:i]), stream.text)
+    return counting.lengths
+
+
 @pytest.mark.parametrize("name", sorted(TOKENIZERS))
 def test_a_streams_text_and_offsets_equal_the_whole_decode_at_every_token(name: str) -> None:
     """Texts encoded (each token decodes a window of a few ids), and ids drawn at random as a model
@@ -81,14 +93,9 @@ def test_a_streams_text_and_offsets_equal_the_whole_decode_at_every_token(name: 
     encoded = [tokenizer.encode(text) for text in TEXTS]
     drawn = [[rng.randrange(tokenizer.vocab_size) for _ in range(300)] for _ in range(3)]
     for ids in encoded + drawn:
-        counting = _Counting(tokenizer)
-        stream = TextStream(counting, ())
-        for i, token in enumerate(ids):
-            stream.add(token)
-            assert stream.text == tokenizer.decode(ids[: i + 1])
-            assert stream.offset == _reference_offset(tokenizer.decode(ids[:i]), stream.text)
+        lengths = _streamed(tokenizer, ids)
         if any(ids is e for e in encoded) and len(ids) > 100:
-            assert max(counting.lengths) <= 16, "each token decodes a window, not every id so far"
+            assert max(lengths) <= 16, "each token decodes a window, not every id so far"
 
 
 def test_a_long_stream_decodes_a_window_of_ids_per_token() -> None:
@@ -113,11 +120,6 @@ def test_a_window_whose_text_is_no_extension_decodes_the_whole_and_recovers() ->
     words = tokenizer.encode(" ".join(TEXTS))
     ids = words[:200] + [vocab["<0x0A>"], vocab["<0xE2>"], vocab["<0x80>"]] + words[200:300]
     ids += [vocab["</s>"], *tokenizer.encode("la fin")]
-    counting = _Counting(tokenizer)
-    stream = TextStream(counting, ())
-    for i, token in enumerate(ids):
-        stream.add(token)
-        assert stream.text == tokenizer.decode(ids[: i + 1])
-        assert stream.offset == _reference_offset(tokenizer.decode(ids[:i]), stream.text)
-    whole = [i for i, n in enumerate(counting.lengths) if n > 200]
-    assert whole and max(counting.lengths[whole[-1] + 1 :]) <= 8
+    lengths = _streamed(tokenizer, ids)
+    whole = [i for i, n in enumerate(lengths) if n > 200]
+    assert whole and max(lengths[whole[-1] + 1 :]) <= 8
