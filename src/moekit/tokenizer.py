@@ -27,6 +27,8 @@ class Tokenizer(Protocol):
 
     name: str  # byte | char | bpe
     vocab_size: int
+    # whether a token's text depends on at most the piece of text before it (``serve.text.TextStream``)
+    decodes_by_piece: bool
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Ids of ``text``; ``add_special_tokens``: as its post-processor frames a text (a Hugging Face
@@ -43,6 +45,7 @@ class ByteTokenizer:
 
     name = "byte"
     vocab_size = 256
+    decodes_by_piece = True
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(text.encode("utf-8"))
@@ -59,6 +62,7 @@ class CharTokenizer:
     """One token per distinct character of the corpus, ids in code-point order."""
 
     name = "char"
+    decodes_by_piece = True
 
     def __init__(self, alphabet: str) -> None:
         if not alphabet:
@@ -95,6 +99,8 @@ class BPETokenizer:
     def __init__(self, tokenizer: tokenizers.Tokenizer) -> None:
         self._tokenizer = tokenizer
         self.vocab_size: int = tokenizer.get_vocab_size()
+        decoder = tokenizer.decoder
+        self.decodes_by_piece = decoder is None or _decodes_by_piece(json.loads(decoder.__getstate__()))
 
     @classmethod
     def train(cls, texts: Iterable[str], vocab_size: int) -> BPETokenizer:
@@ -123,6 +129,22 @@ class BPETokenizer:
 
     def save(self, directory: Path) -> None:
         write_bytes_atomic(Path(directory) / "tokenizer.json", self._tokenizer.to_str().encode("utf-8"))
+
+
+def _decodes_by_piece(decoder: dict) -> bool:
+    """Whether a Hugging Face decoder renders a token's text from at most the piece of text before it
+    (what ``moekit.serve.text.TextStream``'s window holds): byte-level, byte fallback, SentencePiece's
+    marker and its one leading space, WordPiece's joins, one-character replacements. Others (a longer
+    replacement, which after ``Fuse`` may span tokens; CTC's merging of repeats; a strip of more than
+    one leading character or of the end) are decoded whole."""
+    kind = decoder.get("type")
+    if kind == "Sequence":
+        return all(_decodes_by_piece(d) for d in decoder.get("decoders", []))
+    if kind == "Strip":
+        return decoder.get("stop", 0) == 0 and decoder.get("start", 0) <= 1
+    if kind == "Replace":
+        return len(decoder.get("pattern", {}).get("String", "")) == 1
+    return kind in ("ByteLevel", "ByteFallback", "Fuse", "Metaspace", "WordPiece")
 
 
 def _import_tokenizers() -> Any:

@@ -53,6 +53,22 @@ TOKENIZERS = {
 }
 
 
+def test_a_decoder_that_looks_further_back_than_a_piece_is_decoded_whole() -> None:
+    """A replacement over the fused text spanning three tokens (``the`` -> ``THE``, each letter its own
+    token) is outside what the window holds: such a tokenizer says so and its stream decodes every id,
+    giving the whole text at every token; the decoders of byte-level BPE, Llama's and WordPiece are
+    windowed."""
+    raw = BPETokenizer.train(TEXTS, vocab_size=400)._tokenizer
+    raw.decoder = decoders.Sequence([decoders.ByteLevel(), decoders.Fuse(), decoders.Replace("the", "THE")])
+    tokenizer = BPETokenizer(raw)
+    letters = [raw.token_to_id("Ġ" if c == " " else c) for c in "in the theatre, then"]  # byte-level's space
+    assert not tokenizer.decodes_by_piece and None not in letters
+    _streamed(tokenizer, letters)
+    assert tokenizer.decode(letters) == "in THE THEatre, THEn"
+    windowed = [TOKENIZERS[name]() for name in ("byte-level-bpe", "sentencepiece", "wordpiece")]
+    assert all(t.decodes_by_piece for t in windowed)
+
+
 def _reference_offset(before: str, after: str) -> int:
     common = 0
     while common < min(len(before), len(after)) and before[common] == after[common]:
@@ -69,6 +85,9 @@ class _Counting:
     def decode(self, ids: list[int]) -> str:
         self.lengths.append(len(ids))
         return self.tokenizer.decode(ids)
+
+    def __getattr__(self, name: str):  # the rest of the tokenizer's (``decodes_by_piece``)
+        return getattr(self.tokenizer, name)
 
 
 def _streamed(tokenizer, ids: list[int]) -> list[int]:

@@ -31,6 +31,7 @@ class TextStream:
         self._final = ""  # the text up to the last whole character
         self._start = self._settled = 0  # the window's first id; the first id past the final text
         self._context = ""  # the text of ids[_start:_settled], as decoded alone
+        self._windowed = tokenizer.decodes_by_piece  # else every id is decoded at each token
 
     def add(self, token: int, check_stops: bool = True) -> tuple[str, str | None]:
         """The text ``token`` releases, and the stop string that ended the choice, if one did (the stop
@@ -50,7 +51,10 @@ class TextStream:
             piece = self.tokenizer.decode(self.ids[self._settled :])
             # NOTE: a piece with no text of its own (special tokens, which decode skips) is no context
             # (a SentencePiece decoder strips the space of the first piece that has text)
-            self._start, self._context = (self._settled, piece) if piece else (self._start, window)
+            if piece and self._windowed:
+                self._start, self._context = self._settled, piece
+            else:
+                self._context = window
             self._final, self._settled = self.text, len(self.ids)
         for stop in self.stop if check_stops else ():
             at = self.text.find(stop, max(0, self.sent - len(stop) + 1))
