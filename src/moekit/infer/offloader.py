@@ -389,6 +389,7 @@ class Offloader:
         if kept is not None and kept[0] == key:
             return kept[1]
         self._reordered.pop(entry.slot, None)
+        # NOTE: made in a serving step, in inference mode: read by later steps only, never written in place
         weights = {role: inference_layout(views[role], torch.float32).t() for role in ("w_in", "w_out")}
         self._reordered[entry.slot] = (key, {role: prepack(w_NK) for role, w_NK in weights.items()})
         return self._reordered[entry.slot][1]
