@@ -48,10 +48,10 @@ class TextStream:
         else:
             self.offset = token_start(before, self.text)
         if not self.text.endswith("\ufffd"):  # final up to here: the next window starts a piece back
-            piece = self.tokenizer.decode(self.ids[self._settled :])
+            piece = self.tokenizer.decode(self.ids[self._settled :]) if self._windowed else ""
             # NOTE: a piece with no text of its own (special tokens, which decode skips) is no context
             # (a SentencePiece decoder strips the space of the first piece that has text)
-            if piece and self._windowed:
+            if piece:
                 self._start, self._context = self._settled, piece
             else:
                 self._context = window
