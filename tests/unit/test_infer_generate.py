@@ -61,6 +61,19 @@ def test_prefill_then_decode_steps_match_full_forward() -> None:
     assert cache.length == 12
 
 
+def test_a_batched_decode_step_runs_in_inference_mode_and_hands_back_a_normal_tensor() -> None:
+    model = tiny_model()
+    seq = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(5))
+    _, cache = prefill(model, seq[:, :6])
+    modes: list[bool] = []
+    hook = model.blocks[0].register_forward_pre_hook(lambda m, a: modes.append(torch.is_inference_mode_enabled()))
+    logits = decode_step(model, seq[:, 6:7], cache)
+    hook.remove()
+    assert modes == [True] and not logits.is_inference() and logits.shape == (2, model.cfg.vocab_size)
+    logits.add_(1.0)  # written in place, as callers may
+    torch.testing.assert_close(logits - 1.0, model(seq[:, :7]).logits[:, -1], atol=1e-5, rtol=0)
+
+
 def test_forward_through_a_cache_reports_routing_counts_without_losses() -> None:
     """Decoding reads the routing counts only; given targets, or with autograd recording (a cached
     rollout being learned from), a cached forward still has the balancing losses."""

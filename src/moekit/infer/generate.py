@@ -85,21 +85,21 @@ def prefill(model: Transformer, tokens_BL: Tensor, left_pad_B: Tensor | None = N
         return model(tokens_BL, cache=cache, logits_at=last).logits[:, -1], cache
 
 
-@torch.no_grad()
 def decode_step(model: Transformer, token_B1: Tensor, cache: KVCache) -> Tensor:
     """One new position per row through the cache (which grows by one): its logits [B, V]. One token of
-    one sequence goes through ``token_step`` where it computes the model exactly (``takes``), in
-    inference mode: its ops skip autograd's dispatch, a d1024 bf16 step 5-8% shorter than under
-    ``no_grad`` (``python benchmarks/decode_split.py``: 8.20 against 8.96 ms). Blocks' forward
-    pre-hooks run in it too (what they make is an inference tensor). Its logits come back as a normal
-    tensor (a copy of ``V`` values); the cache, made by ``prefill``, stays one a forward with autograd
-    may extend."""
-    with single_token_kernels(token_B1.numel()):
+    one sequence goes through ``token_step`` where it computes the model exactly (``takes``).
+
+    In inference mode, its ops skip autograd's dispatch: a d1024 bf16 step of one sequence 5-8% shorter
+    than under ``no_grad`` (``python benchmarks/decode_split.py``: 8.20 against 8.96 ms), of a batch of
+    4 or 16 sequences 4-5% (ad hoc). Blocks' forward pre-hooks run in it too (what they make is an
+    inference tensor). The logits come back as a normal tensor (a copy of ``B x V`` values); the cache,
+    made by ``prefill``, stays one a forward with autograd may extend."""
+    with single_token_kernels(token_B1.numel()), torch.inference_mode():
         if takes(model, token_B1):
-            with torch.inference_mode():
-                logits = token_step(model, token_B1, cache)
-            return logits.clone()
-        return model(token_B1, cache=cache).logits[:, -1]
+            logits = token_step(model, token_B1, cache)
+        else:
+            logits = model(token_B1, cache=cache).logits[:, -1]
+    return logits.clone()
 
 
 @dataclass(frozen=True)
