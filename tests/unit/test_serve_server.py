@@ -80,7 +80,7 @@ def test_the_served_engine_thread_keeps_its_freed_memory() -> None:
     freed memory) or plainly, its steps in inference mode (as they run) or under no_grad (as they ran:
     their freed buffers went back to the OS and faulted in again at every step, 750 a step here)."""
     faults = {(t, m): faults_per_step(t, m) for t in ("served", "default") for m in ("inference", "no_grad")}
-    assert faults["default", "no_grad"] > 20 * max(faults["served", "no_grad"], 1.0), faults  # what the settings do
+    assert faults["default", "no_grad"] > 5 * max(faults["served", "no_grad"], 1.0), faults  # what the settings do
     assert max(faults["served", "inference"], faults["default", "inference"]) < 5, faults
 
 
