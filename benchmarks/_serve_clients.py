@@ -101,6 +101,18 @@ def latency(records: list) -> dict[str, float]:
     }
 
 
+def served_rows(server: Server, prompts: list[str], counts: list[int], max_tokens: int) -> dict[int, dict[str, float]]:
+    """Each count of concurrent greedy clients once to warm up (8 tokens: vLLM compiles per shape), then
+    timed: per count, output tokens/s and the latencies (``latency``)."""
+    for n in counts:
+        clients(server, prompts[:n], 8, [0.0] * n)
+    rows = {}
+    for n in counts:
+        records, wall = clients(server, prompts[:n], max_tokens, [0.0] * n)
+        rows[n] = {"tok_s": sum(rec[2] for rec in records) / wall, **latency(records)}
+    return rows
+
+
 THREAD_STATES = {"running": "on cpu", "waiting": "waiting for cpu"}
 
 

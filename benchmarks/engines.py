@@ -42,11 +42,10 @@ from pathlib import Path
 
 import _peers
 from _provenance import source_commit
-from _serve_clients import SRC, Server, clients, latency
+from _serve_clients import SRC, Server, served_rows
 from _spread import show, spread
-from serve import text_prompts
+from serve import DEFAULT_TEXT, text_prompts
 
-DEFAULT_TEXT = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "tinyshakespeare.txt"
 RUNNER = Path(__file__).resolve().parent / "_engine_runner.py"
 MODELS = {
     "d1024": {"hidden_size": 1024, "intermediate_size": 2048, "num_local_experts": 8},
@@ -217,11 +216,7 @@ def serve_section(args, model_dir: Path) -> dict:
             print(f"[serve] round {r + 1} {engine} {dtype}, load average {os.getloadavg()[0]:.2f}", file=sys.stderr)
             server = start_server(args, engine, dtype, model_dir)
             try:
-                for n in args.clients:  # warm-up: a first batch of each size (vLLM compiles per shape)
-                    clients(server, prompts[:n], 8, [0.0] * n)
-                for n in args.clients:
-                    records, wall = clients(server, prompts[:n], args.new_tokens, [0.0] * n)
-                    row = {"tok_s": sum(rec[2] for rec in records) / wall, **latency(records)}
+                for n, row in served_rows(server, prompts, args.clients, args.new_tokens).items():
                     results.setdefault(f"{engine} {dtype} x{n}", []).append(row)
                 rss = peak_rss_mb(server.proc.pid)
                 results.setdefault(f"{engine} {dtype} startup", []).append({"s": server.startup_s, "rss_mb": rss})

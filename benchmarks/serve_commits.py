@@ -22,10 +22,8 @@ from pathlib import Path
 
 import _serve_clients
 from _provenance import source_commit
-from _serve_clients import Server, clients
+from _serve_clients import Server, served_rows
 from _spread import show, spread
-
-DEFAULT_TEXT = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "tinyshakespeare.txt"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -40,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--new-tokens", type=int, default=64, help="greedy tokens per request (default: 64)")
     parser.add_argument("--threads", type=int, default=2, help="each server's torch threads (default: 2)")
-    parser.add_argument("--text", type=Path, default=DEFAULT_TEXT, help="corpus of prompts (default: %(default)s)")
+    parser.add_argument("--text", type=Path, help="corpus of prompts (default: serve.py's, tinyshakespeare)")
     parser.add_argument("--json", action="store_true", help="also print the figures as one JSON line")
     args = parser.parse_args(argv)
     for name in ("rounds", "new_tokens", "threads"):
@@ -50,15 +48,15 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--clients: distinct counts, each >= 1")
     if not args.model.is_dir():
         parser.error(f"{args.model}: no such model directory")
-    if not args.text.is_file():
+    if args.text is not None and not args.text.is_file():
         parser.error(f"--text {args.text}: no such file")
     trees = {"before": args.before.resolve(), "after": args.after.resolve()}
     for tree in trees.values():
         if not _imports_moekit_from(tree):
             parser.error(f"{tree}: moekit does not import from it (give a tree's src directory)")
-    from serve import text_prompts  # torch with it: after the arguments are checked
+    from serve import DEFAULT_TEXT, text_prompts  # torch with it: after the arguments are checked
 
-    prompts = text_prompts(args.text, max(args.clients), seed=0)
+    prompts = text_prompts(args.text or DEFAULT_TEXT, max(args.clients), seed=0)
     tok_s: dict[str, dict[int, list[float]]] = {name: {n: [] for n in args.clients} for name in trees}
     for r in range(args.rounds):
         for name in list(trees) if r % 2 == 0 else list(trees)[::-1]:
@@ -66,11 +64,8 @@ def main(argv: list[str] | None = None) -> int:
             server = Server(args.model, "--threads", str(args.threads), "--dtype", args.dtype)
             server.fields = {"ignore_eos": True}
             try:
-                for n in args.clients:
-                    clients(server, prompts[:n], 8, [0.0] * n)
-                for n in args.clients:
-                    records, wall = clients(server, prompts[:n], args.new_tokens, [0.0] * n)
-                    tok_s[name][n].append(sum(rec[2] for rec in records) / wall)
+                for n, row in served_rows(server, prompts, args.clients, args.new_tokens).items():
+                    tok_s[name][n].append(row["tok_s"])
             finally:
                 server.close()
             print(f"round {r + 1}/{args.rounds} {name}: done", flush=True)
