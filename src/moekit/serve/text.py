@@ -31,7 +31,6 @@ class TextStream:
         self._final = ""  # the text up to the last whole character
         self._start = self._settled = 0  # the window's first id; the first id past the final text
         self._context = ""  # the text of ids[_start:_settled], as decoded alone
-        self._windowed = tokenizer.decodes_by_piece  # else every id is decoded at each token
 
     def add(self, token: int, check_stops: bool = True) -> tuple[str, str | None]:
         """The text ``token`` releases, and the stop string that ended the choice, if one did (the stop
@@ -48,7 +47,8 @@ class TextStream:
         else:
             self.offset = token_start(before, self.text)
         if not self.text.endswith("\ufffd"):  # final up to here: the next window starts a piece back
-            piece = self.tokenizer.decode(self.ids[self._settled :]) if self._windowed else ""
+            # a tokenizer not decoding by piece keeps the window at the first id: every id decoded
+            piece = self.tokenizer.decode(self.ids[self._settled :]) if self.tokenizer.decodes_by_piece else ""
             # NOTE: a piece with no text of its own (special tokens, which decode skips) is no context
             # (a SentencePiece decoder strips the space of the first piece that has text)
             if piece:
