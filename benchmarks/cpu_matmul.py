@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from moekit.experts.matmul import native_16bit, packed_linear, prepack, unpacked_linear
+from moekit.hostmem import keep_freed_memory
 from moekit.infer.quant import dequantize_int8, int4_mm, int8_mm, pack_int4_for_cpu, quantize_int8
 from moekit.model.sdpa import one_query
 
@@ -91,6 +92,9 @@ def matmul_table(args) -> dict:
 
 
 def attention_table(args) -> dict:
+    """ms per layer: SDPA and the one-query path over keys already gathered, and a serving step's whole
+    attention (``PagedStep.attend``: this step's keys and values written to the pool, each sequence's
+    blocks gathered, the one-query path) over a pool of those sequences' blocks, in bf16 and fp32."""
     now, out = clock(args.threads), {}
     for B, S in ((1, 64), (16, 64), (64, 128), (64, 512)):
         q = torch.randn(B, 16, 1, 64).bfloat16()
@@ -99,6 +103,7 @@ def attention_table(args) -> dict:
         calls = {
             "SDPA": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True),  # noqa: B023
             "one-query": lambda: one_query(q, k, v, mask, 0.125),  # noqa: B023
+            **{f"paged step {name}": paged_attention(B, S, dtype) for name, dtype in PAGED_DTYPES.items()},
         }
         times: dict[str, list[float]] = {name: [] for name in calls}
         for _ in range(args.rounds):
@@ -110,6 +115,33 @@ def attention_table(args) -> dict:
                 times[name].append((now() - t) / 5 * 1e3)
         out[f"{B} x {S}"] = {name: (statistics.median(v), min(v), max(v)) for name, v in times.items()}
     return out
+
+
+PAGED_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def paged_attention(B: int, S: int, dtype: torch.dtype) -> Callable[[], object]:
+    """One layer of a decode step's attention over ``B`` sequences at position ``S - 1``, in blocks of 16
+    spread over a pool of twice their number (16 heads over 4 key/value groups, head dim 64)."""
+    from moekit import runconfig
+    from moekit.serve.kv import Chunk, KVPool, PagedStep
+
+    fields = {"model.n_heads": "16", "model.n_kv_heads": "4", "model.head_dim": "64", "model.n_layers": "1"}
+    cfg = runconfig.resolve("tiny", fields).model
+    per_seq = -(-S // 16)
+    pool = KVPool(cfg, 2 * B * per_seq, 16, torch.device("cpu"), dtype)
+    for t in (*pool.keys, *pool.values):
+        t.normal_()
+    blocks = torch.randperm(pool.num_blocks, generator=torch.Generator().manual_seed(0)).tolist()
+    chunks = [Chunk(blocks[b * per_seq : (b + 1) * per_seq], S - 1, 1) for b in range(B)]
+    step = PagedStep(pool, chunks, torch.device("cpu"))
+    q, k, v = (torch.randn(1, heads, B, 64).to(dtype) for heads in (16, 4, 4))
+
+    @torch.inference_mode()  # as the serving engine's steps run
+    def attend() -> object:
+        return step.attend(0, q, k, v)
+
+    return attend
 
 
 def step_overhead(args) -> dict:
@@ -153,6 +185,7 @@ def main() -> None:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    keep_freed_memory()  # as moekit serve does: freed blocks reused, not faulted in again
     report = {
         "threads": args.threads,
         "native bf16": native_16bit(torch.bfloat16),

@@ -9,7 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from moekit.model import sdpa
 from moekit.model.sdpa import attend
+
+one_query_of = sdpa._one_query  # one chunk of sequences, as one_query calls it
 
 
 def _reference(q, k, v, mask):
@@ -30,12 +33,25 @@ def _reference(q, k, v, mask):
 @pytest.mark.parametrize(
     ("B", "H", "G", "masked"), [(1, 4, 4, False), (1, 8, 2, True), (3, 8, 2, True), (5, 6, 1, True)]
 )
-def test_one_query_attention_equals_the_written_out_softmax(dtype, B, H, G, masked) -> None:
+@pytest.mark.parametrize("layout", ["group-major", "strided"])
+@pytest.mark.parametrize("chunked", [False, True])
+def test_one_query_attention_equals_the_written_out_softmax(
+    dtype, B, H, G, masked, layout, chunked, monkeypatch
+) -> None:
+    """Keys and values as the paged cache gathers them (``[G, B, S, d]`` seen as ``[B, G, S, d]``, taken
+    without a copy in fp32) or laid out otherwise (``[B, S, G, d]`` seen so, reordered); ``chunked``:
+    converted or reordered two sequences at a time (each chunk with its sequences' masks)."""
     gen = torch.Generator().manual_seed(B * H + G)
     S, d = 11, 64
+    calls = []
+    monkeypatch.setattr(sdpa, "_one_query", lambda *a: calls.append(a[0].shape[0]) or one_query_of(*a))
+    if chunked:
+        monkeypatch.setattr(sdpa, "CONVERTED_BYTES", 2 * G * S * d * 4)
     q = (3 * torch.randn(B, H, 1, d, generator=gen)).to(dtype)
-    # keys and values as the paged cache gathers them: [B, S, G, d] seen as [B, G, S, d]
-    k, v = ((f * torch.randn(B, S, G, d, generator=gen)).to(dtype).transpose(1, 2) for f in (3, 1))
+    if layout == "group-major":
+        k, v = ((f * torch.randn(G, B, S, d, generator=gen)).to(dtype).transpose(0, 1) for f in (3, 1))
+    else:
+        k, v = ((f * torch.randn(B, S, G, d, generator=gen)).to(dtype).transpose(1, 2) for f in (3, 1))
     mask = None
     if masked:
         mask = torch.rand(B, 1, 1, S, generator=gen) > 0.4
@@ -43,11 +59,13 @@ def test_one_query_attention_equals_the_written_out_softmax(dtype, B, H, G, mask
     with torch.no_grad():
         got = attend(q, k, v, mask, None, 0.0)
     ref = _reference(q, k, v, mask)
-    sdpa = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=G != H)
-    sdpa_err = float((sdpa.double() - ref).abs().amax())
+    torch_sdpa = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=G != H)
+    sdpa_err = float((torch_sdpa.double() - ref).abs().amax())
     tol = 1e-5 if dtype == torch.float32 else 2.0**-8 * float(ref.abs().amax()) + sdpa_err
     assert got.shape == (B, H, 1, d) and got.dtype == dtype
     assert float((got.double() - ref).abs().amax()) <= tol
+    as_is = dtype == torch.float32 and (layout == "group-major" or G == 1)  # one group: group-major either way
+    assert calls == ([2] * (B // 2) + [B % 2] * (B % 2) if chunked and B > 1 and not as_is else [B])
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

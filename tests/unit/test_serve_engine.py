@@ -35,7 +35,7 @@ def test_paged_steps_of_mixed_chunks_equal_whole_sequences(attention: dict[str, 
     model = Transformer(cfg.model, cfg.moe).eval()
     pool = KVPool(cfg.model, 12, 4, torch.device("cpu"), torch.float32)
     if cfg.model.attention == "mla":
-        assert pool.keys[0].shape[1:] == (1, cfg.model.kv_lora_rank + cfg.model.qk_rope_head_dim)
+        assert pool.keys[0].shape == (1, 12 * 4, cfg.model.kv_lora_rank + cfg.model.qk_rope_head_dim)
         assert pool.values[0].numel() == 0
     a, b = torch.randint(0, 256, (14,)), torch.randint(0, 256, (9,))
     blocks_a, blocks_b = pool.allocate(4), pool.allocate(3)
@@ -50,6 +50,24 @@ def test_paged_steps_of_mixed_chunks_equal_whole_sequences(attention: dict[str, 
                 whole = model((a if s == 0 else b)[None, : start + n]).logits[0, start:]
                 torch.testing.assert_close(logits[at : at + n], whole, rtol=0, atol=1e-5)
                 at += n
+
+
+def test_steps_gather_into_the_pools_two_buffers_and_refuse_autograd() -> None:
+    """Every layer of every step gathers its keys and values into the pool's two buffers (a fresh tensor
+    each layer pays page faults past 32 MB), grown when a step needs more. A buffer autograd could save
+    for a backward would be overwritten by the next layer: a step recording a graph is refused."""
+    pool = KVPool(runconfig.resolve("tiny", GQA).model, 12, 4, torch.device("cpu"), torch.float32)
+    small = pool.gathered(0, (2, 3))
+    assert pool.gathered(0, (3, 2)).data_ptr() == small.data_ptr()
+    grown = pool.gathered(0, (10, 10))
+    assert grown.shape == (10, 10) and pool.gathered(0, (2, 3)).data_ptr() == grown.data_ptr()
+    assert pool.gathered(1, (2, 3)).data_ptr() not in (small.data_ptr(), grown.data_ptr())
+    cfg = runconfig.resolve("tiny", {**GQA, "model.context_length": "48"})
+    model = Transformer(cfg.model, cfg.moe).eval()
+    assert cfg.model.n_layers >= 2
+    step = PagedStep(pool, [Chunk(pool.allocate(2), 0, 5)], torch.device("cpu"))
+    with pytest.raises(RuntimeError, match="don't support automatic differentiation"):
+        model(torch.randint(0, 256, (1, 5)), cache=step)
 
 
 def seq(prompt_len: int, max_tokens: int = 4, computed: int = 0, generated: int = 0) -> Seq:

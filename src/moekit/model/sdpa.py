@@ -90,7 +90,28 @@ def one_query(q_BH1d: Tensor, k_BGSd: Tensor, v_BGSd: Tensor, mask: Tensor | Non
     16 sequences of 64 positions 1.27 ms against 0.18 ms here, 64 of 128 12.7 against 3.0 ms, 64 of 512
     58.1 against 16.6 ms (``benchmarks/measured/cpu-matmul.json``, ``python benchmarks/cpu_matmul.py``).
     ``mask`` ``[B or 1, 1, 1, S]``; None: every key is visible (the query is the last position).
+
+    NOTE: keys and values of several sequences that need converting to fp32 or reordering are done a few
+    sequences at a time, at most ``CONVERTED_BYTES`` each: a larger fresh tensor comes from an mmap of
+    its own (glibc serves every block over 32 MB so) and pays its page faults at every layer of every
+    step (a serving step's attention, bf16, 64 sequences of 512 positions, 2 threads: 25.4 ms a layer at
+    once, 8.4 in chunks; ``python benchmarks/cpu_matmul.py``'s paged step).
     """
+    B, G, S, d = k_BGSd.shape
+    as_is = k_BGSd.dtype == torch.float32 and all(t.transpose(0, 1).is_contiguous() for t in (k_BGSd, v_BGSd))
+    per_chunk = B if as_is else max(1, CONVERTED_BYTES // (G * S * d * 4))
+    if B == 1 or per_chunk >= B:
+        return _one_query(q_BH1d, k_BGSd, v_BGSd, mask, scale)
+    chunks = [slice(b, b + per_chunk) for b in range(0, B, per_chunk)]
+    masks = [mask if mask is None or mask.shape[0] == 1 else mask[c] for c in chunks]
+    parts = [_one_query(q_BH1d[c], k_BGSd[c], v_BGSd[c], m, scale) for c, m in zip(chunks, masks, strict=True)]
+    return torch.cat(parts)
+
+
+CONVERTED_BYTES = 16 << 20  # one_query's keys or values converted or reordered at once, at most
+
+
+def _one_query(q_BH1d: Tensor, k_BGSd: Tensor, v_BGSd: Tensor, mask: Tensor | None, scale: float) -> Tensor:
     B, H, _, d = q_BH1d.shape
     G, S = k_BGSd.shape[1], k_BGSd.shape[2]
     Q = H // G
@@ -98,12 +119,19 @@ def one_query(q_BH1d: Tensor, k_BGSd: Tensor, v_BGSd: Tensor, mask: Tensor | Non
         q = q_BH1d.reshape(G, Q, d).float()
         k, v = (t[0].to(torch.float32, memory_format=torch.contiguous_format) for t in (k_BGSd, v_BGSd))
     else:
-        # [G, B] leading, so that each (group, sequence) is one matrix of a batch of G * B; one pass
-        # each to reorder and convert the keys and values
+        # [G, B] leading, so that each (group, sequence) is one matrix of a batch of G * B: keys and
+        # values laid out so already (the paged cache's gather) are only converted, others reordered too
         q = q_BH1d.reshape(B, G, Q, d).transpose(0, 1).reshape(G * B, Q, d).float()
-        k, v = (q.new_empty(G, B, S, d).copy_(t.transpose(0, 1)).view(G * B, S, d) for t in (k_BGSd, v_BGSd))
+        k, v = (_group_major(t.transpose(0, 1)).view(G * B, S, d) for t in (k_BGSd, v_BGSd))
     scores = torch.bmm(q, k.transpose(1, 2)).mul_(scale).view(G, B, Q, S)
     if mask is not None:
         scores = scores.masked_fill_(~mask.view(1, -1, 1, S), float("-inf"))
     out = torch.bmm(scores.softmax(dim=-1).view(G * B, Q, S), v)
     return out.view(G, B, Q, d).transpose(0, 1).reshape(B, H, 1, d).to(q_BH1d.dtype)
+
+
+def _group_major(t_GBSd: Tensor) -> Tensor:
+    """``t`` in fp32, contiguous: a conversion alone where it is contiguous, else one reordering copy."""
+    if t_GBSd.is_contiguous():
+        return t_GBSd.float()
+    return torch.empty(t_GBSd.shape, dtype=torch.float32, device=t_GBSd.device).copy_(t_GBSd)
