@@ -10,7 +10,7 @@ from helpers import assert_padded_rows_match_alone
 from torch import Tensor
 
 from moekit import runconfig
-from moekit.infer.generate import decode_step, generate, generate_uncached, left_pad, prefill, sample_next
+from moekit.infer.generate import decode_step, generate, generate_uncached, greedy, left_pad, prefill, sample_next
 from moekit.model import KVCache, Transformer
 
 
@@ -125,6 +125,22 @@ def test_generation_past_the_context_equals_uncached_reference(attention: str, p
     assert cached.shape == (1, prompt_length + 60)
     torch.testing.assert_close(cached_logits, reference_logits, atol=1e-5, rtol=0)
     assert torch.equal(cached, reference)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_picks_the_first_of_the_likeliest(dtype: torch.dtype) -> None:
+    """Rows of few distinct values (ties everywhere, as bf16 logits have), rows with NaNs, all -inf: the
+    first index of the largest value, a NaN counting as largest, written out per row."""
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randint(-3, 4, (64, 300), generator=gen).to(dtype)
+    logits[5, [40, 200]] = float("nan")
+    logits[7] = float("-inf")
+    logits[9, -1] = 9
+    for r, row in enumerate(logits.tolist()):
+        nans = [i for i, x in enumerate(row) if x != x]
+        want = nans[0] if nans else row.index(max(row))
+        assert int(greedy(logits[r : r + 1])[0]) == want
+    assert greedy(logits).tolist() == logits.argmax(dim=-1).tolist()
 
 
 def test_sampling_is_reproducible_with_a_seed() -> None:

@@ -52,12 +52,21 @@ def check_batch_independent(moe: MoEConfig | None, others: str) -> None:
         )
 
 
+def greedy(logits_BV: Tensor) -> Tensor:
+    """Each row's likeliest token [B]; of several tied, the first (a NaN counts as the likeliest), as
+    ``argmax`` picks.
+
+    NOTE: max's indices rather than argmax: torch 2.13's CPU argmax over 16-bit rows is not vectorized
+    (64 x 8192 bf16 logits, 2 threads: 0.85 ms against 0.16; fp32 0.15 either way)."""
+    return logits_BV.max(dim=-1).indices
+
+
 def sample_next(
     logits_BV: Tensor, temperature: float, top_k: int | None, top_p: float | None, generator: torch.Generator | None
 ) -> Tensor:
     """Next token ids [B]: greedy when temperature is 0, else sampled from the filtered softmax."""
     if temperature == 0:
-        return logits_BV.argmax(dim=-1)
+        return greedy(logits_BV)
     top_k = top_k or None  # 0: every token, as check_sampling says
     logits = logits_BV.float() / temperature
     if not logits.isfinite().all():  # a temperature too small for float32: the gaps to the best, in float64
@@ -129,7 +138,7 @@ def _sample_loop(
     for _ in range(max_new_tokens):
         logits_BV = next_logits(out)
         if sampling.temperature == 0:  # greedy: one argmax for the batch
-            token_B = logits_BV.argmax(dim=-1)
+            token_B = greedy(logits_BV)
         else:
             token_B = torch.cat(
                 [

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from moekit.infer.generate import sample_next
+from moekit.infer.generate import greedy, sample_next
 from moekit.serve.scheduler import SamplingParams, Seq
 
 
@@ -67,13 +67,13 @@ def sample_rows(seqs: list[Seq], logits_RV: Tensor, ends: list[frozenset[int]]) 
     """One token per sequence [R]: greedy rows in one argmax, sampled rows each with its own generator,
     consumed exactly as ``generate`` consumes it for a batch of one. A row whose options change its
     logits (``process_logits``; ``ends[r]``: its end tokens) draws from them instead."""
-    tokens = logits_RV.argmax(dim=-1)
+    tokens = greedy(logits_RV)
     for r, seq in enumerate(seqs):
         p = seq.params
         row = logits_RV[r : r + 1]
         if changes_logits(p):
             row = process_logits(row[0], p, seq.prompt, seq.tokens[len(seq.prompt) :], ends[r])[None]
-            tokens[r] = row.argmax(dim=-1)[0]
+            tokens[r] = greedy(row)[0]
         if p.temperature > 0:
             tokens[r] = sample_next(row, p.temperature, p.top_k or None, p.top_p, seq.generator)[0]
     return tokens
