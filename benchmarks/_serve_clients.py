@@ -3,6 +3,7 @@ threads, their latencies, and the server's counters (``/metrics``, Linux's /proc
 
 from __future__ import annotations
 
+import argparse
 import http.client
 import json
 import os
@@ -16,6 +17,15 @@ import urllib.request
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src"
+
+
+PROMPT_CHARS_HELP = "each prompt's characters, drawn between LO and HI (default: 32 96)"
+
+
+def check_prompt_chars(parser: argparse.ArgumentParser, lo_hi: list[int]) -> None:
+    """A one-line error unless 1 <= LO <= HI."""
+    if not 1 <= lo_hi[0] <= lo_hi[1]:
+        parser.error(f"--prompt-chars {lo_hi[0]} {lo_hi[1]}: give 1 <= LO <= HI")
 
 
 class Server:

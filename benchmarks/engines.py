@@ -22,8 +22,9 @@ rotating), with the machine's load average printed:
   serve   ``moekit serve`` and vLLM's CPU build (``vllm.entrypoints.openai.api_server``, with its CPU
           guide's settings: cores bound, tcmalloc and Intel OpenMP preloaded), one server at a time,
           fp32 and bf16, greedy streaming clients (``--clients``) on loopback sending prompts from the
-          corpus for ``--new-tokens`` tokens each: output tokens/s, time to first token p50, start-up
-          seconds and the server's peak RSS (VmHWM summed over its processes).
+          corpus (``--prompt-chars`` long) for ``--new-tokens`` tokens each: output tokens/s, time to
+          first token p50, start-up seconds and the server's peak RSS (VmHWM summed over its
+          processes); each engine's KV cache ``KV_CACHE_GIB``.
 
 The peers live in virtual environments of their own under ``--work`` (``--setup``; see ``_peers.py``),
 never in moekit's; an engine whose environment is missing is skipped with a note.
@@ -42,7 +43,7 @@ from pathlib import Path
 
 import _peers
 from _provenance import source_commit
-from _serve_clients import SRC, Server, served_rows
+from _serve_clients import PROMPT_CHARS_HELP, SRC, Server, check_prompt_chars, served_rows
 from _spread import show, spread
 from serve import DEFAULT_TEXT, text_prompts
 
@@ -141,6 +142,9 @@ def first_difference(tokens: list[int], reference: list[int]) -> int | None:
     return next((i for i, (a, b) in enumerate(zip(tokens, reference, strict=True)) if a != b), None)
 
 
+KV_CACHE_GIB = 2  # each server's KV cache: vLLM's VLLM_CPU_KVCACHE_SPACE, moekit's --kv-budget
+
+
 class VllmServer:
     """vLLM's CPU build serving ``model_dir`` on loopback; the request fields it needs (its model's name,
     and no stop at the end token, so every request decodes its ``max_tokens``)."""
@@ -149,7 +153,7 @@ class VllmServer:
         env = {
             **os.environ,
             "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}",
-            "VLLM_CPU_KVCACHE_SPACE": "2",
+            "VLLM_CPU_KVCACHE_SPACE": str(KV_CACHE_GIB),
             "LD_PRELOAD": _peers.vllm_preload(work),
         }
         argv = [str(_peers.python(work, "vllm")), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir)]
@@ -197,7 +201,7 @@ def start_server(args, engine: str, dtype: str, model_dir: Path):
     if engine == "vllm":
         return VllmServer(args.work, model_dir, dtype, args.threads)
     started = time.perf_counter()
-    server = Server(model_dir, "--threads", str(args.threads), "--dtype", dtype)
+    server = Server(model_dir, "--threads", str(args.threads), "--dtype", dtype, "--kv-budget", f"{KV_CACHE_GIB}GiB")
     server.startup_s = time.perf_counter() - started
     server.fields = {"ignore_eos": True}  # as vLLM's: every request decodes its max_tokens
     return server
@@ -208,7 +212,7 @@ def serve_section(args, model_dir: Path) -> dict:
     if "vllm" in engines and not _peers.installed(args.work, "vllm"):
         print("[serve] vLLM's environment is missing (--setup): moekit alone", file=sys.stderr)
         engines.remove("vllm")
-    prompts = text_prompts(args.text, max(args.clients), seed=0)
+    prompts = text_prompts(args.text, max(args.clients), 0, *args.prompt_chars)
     results: dict[str, list] = {}
     pairs = [(e, d) for e in engines for d in SERVED]
     for r in range(args.rounds):
@@ -266,12 +270,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--clients", type=int, nargs="+", default=[1, 16, 64], help="streaming clients (default: 1 16 64)"
     )
+    parser.add_argument(
+        "--prompt-chars", type=int, nargs=2, default=[32, 96], metavar=("LO", "HI"), help=PROMPT_CHARS_HELP
+    )
     parser.add_argument("--json", action="store_true", help="also print the figures as one JSON line")
     args = parser.parse_args(argv)
+    check_prompt_chars(parser, args.prompt_chars)
     if args.setup:
         _peers.setup(args.work, ["vllm", "llama"])
         return 0
     report: dict = {"threads": args.threads, "versions": _peers.VERSIONS, "commit": source_commit()}
+    report |= {"prompt_chars": args.prompt_chars}
     report |= {"load_average": [], "models": {}}
     for name in args.models:
         model_dir = build_model(args.work, name, args.text)

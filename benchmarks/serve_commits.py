@@ -4,7 +4,8 @@ separate runs by 5-22%.
 
     git worktree add /tmp/before COMMIT
     python benchmarks/serve_commits.py MODEL_DIR /tmp/before/src src [--dtype bf16] [--rounds 4]
-                                       [--clients 1 16 64] [--new-tokens 64] [--threads 2] [--json]
+                                       [--clients 1 16 64] [--new-tokens 64] [--threads 2]
+                                       [--prompt-chars 32 96] [--kv-budget 256MB] [--json]
 
 Each round starts one server per tree (the order alternating), warms it with a short batch of each
 size, then sends ``--clients`` greedy streaming clients (prompts from the corpus, the end token
@@ -22,7 +23,7 @@ from pathlib import Path
 
 import _serve_clients
 from _provenance import source_commit
-from _serve_clients import Server, served_rows
+from _serve_clients import PROMPT_CHARS_HELP, Server, check_prompt_chars, served_rows
 from _spread import show, spread
 
 
@@ -39,8 +40,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=int, default=64, help="greedy tokens per request (default: 64)")
     parser.add_argument("--threads", type=int, default=2, help="each server's torch threads (default: 2)")
     parser.add_argument("--text", type=Path, help="corpus of prompts (default: serve.py's, tinyshakespeare)")
+    parser.add_argument(
+        "--prompt-chars", type=int, nargs=2, default=[32, 96], metavar=("LO", "HI"), help=PROMPT_CHARS_HELP
+    )
+    parser.add_argument("--kv-budget", default="256MB", help="each server's --kv-budget (default: %(default)s)")
     parser.add_argument("--json", action="store_true", help="also print the figures as one JSON line")
     args = parser.parse_args(argv)
+    check_prompt_chars(parser, args.prompt_chars)
     for name in ("rounds", "new_tokens", "threads"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
@@ -56,12 +62,13 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"{tree}: moekit does not import from it (give a tree's src directory)")
     from serve import DEFAULT_TEXT, text_prompts  # torch with it: after the arguments are checked
 
-    prompts = text_prompts(args.text or DEFAULT_TEXT, max(args.clients), seed=0)
+    prompts = text_prompts(args.text or DEFAULT_TEXT, max(args.clients), 0, *args.prompt_chars)
     tok_s: dict[str, dict[int, list[float]]] = {name: {n: [] for n in args.clients} for name in trees}
     for r in range(args.rounds):
         for name in list(trees) if r % 2 == 0 else list(trees)[::-1]:
             _serve_clients.SRC = trees[name]
-            server = Server(args.model, "--threads", str(args.threads), "--dtype", args.dtype)
+            flags = ("--threads", str(args.threads), "--dtype", args.dtype, "--kv-budget", args.kv_budget)
+            server = Server(args.model, *flags)
             server.fields = {"ignore_eos": True}
             try:
                 for n, row in served_rows(server, prompts, args.clients, args.new_tokens).items():
@@ -81,7 +88,8 @@ def main(argv: list[str] | None = None) -> int:
         commits = {name: source_commit(tree) for name, tree in trees.items()}
         src_changed = {name: _changed(tree) for name, tree in trees.items()}
         run = {"model": str(args.model), "dtype": args.dtype, "threads": args.threads, "rounds": args.rounds}
-        run |= {"new_tokens": args.new_tokens, "load_average": round(os.getloadavg()[0], 2)}
+        run |= {"new_tokens": args.new_tokens, "prompt_chars": args.prompt_chars, "kv_budget": args.kv_budget}
+        run |= {"load_average": round(os.getloadavg()[0], 2)}
         print(json.dumps({"commits": commits, "src_changed": src_changed, **run, "clients": figures}))
     return 0
 
