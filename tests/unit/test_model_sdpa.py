@@ -31,7 +31,8 @@ def _reference(q, k, v, mask):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
-    ("B", "H", "G", "masked"), [(1, 4, 4, False), (1, 8, 2, True), (3, 8, 2, True), (5, 6, 1, True)]
+    ("B", "H", "G", "masked"),
+    [(1, 4, 4, "none"), (1, 8, 2, "each"), (3, 8, 2, "each"), (5, 6, 1, "each"), (3, 8, 2, "none"), (5, 8, 4, "all")],
 )
 @pytest.mark.parametrize("layout", ["group-major", "strided"])
 @pytest.mark.parametrize("chunked", [False, True])
@@ -40,7 +41,8 @@ def test_one_query_attention_equals_the_written_out_softmax(
 ) -> None:
     """Keys and values as the paged cache gathers them (``[G, B, S, d]`` seen as ``[B, G, S, d]``, taken
     without a copy in fp32) or laid out otherwise (``[B, S, G, d]`` seen so, reordered); ``chunked``:
-    converted or reordered two sequences at a time (each chunk with its sequences' masks)."""
+    converted or reordered two sequences at a time (each chunk with its sequences' masks, or the one
+    mask of all)."""
     gen = torch.Generator().manual_seed(B * H + G)
     S, d = 11, 64
     calls = []
@@ -53,8 +55,8 @@ def test_one_query_attention_equals_the_written_out_softmax(
     else:
         k, v = ((f * torch.randn(B, S, G, d, generator=gen)).to(dtype).transpose(1, 2) for f in (3, 1))
     mask = None
-    if masked:
-        mask = torch.rand(B, 1, 1, S, generator=gen) > 0.4
+    if masked != "none":
+        mask = torch.rand(B if masked == "each" else 1, 1, 1, S, generator=gen) > 0.4
         mask[..., -1] = True  # the query's own position
     with torch.no_grad():
         got = attend(q, k, v, mask, None, 0.0)

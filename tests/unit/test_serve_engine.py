@@ -53,21 +53,69 @@ def test_paged_steps_of_mixed_chunks_equal_whole_sequences(attention: dict[str, 
 
 
 def test_steps_gather_into_the_pools_two_buffers_and_refuse_autograd() -> None:
-    """Every layer of every step gathers its keys and values into the pool's two buffers (a fresh tensor
-    each layer pays page faults past 32 MB), grown when a step needs more. A buffer autograd could save
-    for a backward would be overwritten by the next layer: a step recording a graph is refused."""
-    pool = KVPool(runconfig.resolve("tiny", GQA).model, 12, 4, torch.device("cpu"), torch.float32)
-    small = pool.gathered(0, (2, 3))
-    assert pool.gathered(0, (3, 2)).data_ptr() == small.data_ptr()
-    grown = pool.gathered(0, (10, 10))
-    assert grown.shape == (10, 10) and pool.gathered(0, (2, 3)).data_ptr() == grown.data_ptr()
-    assert pool.gathered(1, (2, 3)).data_ptr() not in (small.data_ptr(), grown.data_ptr())
+    """The pool's two buffers for a step's gathered keys and values (a fresh tensor each layer pays page
+    faults past 32 MB): the same memory while steps fit in it, made 1.5x a step's need when one needs
+    more or under a quarter; normal tensors even when first made in inference mode. A buffer autograd
+    would save for its backward is overwritten by the next layer: a step recording a graph is refused."""
     cfg = runconfig.resolve("tiny", {**GQA, "model.context_length": "48"})
+    pool = KVPool(cfg.model, 12, 4, torch.device("cpu"), torch.float32)
+    with torch.inference_mode():
+        first = pool.gathered(0, (4, 10))
+    assert not first.is_inference() and pool.gathered(0, (10, 4)).data_ptr() == first.data_ptr()
+    grown = pool.gathered(0, (10, 10))
+    assert pool.gathered(0, (6, 7)).data_ptr() == grown.data_ptr() and pool.gathered(0, (150,)).numel() == 150
+    assert pool.gathered(0, (3, 4)).data_ptr() != grown.data_ptr()  # 12 of 150: under a quarter
+    pool.gathered(1, (3, 4)).fill_(1.0)
+    assert not bool((pool.gathered(0, (3, 4)) == 1).all())  # keys and values apart
     model = Transformer(cfg.model, cfg.moe).eval()
-    assert cfg.model.n_layers >= 2
     step = PagedStep(pool, [Chunk(pool.allocate(2), 0, 5)], torch.device("cpu"))
     with pytest.raises(RuntimeError, match="don't support automatic differentiation"):
         model(torch.randint(0, 256, (1, 5)), cache=step)
+    # only the queries need grad: the second layer's gather overwrites the keys the first one saved
+    pool = KVPool(cfg.model, 12, 4, torch.device("cpu"), torch.float32)
+    step = PagedStep(pool, [Chunk(pool.allocate(2), 0, 5)], torch.device("cpu"))
+    q = torch.randn(1, cfg.model.n_heads, 5, cfg.model.head_size, requires_grad=True)
+    k, v = (torch.randn(1, cfg.model.kv_heads, 5, cfg.model.head_size) for _ in range(2))
+    first = step.attend(0, q, k, v)
+    step.attend(1, q, k, v)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        first.sum().backward()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_decode_steps_attention_over_the_pool_equals_the_written_out_softmax(dtype, monkeypatch) -> None:
+    """Three sequences at different positions, blocks scattered over the pool, decoding at once: each
+    query head's output equals the float64 softmax over its own sequence's cached keys (written out from
+    the pool's rows, block by block), with the step's keys converted two sequences at a time (bf16) and
+    in the gathered layout as it is (fp32); the gathered keys land in the pool's buffer. Tolerance: fp32
+    1e-5; bf16 one ulp of the largest output."""
+    from moekit.model import sdpa
+
+    cfg = runconfig.resolve("tiny", {**GQA, "model.context_length": "48"}).model
+    G, d, H, P = cfg.kv_heads, cfg.head_size, cfg.n_heads, 4
+    monkeypatch.setattr(sdpa, "CONVERTED_BYTES", 2 * G * 4 * P * d * 4)  # two sequences of 4 blocks, in fp32
+    pool = KVPool(cfg, 16, P, torch.device("cpu"), dtype)
+    gen = torch.Generator().manual_seed(0)
+    for t in (*pool.keys, *pool.values):
+        t.copy_(torch.randn(t.shape, generator=gen))
+    tables, starts = [[9, 2, 14, 5], [0, 11], [7, 3, 12]], [13, 5, 10]
+    step = PagedStep(pool, [Chunk(b, s, 1) for b, s in zip(tables, starts, strict=True)], torch.device("cpu"))
+    q = (3 * torch.randn(1, H, 3, d, generator=gen)).to(dtype)
+    k_new, v_new = (torch.randn(1, G, 3, d, generator=gen).to(dtype) for _ in range(2))
+    with torch.inference_mode():
+        got = step.attend(0, q, k_new, v_new)  # [1, H, 3, d]
+    gathered = pool.gathered(0, (G, 3, 4 * P, d))  # the step's 4 blocks a sequence, as it gathered them
+    for b, (blocks, start) in enumerate(zip(tables, starts, strict=True)):
+        rows = [blocks[p // P] * P + p % P for p in range(start + 1)]  # positions 0..start, the new one last
+        assert torch.equal(gathered[:, b, : start + 1], pool.keys[0][:, rows])
+        for h in range(H):
+            g = h // (H // G)
+            keys, values = pool.keys[0][g, rows].double(), pool.values[0][g, rows].double()
+            assert torch.equal(keys[-1], k_new[0, g, b].double())
+            weights = torch.softmax(keys @ q[0, h, b].double() / d**0.5, dim=0)
+            want = weights @ values
+            tol = 1e-5 if dtype == torch.float32 else 2.0**-8 * float(want.abs().amax())
+            assert float((got[0, h, b].double() - want).abs().amax()) <= tol
 
 
 def seq(prompt_len: int, max_tokens: int = 4, computed: int = 0, generated: int = 0) -> Seq:

@@ -92,10 +92,11 @@ def one_query(q_BH1d: Tensor, k_BGSd: Tensor, v_BGSd: Tensor, mask: Tensor | Non
     ``mask`` ``[B or 1, 1, 1, S]``; None: every key is visible (the query is the last position).
 
     NOTE: keys and values of several sequences that need converting to fp32 or reordering are done a few
-    sequences at a time, at most ``CONVERTED_BYTES`` each: a larger fresh tensor comes from an mmap of
-    its own (glibc serves every block over 32 MB so) and pays its page faults at every layer of every
-    step (a serving step's attention, bf16, 64 sequences of 512 positions, 2 threads: 25.4 ms a layer at
-    once, 8.4 in chunks; ``python benchmarks/cpu_matmul.py``'s paged step).
+    sequences at a time, ``CONVERTED_BYTES`` at most (but a whole sequence): a larger fresh tensor comes
+    from an mmap of its own (glibc serves every block over 32 MB so) and pays its page faults at every
+    layer of every step (a serving step's attention, bf16, 64 sequences of 512 positions, 2 threads:
+    25.4 ms a layer at once, 8.4 in chunks; ``python benchmarks/cpu_matmul.py``'s paged step before and
+    after the chunks).
     """
     B, G, S, d = k_BGSd.shape
     as_is = k_BGSd.dtype == torch.float32 and all(t.transpose(0, 1).is_contiguous() for t in (k_BGSd, v_BGSd))
@@ -108,7 +109,7 @@ def one_query(q_BH1d: Tensor, k_BGSd: Tensor, v_BGSd: Tensor, mask: Tensor | Non
     return torch.cat(parts)
 
 
-CONVERTED_BYTES = 16 << 20  # one_query's keys or values converted or reordered at once, at most
+CONVERTED_BYTES = 16 << 20  # one_query's keys or values converted or reordered at once, at most (a sequence at least)
 
 
 def _one_query(q_BH1d: Tensor, k_BGSd: Tensor, v_BGSd: Tensor, mask: Tensor | None, scale: float) -> Tensor:
@@ -117,7 +118,7 @@ def _one_query(q_BH1d: Tensor, k_BGSd: Tensor, v_BGSd: Tensor, mask: Tensor | No
     Q = H // G
     if B == 1:  # one sequence: its keys and values are [G, S, d] already, copied contiguous as below
         q = q_BH1d.reshape(G, Q, d).float()
-        k, v = (t[0].to(torch.float32, memory_format=torch.contiguous_format) for t in (k_BGSd, v_BGSd))
+        k, v = (_group_major(t[0]) for t in (k_BGSd, v_BGSd))
     else:
         # [G, B] leading, so that each (group, sequence) is one matrix of a batch of G * B: keys and
         # values laid out so already (the paged cache's gather) are only converted, others reordered too

@@ -42,7 +42,8 @@ class KVPool:
 
     Key/value head first: a step's gather of whole blocks is then the ``[G, B, S, d]`` batch of matrices
     decoding's attention multiplies, fp32 used as it is (no reorder: 64 sequences of 96 positions, 8
-    layers, 2 threads, 10.8 against 14.8 ms a step for position first, in one process taking turns)."""
+    layers, 2 threads, ad hoc in one process taking turns: 10.8 against 14.8 ms a step for position
+    first)."""
 
     def __init__(
         self, cfg: ModelConfig, num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype
@@ -61,16 +62,22 @@ class KVPool:
 
     def gathered(self, which: int, shape: tuple[int, ...]) -> Tensor:
         """Where a step gathers one layer's keys (``which`` 0) or values (1) of its sequences: a tensor of
-        ``shape`` kept from layer to layer and step to step, grown when a step needs more.
+        ``shape`` kept from layer to layer and step to step. Made half again as large as a step needs
+        when one needs more (a batch grows a sequence or a block at a time), and again when one needs
+        under a quarter of it, so it holds at most 1.5x the gather of the steps of late, beside the pool.
 
         NOTE: a fresh tensor each layer costs page faults once it passes glibc's largest mmap threshold
         (32 MB: 64 sequences of 512 positions in fp32, d1024's 4 key/value heads), every layer of every
-        step: 2.1 ms to gather 8 MB into one. Each layer's attention is done with its gathered keys and
-        values before the next layer's are gathered. A forward recording a graph, which would save them
-        for its backward, is refused by the gather (``out=`` does not take autograd)."""
+        step (ad hoc: 2.1 ms to gather 8 MB into one, 0.15 into memory already touched). Each layer's
+        attention is done with its gathered keys and values before the next layer's are gathered. A
+        forward recording a graph through them is refused: the gather takes no autograd (``out=``)
+        where the pool's keys need grad, and where only the queries do, the backward finds the keys
+        it saved overwritten (autograd's version check)."""
         numel = math.prod(shape)
-        if self._gathered[which].numel() < numel:
-            self._gathered[which] = self.keys[0].new_empty(numel)
+        held = self._gathered[which].numel()
+        if held < numel or held > 4 * numel:
+            with torch.inference_mode(False):  # a normal tensor, as the pool: steps outside inference mode use it too
+                self._gathered[which] = self.keys[0].new_empty(numel * 3 // 2)
         return self._gathered[which][:numel].view(shape)
 
     @staticmethod
@@ -204,7 +211,7 @@ class PagedStep:
         """The step's sequences' blocks of one layer's ``[G, N * P, d]`` keys or values, as ``[B, G, S, d]``:
         a view of the pool's ``gathered`` ``[G, B, S, d]``, copied whole blocks at a time (a per-position index costs
         several times more on the CPU), one key/value head after another (one ``index_select`` over the
-        middle dim of all heads took 1.6x as long: 4 MB, 2 threads)."""
+        middle dim of all heads took 1.6x as long: 4 MB, 2 threads, ad hoc)."""
         B, _, S = self.shape
         P, (G, _, d) = self.pool.block_size, flat.shape
         out = self.pool.gathered(which, (G, self.blocks.numel(), P * d))

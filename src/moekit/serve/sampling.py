@@ -64,7 +64,7 @@ class TopLogprobs:
 
 
 def sample_rows(seqs: list[Seq], logits_RV: Tensor, ends: list[frozenset[int]]) -> Tensor:
-    """One token per sequence [R]: greedy rows in one argmax, sampled rows each with its own generator,
+    """One token per sequence [R]: greedy rows in one pick (``greedy``), sampled rows each with its own generator,
     consumed exactly as ``generate`` consumes it for a batch of one. A row whose options change its
     logits (``process_logits``; ``ends[r]``: its end tokens) draws from them instead."""
     tokens = greedy(logits_RV)
