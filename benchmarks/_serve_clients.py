@@ -19,7 +19,10 @@ from pathlib import Path
 SRC = Path(__file__).resolve().parents[1] / "src"
 
 
-PROMPT_CHARS_HELP = "each prompt's characters, drawn between LO and HI (default: 32 96)"
+def add_prompt_chars(parser: argparse.ArgumentParser) -> None:
+    """``--prompt-chars LO HI``: how long the corpus's prompts are (``check_prompt_chars`` after parsing)."""
+    text = "each prompt's characters, drawn between LO and HI (default: 32 96)"
+    parser.add_argument("--prompt-chars", type=int, nargs=2, default=[32, 96], metavar=("LO", "HI"), help=text)
 
 
 def check_prompt_chars(parser: argparse.ArgumentParser, lo_hi: list[int]) -> None:

@@ -43,7 +43,7 @@ from pathlib import Path
 
 import _peers
 from _provenance import source_commit
-from _serve_clients import PROMPT_CHARS_HELP, SRC, Server, check_prompt_chars, served_rows
+from _serve_clients import SRC, Server, add_prompt_chars, check_prompt_chars, served_rows
 from _spread import show, spread
 from serve import DEFAULT_TEXT, text_prompts
 
@@ -270,9 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--clients", type=int, nargs="+", default=[1, 16, 64], help="streaming clients (default: 1 16 64)"
     )
-    parser.add_argument(
-        "--prompt-chars", type=int, nargs=2, default=[32, 96], metavar=("LO", "HI"), help=PROMPT_CHARS_HELP
-    )
+    add_prompt_chars(parser)
     parser.add_argument("--json", action="store_true", help="also print the figures as one JSON line")
     args = parser.parse_args(argv)
     check_prompt_chars(parser, args.prompt_chars)

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import _serve_clients
 from _provenance import source_commit
-from _serve_clients import PROMPT_CHARS_HELP, Server, check_prompt_chars, served_rows
+from _serve_clients import Server, add_prompt_chars, check_prompt_chars, served_rows
 from _spread import show, spread
 
 
@@ -40,9 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=int, default=64, help="greedy tokens per request (default: 64)")
     parser.add_argument("--threads", type=int, default=2, help="each server's torch threads (default: 2)")
     parser.add_argument("--text", type=Path, help="corpus of prompts (default: serve.py's, tinyshakespeare)")
-    parser.add_argument(
-        "--prompt-chars", type=int, nargs=2, default=[32, 96], metavar=("LO", "HI"), help=PROMPT_CHARS_HELP
-    )
+    add_prompt_chars(parser)
     parser.add_argument("--kv-budget", default="256MB", help="each server's --kv-budget (default: %(default)s)")
     parser.add_argument("--json", action="store_true", help="also print the figures as one JSON line")
     args = parser.parse_args(argv)
