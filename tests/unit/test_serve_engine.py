@@ -3,6 +3,7 @@ pure function, stop strings over split text, and an offloaded model batched thro
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -44,12 +45,35 @@ def test_paged_steps_of_mixed_chunks_equal_whole_sequences(attention: dict[str, 
         for step in steps:
             chunks = [Chunk(blocks_a if s == 0 else blocks_b, start, n) for s, start, n in step]
             ids = torch.cat([(a if s == 0 else b)[start : start + n] for s, start, n in step])
-            logits = model(ids[None], cache=PagedStep(pool, chunks, torch.device("cpu"))).logits[0]
+            paged = PagedStep(pool, chunks, torch.device("cpu"))
+            # a one-token sequence beside a prompt chunk attends apart, its query not padded to the chunk's
+            ones, most = [n for _, _, n in step if n == 1], max(n for _, _, n in step)
+            assert [g.shape[1] for g in paged.groups] == ([1, most] if 0 < len(ones) < len(step) else [most])
+            logits = model(ids[None], cache=paged).logits[0]
             at = 0
             for s, start, n in step:
                 whole = model((a if s == 0 else b)[None, : start + n]).logits[0, start:]
                 torch.testing.assert_close(logits[at : at + n], whole, rtol=0, atol=1e-5)
                 at += n
+
+
+@pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="reads Linux's /proc/self/statm")
+def test_a_pools_memory_is_resident_as_its_blocks_are_written() -> None:
+    """On a CPU the pool's zeros are mapped, not written: a 512 MB pool adds under 32 MB to the process's
+    resident memory; one layer's keys written in full add their bytes; unwritten keys read as zeros."""
+
+    def resident() -> int:
+        return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    cfg = runconfig.resolve("tiny", GQA).model
+    blocks = (512 << 20) // KVPool.bytes_per_block(cfg, 16, torch.float32)
+    before = resident()
+    pool = KVPool(cfg, blocks, 16, torch.device("cpu"), torch.float32)
+    assert resident() - before < 32 << 20
+    assert not bool(pool.keys[-1].any()) and not bool(pool.values[-1].any())
+    mapped = resident()
+    pool.keys[0].fill_(1.0)
+    assert resident() - mapped >= 0.9 * pool.keys[0].nbytes
 
 
 def test_steps_gather_into_the_pools_two_buffers_and_refuse_autograd() -> None:
@@ -60,11 +84,17 @@ def test_steps_gather_into_the_pools_two_buffers_and_refuse_autograd() -> None:
     cfg = runconfig.resolve("tiny", {**GQA, "model.context_length": "48"})
     pool = KVPool(cfg.model, 12, 4, torch.device("cpu"), torch.float32)
     with torch.inference_mode():
-        first = pool.gathered(0, (4, 10))
+        pool.fit_gathered(0, 40)
+    first = pool.gathered(0, (4, 10))
+    pool.fit_gathered(0, 40)
     assert not first.is_inference() and pool.gathered(0, (10, 4)).data_ptr() == first.data_ptr()
+    pool.fit_gathered(0, 100)
     grown = pool.gathered(0, (10, 10))
+    pool.fit_gathered(0, 42)
     assert pool.gathered(0, (6, 7)).data_ptr() == grown.data_ptr() and pool.gathered(0, (150,)).numel() == 150
-    assert pool.gathered(0, (3, 4)).data_ptr() != grown.data_ptr()  # 12 of 150: under a quarter
+    pool.fit_gathered(0, 12)  # under a quarter of 150
+    assert pool.gathered(0, (3, 4)).data_ptr() != grown.data_ptr()
+    pool.fit_gathered(1, 12)
     pool.gathered(1, (3, 4)).fill_(1.0)
     assert not bool((pool.gathered(0, (3, 4)) == 1).all())  # keys and values apart
     model = Transformer(cfg.model, cfg.moe).eval()
