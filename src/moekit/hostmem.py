@@ -72,6 +72,18 @@ def release_freed_memory() -> None:
         ctypes.CDLL(None).malloc_trim(0)
 
 
+def available_memory() -> int | None:
+    """Bytes the OS could hand this process now without swapping (Linux's MemAvailable); None elsewhere."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 def peak_rss() -> int:
     """The most memory this process has held resident so far, in bytes, as the OS counts it (``ru_maxrss``)."""
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

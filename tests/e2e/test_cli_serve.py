@@ -65,14 +65,19 @@ def test_sigterm_drains_the_real_server(write_run, tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    "flag", ["--kv-budget=1KB", "--port=70000", "--timeout=0", "--timeout-body=0", "--drain-timeout=nan"]
+    "flag",
+    ["--kv-budget=1KB", "--kv-budget=100000GB", "--port=70000", "--timeout=0", "--timeout-body=0"]
+    + ["--drain-timeout=nan"],
 )
 def test_serve_flags_are_checked(write_run, tmp_path: Path, flag: str, capsys) -> None:
     from moekit.cli import main
 
     run_dir = write_run(tmp_path / "run")
     assert main(["serve", str(run_dir), flag, "--port=0" if "port" not in flag else flag]) == 2
-    assert flag.split("=")[0] in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert flag.split("=")[0] in err
+    if flag == "--kv-budget=100000GB":  # parsed, then found larger than the memory available
+        assert "available" in err
 
 
 @pytest.mark.slow

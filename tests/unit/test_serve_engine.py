@@ -27,10 +27,11 @@ WINDOW = {**GQA, "model.sliding_window": "3", "model.full_attention_every": "2",
 
 @pytest.mark.parametrize("attention", [GQA, MLA, WINDOW], ids=["gqa", "mla", "window"])
 def test_paged_steps_of_mixed_chunks_equal_whole_sequences(attention: dict[str, str]) -> None:
-    """Two sequences fed in chunks of different sizes, decode beside prefill: every position's logits
-    equal the model run on the whole sequence at once (reference: no cache), to fp32 rounding. MLA's
-    blocks hold its latents alone (kv_lora_rank + qk_rope_head_dim per position), its later chunks
-    attend in the absorbed form."""
+    """Three sequences fed in chunks of different sizes, decode beside prefill: every position's logits
+    equal the model run on the whole sequence at once (reference: no cache), to fp32 rounding. One-token
+    sequences attend in a group of their own (queries not padded to a chunk's length), wherever they
+    are packed. MLA's blocks hold its latents alone (kv_lora_rank + qk_rope_head_dim per position), its
+    later chunks attend in the absorbed form."""
     cfg = runconfig.resolve("tiny", {**attention, "model.context_length": "48"})
     torch.manual_seed(0)
     model = Transformer(cfg.model, cfg.moe).eval()
@@ -38,21 +39,22 @@ def test_paged_steps_of_mixed_chunks_equal_whole_sequences(attention: dict[str, 
     if cfg.model.attention == "mla":
         assert pool.keys[0].shape == (1, 12 * 4, cfg.model.kv_lora_rank + cfg.model.qk_rope_head_dim)
         assert pool.values[0].numel() == 0
-    a, b = torch.randint(0, 256, (14,)), torch.randint(0, 256, (9,))
-    blocks_a, blocks_b = pool.allocate(4), pool.allocate(3)
-    steps = [[(0, 0, 5), (1, 0, 7)], [(1, 7, 1), (0, 5, 8)], [(1, 8, 1), (0, 13, 1)]]  # (seq, start, tokens)
+    seqs = [torch.randint(0, 256, (n,)) for n in (14, 9, 6)]
+    tables = [pool.allocate(4), pool.allocate(3), pool.allocate(2)]
+    # (seq, start, tokens): prompt chunks, a chunk before a one-token sequence (its group's tokens after
+    # the other's), one-token sequences around a first chunk (MLA: a fresh group beside one that is not)
+    steps = [[(0, 0, 5), (1, 0, 7)], [(0, 5, 8), (1, 7, 1)], [(1, 8, 1), (2, 0, 6), (0, 13, 1)]]
+    queries_padded_to = [[7], [1, 8], [1, 6]]  # per group of each step
     with torch.no_grad():
-        for step in steps:
-            chunks = [Chunk(blocks_a if s == 0 else blocks_b, start, n) for s, start, n in step]
-            ids = torch.cat([(a if s == 0 else b)[start : start + n] for s, start, n in step])
+        for step, padded in zip(steps, queries_padded_to, strict=True):
+            chunks = [Chunk(tables[s], start, n) for s, start, n in step]
+            ids = torch.cat([seqs[s][start : start + n] for s, start, n in step])
             paged = PagedStep(pool, chunks, torch.device("cpu"))
-            # a one-token sequence beside a prompt chunk attends apart, its query not padded to the chunk's
-            ones, most = [n for _, _, n in step if n == 1], max(n for _, _, n in step)
-            assert [g.shape[1] for g in paged.groups] == ([1, most] if 0 < len(ones) < len(step) else [most])
+            assert [group.shape[1] for group in paged.groups] == padded
             logits = model(ids[None], cache=paged).logits[0]
             at = 0
             for s, start, n in step:
-                whole = model((a if s == 0 else b)[None, : start + n]).logits[0, start:]
+                whole = model(seqs[s][None, : start + n]).logits[0, start:]
                 torch.testing.assert_close(logits[at : at + n], whole, rtol=0, atol=1e-5)
                 at += n
 

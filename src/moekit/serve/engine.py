@@ -22,6 +22,7 @@ from torch import Tensor
 
 from moekit.errors import OptionError
 from moekit.experts.matmul import single_token_kernels
+from moekit.hostmem import available_memory
 from moekit.infer.token_step import takes, token_step
 from moekit.run.load import LoadedRun
 from moekit.serve.kv import Chunk, KVPool, PagedStep
@@ -107,6 +108,16 @@ class Engine:
             raise OptionError(
                 "kv_budget",
                 f"holds {num_blocks * bs} positions, less than one context of {context}: give at least {need} bytes",
+                options.kv_budget,
+            )
+        pool_bytes = num_blocks * KVPool.bytes_per_block(model.cfg, bs, dtype)
+        available = available_memory() if self.device.type == "cpu" else None
+        if available is not None and pool_bytes > available:
+            # NOTE: the pool's pages become resident as its blocks fill (KVPool), so a budget beyond
+            # memory would start and then be killed under load, every request in flight lost.
+            raise OptionError(
+                "kv_budget",
+                f"needs {pool_bytes} bytes, more than the {available} this machine has available",
                 options.kv_budget,
             )
         self.pool = KVPool(model.cfg, num_blocks, bs, self.device, dtype)
