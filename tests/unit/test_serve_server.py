@@ -1,7 +1,6 @@
 """moekit.serve.server: the engine thread, started as the server starts it, pays no page faults per step
-(a thread of its own allocates from its own glibc arena, which by default hands freed memory back; its
-steps in inference mode free less of it), and is the only thread left with OpenMP workers once the
-model has loaded (``on_a_passing_thread``)."""
+(a thread of its own allocates from its own glibc arena, which by default hands freed memory back),
+and is the only thread left with OpenMP workers once the model has loaded (``on_a_passing_thread``)."""
 
 from __future__ import annotations
 
@@ -15,7 +14,7 @@ import pytest
 pytestmark = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="tunes glibc malloc")
 
 ENGINE_FAULTS = """
-import sys, threading
+import threading
 from pathlib import Path
 import torch
 from moekit import runconfig
@@ -33,9 +32,7 @@ sizes = {"model.d_model": "256", "model.n_layers": "4", "model.n_heads": "4", "m
 cfg = runconfig.resolve("tiny", sizes)
 run = LoadedRun(Transformer(cfg.model, cfg.moe), ByteTokenizer(), cfg, Path("."))
 engine = Engine(run, EngineOptions(kv_budget=32 << 20))
-if sys.argv[2] == "no_grad":  # the steps as they ran before inference mode
-    Engine.step = torch.no_grad()(Engine.step.__wrapped__)
-start_engine(engine) if sys.argv[1] == "served" else engine.start()
+start_engine(engine)
 
 def faults() -> int:
     with open(f"/proc/self/task/{engine.thread_id}/stat") as f:
@@ -53,35 +50,33 @@ def batch() -> None:
     engine.submit([Seq([i + 1] * 120, SamplingParams(12, 0.0), emit, i) for i in range(16)])
     done.wait()
 
+steps, before = engine.steps, faults()
 batch()  # first touches
+first = (faults() - before) / (engine.steps - steps)
 rates = []
 for _ in range(3):  # the median batch's faults per step: a few late first touches land in one batch
     steps, before = engine.steps, faults()
     batch()
     rates.append((faults() - before) / (engine.steps - steps))
-print(sorted(rates)[1])
+print(first, sorted(rates)[1])
 engine.stop()
 """
 
 
-def faults_per_step(thread: str, mode: str) -> float:
-    # glibc's own allocator with its defaults: no other allocator preloaded, no malloc settings
+@pytest.mark.slow
+def test_the_served_engine_thread_keeps_its_freed_memory() -> None:
+    """Page faults per step of the engine thread started as the server starts it (glibc told to keep
+    freed memory), its steps as they run: the first batch's first touches, hundreds a step, show the
+    probe counts that thread's faults; later batches' median step faults in a few pages at most (a few
+    late first touches land in one batch). Without the settings glibc's adaptive thresholds fault in
+    anywhere from none to 1,700 pages a step here, run to run (their effect: test_hostmem.py)."""
+    # glibc's own allocator: no other allocator preloaded, no malloc settings but the server's
     env = {
         k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k not in ("LD_PRELOAD", "GLIBC_TUNABLES")
     }
-    cmd = [sys.executable, "-c", ENGINE_FAULTS, thread, mode]
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True, timeout=120)
-    return float(out.stdout.split()[-1])
-
-
-@pytest.mark.slow
-def test_the_served_engine_thread_keeps_its_freed_memory() -> None:
-    """Page faults per step of the engine thread: started as the server starts it (glibc told to keep
-    freed memory) or plainly, its steps in inference mode (as they run) or under no_grad (as they ran:
-    their freed buffers went back to the OS and faulted in again at every step, 750 a step here)."""
-    faults = {(t, m): faults_per_step(t, m) for t in ("served", "default") for m in ("inference", "no_grad")}
-    assert faults["default", "no_grad"] > 5 * max(faults["served", "no_grad"], 1.0), faults  # what the settings do
-    assert max(faults["served", "inference"], faults["default", "inference"]) < 5, faults
+    out = subprocess.run([sys.executable, "-c", ENGINE_FAULTS], env=env, capture_output=True, text=True, timeout=120)
+    first, median = map(float, out.stdout.split()[-2:])
+    assert first > 50 and median <= 8, (first, median, out.stderr[-500:])
 
 
 PASSING_THREAD = """

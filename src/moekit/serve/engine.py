@@ -113,8 +113,7 @@ class Engine:
         pool_bytes = num_blocks * KVPool.bytes_per_block(model.cfg, bs, dtype)
         available = available_memory() if self.device.type == "cpu" else None
         if available is not None and pool_bytes > available:
-            # NOTE: the pool's pages become resident as its blocks fill (KVPool), so a budget beyond
-            # memory would start and then be killed under load, every request in flight lost.
+            # NOTE: writing a pool beyond memory gets the process killed by the OS, with no word of why.
             raise OptionError(
                 "kv_budget",
                 f"needs {pool_bytes} bytes, more than the {available} this machine has available",

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import mmap
 from dataclasses import dataclass
 
 import torch
@@ -55,8 +54,8 @@ class KVPool:
             raise ValueError(f"KV pool of {num_blocks} blocks of {block_size} positions: both must be >= 1")
         positions = num_blocks * block_size
         (kh, kw), (vh, vw) = row_shapes(cfg)
-        self.keys = [_zeros((kh, positions, kw), device, dtype) for _ in range(cfg.n_layers)]
-        self.values = [_zeros((vh, positions, vw), device, dtype) for _ in range(cfg.n_layers)]
+        self.keys = [torch.zeros(kh, positions, kw, device=device, dtype=dtype) for _ in range(cfg.n_layers)]
+        self.values = [torch.zeros(vh, positions, vw, device=device, dtype=dtype) for _ in range(cfg.n_layers)]
         self.block_size = block_size
         self.num_blocks = num_blocks
         self._free = list(range(num_blocks - 1, -1, -1))  # popped from the end: low blocks first
@@ -130,18 +129,6 @@ class KVPool:
         P = self.block_size
         for flat in (*self.keys, *self.values):
             flat[:, dst * P : (dst + 1) * P] = flat[:, src * P : (src + 1) * P]
-
-
-def _zeros(shape: tuple[int, ...], device: torch.device, dtype: torch.dtype) -> Tensor:
-    """Zeros; on a CPU in a private anonymous mapping, whose pages the OS makes resident as they are
-    first written (read before, they are its one zero page): a pool then holds the memory its blocks
-    have held, not all of ``--kv-budget`` from the start (``torch.zeros`` writes every page: 2 GiB
-    resident after 0.4 s). Private: a forked process would not share it."""
-    nbytes = math.prod(shape) * dtype.itemsize
-    if device.type != "cpu" or not nbytes:
-        return torch.zeros(shape, device=device, dtype=dtype)
-    flags = {"flags": mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS} if hasattr(mmap, "MAP_PRIVATE") else {}
-    return torch.frombuffer(mmap.mmap(-1, nbytes, **flags), dtype=dtype).view(shape)
 
 
 @dataclass(frozen=True)
