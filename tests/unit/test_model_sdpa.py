@@ -36,19 +36,23 @@ def _reference(q, k, v, mask):
 )
 @pytest.mark.parametrize("layout", ["group-major", "strided"])
 @pytest.mark.parametrize("chunked", [False, True])
+@pytest.mark.parametrize("values_in_16_bits", [False, True])
 def test_one_query_attention_equals_the_written_out_softmax(
-    dtype, B, H, G, masked, layout, chunked, monkeypatch
+    dtype, B, H, G, masked, layout, chunked, values_in_16_bits, monkeypatch
 ) -> None:
     """Keys and values as the paged cache gathers them (``[G, B, S, d]`` seen as ``[B, G, S, d]``, taken
     without a copy in fp32) or laid out otherwise (``[B, S, G, d]`` seen so, reordered); ``chunked``:
     converted or reordered two sequences at a time (each chunk with its sequences' masks, or the one
-    mask of all)."""
+    mask of all); ``values_in_16_bits``: the softmax times 16-bit values in 16 bits at any size (where
+    the CPU has native kernels; else as fp32), as larger steps take them."""
     gen = torch.Generator().manual_seed(B * H + G)
     S, d = 11, 64
     calls = []
     monkeypatch.setattr(sdpa, "_one_query", lambda *a: calls.append(a[0].shape[0]) or one_query_of(*a))
     if chunked:
         monkeypatch.setattr(sdpa, "CONVERTED_BYTES", 2 * G * S * d * 4)
+    if values_in_16_bits:
+        monkeypatch.setattr(sdpa, "PV_16BIT_FROM", 0)
     q = (3 * torch.randn(B, H, 1, d, generator=gen)).to(dtype)
     if layout == "group-major":
         k, v = ((f * torch.randn(G, B, S, d, generator=gen)).to(dtype).transpose(0, 1) for f in (3, 1))
