@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from moekit.experts.matmul import native_16bit
 from moekit.model import sdpa
 from moekit.model.sdpa import attend
 
@@ -43,12 +44,14 @@ def test_one_query_attention_equals_the_written_out_softmax(
     """Keys and values as the paged cache gathers them (``[G, B, S, d]`` seen as ``[B, G, S, d]``, taken
     without a copy in fp32) or laid out otherwise (``[B, S, G, d]`` seen so, reordered); ``chunked``:
     converted or reordered two sequences at a time (each chunk with its sequences' masks, or the one
-    mask of all); ``values_in_16_bits``: the softmax times 16-bit values in 16 bits at any size (where
-    the CPU has native kernels; else as fp32), as larger steps take them."""
+    mask of all); ``values_in_16_bits``: the softmax times bf16 values of several sequences in bf16 at
+    any size, as larger steps take them (CPUs with native bf16 kernels)."""
+    if values_in_16_bits and not (dtype == torch.bfloat16 and B > 1 and native_16bit(torch.bfloat16)):
+        pytest.skip("bf16 values of several sequences on a CPU with native bf16 kernels take that path")
     gen = torch.Generator().manual_seed(B * H + G)
     S, d = 11, 64
     calls = []
-    monkeypatch.setattr(sdpa, "_one_query", lambda *a: calls.append(a[0].shape[0]) or one_query_of(*a))
+    monkeypatch.setattr(sdpa, "_one_query", lambda *a: calls.append((a[0].shape[0], a[5])) or one_query_of(*a))
     if chunked:
         monkeypatch.setattr(sdpa, "CONVERTED_BYTES", 2 * G * S * d * 4)
     if values_in_16_bits:
@@ -71,7 +74,8 @@ def test_one_query_attention_equals_the_written_out_softmax(
     assert got.shape == (B, H, 1, d) and got.dtype == dtype
     assert float((got.double() - ref).abs().amax()) <= tol
     as_is = dtype == torch.float32 and (layout == "group-major" or G == 1)  # one group: group-major either way
-    assert calls == ([2] * (B // 2) + [B % 2] * (B % 2) if chunked and B > 1 and not as_is else [B])
+    assert [n for n, _ in calls] == ([2] * (B // 2) + [B % 2] * (B % 2) if chunked and B > 1 and not as_is else [B])
+    assert {pv for _, pv in calls} == {torch.bfloat16 if values_in_16_bits else torch.float32}
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

@@ -84,8 +84,8 @@ def attend(
 def one_query(q_BH1d: Tensor, k_BGSd: Tensor, v_BGSd: Tensor, mask: Tensor | None, scale: float) -> Tensor:
     """Decoding's attention on a CPU, one query per sequence: each key/value group's queries against its
     keys as two batched matmuls, the scores and softmax in fp32, the weights times the values in fp32
-    or, for 16-bit values the CPU multiplies natively, in their dtype with fp32 sums (as SDPA's CPU
-    kernels compute), the result rounded to the inputs' dtype.
+    or, for many bf16 values, in bf16 with fp32 sums (as SDPA's CPU kernels compute), the result
+    rounded to the inputs' dtype.
 
     NOTE: SDPA's CPU kernels pay per (sequence, head) block: bf16, 16 heads over 4 groups, one thread,
     16 sequences of 64 positions 1.27 ms against 0.18 ms here, 64 of 128 12.7 against 3.0 ms, 64 of 512
@@ -100,31 +100,37 @@ def one_query(q_BH1d: Tensor, k_BGSd: Tensor, v_BGSd: Tensor, mask: Tensor | Non
     after the chunks).
     """
     B, G, S, d = k_BGSd.shape
+    # NOTE: the weights times bf16 values in bf16 (the softmax rounded to bf16, sums in fp32, as SDPA's
+    # own CPU kernel computes) from PV_16BIT_FROM values of several sequences on, where the CPU has
+    # native bf16 kernels: the values are not converted (a serving step's attention, 2 threads, a layer:
+    # 64 sequences of 128 positions 0.94-1.01 ms against 1.48-1.49, of 512 6.86-6.93 against 7.21-7.37;
+    # but one of 64 0.089-0.094 against 0.070-0.076: cpu_matmul.py's paged step). Not one sequence (its
+    # one-token forward turns oneDNN off, leaving ATen's slow bf16 loop), not fp16 (its rounding makes
+    # small normalised weights subnormal). Decided once for the call, so no sequence's sums depend on
+    # the chunk it lands in.
+    several_bf16 = v_BGSd.dtype == torch.bfloat16 and B > 1 and v_BGSd.numel() >= PV_16BIT_FROM
+    pv = torch.bfloat16 if several_bf16 and native_16bit(torch.bfloat16) else torch.float32
     as_is = k_BGSd.dtype == torch.float32 and all(t.transpose(0, 1).is_contiguous() for t in (k_BGSd, v_BGSd))
     per_chunk = B if as_is else max(1, CONVERTED_BYTES // (G * S * d * 4))
     if B == 1 or per_chunk >= B:
-        return _one_query(q_BH1d, k_BGSd, v_BGSd, mask, scale)
+        return _one_query(q_BH1d, k_BGSd, v_BGSd, mask, scale, pv)
     chunks = [slice(b, b + per_chunk) for b in range(0, B, per_chunk)]
     masks = [mask if mask is None or mask.shape[0] == 1 else mask[c] for c in chunks]
-    parts = [_one_query(q_BH1d[c], k_BGSd[c], v_BGSd[c], m, scale) for c, m in zip(chunks, masks, strict=True)]
+    parts = [_one_query(q_BH1d[c], k_BGSd[c], v_BGSd[c], m, scale, pv) for c, m in zip(chunks, masks, strict=True)]
     return torch.cat(parts)
 
 
 CONVERTED_BYTES = 16 << 20  # one_query's keys or values converted or reordered at once, at most (a sequence at least)
-PV_16BIT_FROM = 1 << 20  # values from which one_query multiplies them in their 16 bits (see _one_query)
+PV_16BIT_FROM = 1 << 20  # bf16 values from which one_query multiplies them in bf16 (see its NOTE)
 
 
-def _one_query(q_BH1d: Tensor, k_BGSd: Tensor, v_BGSd: Tensor, mask: Tensor | None, scale: float) -> Tensor:
+def _one_query(
+    q_BH1d: Tensor, k_BGSd: Tensor, v_BGSd: Tensor, mask: Tensor | None, scale: float, pv: torch.dtype
+) -> Tensor:
+    """``one_query`` for sequences converted at once; ``pv``: the dtype the weights times values take."""
     B, H, _, d = q_BH1d.shape
     G, S = k_BGSd.shape[1], k_BGSd.shape[2]
     Q = H // G
-    # NOTE: weights times values in 16 bits where the CPU multiplies them natively, as SDPA's own CPU
-    # kernel does (the softmax rounded to 16 bits, sums in fp32), from PV_16BIT_FROM values on: the
-    # values are not converted (a serving step's attention, bf16, 2 threads, a layer: 64 sequences of
-    # 128 positions 0.94-1.01 ms against 1.48-1.49, of 512 6.86-6.93 against 7.21-7.37; but one of 64
-    # 0.089-0.094 against 0.070-0.076, 16 of 64 0.18-0.20 against 0.18: cpu_matmul.py's paged step).
-    native = v_BGSd.dtype in SIXTEEN_BIT and native_16bit(v_BGSd.dtype)
-    pv = v_BGSd.dtype if native and v_BGSd.numel() >= PV_16BIT_FROM else torch.float32
     if B == 1:  # one sequence: its keys and values are [G, S, d] already, copied contiguous as below
         q = q_BH1d.reshape(G, Q, d).float()
         k, v = _group_major(k_BGSd[0], torch.float32), _group_major(v_BGSd[0], pv)
