@@ -73,14 +73,40 @@ def release_freed_memory() -> None:
 
 
 def available_memory() -> int | None:
-    """Bytes the OS could hand this process now without swapping (Linux's MemAvailable); None elsewhere."""
+    """Bytes this process could take now without swapping: Linux's MemAvailable, or less where its
+    cgroup (as containers run) caps memory below it; None elsewhere."""
     try:
         with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+            available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        return None
+    room = cgroup_room()
+    return available if room is None else min(available, room)
+
+
+def cgroup_room(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> int | None:
+    """Bytes left under this process's cgroup memory cap (v2 ``memory.max``, v1 ``memory.limit_in_bytes``,
+    less what the cgroup uses); None where it has none or none can be read."""
+    try:
+        with open(proc_cgroup) as f:
+            lines = f.read().splitlines()
     except OSError:
-        pass
+        return None
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":  # v2: one hierarchy
+            base, limit_file, usage_file = f"{root}{path}", "memory.max", "memory.current"
+        elif "memory" in controllers.split(","):
+            base, limit_file, usage_file = f"{root}/memory{path}", "memory.limit_in_bytes", "memory.usage_in_bytes"
+        else:
+            continue
+        try:
+            with open(f"{base.rstrip('/')}/{limit_file}") as f, open(f"{base.rstrip('/')}/{usage_file}") as g:
+                limit, used = f.read().strip(), int(g.read())
+        except (OSError, ValueError):
+            continue
+        if limit != "max" and int(limit) < 1 << 60:  # v1 writes "no cap" as the largest page-aligned int64
+            return max(0, int(limit) - used)
     return None
 
 

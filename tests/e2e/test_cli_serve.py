@@ -71,7 +71,10 @@ def test_sigterm_drains_the_real_server(write_run, tmp_path: Path) -> None:
 )
 def test_serve_flags_are_checked(write_run, tmp_path: Path, flag: str, capsys) -> None:
     from moekit.cli import main
+    from moekit.hostmem import available_memory
 
+    if flag == "--kv-budget=100000GB" and available_memory() is None:
+        pytest.skip("the memory available is read from Linux's /proc")
     run_dir = write_run(tmp_path / "run")
     assert main(["serve", str(run_dir), flag, "--port=0" if "port" not in flag else flag]) == 2
     err = capsys.readouterr().err

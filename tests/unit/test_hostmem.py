@@ -137,3 +137,34 @@ def test_leaves_glibcs_defaults_where_memory_is_not_kept():
     env = without_malloc_settings()
     out = subprocess.run([sys.executable, "-c", DEFAULTS_KEPT], capture_output=True, text=True, check=True, env=env)
     assert int(out.stdout.split()[-1]) >= 7 << 20, out.stdout
+
+
+@pytest.mark.parametrize(
+    ("lines", "files", "room"),
+    [
+        (["0::/box"], {"box/memory.max": "1000000\n", "box/memory.current": "250000\n"}, 750000),
+        (["0::/box"], {"box/memory.max": "max\n", "box/memory.current": "250000\n"}, None),
+        (
+            ["4:memory:/a/b", "1:cpu:/"],
+            {"memory/a/b/memory.limit_in_bytes": "1000000\n", "memory/a/b/memory.usage_in_bytes": "1200000\n"},
+            0,
+        ),
+        (
+            ["4:memory:/a/b"],
+            {"memory/a/b/memory.limit_in_bytes": "9223372036854771712\n", "memory/a/b/memory.usage_in_bytes": "5\n"},
+            None,
+        ),
+        (["4:memory:/gone"], {}, None),
+    ],
+    ids=["v2", "v2-uncapped", "v1-over", "v1-uncapped", "unreadable"],
+)
+def test_cgroup_room_reads_the_cap_left(tmp_path, lines, files, room) -> None:
+    """What ``cgroup_room`` reads from a cgroup's files as Linux lays them out (v2's one hierarchy, v1's
+    memory controller), written here: the cap less the usage, never below 0; None when uncapped."""
+    from moekit.hostmem import cgroup_room
+
+    (tmp_path / "cgroup").write_text("\n".join(lines) + "\n")
+    for name, text in files.items():
+        (tmp_path / "fs" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "fs" / name).write_text(text)
+    assert cgroup_room(str(tmp_path / "cgroup"), str(tmp_path / "fs")) == room
