@@ -130,14 +130,13 @@ def test_probes_while_loading_the_key_from_the_environment_and_a_second_sigterm(
     prober = threading.Thread(target=probe)
     prober.start()
     try:
-        proc, url = start_serve(run_dir, f"--port={port}", "--kv-budget=1GB", env=env)
+        proc, url = start_serve(run_dir, f"--port={port}", "--kv-budget=1GB", env=env)  # filling it takes a while
     finally:
         started.set()
         prober.join()
     try:
         # Each refused, or answered, at once; a port bound (and listening) before the load held the first
-        # probe until the model was loaded and its KV cache made (0.7-1.1 s for this one when the cache
-        # was written whole at start).
+        # probe until the model was loaded and its KV cache filled, 0.7-1.1 s for this one.
         assert len(waits) > 10 and max(waits) < 0.3, waits
         key = {"Authorization": "Bearer sesame"}
         assert httpx2.post(url + "/v1/completions", json={"prompt": "a", "max_tokens": 1}).status_code == 401

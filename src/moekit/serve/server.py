@@ -183,8 +183,7 @@ def start_engine(engine: Engine) -> None:
     NOTE: a thread allocates from a glibc arena of its own, which hands freed blocks back to the OS;
     every step then faults their pages in again. On the serving benchmark's model at 16 sequences that
     was ~240 faults and ~7 ms of CPU in a ~48 ms step, a cost the same step on a main thread never pays.
-    Steps in inference mode (``Engine.step``) free less: on the test's model they fault none either way
-    (tests/unit/test_serve_server.py).
+    With it, a served step on the test's model faults in a few pages at most (tests/unit/test_serve_server.py).
     """
     if engine.device.type == "cpu":
         keep_freed_memory()
