@@ -101,16 +101,17 @@ class Engine:
         self.device = model.embed.weight.device
         dtype = model.embed.weight.dtype
         bs = options.block_size
-        num_blocks = options.kv_budget // KVPool.bytes_per_block(model.cfg, bs, dtype)
+        per_block = KVPool.bytes_per_block(model.cfg, bs, dtype)
+        num_blocks = options.kv_budget // per_block
         context = model.cfg.context_length
         if num_blocks * bs < context:
-            need = -(-context // bs) * KVPool.bytes_per_block(model.cfg, bs, dtype)
+            need = -(-context // bs) * per_block
             raise OptionError(
                 "kv_budget",
                 f"holds {num_blocks * bs} positions, less than one context of {context}: give at least {need} bytes",
                 options.kv_budget,
             )
-        pool_bytes = num_blocks * KVPool.bytes_per_block(model.cfg, bs, dtype)
+        pool_bytes = num_blocks * per_block
         available = available_memory() if self.device.type == "cpu" else None
         if available is not None and pool_bytes > available:
             # NOTE: writing a pool beyond memory gets the process killed by the OS, with no word of why.
