@@ -38,7 +38,11 @@ def _moekit(args: argparse.Namespace):
     if dense and (dense != "dense" or fmt == "fp"):
         raise SystemExit(f"--variant {args.variant}: +dense goes with int8 or int4")
     dense_format = fmt if dense else "fp"
-    model = load_for_inference(args.model, "cpu", None, dtype, expert_format=fmt, dense_format=dense_format)[0].model
+    # laid out as `moekit generate` lays out a batch-1 decode (few_rows)
+    loaded = load_for_inference(
+        args.model, "cpu", None, dtype, expert_format=fmt, dense_format=dense_format, few_rows=True
+    )
+    model = loaded[0].model
     state: dict = {}
 
     def forward(ids: list[int], fresh: bool) -> list[float]:

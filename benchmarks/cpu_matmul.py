@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from moekit.experts.matmul import native_16bit, packed_linear, prepack, unpacked_linear
 from moekit.hostmem import keep_freed_memory
 from moekit.infer.quant import dequantize_int8, int4_mm, int8_mm, pack_int4_for_cpu, quantize_int8
+from moekit.kernels import rows_available, rows_bf16
 from moekit.model.sdpa import one_query
 
 K, N = 1024, 4096
@@ -64,6 +65,8 @@ def kernels(weights_NK: list[torch.Tensor]) -> dict[str, Callable[[torch.Tensor]
     if native_16bit(torch.bfloat16):  # without native bf16 a [K, N] weight takes 13-40x its bytes' time: minutes
         bf16_kn = [w.t().contiguous() for w in bf16]
         table["bf16 [K,N] mm"] = lambda x: [torch.mm(x.bfloat16(), w) for w in bf16_kn]
+    if rows_available():  # moekit.kernels' row kernel over the plain [N, K] weight (inference's, up to FEW_ROWS rows)
+        table["bf16 rows kernel"] = lambda x: [rows_bf16(x.bfloat16(), w) for w in bf16]
     return table
 
 

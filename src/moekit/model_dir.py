@@ -63,6 +63,7 @@ def load_for_inference(
     expert_format: str = "fp",
     prepack: bool = True,
     dense_format: str = "fp",
+    few_rows: bool = False,
 ) -> tuple[LoadedRun, InPlace | None]:
     """A run directory (``load_run``) or a Hugging Face directory, its experts offloaded under ``offload``;
     with what reading a Hugging Face directory in place costs (None for a run or a resident model).
@@ -71,7 +72,8 @@ def load_for_inference(
     ``offload``): the experts quantized in memory; ``dense_format`` (int8 | int4; resident models only) every
     other linear weight (``quantize_dense_``). ``prepack``: 16-bit weights reordered for oneDNN's
     kernels where the CPU has native ones (``infer.resident_experts``: faster; False keeps the plain
-    layout, whose numbers offloaded experts reproduce exactly)."""
+    layout, whose numbers offloaded experts reproduce exactly); ``few_rows``: bf16 weights laid out for a
+    batch-1 decode instead (``prepack_``)."""
     for field, fmt in (("expert_format", expert_format), ("dense_format", dense_format)):
         if fmt not in ("fp", *QUANT_FORMATS):
             raise OptionError(field, f"choose from fp, {', '.join(QUANT_FORMATS)}", fmt)
@@ -90,7 +92,7 @@ def load_for_inference(
     if dense_format != "fp":
         quantize_dense_(loaded.model, dense_format)
     if prepack:
-        prepack_(loaded.model)
+        prepack_(loaded.model, few_rows)
     return loaded, in_place
 
 

@@ -48,6 +48,7 @@ RULES = {
     "units.py": ("moekit",),
     "errors.py": ("moekit",),
     "stats.py": ("moekit",),
+    "kernels": ("moekit",),  # C kernels and their build: a leaf under the matmuls that call them
     "parallel": ("moekit.train", "moekit.infer", "moekit.convert", "moekit.run", "moekit.cli"),
     "dispatch": ("moekit.parallel", "moekit.train", "moekit.infer", "moekit.convert", "moekit.run", "moekit.cli"),
     "model": (*ABOVE_MODEL, "moekit.parallel"),

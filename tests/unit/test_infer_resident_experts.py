@@ -16,10 +16,13 @@ from moekit.infer.resident_experts import (
     PackedExperts,
     PackedLinear,
     QuantizedExperts,
+    RowExperts,
+    RowLinear,
     UpcastLinear,
     prepack_,
     quantize_experts_,
 )
+from moekit.kernels import rows_available
 from moekit.layer import MoE
 
 
@@ -85,13 +88,15 @@ def _ffn_reference(moe: MoE, x_TD: torch.Tensor) -> torch.Tensor:
     return y
 
 
+@pytest.mark.parametrize("few_rows", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("tokens", [1, 5, 30])
-def test_prepacked_experts_and_linears_equal_the_plain_arithmetic(dtype, tokens: int) -> None:
+@pytest.mark.parametrize("tokens", [1, 2, 5, 30])
+def test_prepacked_experts_and_linears_equal_the_plain_arithmetic(dtype, tokens: int, few_rows: bool) -> None:
     """``prepack_`` swaps the experts and the attention / head projections for oneDNN's packed kernels
     where they take the dtype (fp32; 16 bits where the CPU has native kernels), and leaves the model
     as it is elsewhere: the MoE layer stays within the dtype's rounding of a float64 per-token
-    reference, the whole model's logits within it of the same model unpacked."""
+    reference, the whole model's logits within it of the same model unpacked. ``few_rows``: bf16
+    weights stay plain for the row kernel where it runs (one or two rows; more by oneDNN)."""
     from moekit import runconfig
     from moekit.model import Transformer
 
@@ -101,15 +106,17 @@ def test_prepacked_experts_and_linears_equal_the_plain_arithmetic(dtype, tokens:
     ids = torch.randint(0, cfg.model.vocab_size, (1, tokens))
     moe = model.moe_layers()[0]
     x = torch.randn(tokens, cfg.model.d_model).to(dtype)
-    packs = prepackable(model.lm_head.weight)
-    upcasts = not packs and dtype != torch.float32  # 16 bits without native kernels (fp16 on most CPUs)
+    rows = few_rows and dtype == torch.bfloat16 and rows_available()
+    packs = prepackable(model.lm_head.weight) and not rows
+    upcasts = not packs and not rows and dtype != torch.float32  # 16 bits without native kernels (fp16 on most CPUs)
     eps = 2.0**-20 if dtype == torch.float32 else 2.0**-6
     with torch.no_grad():
         plain_logits, ref = model(ids).logits.double(), _ffn_reference(moe, x)
-        prepack_(model)
+        prepack_(model, few_rows)
         assert isinstance(moe.experts, PackedExperts) == packs and isinstance(model.lm_head, PackedLinear) == packs
         assert isinstance(model.blocks[0].attn.qkv, PackedLinear) == packs
         assert isinstance(model.blocks[0].attn.qkv, UpcastLinear) == upcasts
+        assert isinstance(moe.experts, RowExperts) == rows and isinstance(model.lm_head, RowLinear) == rows
         got = moe(x).double()
         logits = model(ids).logits.double()
     assert float((got - ref).abs().amax()) <= eps * float(ref.abs().amax())

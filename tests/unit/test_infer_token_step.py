@@ -13,8 +13,9 @@ import torch
 from moekit import runconfig
 from moekit.experts.matmul import prepackable, single_token_kernels
 from moekit.infer.generate import decode_step, prefill
-from moekit.infer.resident_experts import prepack_, quantize_dense_, quantize_experts_
+from moekit.infer.resident_experts import RowExperts, prepack_, quantize_dense_, quantize_experts_
 from moekit.infer.token_step import takes, token_step
+from moekit.kernels import rows_available, rows_unavailable_reason
 from moekit.model import KVCache, Transformer
 
 FAMILIES = {
@@ -64,6 +65,7 @@ FAMILIES = {
 FORMATS = {  # dtype, expert format, dense format: load_for_inference's resident forms
     "fp32": (torch.float32, None, None),
     "bf16": (torch.bfloat16, None, None),
+    "bf16-rows": (torch.bfloat16, None, None),  # laid out for a batch-1 decode (prepack_'s few_rows)
     "int8": (torch.bfloat16, "int8", "int8"),
     "int4": (torch.bfloat16, "int4", "int4"),
 }
@@ -86,13 +88,16 @@ def _model(family: str, fmt: str, seed: int = 0) -> Transformer:
         if experts:
             quantize_experts_(model, experts)
             quantize_dense_(model, dense)
-        return prepack_(model)
+        return prepack_(model, few_rows=fmt == "bf16-rows")
 
 
 def _needs_packed_bf16(fmt: str) -> None:
-    """bf16 experts are prepacked (and so take the token path) only on a CPU with native bf16 kernels."""
-    if fmt == "bf16" and not prepackable(torch.empty(1, dtype=torch.bfloat16)):
+    """bf16 experts are prepacked (and so take the token path) only on a CPU with native bf16 kernels;
+    laid out for the row kernel where it runs."""
+    if fmt.startswith("bf16") and not prepackable(torch.empty(1, dtype=torch.bfloat16)):
         pytest.skip("this CPU has no native bf16 kernels: bf16 experts stay grouped and run the forward")
+    if fmt == "bf16-rows" and not rows_available():
+        pytest.skip(f"the row kernel does not run here: {rows_unavailable_reason()}")
 
 
 def _forward_step(model: Transformer, token_11: torch.Tensor, cache: KVCache) -> torch.Tensor:
@@ -108,6 +113,8 @@ def test_a_token_step_equals_the_forward_bit_for_bit(family: str, fmt: str) -> N
     steps (greedy tokens fed back, the prompt's 7 positions first); the token path is the one taken."""
     _needs_packed_bf16(fmt)
     model = _model(family, fmt)
+    if fmt == "bf16-rows":  # the row kernel's layout, not oneDNN's
+        assert all(type(moe.experts) is RowExperts for moe in model.moe_layers())
     prompt = torch.randint(0, model.cfg.vocab_size, (1, 7), generator=torch.Generator().manual_seed(1))
     logits, cache = prefill(model, prompt)
     reference = copy.deepcopy(cache)

@@ -168,9 +168,10 @@ def add_run_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def load_for_inference(args: argparse.Namespace):
+def load_for_inference(args: argparse.Namespace, few_rows: bool = False):
     """The run or Hugging Face directory of ``add_run_flags``, its experts offloaded when --memory-budget
-    is given; a Hugging Face directory read in place says so (and that nothing is written) on stderr."""
+    is given; a Hugging Face directory read in place says so (and that nothing is written) on stderr.
+    ``few_rows``: decoding a row or two at a time (``model_dir.load_for_inference``)."""
     import sys
 
     import torch
@@ -188,7 +189,13 @@ def load_for_inference(args: argparse.Namespace):
     resident_format = args.expert_format if offload is None else "fp"
     device, dtype = resolve_device(args.device), resolve_dtype(args.dtype)
     loaded, in_place = load(
-        args.run_dir, device, offload, dtype, expert_format=resident_format, dense_format=args.dense_format
+        args.run_dir,
+        device,
+        offload,
+        dtype,
+        expert_format=resident_format,
+        dense_format=args.dense_format,
+        few_rows=few_rows,
     )
     if in_place is not None:
         print(in_place.describe(args.run_dir), file=sys.stderr)

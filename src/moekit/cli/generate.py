@@ -45,12 +45,13 @@ def _prompts(args: argparse.Namespace) -> list[str]:
 def run(args: argparse.Namespace) -> int:
     from moekit.hostmem import peak_rss
     from moekit.infer.generate import check_sampling, generate_texts
+    from moekit.kernels import FEW_ROWS
     from moekit.units import format_bytes
 
     check_sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p)
     prompts = _prompts(args)
     runtime = peak_rss()  # the interpreter and the libraries, before the model
-    loaded = load_for_inference(args)
+    loaded = load_for_inference(args, few_rows=args.batch_size <= FEW_ROWS)
     start = time.perf_counter()
     try:
         texts = generate_texts(

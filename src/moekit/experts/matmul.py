@@ -42,6 +42,8 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor
 
+from moekit.kernels import FEW_ROWS, rows_bf16
+
 SIXTEEN_BIT = (torch.bfloat16, torch.float16)
 UPCAST_MIN_ROWS = 6  # from 6 rows (the crossover lies between 4 and 8: cpu_matmul.py, fp16 rows)
 
@@ -178,6 +180,15 @@ def unpacked_linear(x_MK: Tensor, w_NK: Tensor) -> Tensor:
     own reorder for one row would not give. Per 1024 x 4096 weight at one row, 2 threads
     (``cpu-matmul-2-threads.json``): bf16 0.43 against 0.16 ms prepacked, fp32 1.46 against 0.30."""
     return packed_linear(x_MK, prepack(w_NK)) if w_NK.dtype == torch.float32 else _onednn_linear(x_MK, w_NK)
+
+
+def plain_linear(x_MK: Tensor, w_NK: Tensor) -> Tensor:
+    """``x @ w.t()`` for a bf16 weight kept in its plain ``[N, K]`` layout (a batch-1 decode's,
+    ``infer.resident_experts``' row layout): up to ``kernels.FEW_ROWS`` rows by the row kernel, which
+    reads it faster than oneDNN reads its prepacked copy; more (a prompt) by ``unpacked_linear``."""
+    if x_MK.shape[0] <= FEW_ROWS:
+        return rows_bf16(x_MK, w_NK)
+    return unpacked_linear(x_MK, w_NK)
 
 
 def _onednn_linear(x_MK: Tensor, w_NK: Tensor) -> Tensor:

@@ -9,6 +9,8 @@
 - ``PackedExperts`` and ``PackedLinear``: fp32 weights, and 16-bit ones on a CPU with native 16-bit
   kernels, reordered once into oneDNN's blocked layout (``experts.matmul.prepack``), which it reads
   up to 2.2x faster.
+- ``RowExperts`` and ``RowLinear``: for a batch-1 decode (``prepack_``'s ``few_rows``), bf16 weights kept
+  in their plain layout, where ``moekit.kernels``' row kernel reads them faster still.
 
 Each expert's rows are computed as the resident and offloaded paths compute them (``ExpertCompute``),
 only the two matmuls differ. None of these is for training or saving: they hold no parameters.
@@ -27,9 +29,10 @@ from torch import Tensor, nn
 from moekit.errors import OptionError
 from moekit.experts import DenseFFN
 from moekit.experts.grouped import ExpertCompute, GroupedExperts
-from moekit.experts.matmul import SIXTEEN_BIT, mm, packed_linear, prepack, prepackable
+from moekit.experts.matmul import SIXTEEN_BIT, mm, packed_linear, plain_linear, prepack, prepackable
 from moekit.infer.offloader import OffloadedExperts
 from moekit.infer.quant import INT4_GROUP, QUANT_FORMATS, int4_mm, int8_mm, pack_int4_for_cpu, quantize_int8
+from moekit.kernels import rows_available
 from moekit.layer import MoE
 from moekit.model.transformer import Attention
 
@@ -108,6 +111,19 @@ class PackedExperts(PerExpert):
         return tuple(partial(packed_linear, packed=getattr(self, f"{r}_packed_{e}")) for r in ("w_in", "w_out"))
 
 
+class RowExperts(PerExpert):
+    """The bf16 experts of one ``GroupedExperts`` kept in their plain output-major layout (``[E, N, K]``
+    storage, no copy), multiplied by ``plain_linear``: a batch-1 decode's row or two by the row kernel."""
+
+    def __init__(self, experts: GroupedExperts) -> None:
+        super().__init__(experts)
+        for role in ("w_in", "w_out"):
+            self.register_buffer(role, getattr(experts, role).detach().mT.contiguous(), persistent=False)  # [E, N, K]
+
+    def kernels(self, e: int) -> tuple[Kernel, Kernel]:
+        return partial(plain_linear, w_NK=self.w_in[e]), partial(plain_linear, w_NK=self.w_out[e])
+
+
 class QuantizedLinear(nn.Module):
     """An ``nn.Linear`` whose weight is quantized (``infer.quant``'s formats and kernels); its bias, when
     it has one, stays in full precision."""
@@ -124,17 +140,34 @@ class QuantizedLinear(nn.Module):
         return _linear_rows(x, lambda rows: _product(self.fmt, rows, self.q, self.scale), self.bias)
 
 
-class UpcastLinear(nn.Module):
-    """An ``nn.Linear`` of a 16-bit weight this CPU has no native kernels for, computed by
-    ``experts.matmul.mm``: many rows (a prefill) in fp32, a few in the weight's dtype."""
+class _PlainLinear(nn.Module):
+    """An ``nn.Linear`` whose weight stays as it is, multiplied by the subclass's ``product``."""
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         self.register_buffer("weight", linear.weight.detach(), persistent=False)
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach(), persistent=False)
 
+    def product(self, rows_MK: Tensor) -> Tensor:
+        raise NotImplementedError
+
     def forward(self, x: Tensor) -> Tensor:
-        return _linear_rows(x, lambda rows: mm(rows, self.weight.t()), self.bias)
+        return _linear_rows(x, self.product, self.bias)
+
+
+class UpcastLinear(_PlainLinear):
+    """An ``nn.Linear`` of a 16-bit weight this CPU has no native kernels for, computed by
+    ``experts.matmul.mm``: many rows (a prefill) in fp32, a few in the weight's dtype."""
+
+    def product(self, rows_MK: Tensor) -> Tensor:
+        return mm(rows_MK, self.weight.t())
+
+
+class RowLinear(_PlainLinear):
+    """An ``nn.Linear`` of a bf16 weight kept as it is, for a batch-1 decode: ``plain_linear``."""
+
+    def product(self, rows_MK: Tensor) -> Tensor:
+        return plain_linear(rows_MK, self.weight)
 
 
 def _linear_rows(x: Tensor, product: Kernel, bias: Tensor | None) -> Tensor:
@@ -220,20 +253,27 @@ def _dense_linears(model: nn.Module) -> list[tuple[nn.Module, str]]:
     return found
 
 
-def prepack_(model: nn.Module) -> nn.Module:
+def prepack_(model: nn.Module, few_rows: bool = False) -> nn.Module:
     """Swap, in place, the weights oneDNN multiplies faster prepacked (fp32, and 16-bit on a CPU with
     native 16-bit kernels): the routed experts left in full precision, attention's projections, dense
     and shared FFNs, and the output head unless it is the embedding's (a packed copy would double it
     outside the memory budget's count); offloaded experts are multiplied by the packed experts' kernel,
     over their slots' weights (``Offloader.use_packed_kernels``), so they compute what resident ones do. Routers
     (computed in fp32) keep theirs; MLA's projections too (its absorbed decode reads their weights).
-    16-bit weights a CPU has no native kernels for get ``UpcastLinear`` (the experts already multiply by ``mm``)."""
+    16-bit weights a CPU has no native kernels for get ``UpcastLinear`` (the experts already multiply by ``mm``).
+
+    ``few_rows`` (a batch-1 decode, ``moekit generate``'s default): bf16 weights stay in their plain
+    layout instead (``RowExperts``, ``RowLinear``), where the row kernel runs (``kernels.rows_available``):
+    d1024, 2 threads, a decode step 1.18x faster, a prompt of 512 tokens 0.93x (ad hoc, taking turns;
+    ``python benchmarks/engines.py`` measures both). A server's steps of many sequences keep the packed
+    layout, which oneDNN multiplies faster from three rows."""
     weight = model.embed.weight  # the head's dtype and device (the head may be quantized already)
-    if prepackable(weight):
-        linear = PackedLinear
+    rows = few_rows and weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and rows_available()
+    if rows or prepackable(weight):
+        experts, linear = (RowExperts, RowLinear) if rows else (PackedExperts, PackedLinear)
         for moe in model.moe_layers():
             if type(moe.experts) is GroupedExperts:
-                moe.experts = PackedExperts(moe.experts)
+                moe.experts = experts(moe.experts)
             elif isinstance(moe.experts, OffloadedExperts):  # its slots are refilled: the kernel over them
                 moe.experts.offloader.use_packed_kernels(weight.dtype)
     elif weight.device.type == "cpu" and weight.dtype in SIXTEEN_BIT:

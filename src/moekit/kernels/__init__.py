@@ -1,0 +1,116 @@
+"""CPU kernels torch has no equal for, written in C and built at first use.
+
+``rows_bf16``: the product of a row or two with a bf16 weight stored ``[N, K]`` (``rows.c``), a batch-1
+decode step's work: it reads the weight at the memory's speed, where oneDNN's kernel needs its own
+prepacked copy and still reads it slower (d1024, bf16, one row, 2 threads: 1.05-1.2x oneDNN's prepacked
+speed per weight, ``python benchmarks/cpu_matmul.py``'s "bf16 rows kernel"). Inference uses it for
+``FEW_ROWS`` rows or fewer (``infer.resident_experts``' row layout); from three rows oneDNN is faster.
+
+The library is compiled once per source and compiler into the user's cache directory (``$MOEKIT_CACHE``,
+else ``$XDG_CACHE_HOME/moekit`` or ``~/.cache/moekit``) by ``$CC`` (default ``cc``) with OpenMP and the
+AVX-512 flags it needs, then loaded with ctypes. Where that fails (no compiler, another architecture) or
+the CPU lacks AVX512-BF16, ``rows_available()`` is False and inference keeps oneDNN's kernels;
+``rows_unavailable_reason()`` says why.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shlex
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+FEW_ROWS = 2  # rows up to which rows_bf16 beats oneDNN's prepacked kernel (1 and 2 rows; slower from 3)
+SOURCE = Path(__file__).with_name("rows.c")
+FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp", "-shared", "-fPIC")
+
+
+def cache_dir() -> Path:
+    """Where built kernels are kept: ``$MOEKIT_CACHE``, else ``$XDG_CACHE_HOME/moekit``, else ``~/.cache/moekit``."""
+    if os.environ.get("MOEKIT_CACHE"):
+        return Path(os.environ["MOEKIT_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "moekit"
+
+
+def build(source: Path, directory: Path, compiler: str) -> Path:
+    """The shared library of ``source``, compiled by ``compiler`` into ``directory`` unless a build of the
+    same source and command is there already. Raises ``OSError`` with the compiler's first error line."""
+    command = [*shlex.split(compiler), *FLAGS]
+    digest = hashlib.sha256(source.read_bytes() + " ".join(command).encode()).hexdigest()[:16]
+    library = directory / f"{source.stem}-{digest}.so"
+    if library.exists():
+        return library
+    directory.mkdir(parents=True, exist_ok=True)
+    # NOTE: built under a temporary name and renamed: processes building at once each get a whole file.
+    fd, partial = tempfile.mkstemp(suffix=".so", dir=directory)
+    os.close(fd)
+    try:
+        done = subprocess.run([*command, str(source), "-o", partial], capture_output=True, text=True)
+    except OSError as err:
+        Path(partial).unlink(missing_ok=True)
+        raise OSError(f"{compiler}: {err.strerror}") from None
+    if done.returncode != 0:
+        Path(partial).unlink(missing_ok=True)
+        first = next((line for line in done.stderr.splitlines() if "error" in line), done.stderr.strip()[:200])
+        raise OSError(f"{compiler} could not build {source.name}: {first}")
+    os.replace(partial, library)
+    return library
+
+
+def load(library: Path) -> ctypes.CDLL | None:
+    """The built library, or None where this CPU lacks the instructions it was built for."""
+    lib = ctypes.CDLL(str(library))
+    if not lib.moekit_rows_supported():
+        return None
+    lib.moekit_rows_bf16.argtypes = [ctypes.c_int, *[ctypes.c_int64] * 3, *[ctypes.c_void_p] * 3]
+    lib.moekit_rows_bf16.restype = None
+    return lib
+
+
+@functools.cache
+def _library() -> tuple[ctypes.CDLL | None, str]:
+    """The row kernels of this process, built and loaded once, or None and why not."""
+    try:
+        lib = load(build(SOURCE, cache_dir() / "kernels", os.environ.get("CC", "cc")))
+    except OSError as err:
+        return None, str(err)
+    return (lib, "") if lib is not None else (None, "this CPU lacks AVX512-BF16 (or AVX512-BW/VL)")
+
+
+def rows_available() -> bool:
+    """Whether ``rows_bf16`` runs here (built, and the CPU has AVX512-BF16)."""
+    return _library()[0] is not None
+
+
+def rows_unavailable_reason() -> str:
+    """Why ``rows_available()`` is False ("" where it is True)."""
+    return _library()[1]
+
+
+def rows_bf16(x_MK: Tensor, w_NK: Tensor) -> Tensor:
+    """``x @ w.t()`` for bf16 rows ``x`` [M, K] and a bf16 weight ``w`` [N, K] stored row-major, summed in fp32
+    and rounded to bf16: ``[M, N]``. Any M; meant for ``FEW_ROWS`` or fewer."""
+    lib = _library()[0]
+    if lib is None:
+        raise RuntimeError(f"the row kernels are unavailable: {rows_unavailable_reason()}")
+    M, K = x_MK.shape
+    N = w_NK.shape[0]
+    if x_MK.dtype != torch.bfloat16 or w_NK.dtype != torch.bfloat16 or w_NK.shape[1] != K:
+        given = f"{x_MK.dtype} {list(x_MK.shape)} and {w_NK.dtype} {list(w_NK.shape)}"
+        raise ValueError(f"rows_bf16 takes bf16 rows [M, K] and a bf16 weight [N, K], not {given}")
+    if not w_NK.is_contiguous() or x_MK.device.type != "cpu" or w_NK.device.type != "cpu":
+        raise ValueError("rows_bf16 takes a contiguous weight in CPU memory")
+    if torch.is_grad_enabled() and (x_MK.requires_grad or w_NK.requires_grad):
+        raise RuntimeError("rows_bf16 is for inference: it records no gradient")
+    x = x_MK.contiguous()
+    y = torch.empty(M, N, dtype=torch.bfloat16)
+    lib.moekit_rows_bf16(torch.get_num_threads(), M, N, K, x.data_ptr(), w_NK.data_ptr(), y.data_ptr())
+    return y
