@@ -264,9 +264,10 @@ def prepack_(model: nn.Module, few_rows: bool = False) -> nn.Module:
 
     ``few_rows`` (a batch-1 decode, ``moekit generate``'s default): bf16 weights stay in their plain
     layout instead (``RowExperts``, ``RowLinear``), where the row kernel runs (``kernels.rows_available``):
-    d1024, 2 threads, a decode step 1.18x faster, a prompt of 512 tokens 0.93x (ad hoc, taking turns;
-    ``python benchmarks/engines.py`` measures both). A server's steps of many sequences keep the packed
-    layout, which oneDNN multiplies faster from three rows."""
+    2 threads, in one process taking turns (ad hoc), a decode step after a 512-token prompt 1.14x faster
+    on d1024 and 1.23x on d2048, the prompt itself 1.02x / 0.97x (its products reorder the plain weights
+    for oneDNN on each call). A server's steps of many sequences keep the packed layout, which oneDNN
+    multiplies faster from four rows an expert."""
     weight = model.embed.weight  # the head's dtype and device (the head may be quantized already)
     rows = few_rows and weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and rows_available()
     if rows or prepackable(weight):

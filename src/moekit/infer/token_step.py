@@ -7,8 +7,9 @@ for bit (tests/unit/test_infer_token_step.py), through the model's own modules a
 attention (a ``KVCache`` or a serving step's ``PagedStep``), and leaves out what one token does not
 need: the dispatcher (its picks are its rows), the routing statistics, the modules' call wrappers.
 ``decode_step`` and the serving engine take it wherever ``takes`` says they may: prepacked experts (fp32,
-or 16 bits on a CPU with native kernels) and quantized ones; plain grouped experts (16 bits on other
-CPUs, a GPU) and offloaded ones run the forward. What it saves: ``python benchmarks/decode_split.py``.
+or 16 bits on a CPU with native kernels), bf16 ones kept plain for the row kernel, and quantized ones;
+plain grouped experts (16 bits on other CPUs, a GPU) and offloaded ones run the forward. What it saves:
+``python benchmarks/decode_split.py``.
 
 Legend: D model dim, K picks per token, V vocabulary.
 """
@@ -28,8 +29,8 @@ from moekit.routing import TopKRouter
 def takes(model: Transformer, token_B1: Tensor) -> bool:
     """Whether ``token_step`` computes this step exactly: one token of one sequence, a model in eval mode
     whose every block it handles (standard attention; token-choice routers over experts computed one at
-    a time from memory, prepacked or quantized: ``PerExpert``) and in which no module it does not call
-    has hooks (blocks' forward pre-hooks excepted: it runs them) or a replaced forward (a compiled
+    a time from memory, prepacked, kept plain or quantized: ``PerExpert``) and in which no module it does
+    not call has hooks (blocks' forward pre-hooks excepted: it runs them) or a replaced forward (a compiled
     block). Checked at each step, so a model whose modules were swapped or hooked since is never
     computed from stale ones."""
     if token_B1.numel() != 1 or not _plain(model, Transformer) or _hooked(model) or _global_hooks():

@@ -1,10 +1,12 @@
 """CPU kernels torch has no equal for, written in C and built at first use.
 
 ``rows_bf16``: the product of a row or two with a bf16 weight stored ``[N, K]`` (``rows.c``), a batch-1
-decode step's work: it reads the weight at the memory's speed, where oneDNN's kernel needs its own
-prepacked copy and still reads it slower (d1024, bf16, one row, 2 threads: 1.05-1.2x oneDNN's prepacked
-speed per weight, ``python benchmarks/cpu_matmul.py``'s "bf16 rows kernel"). Inference uses it for
-``FEW_ROWS`` rows or fewer (``infer.resident_experts``' row layout); from three rows oneDNN is faster.
+decode step's work: it reads a plain weight faster than oneDNN reads its own prepacked copy (1024 x 4096
+weights streamed in turn, 2 threads, ms per weight: one row 0.233 against 0.257 prepacked, two rows 0.260
+against 0.245, four 0.339 against 0.197; oneDNN over the plain weight 0.33-0.47; ``python
+benchmarks/cpu_matmul.py --threads 2 --rows 1 2 4 --rounds 3 --json``,
+``benchmarks/measured/cpu-matmul-2-threads-rows.json``). Inference keeps bf16 weights plain for it where a
+decode multiplies ``FEW_ROWS`` rows or fewer (``infer.resident_experts``' row layout).
 
 The library is compiled once per source and compiler into the user's cache directory (``$MOEKIT_CACHE``,
 else ``$XDG_CACHE_HOME/moekit`` or ``~/.cache/moekit``) by ``$CC`` (default ``cc``) with OpenMP and the
@@ -27,7 +29,9 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-FEW_ROWS = 2  # rows up to which rows_bf16 beats oneDNN's prepacked kernel (1 and 2 rows; slower from 3)
+# NOTE: rows up to which the row layout multiplies by rows_bf16: at two it is about even with oneDNN's
+# prepacked kernel (and ahead of oneDNN over the plain weight, the layout's other kernel), from four far behind.
+FEW_ROWS = 2
 SOURCE = Path(__file__).with_name("rows.c")
 FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp", "-shared", "-fPIC")
 
