@@ -148,11 +148,10 @@ def tiny(corpus: Path, cache: Path, **overrides: str):
     return runconfig.resolve("tiny", values)
 
 
-def moekit_cli(*args: str, preexec=None, timeout: float = 600) -> subprocess.CompletedProcess:
-    """``python -m moekit ARGS`` in a subprocess, as a user runs it."""
-    return subprocess.run(
-        [sys.executable, "-m", "moekit", *args], capture_output=True, text=True, timeout=timeout, preexec_fn=preexec
-    )
+def moekit_cli(*args: str, preexec=None, timeout: float = 600, env: dict | None = None) -> subprocess.CompletedProcess:
+    """``python -m moekit ARGS`` in a subprocess, as a user runs it (``env``: its environment, else ours)."""
+    cmd = [sys.executable, "-m", "moekit", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, preexec_fn=preexec, env=env)
 
 
 SERVE_ENV = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src")}

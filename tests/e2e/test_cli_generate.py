@@ -162,3 +162,37 @@ def test_offloaded_generate_says_what_the_budget_holds_and_prints_the_peak_rss(r
     measured = usage.ru_maxrss * 1024  # Linux: KiB
     assert 0.97 * measured <= printed <= measured + 0.05e6, (printed, measured)
     assert printed > budget, "the process holds more than the weights the budget counts"
+
+
+@pytest.mark.slow
+def test_cli_generates_bf16_through_the_row_kernel_at_batch_one(write_run, tmp_path: Path) -> None:
+    """``moekit generate --dtype bf16`` at batch 1 loads the row layout (the row kernel built into the
+    process's cache directory, as a user's first run builds it) and prints that layout's greedy text; at
+    ``--batch-size 3`` it keeps the packed layout: no kernel built, the packed layout's text."""
+    import torch
+
+    from moekit.infer.generate import generate_text
+    from moekit.infer.resident_experts import PackedExperts, RowExperts
+    from moekit.kernels import rows_available, rows_unavailable_reason
+    from moekit.model_dir import load_for_inference
+
+    if not rows_available():
+        pytest.skip(f"the row kernel does not run here: {rows_unavailable_reason()}")
+    run = write_run(tmp_path / "run", **{"model.tie_embeddings": "false"})
+    argv = ["--dtype", "bf16", "--temperature", "0", "--max-new-tokens", "24"]
+    with torch.no_grad():
+        rows = load_for_inference(run, dtype=torch.bfloat16, few_rows=True)[0]
+        packed = load_for_inference(run, dtype=torch.bfloat16)[0]
+        assert all(isinstance(moe.experts, RowExperts) for moe in rows.model.moe_layers())
+        assert all(isinstance(moe.experts, PackedExperts) for moe in packed.model.moe_layers())
+        want_rows, want_packed = (generate_text(m, "the king", 24, temperature=0) for m in (rows, packed))
+    env = {**os.environ, "MOEKIT_CACHE": str(tmp_path / "one")}
+    one = moekit_cli("generate", str(run), "--prompt", "the king", *argv, env=env)
+    assert one.returncode == 0, one.stderr
+    assert one.stdout == want_rows + "\n" and len(list((tmp_path / "one" / "kernels").glob("rows-*.so"))) == 1
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("the king\n" * 3)
+    env = {**os.environ, "MOEKIT_CACHE": str(tmp_path / "three")}
+    three = moekit_cli("generate", str(run), "--prompts-file", str(prompts), "--batch-size", "3", *argv, env=env)
+    assert three.returncode == 0, three.stderr
+    assert three.stdout == "\n".join([want_packed] * 3) + "\n" and not (tmp_path / "three").exists()
