@@ -34,7 +34,9 @@ run = LoadedRun(Transformer(cfg.model, cfg.moe), ByteTokenizer(), cfg, Path(".")
 engine = Engine(run, EngineOptions(kv_budget=32 << 20))
 start_engine(engine)
 from moekit import hostmem
+import gc
 assert hostmem._kept, "start_engine keeps freed memory"
+assert gc.get_freeze_count() > 10000, "start_engine freezes what exists out of the collector's reach"
 
 def faults() -> int:
     with open(f"/proc/self/task/{engine.thread_id}/stat") as f:
@@ -68,10 +70,13 @@ engine.stop()
 @pytest.mark.slow
 def test_the_served_engine_thread_keeps_its_freed_memory() -> None:
     """Page faults per step of the engine thread started as the server starts it (glibc told to keep
-    freed memory), its steps as they run: the first batch's first touches, hundreds a step, show the
-    probe counts that thread's faults; later batches' median step faults in a few pages at most (a few
-    late first touches land in one batch). Without the settings glibc's adaptive thresholds fault in
-    anywhere from none to 1,700 pages a step here, run to run (their effect: test_hostmem.py)."""
+    freed memory, what exists frozen out of the cyclic collector), its steps as they run: the first
+    batch's first touches, hundreds a step, show the probe counts that thread's faults; later batches'
+    median step faults in a few pages at most (a few late first touches land in one batch). Without the
+    settings glibc's adaptive thresholds fault in anywhere from none to 1,700 pages a step here, run to
+    run (their effect: test_hostmem.py); without the freeze, a full collection landing in the batches
+    made it ~22 a step in a third of the runs.
+    """
     # glibc's own allocator: no other allocator preloaded, no malloc settings but the server's
     env = {
         k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k not in ("LD_PRELOAD", "GLIBC_TUNABLES")
