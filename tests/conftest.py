@@ -18,7 +18,10 @@ Tiers: ``python -m pytest`` runs the fast tier (pyproject's ``-m 'not slow'``), 
 
 from __future__ import annotations
 
+import os
 import random
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -37,6 +40,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     if config.getoption("--all"):
         config.option.markexpr = ""  # no mark filter: pyproject's "not slow" no longer applies
+    # moekit.kernels builds into a directory of the session's (children inherit it), not the user's cache
+    config._kernel_cache = tempfile.mkdtemp(prefix="moekit-kernels-")
+    os.environ["MOEKIT_CACHE"] = config._kernel_cache
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    shutil.rmtree(getattr(config, "_kernel_cache", ""), ignore_errors=True)
 
 
 SENTENCE = (

@@ -10,6 +10,8 @@ sums of small integers are exact in fp32, so there the result must be the exact 
 from __future__ import annotations
 
 import os
+import platform
+import shutil
 from pathlib import Path
 
 import pytest
@@ -21,6 +23,16 @@ from moekit.kernels import FLAGS, build, rows_available, rows_bf16, rows_unavail
 needs_rows = pytest.mark.skipif(
     not rows_available(), reason=f"the row kernel does not run here: {rows_unavailable_reason()}"
 )
+can_build = pytest.mark.skipif(
+    shutil.which("cc") is None or platform.machine() not in ("x86_64", "AMD64"), reason="no cc for x86-64 here"
+)
+
+
+@pytest.mark.skipif(bool(kernels.cpu_lacks()) or shutil.which("cc") is None, reason="no AVX512-BF16 CPU with cc")
+def test_the_kernel_runs_where_it_can() -> None:
+    """On a CPU with AVX512-BF16 and a compiler, a failed build is a failure, not a skipped test."""
+    assert rows_available(), rows_unavailable_reason()
+    assert kernels.cache_dir() == Path(os.environ["MOEKIT_CACHE"]), "tests build into the session's directory"
 
 
 @needs_rows
@@ -66,17 +78,31 @@ def test_what_the_kernel_refuses() -> None:
         rows_bf16(torch.ones(1, 8, dtype=torch.bfloat16, requires_grad=True), w)
 
 
+@can_build
 def test_a_build_is_kept_per_source_and_compiler(tmp_path: Path) -> None:
-    """Built once, then found: the same file, untouched; another compiler command builds its own file,
-    and so would an edited source (the digest covers both)."""
+    """Built once, then found: the same file, untouched, readable by others; another compiler command
+    builds its own file, and so does an edited source (the digest covers both)."""
     first = build(kernels.SOURCE, tmp_path, "cc")
     stamp = first.stat().st_mtime_ns
     assert build(kernels.SOURCE, tmp_path, "cc") == first and first.stat().st_mtime_ns == stamp
+    assert first.stat().st_mode & 0o055 == 0o055 & ~_umask(), "group and others may read and load it"
     other = build(kernels.SOURCE, tmp_path, "cc -g0")
-    assert other != first and other.exists()
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([first.name, other.name]), "no partial file left"
+    edited = tmp_path / "src" / "rows.c"
+    edited.parent.mkdir()
+    edited.write_text(kernels.SOURCE.read_text() + "\n/* edited */\n")
+    third = build(edited, tmp_path, "cc")
+    assert len({first, other, third}) == 3 and other.exists() and third.exists()
+    built = sorted(p.name for p in tmp_path.iterdir() if p.is_file())
+    assert built == sorted([first.name, other.name, third.name]), "no partial file left"
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+@can_build
 def test_build_failures_name_the_compiler_and_its_error(tmp_path: Path) -> None:
     with pytest.raises(OSError, match="no-such-compiler-here: No such file"):
         build(kernels.SOURCE, tmp_path, "no-such-compiler-here")
@@ -106,7 +132,9 @@ def test_without_the_kernel_the_row_layout_falls_back_to_onednn(tmp_path: Path) 
     env = {**os.environ, "CC": "no-such-compiler-here", "MOEKIT_CACHE": str(tmp_path)}
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True).stdout
     availability, experts = out.strip().splitlines()
-    assert availability == "False no-such-compiler-here: No such file or directory"
+    lacks = kernels.cpu_lacks()
+    why = f"this CPU lacks {', '.join(lacks)}" if lacks else "no-such-compiler-here: No such file or directory"
+    assert availability == f"False {why}"
     from moekit.experts.matmul import prepackable
 
     packs = prepackable(torch.empty(1, dtype=torch.bfloat16))

@@ -171,7 +171,7 @@ def add_run_flags(parser: argparse.ArgumentParser) -> None:
 def load_for_inference(args: argparse.Namespace, few_rows: bool = False):
     """The run or Hugging Face directory of ``add_run_flags``, its experts offloaded when --memory-budget
     is given; a Hugging Face directory read in place says so (and that nothing is written) on stderr.
-    ``few_rows``: decoding a row or two at a time (``model_dir.load_for_inference``)."""
+    ``few_rows``: decoding one row at a time (``model_dir.load_for_inference``)."""
     import sys
 
     import torch

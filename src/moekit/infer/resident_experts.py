@@ -113,7 +113,8 @@ class PackedExperts(PerExpert):
 
 class RowExperts(PerExpert):
     """The bf16 experts of one ``GroupedExperts`` kept in their plain output-major layout (``[E, N, K]``
-    storage, no copy), multiplied by ``plain_linear``: a batch-1 decode's row or two by the row kernel."""
+    storage: no copy where inference loaded them so, as it does), multiplied by ``plain_linear``: a batch-1
+    decode's row by the row kernel."""
 
     def __init__(self, experts: GroupedExperts) -> None:
         super().__init__(experts)
@@ -145,7 +146,7 @@ class _PlainLinear(nn.Module):
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
-        self.register_buffer("weight", linear.weight.detach(), persistent=False)
+        self.register_buffer("weight", linear.weight.detach().contiguous(), persistent=False)
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach(), persistent=False)
 
     def product(self, rows_MK: Tensor) -> Tensor:
@@ -266,8 +267,9 @@ def prepack_(model: nn.Module, few_rows: bool = False) -> nn.Module:
     layout instead (``RowExperts``, ``RowLinear``), where the row kernel runs (``kernels.rows_available``):
     2 threads, in one process taking turns (ad hoc), a decode step after a 512-token prompt 1.14x faster
     on d1024 and 1.23x on d2048, the prompt itself 1.02x / 0.97x (its products reorder the plain weights
-    for oneDNN on each call). A server's steps of many sequences keep the packed layout, which oneDNN
-    multiplies faster from four rows an expert."""
+    for oneDNN on each call). Steps of two or more sequences keep the packed layout, which oneDNN
+    multiplies faster from two rows. Offloaded experts keep the packed experts' kernel over their slots,
+    so under ``few_rows`` they compute what packed resident experts would, not what ``RowExperts`` do."""
     weight = model.embed.weight  # the head's dtype and device (the head may be quantized already)
     rows = few_rows and weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and rows_available()
     if rows or prepackable(weight):

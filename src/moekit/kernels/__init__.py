@@ -3,16 +3,18 @@
 ``rows_bf16``: the product of a row or two with a bf16 weight stored ``[N, K]`` (``rows.c``), a batch-1
 decode step's work: it reads a plain weight faster than oneDNN reads its own prepacked copy (1024 x 4096
 weights streamed in turn, 2 threads, ms per weight: one row 0.233 against 0.257 prepacked, two rows 0.260
-against 0.245, four 0.339 against 0.197; oneDNN over the plain weight 0.33-0.47; ``python
+against 0.245, four 0.339 against 0.197; oneDNN over the plain weight 0.33-0.50; ``python
 benchmarks/cpu_matmul.py --threads 2 --rows 1 2 4 --rounds 3 --json``,
-``benchmarks/measured/cpu-matmul-2-threads-rows.json``). Inference keeps bf16 weights plain for it where a
-decode multiplies ``FEW_ROWS`` rows or fewer (``infer.resident_experts``' row layout).
+``benchmarks/measured/cpu-matmul-2-threads-rows.json``; ATen's GEMV over the plain weight with oneDNN
+off, 0.232 at one row, matched it in that loop, see docs/inference.md). Inference keeps bf16 weights plain
+for it where a decode multiplies ``FEW_ROWS`` row (``infer.resident_experts``' row layout).
 
 The library is compiled once per source and compiler into the user's cache directory (``$MOEKIT_CACHE``,
 else ``$XDG_CACHE_HOME/moekit`` or ``~/.cache/moekit``) by ``$CC`` (default ``cc``) with OpenMP and the
 AVX-512 flags it needs, then loaded with ctypes. Where that fails (no compiler, another architecture) or
-the CPU lacks AVX512-BF16, ``rows_available()`` is False and inference keeps oneDNN's kernels;
-``rows_unavailable_reason()`` says why.
+the CPU lacks AVX512-BF16 (checked in /proc/cpuinfo before anything is loaded, and again by the library),
+``rows_available()`` is False and inference keeps oneDNN's kernels; ``rows_unavailable_reason()`` says
+why. The kernel sums as AVX512-BF16 does: subnormal inputs count as zero, subnormal sums are flushed.
 """
 
 from __future__ import annotations
@@ -29,11 +31,13 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-# NOTE: rows up to which the row layout multiplies by rows_bf16: at two it is about even with oneDNN's
-# prepacked kernel (and ahead of oneDNN over the plain weight, the layout's other kernel), from four far behind.
-FEW_ROWS = 2
+# NOTE: rows up to which the row layout multiplies by rows_bf16: one. At two oneDNN's prepacked kernel is
+# already a little faster (0.245 against 0.260 ms above), so a decode of two sequences keeps the packed layout.
+FEW_ROWS = 1
 SOURCE = Path(__file__).with_name("rows.c")
 FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp", "-shared", "-fPIC")
+CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")  # /proc/cpuinfo's names of what FLAGS build for
+BUILD_SECONDS = 120  # a compiler that takes longer is given up on
 
 
 def cache_dir() -> Path:
@@ -42,6 +46,17 @@ def cache_dir() -> Path:
         return Path(os.environ["MOEKIT_CACHE"])
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(base) / "moekit"
+
+
+def cpu_lacks() -> list[str]:
+    """The instruction sets the kernels are built for that this CPU lacks (all of them off Linux x86-64,
+    where /proc/cpuinfo does not say): checked before anything built with them is loaded."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return list(CPU_FLAGS)
+    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
+    return [flag for flag in CPU_FLAGS if flag not in flags]
 
 
 def build(source: Path, directory: Path, compiler: str) -> Path:
@@ -57,15 +72,23 @@ def build(source: Path, directory: Path, compiler: str) -> Path:
     fd, partial = tempfile.mkstemp(suffix=".so", dir=directory)
     os.close(fd)
     try:
-        done = subprocess.run([*command, str(source), "-o", partial], capture_output=True, text=True)
-    except OSError as err:
+        try:
+            done = subprocess.run(
+                [*command, str(source), "-o", partial], capture_output=True, text=True, timeout=BUILD_SECONDS
+            )
+        except OSError as err:
+            raise OSError(f"{compiler}: {err.strerror}") from None
+        except subprocess.TimeoutExpired:
+            raise OSError(f"{compiler} took over {BUILD_SECONDS} s to build {source.name}") from None
+        if done.returncode != 0:
+            first = next((line for line in done.stderr.splitlines() if "error" in line), done.stderr.strip()[:200])
+            raise OSError(f"{compiler} could not build {source.name}: {first}")
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(partial, 0o755 & ~umask)  # mkstemp's file is its owner's alone; others may share the cache
+        os.replace(partial, library)
+    finally:
         Path(partial).unlink(missing_ok=True)
-        raise OSError(f"{compiler}: {err.strerror}") from None
-    if done.returncode != 0:
-        Path(partial).unlink(missing_ok=True)
-        first = next((line for line in done.stderr.splitlines() if "error" in line), done.stderr.strip()[:200])
-        raise OSError(f"{compiler} could not build {source.name}: {first}")
-    os.replace(partial, library)
     return library
 
 
@@ -82,9 +105,12 @@ def load(library: Path) -> ctypes.CDLL | None:
 @functools.cache
 def _library() -> tuple[ctypes.CDLL | None, str]:
     """The row kernels of this process, built and loaded once, or None and why not."""
+    lacks = cpu_lacks()
+    if lacks:
+        return None, f"this CPU lacks {', '.join(lacks)}"
     try:
         lib = load(build(SOURCE, cache_dir() / "kernels", os.environ.get("CC", "cc")))
-    except OSError as err:
+    except (OSError, ValueError, RuntimeError) as err:  # no compiler, a bad $CC, no home directory
         return None, str(err)
     return (lib, "") if lib is not None else (None, "this CPU lacks AVX512-BF16 (or AVX512-BW/VL)")
 
@@ -115,6 +141,6 @@ def rows_bf16(x_MK: Tensor, w_NK: Tensor) -> Tensor:
     if torch.is_grad_enabled() and (x_MK.requires_grad or w_NK.requires_grad):
         raise RuntimeError("rows_bf16 is for inference: it records no gradient")
     x = x_MK.contiguous()
-    y = torch.empty(M, N, dtype=torch.bfloat16)
+    y = torch.empty(M, N, dtype=torch.bfloat16, device="cpu")
     lib.moekit_rows_bf16(torch.get_num_threads(), M, N, K, x.data_ptr(), w_NK.data_ptr(), y.data_ptr())
     return y

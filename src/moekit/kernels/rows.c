@@ -79,7 +79,7 @@ static void rows(int64_t M, int64_t N, int64_t K, const bf16* x, const bf16* w, 
 void moekit_rows_bf16(int threads, int64_t M, int64_t N, int64_t K, const bf16* x, const bf16* w, bf16* y) {
 #pragma omp parallel num_threads(threads)
     {
-        /* equal contiguous parts of the weight's rows, each a multiple of 16 rows (whole cache lines of y) */
+        /* equal contiguous parts of the weight's rows, each a multiple of 16 rows */
         int64_t T = omp_get_num_threads(), t = omp_get_thread_num();
         int64_t blocks = (N + 15) / 16, per = blocks / T, extra = blocks % T;
         int64_t b0 = t * per + (t < extra ? t : extra), b1 = b0 + per + (t < extra ? 1 : 0);
