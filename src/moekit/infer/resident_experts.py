@@ -265,11 +265,12 @@ def prepack_(model: nn.Module, few_rows: bool = False) -> nn.Module:
 
     ``few_rows`` (a batch-1 decode, ``moekit generate``'s default): bf16 weights stay in their plain
     layout instead (``RowExperts``, ``RowLinear``), where the row kernel runs (``kernels.rows_available``):
-    2 threads, in one process taking turns (ad hoc), a decode step after a 512-token prompt 1.14x faster
-    on d1024 and 1.23x on d2048, the prompt itself 1.02x / 0.97x (its products reorder the plain weights
-    for oneDNN on each call). Steps of two or more sequences keep the packed layout, which oneDNN
-    multiplies faster from two rows. Offloaded experts keep the packed experts' kernel over their slots,
-    so under ``few_rows`` they compute what packed resident experts would, not what ``RowExperts`` do."""
+    2 threads, in one process taking turns (``python benchmarks/decode_layouts.py``), a decode step after
+    a 512-token prompt 1.15x faster on d1024 and 1.13x on d2048, the prompt itself 0.94x (its products
+    reorder the plain weights for oneDNN on each call). Steps of two or more sequences keep the packed
+    layout, which oneDNN multiplies faster from two rows. Offloaded experts keep the packed experts'
+    kernel over their slots, so under ``few_rows`` they compute what packed resident experts would, not
+    what ``RowExperts`` do."""
     weight = model.embed.weight  # the head's dtype and device (the head may be quantized already)
     rows = few_rows and weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and rows_available()
     if rows or prepackable(weight):

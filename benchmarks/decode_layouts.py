@@ -1,0 +1,96 @@
+"""A batch-1 decode's weight layouts side by side in one process: what ``moekit generate`` picks and why.
+
+Three ways to hold and multiply a bf16 model's weights for one sequence: prepacked for oneDNN (a
+server's layout), kept plain and multiplied by moekit's row kernel (``moekit.kernels``, what
+``moekit generate`` loads at ``--batch-size 1``), and kept plain with ATen's GEMV doing one row (what the
+plain layout would be without the kernel). Each layout decodes from the same prompt in blocks of
+``--steps`` tokens, the layouts taking turns (``_spread.alternate_blocks``), then prefills the prompt
+again, taking turns too. Prints ms per decode step and prompt tokens/s, median (min .. max).
+
+    python benchmarks/decode_layouts.py MODEL_DIR [--threads 2] [--prompt 512] [--steps 24] [--rounds 6]
+        [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+from _provenance import source_commit
+from _spread import alternate_blocks, show, spread
+
+import moekit.infer.resident_experts as resident
+from moekit.experts.matmul import plain_linear
+from moekit.infer.generate import decode_step, prefill
+from moekit.kernels import rows_available, rows_unavailable_reason
+from moekit.model_dir import load_for_inference
+
+
+def aten_gemv(x_MK: torch.Tensor, w_NK: torch.Tensor) -> torch.Tensor:
+    """One row by ATen's GEMV (a decode step runs with oneDNN off), more as the row layout does."""
+    return torch.mm(x_MK, w_NK.t()) if x_MK.shape[0] == 1 else plain_linear(x_MK, w_NK)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("model", type=Path, help="a run or Hugging Face directory of a bf16 model")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads (default: 2)")
+    parser.add_argument("--prompt", type=int, default=512, help="prompt tokens (default: 512)")
+    parser.add_argument("--steps", type=int, default=24, help="decode steps per block (default: 24)")
+    parser.add_argument("--rounds", type=int, default=6, help="blocks of each layout (default: 6)")
+    parser.add_argument("--json", action="store_true", help="also print the figures as one JSON line")
+    args = parser.parse_args(argv)
+    if not rows_available():
+        parser.error(f"the row kernel does not run here: {rows_unavailable_reason()}")
+    torch.set_num_threads(args.threads)
+    packed = load_for_inference(args.model, dtype=torch.bfloat16)[0]
+    rows = load_for_inference(args.model, dtype=torch.bfloat16, few_rows=True)[0].model
+    if args.prompt + args.steps * args.rounds + 1 > packed.config.model.context_length:
+        parser.error("--prompt + --steps x --rounds pass the model's context")
+    layouts = {
+        "packed": (packed.model, plain_linear),
+        "rows kernel": (rows, plain_linear),
+        "rows ATen GEMV": (rows, aten_gemv),
+    }
+    ids = torch.randint(0, packed.config.model.vocab_size, (1, args.prompt), generator=torch.Generator().manual_seed(0))
+    state: dict[str, list] = {}
+
+    def use(name: str) -> torch.nn.Module:
+        model, product = layouts[name]
+        resident.plain_linear = product  # what the row layout's experts and linears multiply by
+        return model
+
+    for name in layouts:
+        logits, cache = prefill(use(name), ids)
+        state[name] = [logits.argmax(-1, keepdim=True), cache]
+
+    def decoding(name: str):
+        def step() -> None:
+            model = use(name)
+            state[name][0] = decode_step(model, state[name][0], state[name][1]).argmax(-1, keepdim=True)
+
+        return step
+
+    decode_ms = alternate_blocks({name: decoding(name) for name in layouts}, args.steps, args.rounds)
+    prompt_s = alternate_blocks({name: lambda n=name: prefill(use(n), ids) for name in layouts}, 1, args.rounds)
+    resident.plain_linear = plain_linear
+    prompt_tok_s = {name: [args.prompt / (ms / 1e3) for ms in v] for name, v in prompt_s.items()}
+    print(f"{args.model}, {args.threads} threads, bf16, a {args.prompt}-token prompt, {args.rounds} rounds:")
+    for name in layouts:
+        decode, prompt = show(decode_ms[name], ".2f"), show(prompt_tok_s[name], ".0f")
+        print(f"  {name:15} decode step ms {decode}  prompt tokens/s {prompt}")
+    if args.json:
+        figures = {
+            name: {"decode_ms": spread(decode_ms[name], 3), "prompt_tok_s": spread(prompt_tok_s[name], 1)}
+            for name in layouts
+        }
+        print(
+            json.dumps({"layouts": figures, "threads": args.threads, "prompt": args.prompt, "commit": source_commit()})
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
