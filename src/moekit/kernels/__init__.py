@@ -1,6 +1,6 @@
 """CPU kernels torch has no equal for, written in C and built at first use.
 
-``rows_bf16``: the product of a row or two with a bf16 weight stored ``[N, K]`` (``rows.c``), a batch-1
+``rows_bf16``: the product of a few rows with a bf16 weight stored ``[N, K]`` (``rows.c``), a batch-1
 decode step's work: it reads a plain weight faster than oneDNN reads its own prepacked copy (1024 x 4096
 weights streamed in turn, 2 threads, ms per weight: one row 0.233 against 0.257 prepacked, two rows 0.260
 against 0.245, four 0.339 against 0.197; oneDNN over the plain weight 0.33-0.50; ``python
