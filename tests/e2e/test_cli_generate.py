@@ -196,3 +196,28 @@ def test_cli_generates_bf16_through_the_row_kernel_at_batch_one(write_run, tmp_p
     three = moekit_cli("generate", str(run), "--prompts-file", str(prompts), "--batch-size", "3", *argv, env=env)
     assert three.returncode == 0, three.stderr
     assert three.stdout == "\n".join([want_packed] * 3) + "\n" and not (tmp_path / "three").exists()
+
+
+@pytest.mark.slow
+def test_a_failed_kernel_build_is_said_and_the_packed_layout_decodes(run_dir: Path, tmp_path: Path) -> None:
+    """No compiler where the CPU could run the row kernel: ``moekit generate`` says so in one line naming
+    the compiler, decodes with the packed layout (its greedy text) and exits 0; nothing is left in the
+    cache directory but an empty one."""
+    import torch
+
+    from moekit.infer.generate import generate_text
+    from moekit.kernels import cpu_lacks
+    from moekit.model_dir import load_for_inference
+
+    if cpu_lacks():
+        pytest.skip(f"this CPU lacks {', '.join(cpu_lacks())}: no build is tried")
+    env = {**os.environ, "CC": "no-such-compiler-here", "MOEKIT_CACHE": str(tmp_path / "cache")}
+    argv = ["--dtype", "bf16", "--temperature", "0", "--max-new-tokens", "12", "--prompt", "the king"]
+    proc = moekit_cli("generate", str(run_dir), *argv, env=env)
+    assert proc.returncode == 0, proc.stderr
+    notes = [line for line in proc.stderr.splitlines() if line.startswith("note: decoding with oneDNN")]
+    assert len(notes) == 1 and "no-such-compiler-here: No such file or directory" in notes[0]
+    with torch.no_grad():
+        packed = load_for_inference(run_dir, dtype=torch.bfloat16)[0]
+        assert proc.stdout == generate_text(packed, "the king", 12, temperature=0) + "\n"
+    assert not any((tmp_path / "cache").rglob("*.so")), "no partial build left"

@@ -43,15 +43,21 @@ def _prompts(args: argparse.Namespace) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
+
     from moekit.hostmem import peak_rss
     from moekit.infer.generate import check_sampling, generate_texts
-    from moekit.kernels import FEW_ROWS
+    from moekit.kernels import FEW_ROWS, rows_build_failure
     from moekit.units import format_bytes
 
     check_sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p)
     prompts = _prompts(args)
     runtime = peak_rss()  # the interpreter and the libraries, before the model
-    loaded = load_for_inference(args, few_rows=args.batch_size <= FEW_ROWS)
+    few_rows = args.batch_size <= FEW_ROWS
+    loaded = load_for_inference(args, few_rows=few_rows)
+    weight = loaded.model.embed.weight
+    if few_rows and weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and rows_build_failure():
+        print(f"note: decoding with oneDNN's kernels, not moekit's row kernel: {rows_build_failure()}", file=sys.stderr)
     start = time.perf_counter()
     try:
         texts = generate_texts(

@@ -126,6 +126,12 @@ def rows_unavailable_reason() -> str:
     return _library()[1]
 
 
+def rows_build_failure() -> str:
+    """Why the row kernel is unavailable on a CPU that has its instructions (no compiler, a failed or
+    unwritable build: something a user can mend), or "" where it runs or the CPU could never run it."""
+    return "" if rows_available() or cpu_lacks() else rows_unavailable_reason()
+
+
 def rows_bf16(x_MK: Tensor, w_NK: Tensor) -> Tensor:
     """``x @ w.t()`` for bf16 rows ``x`` [M, K] and a bf16 weight ``w`` [N, K] stored row-major, summed in fp32
     and rounded to bf16: ``[M, N]``. Any M; meant for ``FEW_ROWS`` or fewer."""
