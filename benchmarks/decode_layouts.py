@@ -1,13 +1,16 @@
 """A batch-1 decode's weight layouts side by side in one process: what ``moekit generate`` picks and why.
 
 Three ways to hold and multiply a bf16 model's weights for one sequence: prepacked for oneDNN (a
-server's layout), kept plain and multiplied by moekit's row kernel (``moekit.kernels``, what
-``moekit generate`` loads at ``--batch-size 1``), and kept plain with ATen's GEMV doing one row (what the
-plain layout would be without the kernel). Each layout decodes from the same prompt in blocks of
-``--steps`` tokens, the layouts taking turns (``_spread.alternate_blocks``), then prefills the prompt
-again, taking turns too. Prints ms per decode step and prompt tokens/s, median (min .. max).
+server's layout, and ``moekit generate``'s where the row kernel cannot be built), kept plain and
+multiplied by moekit's row kernel (``moekit.kernels``, what ``moekit generate`` loads at
+``--batch-size 1``), and kept plain with ATen's GEMV doing the one row (the plain layout's own share of
+the difference, the kernel's being the rest). Each layout prefills the same prompt, then decodes the
+same token stream (random ids fed in, not each layout's own picks, so each does the same work), a
+block of ``--steps`` untimed first, then blocks of ``--steps`` taking turns (``_spread.alternate_blocks``);
+then the prompt is prefilled again, taking turns. Prints ms per decode step and prompt tokens/s,
+median (min .. max) over the blocks.
 
-    python benchmarks/decode_layouts.py MODEL_DIR [--threads 2] [--prompt 512] [--steps 24] [--rounds 6]
+    python benchmarks/decode_layouts.py MODEL_DIR [--threads 2] [--prompt 512] [--steps 50] [--rounds 6]
         [--json]
 """
 
@@ -38,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("model", type=Path, help="a run or Hugging Face directory of a bf16 model")
     parser.add_argument("--threads", type=int, default=2, help="torch threads (default: 2)")
     parser.add_argument("--prompt", type=int, default=512, help="prompt tokens (default: 512)")
-    parser.add_argument("--steps", type=int, default=24, help="decode steps per block (default: 24)")
+    parser.add_argument("--steps", type=int, default=50, help="decode steps per block (default: 50)")
     parser.add_argument("--rounds", type=int, default=6, help="blocks of each layout (default: 6)")
     parser.add_argument("--json", action="store_true", help="also print the figures as one JSON line")
     args = parser.parse_args(argv)
@@ -47,35 +50,37 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     packed = load_for_inference(args.model, dtype=torch.bfloat16)[0]
     rows = load_for_inference(args.model, dtype=torch.bfloat16, few_rows=True)[0].model
-    if args.prompt + args.steps * args.rounds + 1 > packed.config.model.context_length:
-        parser.error("--prompt + --steps x --rounds pass the model's context")
-    layouts = {
-        "packed": (packed.model, plain_linear),
-        "rows kernel": (rows, plain_linear),
-        "rows ATen GEMV": (rows, aten_gemv),
-    }
-    ids = torch.randint(0, packed.config.model.vocab_size, (1, args.prompt), generator=torch.Generator().manual_seed(0))
-    state: dict[str, list] = {}
+    if args.prompt + args.steps * (args.rounds + 1) + 1 > packed.config.model.context_length:
+        parser.error("--prompt + --steps x (--rounds + 1) pass the model's context")
+    layouts = {"packed": (packed.model, plain_linear), "rows kernel": (rows, plain_linear)}
+    layouts["rows ATen GEMV"] = (rows, aten_gemv)
+    vocab = packed.config.model.vocab_size
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab, (1, args.prompt), generator=gen)
+    stream = torch.randint(0, vocab, (args.steps * (args.rounds + 1), 1, 1), generator=gen)
+    caches: dict = {}  # layout -> its KV cache
 
     def use(name: str) -> torch.nn.Module:
         model, product = layouts[name]
         resident.plain_linear = product  # what the row layout's experts and linears multiply by
         return model
 
-    for name in layouts:
-        logits, cache = prefill(use(name), ids)
-        state[name] = [logits.argmax(-1, keepdim=True), cache]
-
     def decoding(name: str):
         def step() -> None:
-            model = use(name)
-            state[name][0] = decode_step(model, state[name][0], state[name][1]).argmax(-1, keepdim=True)
+            cache = caches[name]
+            decode_step(use(name), stream[cache.length - args.prompt], cache)
 
         return step
 
-    decode_ms = alternate_blocks({name: decoding(name) for name in layouts}, args.steps, args.rounds)
-    prompt_s = alternate_blocks({name: lambda n=name: prefill(use(n), ids) for name in layouts}, 1, args.rounds)
-    resident.plain_linear = plain_linear
+    try:
+        for name in layouts:
+            caches[name] = prefill(use(name), ids)[1]
+            for _ in range(args.steps):
+                decoding(name)()
+        decode_ms = alternate_blocks({name: decoding(name) for name in layouts}, args.steps, args.rounds)
+        prompt_s = alternate_blocks({name: lambda n=name: prefill(use(n), ids) for name in layouts}, 1, args.rounds)
+    finally:
+        resident.plain_linear = plain_linear
     prompt_tok_s = {name: [args.prompt / (ms / 1e3) for ms in v] for name, v in prompt_s.items()}
     print(f"{args.model}, {args.threads} threads, bf16, a {args.prompt}-token prompt, {args.rounds} rounds:")
     for name in layouts:

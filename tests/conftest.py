@@ -40,7 +40,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     if config.getoption("--all"):
         config.option.markexpr = ""  # no mark filter: pyproject's "not slow" no longer applies
-    # moekit.kernels builds into a directory of the session's (children inherit it), not the user's cache
+    # moekit.kernels builds into a directory of this test run's (children inherit it), not the user's cache
     config._kernel_cache = tempfile.mkdtemp(prefix="moekit-kernels-")
     os.environ["MOEKIT_CACHE"] = config._kernel_cache
 

@@ -6,8 +6,8 @@ weights streamed in turn, 2 threads, ms per weight: one row 0.233 against 0.257 
 against 0.245, four 0.339 against 0.197; oneDNN over the plain weight 0.33-0.50; ``python
 benchmarks/cpu_matmul.py --threads 2 --rows 1 2 4 --rounds 3 --json``,
 ``benchmarks/measured/cpu-matmul-2-threads-rows.json``; ATen's GEMV over the plain weight with oneDNN
-off, 0.232 at one row, matched it in that loop but not in a decode step: d1024 10.01 ms against 9.43,
-d2048 17.08 against 15.89, ``python benchmarks/decode_layouts.py``). Inference keeps bf16 weights plain
+off, 0.232 at one row, matched it in that loop but not in a decode step: d1024 9.82 ms against 9.33,
+d2048 15.54 against 12.47, ``python benchmarks/decode_layouts.py``). Inference keeps bf16 weights plain
 for it where a decode multiplies ``FEW_ROWS`` row (``infer.resident_experts``' row layout).
 
 The library is compiled once per source and compiler into the user's cache directory (``$MOEKIT_CACHE``,
@@ -129,7 +129,8 @@ def rows_unavailable_reason() -> str:
 def rows_build_failure() -> str:
     """Why the row kernel is unavailable on a CPU that has its instructions (no compiler, a failed or
     unwritable build: something a user can mend), or "" where it runs or the CPU could never run it."""
-    return "" if rows_available() or cpu_lacks() else rows_unavailable_reason()
+    why = rows_unavailable_reason()
+    return "" if rows_available() or cpu_lacks() or why.startswith("this CPU lacks") else why
 
 
 def rows_bf16(x_MK: Tensor, w_NK: Tensor) -> Tensor:
