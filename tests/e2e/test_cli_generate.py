@@ -189,7 +189,7 @@ def test_cli_generates_bf16_through_the_row_kernel_at_batch_one(write_run, tmp_p
     env = {**os.environ, "MOEKIT_CACHE": str(tmp_path / "one")}
     one = moekit_cli("generate", str(run), "--prompt", "the king", *argv, env=env)
     assert one.returncode == 0, one.stderr
-    assert one.stdout == want_rows + "\n" and len(list((tmp_path / "one" / "kernels").glob("rows-*.so"))) == 1
+    assert one.stdout == want_rows + "\n" and len(list((tmp_path / "one" / "kernels").glob("decode-*.so"))) == 1
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("the king\n" * 3)
     env = {**os.environ, "MOEKIT_CACHE": str(tmp_path / "three")}

@@ -34,7 +34,7 @@ def test_the_kernel_runs_where_it_can() -> None:
     """On a CPU with AVX512-BF16 and a compiler, a failed build is a failure, not a skipped test; the
     build lands in the test run's own cache directory (tests/conftest.py), not the user's."""
     assert rows_available(), rows_unavailable_reason()
-    assert len(list((Path(os.environ["MOEKIT_CACHE"]) / "kernels").glob("rows-*.so"))) == 1
+    assert len(list((Path(os.environ["MOEKIT_CACHE"]) / "kernels").glob("decode-*.so"))) == 1
 
 
 @needs_rows
@@ -89,7 +89,7 @@ def test_a_build_is_kept_per_source_and_compiler(tmp_path: Path) -> None:
     assert build(kernels.SOURCE, tmp_path, COMPILER) == first and first.stat().st_mtime_ns == stamp
     assert first.stat().st_mode & 0o055 == 0o055 & ~_umask(), "group and others may read and load it"
     other = build(kernels.SOURCE, tmp_path, f"{COMPILER} -g0")
-    edited = tmp_path / "src" / "rows.c"
+    edited = tmp_path / "src" / "decode.c"
     edited.parent.mkdir()
     edited.write_text(kernels.SOURCE.read_text() + "\n/* edited */\n")
     third = build(edited, tmp_path, COMPILER)

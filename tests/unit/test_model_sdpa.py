@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from moekit.experts.matmul import native_16bit
+from moekit.kernels import rows_available
 from moekit.model import sdpa
 from moekit.model.sdpa import attend
 
@@ -45,7 +46,8 @@ def test_one_query_attention_equals_the_written_out_softmax(
     without a copy in fp32) or laid out otherwise (``[B, S, G, d]`` seen so, reordered); ``chunked``:
     converted or reordered two sequences at a time (each chunk with its sequences' masks, or the one
     mask of all); ``values_in_16_bits``: the softmax times bf16 values of several sequences in bf16 at
-    any size, as larger steps take them (CPUs with native bf16 kernels)."""
+    any size, as larger steps take them (CPUs with native bf16 kernels). One bf16 sequence with every key
+    visible takes moekit's kernel instead where it runs (the next test)."""
     if values_in_16_bits and not (dtype == torch.bfloat16 and B > 1 and native_16bit(torch.bfloat16)):
         pytest.skip("bf16 values of several sequences on a CPU with native bf16 kernels take that path")
     gen = torch.Generator().manual_seed(B * H + G)
@@ -74,8 +76,36 @@ def test_one_query_attention_equals_the_written_out_softmax(
     assert got.shape == (B, H, 1, d) and got.dtype == dtype
     assert float((got.double() - ref).abs().amax()) <= tol
     as_is = dtype == torch.float32 and (layout == "group-major" or G == 1)  # one group: group-major either way
+    if dtype == torch.bfloat16 and B == 1 and mask is None and rows_available():
+        assert calls == [], "one bf16 sequence seeing every key: moekit's kernel"
+        return
     assert [n for n, _ in calls] == ([2] * (B // 2) + [B % 2] * (B % 2) if chunked and B > 1 and not as_is else [B])
     assert {pv for _, pv in calls} == {torch.bfloat16 if values_in_16_bits else torch.float32}
+
+
+@pytest.mark.skipif(not rows_available(), reason="moekit's kernels do not run here")
+@pytest.mark.parametrize(
+    ("H", "G", "S", "d"), [(4, 4, 1, 64), (8, 2, 17, 64), (16, 4, 300, 64), (6, 1, 33, 128), (2, 2, 5, 32)]
+)
+def test_one_sequences_attention_through_the_kernel_equals_the_written_out_softmax(
+    H: int, G: int, S: int, d: int
+) -> None:
+    """The kernel's path (one bf16 sequence, every key visible) over keys and values as a contiguous cache
+    holds them (``[1, G, max_len, d]`` seen to ``S`` positions, position and group strides of their own):
+    within half a bf16 unit of the output plus SDPA's own error of the float64 softmax written out per
+    head; 300 positions take the softmax's 16-wide tail, 128 dims the kernel's widest rows."""
+    gen = torch.Generator().manual_seed(H * S + d)
+    q = (3 * torch.randn(1, H, 1, d, generator=gen)).bfloat16()
+    k, v = ((f * torch.randn(1, G, S + 7, d, generator=gen)).bfloat16()[:, :, :S] for f in (3, 1))
+    assert G == 1 or not k.is_contiguous()  # one group: a prefix of its positions is contiguous
+    with torch.no_grad():
+        got = attend(q, k, v, None, None, 0.0)
+    ref = _reference(q, k, v, None)
+    sdpa_err = float(
+        (torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=G != H).double() - ref).abs().amax()
+    )
+    assert got.shape == (1, H, 1, d) and got.dtype == torch.bfloat16
+    assert float((got.double() - ref).abs().amax()) <= 2.0**-8 * float(ref.abs().amax()) + sdpa_err
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

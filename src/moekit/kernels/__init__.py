@@ -1,6 +1,6 @@
 """CPU kernels torch has no equal for, written in C and built at first use.
 
-``rows_bf16``: the product of a few rows with a bf16 weight stored ``[N, K]`` (``rows.c``), a batch-1
+``rows_bf16`` (``decode.c``): the product of a few rows with a bf16 weight stored ``[N, K]``, a batch-1
 decode step's work: it reads a plain weight faster than oneDNN reads its own prepacked copy (1024 x 4096
 weights streamed in turn, 2 threads, ms per weight: one row 0.233 against 0.257 prepacked, two rows 0.260
 against 0.245, four 0.339 against 0.197; oneDNN over the plain weight 0.33-0.50; ``python
@@ -9,6 +9,12 @@ benchmarks/cpu_matmul.py --threads 2 --rows 1 2 4 --rounds 3 --json``,
 off, 0.232 at one row, matched it in that loop but not in a decode step: d1024 9.82 ms against 9.33,
 d2048 15.54 against 12.47, ``python benchmarks/decode_layouts.py``). Inference keeps bf16 weights plain
 for it where a decode multiplies ``FEW_ROWS`` row (``infer.resident_experts``' row layout).
+
+``one_query_bf16``: one sequence's one-token attention over its cached bf16 keys and values, read in
+place, where torch's path converts them to fp32 first and pays a dozen ops a layer (16 heads over 4
+key/value heads of 64, 2 threads, a layer: 5.1 / 10.4 / 16.6 / 26.2 us against 27.2 / 41.5 / 58.8 /
+94.9 at 64 / 256 / 512 / 1024 positions, ad hoc). ``model.sdpa.one_query`` takes it for one sequence,
+every key visible; the whole decode step: ``python benchmarks/decode_layouts.py``.
 
 The library is compiled once per source and compiler into the user's cache directory (``$MOEKIT_CACHE``,
 else ``$XDG_CACHE_HOME/moekit`` or ``~/.cache/moekit``) by ``$CC`` (default ``cc``) with OpenMP and the
@@ -35,7 +41,7 @@ from torch import Tensor
 # NOTE: rows up to which the row layout multiplies by rows_bf16: one. At two oneDNN's prepacked kernel is
 # already a little faster (0.245 against 0.260 ms above), so a decode of two sequences keeps the packed layout.
 FEW_ROWS = 1
-SOURCE = Path(__file__).with_name("rows.c")
+SOURCE = Path(__file__).with_name("decode.c")
 FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp", "-shared", "-fPIC")
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")  # /proc/cpuinfo's names of what FLAGS build for
 BUILD_SECONDS = 120  # a compiler that takes longer is given up on
@@ -100,6 +106,17 @@ def load(library: Path) -> ctypes.CDLL | None:
         return None
     lib.moekit_rows_bf16.argtypes = [ctypes.c_int, *[ctypes.c_int64] * 3, *[ctypes.c_void_p] * 3]
     lib.moekit_rows_bf16.restype = None
+    strided = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]  # base, group stride, position stride
+    lib.moekit_one_query_bf16.argtypes = [
+        ctypes.c_int,
+        *[ctypes.c_int64] * 4,
+        ctypes.c_float,
+        ctypes.c_void_p,
+        *strided,
+        *strided,
+        *[ctypes.c_void_p] * 2,
+    ]
+    lib.moekit_one_query_bf16.restype = None
     return lib
 
 
@@ -152,3 +169,29 @@ def rows_bf16(x_MK: Tensor, w_NK: Tensor) -> Tensor:
     y = torch.empty(M, N, dtype=torch.bfloat16, device="cpu")
     lib.moekit_rows_bf16(torch.get_num_threads(), M, N, K, x.data_ptr(), w_NK.data_ptr(), y.data_ptr())
     return y
+
+
+def one_query_takes(q_Hd: Tensor, k_GSd: Tensor, v_GSd: Tensor) -> bool:
+    """Whether ``one_query_bf16`` computes this attention: bf16 on a CPU, head dim a multiple of 32 up to
+    128, whole groups of query heads, each position's key and value contiguous, and the kernel built."""
+    tensors = (q_Hd, k_GSd, v_GSd)
+    if any(t.dtype != torch.bfloat16 or t.device.type != "cpu" or t.stride(-1) != 1 for t in tensors):
+        return False
+    (H, d), G = q_Hd.shape, k_GSd.shape[0]
+    return d % 32 == 0 and d <= 128 and H % G == 0 and q_Hd.is_contiguous() and rows_available()
+
+
+def one_query_bf16(q_Hd: Tensor, k_GSd: Tensor, v_GSd: Tensor, scale: float) -> Tensor:
+    """``softmax(q k^T * scale) v`` per head for one query per head ``q`` [H, d] over keys and values
+    ``[G, S, d]`` (query head h reads group ``h // (H / G)``), every key visible: ``[H, d]`` in bf16, the
+    scores, softmax and sums in fp32. Where ``one_query_takes``."""
+    lib = _library()[0]
+    if lib is None or not one_query_takes(q_Hd, k_GSd, v_GSd):
+        raise ValueError("one_query_bf16 takes bf16 CPU tensors, head dim a multiple of 32 up to 128")
+    (H, d), (G, S) = q_Hd.shape, k_GSd.shape[:2]
+    scores = torch.empty(H, S, device="cpu")
+    out = torch.empty(H, d, dtype=torch.bfloat16, device="cpu")
+    k, v = (k_GSd.data_ptr(), k_GSd.stride(0), k_GSd.stride(1)), (v_GSd.data_ptr(), v_GSd.stride(0), v_GSd.stride(1))
+    threads = torch.get_num_threads()
+    lib.moekit_one_query_bf16(threads, H, G, S, d, scale, q_Hd.data_ptr(), *k, *v, scores.data_ptr(), out.data_ptr())
+    return out
