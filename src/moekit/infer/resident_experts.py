@@ -266,7 +266,7 @@ def prepack_(model: nn.Module, few_rows: bool = False) -> nn.Module:
     ``few_rows`` (a batch-1 decode, ``moekit generate``'s default): bf16 weights stay in their plain
     layout instead (``RowExperts``, ``RowLinear``), where the row kernel runs (``kernels.rows_available``):
     2 threads, in one process taking turns (``python benchmarks/decode_layouts.py``), a decode step after
-    a 512-token prompt 1.12x faster on d1024 and 1.22x on d2048, the prompt itself 0.93x / 0.88x (its
+    a 512-token prompt 1.17x faster on d1024 and 1.15x on d2048, the prompt itself 0.86x / 0.89x (its
     products reorder the plain weights for oneDNN on each call). Steps of two or more sequences keep the packed
     layout, which oneDNN multiplies faster from two rows. Offloaded experts keep the packed experts'
     kernel over their slots, so under ``few_rows`` they compute what packed resident experts would, not

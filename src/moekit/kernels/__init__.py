@@ -6,8 +6,8 @@ weights streamed in turn, 2 threads, ms per weight: one row 0.233 against 0.257 
 against 0.245, four 0.339 against 0.197; oneDNN over the plain weight 0.33-0.50; ``python
 benchmarks/cpu_matmul.py --threads 2 --rows 1 2 4 --rounds 3 --json``,
 ``benchmarks/measured/cpu-matmul-2-threads-rows.json``; ATen's GEMV over the plain weight with oneDNN
-off, 0.232 at one row, matched it in that loop but not in a decode step: d1024 9.82 ms against 9.33,
-d2048 15.54 against 12.47, ``python benchmarks/decode_layouts.py``). Inference keeps bf16 weights plain
+off, 0.232 at one row, matched it in that loop but not in a decode step: d1024 7.77 ms against 6.59,
+d2048 13.92 against 12.03, ``python benchmarks/decode_layouts.py``). Inference keeps bf16 weights plain
 for it where a decode multiplies ``FEW_ROWS`` row (``infer.resident_experts``' row layout).
 
 ``one_query_bf16``: one sequence's one-token attention over its cached bf16 keys and values, read in
