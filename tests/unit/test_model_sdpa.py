@@ -88,14 +88,17 @@ def test_one_query_attention_equals_the_written_out_softmax(
     ("H", "G", "S", "d"), [(4, 4, 1, 64), (8, 2, 17, 64), (16, 4, 300, 64), (6, 1, 33, 128), (2, 2, 5, 32)]
 )
 def test_one_sequences_attention_through_the_kernel_equals_the_written_out_softmax(
-    H: int, G: int, S: int, d: int
+    H: int, G: int, S: int, d: int, monkeypatch
 ) -> None:
     """The kernel's path (one bf16 sequence, every key visible) over keys and values as a contiguous cache
     holds them (``[1, G, max_len, d]`` seen to ``S`` positions, position and group strides of their own):
     within half a bf16 unit of the output plus SDPA's own error of the float64 softmax written out per
-    head; 300 positions take the softmax's 16-wide tail, 128 dims the kernel's widest rows."""
+    head; 300 positions take the softmax's 16-wide tail, 128 dims the kernel's widest rows. A NaN key
+    makes its head's output NaN, as torch's path does, and no other head's."""
     gen = torch.Generator().manual_seed(H * S + d)
-    q = (3 * torch.randn(1, H, 1, d, generator=gen)).bfloat16()
+    calls = []
+    monkeypatch.setattr(sdpa, "_one_query", lambda *a: calls.append(a) or one_query_of(*a))
+    q = torch.randn(1, H, 1, d, generator=gen).bfloat16()  # scores of a few units: a wrong scale shows
     k, v = ((f * torch.randn(1, G, S + 7, d, generator=gen)).bfloat16()[:, :, :S] for f in (3, 1))
     assert G == 1 or not k.is_contiguous()  # one group: a prefix of its positions is contiguous
     with torch.no_grad():
@@ -104,8 +107,12 @@ def test_one_sequences_attention_through_the_kernel_equals_the_written_out_softm
     sdpa_err = float(
         (torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=G != H).double() - ref).abs().amax()
     )
-    assert got.shape == (1, H, 1, d) and got.dtype == torch.bfloat16
+    assert got.shape == (1, H, 1, d) and got.dtype == torch.bfloat16 and calls == [], "the kernel, not torch's path"
     assert float((got.double() - ref).abs().amax()) <= 2.0**-8 * float(ref.abs().amax()) + sdpa_err
+    k[0, 0, S - 1, 0] = float("nan")  # group 0's last key: its heads' scores
+    with torch.no_grad():
+        nan = attend(q, k, v, None, None, 0.0)[0, :, 0].isnan().any(dim=-1)
+    assert nan.tolist() == [h < H // G for h in range(H)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

@@ -14,7 +14,7 @@ for it where a decode multiplies ``FEW_ROWS`` row (``infer.resident_experts``' r
 place, where torch's path converts them to fp32 first and pays a dozen ops a layer (16 heads over 4
 key/value heads of 64, 2 threads, a layer: 5.1 / 10.4 / 16.6 / 26.2 us against 27.2 / 41.5 / 58.8 /
 94.9 at 64 / 256 / 512 / 1024 positions, ad hoc). ``model.sdpa.one_query`` takes it for one sequence,
-every key visible; the whole decode step: ``python benchmarks/decode_layouts.py``.
+every key visible (a contiguous ``KVCache``'s decode step; a server's paged steps pass a mask).
 
 The library is compiled once per source and compiler into the user's cache directory (``$MOEKIT_CACHE``,
 else ``$XDG_CACHE_HOME/moekit`` or ``~/.cache/moekit``) by ``$CC`` (default ``cc``) with OpenMP and the
@@ -178,7 +178,8 @@ def one_query_takes(q_Hd: Tensor, k_GSd: Tensor, v_GSd: Tensor) -> bool:
     if any(t.dtype != torch.bfloat16 or t.device.type != "cpu" or t.stride(-1) != 1 for t in tensors):
         return False
     (H, d), G = q_Hd.shape, k_GSd.shape[0]
-    return d % 32 == 0 and d <= 128 and H % G == 0 and q_Hd.is_contiguous() and rows_available()
+    shapes = k_GSd.shape == v_GSd.shape and k_GSd.shape[-1] == d
+    return shapes and d % 32 == 0 and d <= 128 and H % G == 0 and q_Hd.is_contiguous() and rows_available()
 
 
 def one_query_bf16(q_Hd: Tensor, k_GSd: Tensor, v_GSd: Tensor, scale: float) -> Tensor:
@@ -189,7 +190,7 @@ def one_query_bf16(q_Hd: Tensor, k_GSd: Tensor, v_GSd: Tensor, scale: float) -> 
     if lib is None or not one_query_takes(q_Hd, k_GSd, v_GSd):
         raise ValueError("one_query_bf16 takes bf16 CPU tensors, head dim a multiple of 32 up to 128")
     (H, d), (G, S) = q_Hd.shape, k_GSd.shape[:2]
-    scores = torch.empty(H, S, device="cpu")
+    scores = torch.empty(H, S, dtype=torch.float32, device="cpu")  # the C code writes fp32, whatever torch's default
     out = torch.empty(H, d, dtype=torch.bfloat16, device="cpu")
     k, v = (k_GSd.data_ptr(), k_GSd.stride(0), k_GSd.stride(1)), (v_GSd.data_ptr(), v_GSd.stride(0), v_GSd.stride(1))
     threads = torch.get_num_threads()

@@ -99,9 +99,10 @@ static inline __m512 widen_bf16(const bf16* p) { /* 16 bf16 -> fp32, exact */
 }
 
 /* e^x for x <= 0 (scores less their maximum): 2^(x log2 e) = 2^n 2^f with |f| <= 1/2, 2^f by its Taylor
- * series to degree 7 (relative error under 2e-9 before fp32's rounding), 2^n by scalef; below 2^-150, 0. */
+ * series to degree 7 (relative error under 1e-8 before fp32's rounding), 2^n by scalef; below 2^-150, 0.
+ * A NaN stays NaN (max_ps returns its second operand when either is NaN), as torch's softmax keeps it. */
 static inline __m512 exp_nonpositive(__m512 x) {
-    __m512 y = _mm512_max_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _mm512_set1_ps(-150.f));
+    __m512 y = _mm512_max_ps(_mm512_set1_ps(-150.f), _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)));
     __m512 n = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m512 f = _mm512_mul_ps(_mm512_sub_ps(y, n), _mm512_set1_ps(0.69314718055994531f));
     static const float c[8] = {1.f / 5040, 1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f};
