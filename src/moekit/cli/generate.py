@@ -56,8 +56,9 @@ def run(args: argparse.Namespace) -> int:
     few_rows = args.batch_size <= FEW_ROWS
     loaded = load_for_inference(args, few_rows=few_rows)
     weight = loaded.model.embed.weight
-    if few_rows and weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and rows_build_failure():
-        print(f"note: decoding with oneDNN's kernels, not moekit's row kernel: {rows_build_failure()}", file=sys.stderr)
+    failure = few_rows and weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and rows_build_failure()
+    if failure:
+        print(f"note: decoding with oneDNN's kernels, not moekit's row kernel: {failure}", file=sys.stderr)
     start = time.perf_counter()
     try:
         texts = generate_texts(

@@ -146,8 +146,8 @@ def rows_unavailable_reason() -> str:
 def rows_build_failure() -> str:
     """Why the row kernel is unavailable on a CPU that has its instructions (no compiler, a failed or
     unwritable build: something a user can mend), or "" where it runs or the CPU could never run it."""
-    why = rows_unavailable_reason()
-    return "" if rows_available() or cpu_lacks() or why.startswith("this CPU lacks") else why
+    why = rows_unavailable_reason()  # "" where it runs; _library says when the CPU lacks what it needs
+    return "" if why.startswith("this CPU lacks") else why
 
 
 def rows_bf16(x_MK: Tensor, w_NK: Tensor) -> Tensor:
