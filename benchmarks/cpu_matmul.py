@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from moekit.experts.matmul import native_16bit, packed_linear, prepack, unpacked_linear
 from moekit.hostmem import keep_freed_memory
 from moekit.infer.quant import dequantize_int8, int4_mm, int8_mm, pack_int4_for_cpu, quantize_int8
-from moekit.kernels import rows_available, rows_bf16
+from moekit.kernels import rows_available, rows_bf16, rows_isa
 from moekit.model.sdpa import one_query
 
 K, N = 1024, 4096
@@ -36,7 +36,7 @@ def kernels(weights_NK: list[torch.Tensor]) -> dict[str, Callable[[torch.Tensor]
     bf16 = [w.bfloat16() for w in weights_NK]
     fp16 = [w.half() for w in weights_NK]
     fp32_kn = [w.t().contiguous() for w in weights_NK]
-    packed16, packed32 = [prepack(w) for w in bf16], [prepack(w) for w in weights_NK]
+    packed32 = [prepack(w) for w in weights_NK]
     packed32_one_row = [torch.ops.mkldnn._reorder_linear_weight(w, 1) for w in weights_NK]
     q8 = [quantize_int8(w.t()) for w in weights_NK]
     q4 = [pack_int4_for_cpu(w.t()) for w in weights_NK]
@@ -52,8 +52,6 @@ def kernels(weights_NK: list[torch.Tensor]) -> dict[str, Callable[[torch.Tensor]
         "fp32 unpacked_linear (offloaded)": lambda x: [unpacked_linear(x, w) for w in weights_NK],
         "bf16 [N,K] oneDNN": lambda x: [torch.mm(x.bfloat16(), w.t()) for w in bf16],
         "bf16 [N,K] ATen GEMV": lambda x: gemv_off(x.bfloat16(), bf16),
-        "bf16 prepacked": lambda x: [packed_linear(x.bfloat16(), p) for p in packed16],
-        "bf16 unpacked_linear (offloaded)": lambda x: [unpacked_linear(x.bfloat16(), w) for w in bf16],
         "fp16 [N,K] mm": lambda x: [torch.mm(x.half(), w.t()) for w in fp16],
         "fp16 upcast": lambda x: [torch.mm(x, w.float().t()) for w in fp16],
         "int8 (int8_mm)": lambda x: [int8_mm(x.bfloat16(), q, s) for q, s in q8],
@@ -62,7 +60,11 @@ def kernels(weights_NK: list[torch.Tensor]) -> dict[str, Callable[[torch.Tensor]
         ],
         "int4 kernel": lambda x: [int4_mm(x.bfloat16(), p, s) for p, s in q4],
     }
-    if native_16bit(torch.bfloat16):  # without native bf16 a [K, N] weight takes 13-40x its bytes' time: minutes
+    if native_16bit(torch.bfloat16):  # oneDNN packs bf16 only where it has native kernels (AVX-512, AMX)
+        packed16 = [prepack(w) for w in bf16]
+        table["bf16 prepacked"] = lambda x: [packed_linear(x.bfloat16(), p) for p in packed16]
+        table["bf16 unpacked_linear (offloaded)"] = lambda x: [unpacked_linear(x.bfloat16(), w) for w in bf16]
+        # without native bf16 a [K, N] weight takes 13-40x its bytes' time: minutes
         bf16_kn = [w.t().contiguous() for w in bf16]
         table["bf16 [K,N] mm"] = lambda x: [torch.mm(x.bfloat16(), w) for w in bf16_kn]
     if rows_available():  # moekit.kernels' row kernel over the plain [N, K] weight (inference's, up to FEW_ROWS rows)
@@ -193,11 +195,15 @@ def main() -> None:
         "threads": args.threads,
         "native bf16": native_16bit(torch.bfloat16),
         "native fp16": native_16bit(torch.float16),
+        "row kernel build": rows_isa(),
         "matmul ms per 1024 x 4096 weight": matmul_table(args),
         "attention ms per layer": attention_table(args),
         "decode step overhead ms": step_overhead(args),
     }
-    print(f"threads {args.threads}, native bf16 {report['native bf16']}, native fp16 {report['native fp16']}")
+    print(
+        f"threads {args.threads}, native bf16 {report['native bf16']}, native fp16 {report['native fp16']}, "
+        f"row kernel build {report['row kernel build']}"
+    )
     for section in ("matmul ms per 1024 x 4096 weight", "attention ms per layer", "decode step overhead ms"):
         print(f"\n{section}: median (min-max)")
         for key, row in report[section].items():

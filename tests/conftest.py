@@ -68,6 +68,21 @@ def write_corpus(path: Path, n_lines: int = 600, seed: int = 0) -> Path:
     return path
 
 
+@pytest.fixture(params=["avx512_bf16", "avx2"])
+def kernel_isa(request, monkeypatch) -> str:
+    """Each build of ``moekit.kernels`` this CPU runs, in turn (``$MOEKIT_MAX_CPU_ISA``, the library found
+    anew), so that a CPU with AVX-512 checks the AVX2 build too; a build it cannot run is skipped."""
+    from moekit import kernels
+
+    if request.param not in kernels.runnable_isas():
+        pytest.skip(f"this CPU does not run the {request.param} build")
+    monkeypatch.setenv(kernels.ISA_VARIABLE, request.param)
+    kernels._library.cache_clear()
+    yield request.param
+    monkeypatch.undo()
+    kernels._library.cache_clear()
+
+
 @pytest.fixture
 def corpus_file(tmp_path: Path) -> Path:
     return write_corpus(tmp_path / "corpus.txt")

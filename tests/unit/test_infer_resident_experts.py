@@ -18,6 +18,7 @@ from moekit.infer.resident_experts import (
     QuantizedExperts,
     RowExperts,
     RowLinear,
+    RowRMSNorm,
     UpcastLinear,
     prepack_,
     quantize_experts_,
@@ -96,7 +97,8 @@ def test_prepacked_experts_and_linears_equal_the_plain_arithmetic(dtype, tokens:
     where they take the dtype (fp32; 16 bits where the CPU has native kernels), and leaves the model
     as it is elsewhere: the MoE layer stays within the dtype's rounding of a float64 per-token
     reference, the whole model's logits within it of the same model unpacked. ``few_rows``: bf16
-    weights stay plain for the row kernel where it runs (one or two rows; more by oneDNN)."""
+    weights stay plain for the row kernel where it runs (one row; more by oneDNN, or on a CPU without
+    native bf16 up to five by the row kernel and more in fp32)."""
     from moekit import runconfig
     from moekit.model import Transformer
 
@@ -117,6 +119,7 @@ def test_prepacked_experts_and_linears_equal_the_plain_arithmetic(dtype, tokens:
         assert isinstance(model.blocks[0].attn.qkv, PackedLinear) == packs
         assert isinstance(model.blocks[0].attn.qkv, UpcastLinear) == upcasts
         assert isinstance(moe.experts, RowExperts) == rows and isinstance(model.lm_head, RowLinear) == rows
+        assert isinstance(model.norm, RowRMSNorm) == rows and isinstance(model.blocks[1].ffn_norm, RowRMSNorm) == rows
         got = moe(x).double()
         logits = model(ids).logits.double()
     assert float((got - ref).abs().amax()) <= eps * float(ref.abs().amax())
@@ -142,33 +145,64 @@ def test_an_unpacked_weight_takes_the_packed_kernel_bit_for_bit(dtype, rows: int
             assert not torch.equal(torch.mm(x_MK, w_NK.t()), packed), "ATen's sums round alike: the test shows nothing"
 
 
+@pytest.mark.parametrize("eps", [None, 1e-5, 0.5])
+def test_the_row_rms_norm_equals_torchs(eps: float | None) -> None:
+    """``RowRMSNorm`` computes what the ``nn.RMSNorm`` it replaces computes, within one bf16 unit: rows of
+    values around 0.01, whose mean square (1e-4) an eps of bf16's epsilon (0.0078) would swamp, so the
+    epsilon torch adds without one shows; and rows of around 100 under a large eps."""
+    if not rows_available():
+        pytest.skip("the row kernels do not run here")
+    torch.manual_seed(0)
+    norm = torch.nn.RMSNorm(64, eps=eps).bfloat16()
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(64))
+        x = (torch.randn(3, 2, 64) * torch.tensor([0.01, 100.0]).view(1, 2, 1)).bfloat16()
+        want, got = norm(x).double(), RowRMSNorm(norm)(x).double()
+    assert float(((got - want).abs() / want.abs().amax(-1, keepdim=True)).amax()) <= 2.0**-7
+
+
 _WITHOUT_NATIVE_BF16 = """
+import sys
 import torch
-from moekit import runconfig
-from moekit.infer.resident_experts import UpcastLinear, prepack_
+from moekit import kernels, runconfig
+from moekit.infer.resident_experts import RowExperts, RowLinear, RowRMSNorm, UpcastLinear, prepack_
 from moekit.model import Transformer
+few_rows = sys.argv[1] == "rows"
 cfg = runconfig.resolve("tiny", {"model.n_layers": "2", "moe.num_experts": "4", "model.tie_embeddings": "false"})
 torch.manual_seed(0)
 model = Transformer(cfg.model, cfg.moe).bfloat16().eval()
-ids = torch.randint(0, cfg.model.vocab_size, (1, 24))
+prompts = [torch.randint(0, cfg.model.vocab_size, (1, n)) for n in (1, 2, 5, 6, 24)]
 with torch.no_grad():
-    plain = model(ids).logits.double()
-    prepack_(model)
-    assert isinstance(model.lm_head, UpcastLinear) and isinstance(model.blocks[0].attn.qkv, UpcastLinear)
-    got = model(ids).logits.double()
-print(float((got - plain).abs().amax() / plain.abs().amax()))
+    plain = [model(ids).logits.double() for ids in prompts]
+    prepack_(model, few_rows)
+    linear, experts = (RowLinear, RowExperts) if few_rows else (UpcastLinear, torch.nn.Module)
+    assert isinstance(model.lm_head, linear) and isinstance(model.blocks[0].attn.qkv, linear)
+    assert isinstance(model.moe_layers()[0].experts, experts)
+    assert isinstance(model.norm, RowRMSNorm) == few_rows
+    assert kernels.rows_isa() == "avx2"
+    got = [model(ids).logits.double() for ids in prompts]
+print(max(float((g - p).abs().amax() / p.abs().amax()) for g, p in zip(got, plain)))
 """
 
 
-def test_a_cpu_without_native_bf16_upcasts_the_linears_and_keeps_the_logits() -> None:
-    """oneDNN limited to AVX2: nothing is prepacked, the linears upcast their 24-row products to fp32,
-    and the logits stay within bf16 rounding of the plain model's."""
+@pytest.mark.parametrize("layout", ["packed", "rows"])
+def test_a_cpu_without_native_bf16_upcasts_the_linears_and_keeps_the_logits(layout: str) -> None:
+    """oneDNN limited to AVX2 and moekit's kernels to their AVX2 build, as on a CPU without native bf16:
+    nothing is prepacked and the linears upcast their products to fp32; or, for a batch-1 decode
+    (``few_rows``), the weights stay plain, one to five rows by the AVX2 row kernel and six or more
+    upcast. The logits of prompts of 1, 2, 5, 6 and 24 tokens stay within bf16 rounding of the plain
+    model's."""
     import os
     import subprocess
     import sys
 
-    env = dict(os.environ, ONEDNN_MAX_CPU_ISA="AVX2")
-    out = subprocess.run([sys.executable, "-c", _WITHOUT_NATIVE_BF16], env=env, capture_output=True, text=True)
+    from moekit import kernels
+
+    if layout == "rows" and "avx2" not in kernels.runnable_isas():
+        pytest.skip("this CPU does not run the AVX2 build")
+    env = dict(os.environ, ONEDNN_MAX_CPU_ISA="AVX2", MOEKIT_MAX_CPU_ISA="avx2")
+    argv = [sys.executable, "-c", _WITHOUT_NATIVE_BF16, layout]
+    out = subprocess.run(argv, env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert float(out.stdout) <= 2.0**-5
 

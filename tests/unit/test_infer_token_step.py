@@ -13,7 +13,7 @@ import torch
 from moekit import runconfig
 from moekit.experts.matmul import prepackable, single_token_kernels
 from moekit.infer.generate import decode_step, prefill
-from moekit.infer.resident_experts import RowExperts, prepack_, quantize_dense_, quantize_experts_
+from moekit.infer.resident_experts import RowExperts, RowRMSNorm, prepack_, quantize_dense_, quantize_experts_
 from moekit.infer.token_step import takes, token_step
 from moekit.kernels import rows_available, rows_unavailable_reason
 from moekit.model import KVCache, Transformer
@@ -93,11 +93,11 @@ def _model(family: str, fmt: str, seed: int = 0) -> Transformer:
 
 def _needs_packed_bf16(fmt: str) -> None:
     """bf16 experts are prepacked (and so take the token path) only on a CPU with native bf16 kernels;
-    laid out for the row kernel where it runs."""
-    if fmt.startswith("bf16") and not prepackable(torch.empty(1, dtype=torch.bfloat16)):
-        pytest.skip("this CPU has no native bf16 kernels: bf16 experts stay grouped and run the forward")
+    laid out for the row kernel (RMSNorms too) wherever it runs, AVX2 included."""
     if fmt == "bf16-rows" and not rows_available():
         pytest.skip(f"the row kernel does not run here: {rows_unavailable_reason()}")
+    if fmt == "bf16" and not prepackable(torch.empty(1, dtype=torch.bfloat16)):
+        pytest.skip("this CPU has no native bf16 kernels: bf16 experts stay grouped and run the forward")
 
 
 def _forward_step(model: Transformer, token_11: torch.Tensor, cache: KVCache) -> torch.Tensor:
@@ -113,8 +113,9 @@ def test_a_token_step_equals_the_forward_bit_for_bit(family: str, fmt: str) -> N
     steps (greedy tokens fed back, the prompt's 7 positions first); the token path is the one taken."""
     _needs_packed_bf16(fmt)
     model = _model(family, fmt)
-    if fmt == "bf16-rows":  # the row kernel's layout, not oneDNN's
+    if fmt == "bf16-rows":  # the row kernel's layout, not oneDNN's, and its RMSNorm where the model has one
         assert all(type(moe.experts) is RowExperts for moe in model.moe_layers())
+        assert (type(model.norm) is RowRMSNorm) == (model.cfg.norm == "rmsnorm")
     prompt = torch.randint(0, model.cfg.vocab_size, (1, 7), generator=torch.Generator().manual_seed(1))
     logits, cache = prefill(model, prompt)
     reference = copy.deepcopy(cache)

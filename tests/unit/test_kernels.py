@@ -1,5 +1,6 @@
-"""``moekit.kernels``: the row kernel against float64 sums written out here, and its build: cached per
-source and compiler, refused with the compiler's own words, absent where it cannot run.
+"""``moekit.kernels``: the row kernel against float64 sums written out here, in each build this CPU runs
+(AVX512-BF16, AVX2), and its build: cached per source, instruction set and compiler, refused with the
+compiler's own words, absent where it cannot run or where ``$MOEKIT_MAX_CPU_ISA`` says none.
 
 Tolerance: the kernel sums in fp32 and rounds to bf16 once, so a result is within half a bf16 unit of
 the exact sum (2^-8 of it, relative) plus fp32's accumulated error (K units of 2^-24 of ``|x| @ |w|``);
@@ -10,6 +11,7 @@ sums of small integers are exact in fp32, so there the result must be the exact 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -17,7 +19,7 @@ import pytest
 import torch
 
 from moekit import kernels
-from moekit.kernels import FLAGS, build, rows_available, rows_bf16, rows_unavailable_reason
+from moekit.kernels import ISAS, build, rows_available, rows_bf16, rows_unavailable_reason
 
 needs_rows = pytest.mark.skipif(
     not rows_available(), reason=f"the row kernel does not run here: {rows_unavailable_reason()}"
@@ -29,21 +31,25 @@ can_build = pytest.mark.skipif(
 )
 
 
-@pytest.mark.skipif(bool(kernels.cpu_lacks()) or not HAS_COMPILER, reason="no AVX512-BF16 CPU with a C compiler")
+@pytest.mark.skipif(not kernels.runnable_isas() or not HAS_COMPILER, reason="no AVX2 or AVX-512 CPU with a compiler")
 def test_the_kernel_runs_where_it_can() -> None:
-    """On a CPU with AVX512-BF16 and a compiler, a failed build is a failure, not a skipped test; the
-    build lands in the test run's own cache directory (tests/conftest.py), not the user's."""
+    """On a CPU that runs a build and has a compiler, a failed build is a failure, not a skipped test: the
+    best build the CPU runs, landed in the test run's own cache directory (tests/conftest.py), not the
+    user's."""
     assert rows_available(), rows_unavailable_reason()
-    assert len(list((Path(os.environ["MOEKIT_CACHE"]) / "kernels").glob("decode-*.so"))) == 1
+    assert kernels.rows_isa() == kernels.runnable_isas()[0]
+    cache = Path(os.environ["MOEKIT_CACHE"]) / "kernels"
+    assert len(list(cache.glob(f"decode-{kernels.rows_isa()}-*.so"))) == 1
 
 
-@needs_rows
 @pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize(("M", "N", "K"), [(1, 1, 1), (1, 37, 70), (2, 130, 1024), (3, 5, 33), (5, 64, 32), (1, 4, 31)])
-def test_rows_equal_the_exact_sums_rounded(M: int, N: int, K: int, threads: int) -> None:
+def test_rows_equal_the_exact_sums_rounded(M: int, N: int, K: int, threads: int, kernel_isa: str) -> None:
     """Random bf16 rows and weights: within the bound above; integer ones (sums exact in fp32, of any
     size up to 2^24): the exact sum rounded to bf16, bit for bit. Row counts past two and odd weight
-    widths take the kernel's remainder paths; three threads split 130 rows unevenly."""
+    widths take the kernel's remainder paths (K not a multiple of 16 or 32: the AVX2 build's scalar tail,
+    the AVX-512 build's masked loads); three threads split 130 rows unevenly."""
+    assert kernels.rows_isa() == kernel_isa
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -59,12 +65,33 @@ def test_rows_equal_the_exact_sums_rounded(M: int, N: int, K: int, threads: int)
         torch.set_num_threads(before)
 
 
-@needs_rows
-def test_a_nan_or_inf_reaches_only_its_own_row() -> None:
+def test_a_nan_or_inf_reaches_only_its_own_row(kernel_isa: str) -> None:
     x, w = torch.ones(3, 40, dtype=torch.bfloat16), torch.ones(6, 40, dtype=torch.bfloat16)
     x[1, 7], x[2, 39] = float("nan"), float("inf")
     y = rows_bf16(x, w)
     assert bool((y[0] == 40).all()) and bool(y[1].isnan().all()) and bool((y[2] == float("inf")).all())
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 1024), (3, 5, 64), (20, 33), (17, 8)])
+@pytest.mark.parametrize("eps", [1e-6, 0.25])
+def test_rms_norm_equals_the_written_out_formula(shape: tuple[int, ...], eps: float, kernel_isa: str) -> None:
+    """``rms_norm_bf16`` against ``x / sqrt(mean(x^2) + eps) * w`` in float64 over bf16 inputs: within half
+    a bf16 unit of each output plus fp32's error (D units of 2^-24); rows of very different sizes, so a
+    norm shared between rows shows; 20 and 17 rows split between threads, 8-wide rows of 33 and 8 values.
+    A NaN reaches its own row alone; a large eps changes the scale (an eps left out would show)."""
+    g = torch.Generator().manual_seed(len(shape) * 100 + shape[-1])
+    x = torch.randn(shape, generator=g) * torch.logspace(-2, 2, shape[-2] if len(shape) > 1 else 1).unsqueeze(-1)
+    x, w = x.bfloat16(), torch.randn(shape[-1], generator=g).bfloat16()
+    ref = x.double() / (x.double().pow(2).mean(-1, keepdim=True) + eps).sqrt() * w.double()
+    got = kernels.rms_norm_bf16(x, w, eps)
+    assert got.shape == x.shape and got.dtype == torch.bfloat16
+    assert bool(((got.double() - ref).abs() <= (2.0**-8 + shape[-1] * 2.0**-24) * ref.abs()).all())
+    rows = x.reshape(-1, shape[-1]).clone()
+    rows[0, 0] = float("nan")
+    nan = kernels.rms_norm_bf16(rows, w, eps).isnan()
+    assert bool(nan[0].all()) and not bool(nan[1:].any())
+    with pytest.raises(ValueError, match=r"bf16 rows \[..., 64\] and weight \[64\], not torch.float32"):
+        kernels.rms_norm_bf16(torch.ones(2, 64), torch.ones(64, dtype=torch.bfloat16), eps)
 
 
 @needs_rows
@@ -81,21 +108,24 @@ def test_what_the_kernel_refuses() -> None:
 
 
 @can_build
-def test_a_build_is_kept_per_source_and_compiler(tmp_path: Path) -> None:
+def test_a_build_is_kept_per_source_isa_and_compiler(tmp_path: Path) -> None:
     """Built once, then found: the same file, untouched, readable by others; another compiler command
-    builds its own file, and so does an edited source (the digest covers both)."""
-    first = build(kernels.SOURCE, tmp_path, COMPILER)
+    builds its own file, and so do an edited source and another instruction set (the digest and the
+    name cover all three; a CPU need not run a build for it to compile)."""
+    isa = kernels.rows_isa()
+    first = build(kernels.SOURCE, tmp_path, COMPILER, isa)
     stamp = first.stat().st_mtime_ns
-    assert build(kernels.SOURCE, tmp_path, COMPILER) == first and first.stat().st_mtime_ns == stamp
+    assert build(kernels.SOURCE, tmp_path, COMPILER, isa) == first and first.stat().st_mtime_ns == stamp
     assert first.stat().st_mode & 0o055 == 0o055 & ~_umask(), "group and others may read and load it"
-    other = build(kernels.SOURCE, tmp_path, f"{COMPILER} -g0")
+    other = build(kernels.SOURCE, tmp_path, f"{COMPILER} -g0", isa)
     edited = tmp_path / "src" / "decode.c"
     edited.parent.mkdir()
     edited.write_text(kernels.SOURCE.read_text() + "\n/* edited */\n")
-    third = build(edited, tmp_path, COMPILER)
-    assert len({first, other, third}) == 3 and other.exists() and third.exists()
+    third = build(edited, tmp_path, COMPILER, isa)
+    fourth = build(kernels.SOURCE, tmp_path, COMPILER, next(i for i in ISAS if i != isa))
+    assert len({first, other, third, fourth}) == 4 and all(f.exists() for f in (other, third, fourth))
     built = sorted(p.name for p in tmp_path.iterdir() if p.is_file())
-    assert built == sorted([first.name, other.name, third.name]), "no partial file left"
+    assert built == sorted(f.name for f in (first, other, third, fourth)), "no partial file left"
 
 
 def _umask() -> int:
@@ -107,11 +137,11 @@ def _umask() -> int:
 @can_build
 def test_build_failures_name_the_compiler_and_its_error(tmp_path: Path) -> None:
     with pytest.raises(OSError, match="no-such-compiler-here: No such file"):
-        build(kernels.SOURCE, tmp_path, "no-such-compiler-here")
+        build(kernels.SOURCE, tmp_path, "no-such-compiler-here", "avx2")
     broken = tmp_path / "broken.c"
     broken.write_text("int f(void) { return undeclared; }\n")
     with pytest.raises(OSError, match="could not build broken.c: .*undeclared"):
-        build(broken, tmp_path / "out", COMPILER)
+        build(broken, tmp_path / "out", COMPILER, "avx2")
     assert not any((tmp_path / "out").iterdir()), "a failed build leaves no file behind"
 
 
@@ -134,9 +164,10 @@ def test_without_the_kernel_the_row_layout_falls_back_to_onednn(tmp_path: Path) 
     env = {**os.environ, "CC": "no-such-compiler-here", "MOEKIT_CACHE": str(tmp_path)}
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True).stdout
     availability, experts = out.strip().splitlines()
-    lacks = kernels.cpu_lacks()
-    why = f"this CPU lacks {', '.join(lacks)}" if lacks else "no-such-compiler-here: No such file or directory"
-    assert availability == f"False {why}"
+    if kernels.runnable_isas():
+        assert availability == "False no-such-compiler-here: No such file or directory"
+    else:
+        assert availability.startswith("False this CPU lacks avx2")
     from moekit.experts.matmul import prepackable
 
     packs = prepackable(torch.empty(1, dtype=torch.bfloat16))
@@ -144,8 +175,33 @@ def test_without_the_kernel_the_row_layout_falls_back_to_onednn(tmp_path: Path) 
 
 
 def test_the_flags_name_what_the_kernel_needs() -> None:
-    """The build asks for exactly the instruction sets the source checks for at run time (and OpenMP)."""
+    """Each build asks for exactly the instruction sets its part of the source checks for at run time."""
     source = kernels.SOURCE.read_text()
-    for isa in ("avx512f", "avx512bw", "avx512vl", "avx512bf16"):
-        assert f"-m{isa}" in FLAGS and f'__builtin_cpu_supports("{isa}")' in source
-    assert "-fopenmp" in FLAGS
+    avx512, avx2 = source.split("#elif defined(__AVX2__) && defined(__FMA__)")
+    for part, isa in ((avx512, "avx512_bf16"), (avx2, "avx2")):
+        checked = set(re.findall(r'__builtin_cpu_supports\("(\w+)"\)', part))
+        assert checked == {flag.removeprefix("-m") for flag in ISAS[isa][0]}
+        assert checked == {name.replace("_", "") for name in ISAS[isa][1]}, "/proc/cpuinfo's names of the same"
+
+
+def test_the_isa_setting_caps_and_names_what_runs(monkeypatch) -> None:
+    """``$MOEKIT_MAX_CPU_ISA``: none turns the kernels off (not a failure a user must hear of), a name that
+    is no build is a failure naming the variable, and a build caps the choice at it."""
+    try:
+        monkeypatch.setenv(kernels.ISA_VARIABLE, "none")
+        kernels._library.cache_clear()
+        assert not rows_available() and rows_unavailable_reason() == "MOEKIT_MAX_CPU_ISA=none"
+        assert kernels.rows_build_failure() == "" and kernels.rows_isa() is None
+        monkeypatch.setenv(kernels.ISA_VARIABLE, "avx9000")
+        kernels._library.cache_clear()
+        assert not rows_available()
+        assert kernels.rows_build_failure() == "MOEKIT_MAX_CPU_ISA=avx9000 is none of avx512_bf16, avx2, none"
+        monkeypatch.setenv(kernels.ISA_VARIABLE, "AVX2")
+        isa, why = kernels.chosen_isa()
+        if "avx2" in kernels.runnable_isas():
+            assert (isa, why) == ("avx2", "")
+        else:
+            assert isa is None and why.startswith("this CPU lacks")
+    finally:
+        monkeypatch.undo()
+        kernels._library.cache_clear()

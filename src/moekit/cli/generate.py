@@ -58,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
     weight = loaded.model.embed.weight
     failure = few_rows and weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and rows_build_failure()
     if failure:
-        print(f"note: decoding with oneDNN's kernels, not moekit's row kernel: {failure}", file=sys.stderr)
+        print(f"note: decoding with torch's kernels, not moekit's row kernel: {failure}", file=sys.stderr)
     start = time.perf_counter()
     try:
         texts = generate_texts(

@@ -185,10 +185,14 @@ def unpacked_linear(x_MK: Tensor, w_NK: Tensor) -> Tensor:
 def plain_linear(x_MK: Tensor, w_NK: Tensor) -> Tensor:
     """``x @ w.t()`` for a bf16 weight kept in its plain ``[N, K]`` layout (a batch-1 decode's,
     ``infer.resident_experts``' row layout): up to ``kernels.FEW_ROWS`` rows by the row kernel, which
-    reads it faster than oneDNN reads its prepacked copy; more (a prompt) by ``unpacked_linear``."""
-    if x_MK.shape[0] <= FEW_ROWS:
+    reads it faster than oneDNN reads its prepacked copy; more (a prompt) by ``unpacked_linear`` on a CPU
+    with native bf16 kernels. Without them (AVX2) the row kernel takes up to ``UPCAST_MIN_ROWS - 1``
+    rows, where torch has only its scalar loop, and ``mm`` the rest, in fp32."""
+    rows = x_MK.shape[0]
+    native = native_16bit(w_NK.dtype)
+    if rows <= FEW_ROWS or (rows < UPCAST_MIN_ROWS and not native):
         return rows_bf16(x_MK, w_NK)
-    return unpacked_linear(x_MK, w_NK)
+    return unpacked_linear(x_MK, w_NK) if native else mm(x_MK, w_NK.t())
 
 
 def _onednn_linear(x_MK: Tensor, w_NK: Tensor) -> Tensor:

@@ -10,7 +10,8 @@
   kernels, reordered once into oneDNN's blocked layout (``experts.matmul.prepack``), which it reads
   up to 2.2x faster.
 - ``RowExperts`` and ``RowLinear``: for a batch-1 decode (``prepack_``'s ``few_rows``), bf16 weights kept
-  in their plain layout, where ``moekit.kernels``' row kernel reads them faster still.
+  in their plain layout, where ``moekit.kernels``' row kernel reads them faster still; and ``RowRMSNorm``,
+  its RMSNorm in one C call.
 
 Each expert's rows are computed as the resident and offloaded paths compute them (``ExpertCompute``),
 only the two matmuls differ. None of these is for training or saving: they hold no parameters.
@@ -32,7 +33,7 @@ from moekit.experts.grouped import ExpertCompute, GroupedExperts
 from moekit.experts.matmul import SIXTEEN_BIT, mm, packed_linear, plain_linear, prepack, prepackable
 from moekit.infer.offloader import OffloadedExperts
 from moekit.infer.quant import INT4_GROUP, QUANT_FORMATS, int4_mm, int8_mm, pack_int4_for_cpu, quantize_int8
-from moekit.kernels import rows_available
+from moekit.kernels import rms_norm_bf16, rows_available
 from moekit.layer import MoE
 from moekit.model.transformer import Attention
 
@@ -171,6 +172,21 @@ class RowLinear(_PlainLinear):
         return plain_linear(rows_MK, self.weight)
 
 
+class RowRMSNorm(nn.Module):
+    """An ``nn.RMSNorm`` of bf16 with a weight, for a batch-1 decode: ``kernels.rms_norm_bf16``, one call
+    where torch's composite pays about ten ops (37-60 us a row of 1024 on a Zen 3)."""
+
+    def __init__(self, norm: nn.RMSNorm) -> None:
+        super().__init__()
+        self.register_buffer("weight", norm.weight.detach().contiguous(), persistent=False)
+        # NOTE: without an eps torch's bf16 RMSNorm adds fp32's machine epsilon, the dtype it computes in
+        # (not bf16's, which its documentation names): tests/unit/test_infer_resident_experts.py
+        self.eps = torch.finfo(torch.float32).eps if norm.eps is None else norm.eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        return rms_norm_bf16(x, self.weight, self.eps)
+
+
 def _linear_rows(x: Tensor, product: Kernel, bias: Tensor | None) -> Tensor:
     """A linear layer's output from its weight's ``product`` over ``x``'s rows, plus ``bias``, shaped as ``x``."""
     y = product(x.reshape(-1, x.shape[-1]))
@@ -264,7 +280,8 @@ def prepack_(model: nn.Module, few_rows: bool = False) -> nn.Module:
     16-bit weights a CPU has no native kernels for get ``UpcastLinear`` (the experts already multiply by ``mm``).
 
     ``few_rows`` (a batch-1 decode, ``moekit generate``'s default): bf16 weights stay in their plain
-    layout instead (``RowExperts``, ``RowLinear``), where the row kernel runs (``kernels.rows_available``):
+    layout instead (``RowExperts``, ``RowLinear``) and RMSNorms with a weight become ``RowRMSNorm``, where
+    the row kernel runs (``kernels.rows_available``):
     2 threads, in one process taking turns (``python benchmarks/decode_layouts.py``), a decode step after
     a 512-token prompt 1.17x faster on d1024 and 1.15x on d2048, the prompt itself 0.86x / 0.89x (its
     products reorder the plain weights for oneDNN on each call). Steps of two or more sequences keep the packed
@@ -286,4 +303,17 @@ def prepack_(model: nn.Module, few_rows: bool = False) -> nn.Module:
         return model
     for parent, name in _dense_linears(model):
         setattr(parent, name, linear(getattr(parent, name)))
+    if rows:
+        for parent, name in _weighted_rms_norms(model):
+            setattr(parent, name, RowRMSNorm(getattr(parent, name)))
     return model
+
+
+def _weighted_rms_norms(model: nn.Module) -> list[tuple[nn.Module, str]]:
+    """(parent, name) of every ``nn.RMSNorm`` with a weight: the blocks', the final one, QK norms."""
+    return [
+        (parent, name)
+        for parent in model.modules()
+        for name, child in parent.named_children()
+        if type(child) is nn.RMSNorm and child.weight is not None
+    ]

@@ -42,8 +42,17 @@ from torch import Tensor
 # already a little faster (0.245 against 0.260 ms above), so a decode of two sequences keeps the packed layout.
 FEW_ROWS = 1
 SOURCE = Path(__file__).with_name("decode.c")
-FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp", "-shared", "-fPIC")
-CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")  # /proc/cpuinfo's names of what FLAGS build for
+FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")  # every build's
+# The builds of decode.c, best first: the compiler's flags for each, and /proc/cpuinfo's names of what
+# they need (decode.c checks the same at run time, moekit_rows_supported).
+ISAS = {
+    "avx512_bf16": (
+        ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"),
+        ("avx512f", "avx512bw", "avx512vl", "avx512_bf16"),
+    ),
+    "avx2": (("-mavx2", "-mfma"), ("avx2", "fma")),
+}
+ISA_VARIABLE = "MOEKIT_MAX_CPU_ISA"  # caps the build used, as ONEDNN_MAX_CPU_ISA caps oneDNN's: one of ISAS, or none
 BUILD_SECONDS = 120  # a compiler that takes longer is given up on
 
 
@@ -55,23 +64,44 @@ def cache_dir() -> Path:
     return Path(base) / "moekit"
 
 
-def cpu_lacks() -> list[str]:
-    """The instruction sets the kernels are built for that this CPU lacks (all of them off Linux x86-64,
-    where /proc/cpuinfo does not say): checked before anything built with them is loaded."""
+def cpu_flags() -> set[str]:
+    """The instruction sets /proc/cpuinfo lists (none off Linux, where it does not say)."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return list(CPU_FLAGS)
-    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
-    return [flag for flag in CPU_FLAGS if flag not in flags]
+        return set()
+    return set(next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), []))
 
 
-def build(source: Path, directory: Path, compiler: str) -> Path:
-    """The shared library of ``source``, compiled by ``compiler`` into ``directory`` unless a build of the
-    same source and command is there already. Raises ``OSError`` with the compiler's first error line."""
-    command = [*shlex.split(compiler), *FLAGS]
+def runnable_isas() -> list[str]:
+    """The builds of ``ISAS`` this CPU runs, best first: checked before anything built for them is loaded."""
+    flags = cpu_flags()
+    return [isa for isa, (_, needs) in ISAS.items() if set(needs) <= flags]
+
+
+def chosen_isa() -> tuple[str | None, str]:
+    """The build this process uses (the best this CPU runs, at most ``$MOEKIT_MAX_CPU_ISA``), or None and
+    why none. Raises ``ValueError`` for a setting that names no build."""
+    cap = os.environ.get(ISA_VARIABLE, "").strip().lower()
+    if cap and cap != "none" and cap not in ISAS:
+        raise ValueError(f"{ISA_VARIABLE}={cap} is none of {', '.join(ISAS)}, none")
+    if cap == "none":
+        return None, f"{ISA_VARIABLE}=none"
+    allowed = list(ISAS)[list(ISAS).index(cap) :] if cap else list(ISAS)
+    runnable = [isa for isa in runnable_isas() if isa in allowed]
+    if not runnable:
+        lowest = ISAS[allowed[-1]][1]
+        return None, f"this CPU lacks {', '.join(f for f in lowest if f not in cpu_flags())}"
+    return runnable[0], ""
+
+
+def build(source: Path, directory: Path, compiler: str, isa: str) -> Path:
+    """The shared library of ``source`` for ``isa`` (an ``ISAS`` entry), compiled by ``compiler`` into
+    ``directory`` unless a build of the same source and command is there already. Raises ``OSError`` with
+    the compiler's first error line."""
+    command = [*shlex.split(compiler), *FLAGS, *ISAS[isa][0]]
     digest = hashlib.sha256(source.read_bytes() + " ".join(command).encode()).hexdigest()[:16]
-    library = directory / f"{source.stem}-{digest}.so"
+    library = directory / f"{source.stem}-{isa}-{digest}.so"
     if library.exists():
         return library
     directory.mkdir(parents=True, exist_ok=True)
@@ -117,25 +147,34 @@ def load(library: Path) -> ctypes.CDLL | None:
         *[ctypes.c_void_p] * 2,
     ]
     lib.moekit_one_query_bf16.restype = None
+    lib.moekit_rms_norm_bf16.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_float]
+    lib.moekit_rms_norm_bf16.argtypes += [ctypes.c_void_p] * 3
+    lib.moekit_rms_norm_bf16.restype = None
     return lib
 
 
 @functools.cache
-def _library() -> tuple[ctypes.CDLL | None, str]:
-    """The row kernels of this process, built and loaded once, or None and why not."""
-    lacks = cpu_lacks()
-    if lacks:
-        return None, f"this CPU lacks {', '.join(lacks)}"
+def _library() -> tuple[ctypes.CDLL | None, str, bool]:
+    """The kernels of this process, built and loaded once; or None, why not, and whether the build failed
+    (something a user can mend: no compiler, an unwritable cache, a bad setting) rather than the CPU."""
     try:
-        lib = load(build(SOURCE, cache_dir() / "kernels", os.environ.get("CC", "cc")))
+        isa, why = chosen_isa()
+        if isa is None:
+            return None, why, False
+        lib = load(build(SOURCE, cache_dir() / "kernels", os.environ.get("CC", "cc"), isa))
     except (OSError, ValueError, RuntimeError) as err:  # no compiler, a bad $CC, no home directory
-        return None, str(err)
-    return (lib, "") if lib is not None else (None, "this CPU lacks AVX512-BF16 (or AVX512-BW/VL)")
+        return None, str(err), True
+    return (lib, "", False) if lib is not None else (None, f"this CPU does not run the {isa} build", False)
 
 
 def rows_available() -> bool:
-    """Whether ``rows_bf16`` runs here (built, and the CPU has AVX512-BF16)."""
+    """Whether ``rows_bf16`` runs here (built, and the CPU runs the build)."""
     return _library()[0] is not None
+
+
+def rows_isa() -> str | None:
+    """The ``ISAS`` build the kernels run here, or None."""
+    return chosen_isa()[0] if rows_available() else None
 
 
 def rows_unavailable_reason() -> str:
@@ -144,10 +183,11 @@ def rows_unavailable_reason() -> str:
 
 
 def rows_build_failure() -> str:
-    """Why the row kernel is unavailable on a CPU that has its instructions (no compiler, a failed or
-    unwritable build: something a user can mend), or "" where it runs or the CPU could never run it."""
-    why = rows_unavailable_reason()  # "" where it runs; _library says when the CPU lacks what it needs
-    return "" if why.startswith("this CPU lacks") else why
+    """Why the row kernel is unavailable on a CPU that runs one of its builds (no compiler, a failed or
+    unwritable build, a ``$MOEKIT_MAX_CPU_ISA`` that names none: something a user can mend), or "" where
+    it runs, the CPU could never run it or ``$MOEKIT_MAX_CPU_ISA=none`` turned it off."""
+    _, why, failed = _library()
+    return why if failed else ""
 
 
 def rows_bf16(x_MK: Tensor, w_NK: Tensor) -> Tensor:
@@ -196,3 +236,25 @@ def one_query_bf16(q_Hd: Tensor, k_GSd: Tensor, v_GSd: Tensor, scale: float) -> 
     threads = torch.get_num_threads()
     lib.moekit_one_query_bf16(threads, H, G, S, d, scale, q_Hd.data_ptr(), *k, *v, scores.data_ptr(), out.data_ptr())
     return out
+
+
+def rms_norm_bf16(x: Tensor, weight_D: Tensor, eps: float) -> Tensor:
+    """RMSNorm over the last dim of bf16 ``x`` with a contiguous bf16 ``weight`` [D]: ``x / sqrt(mean(x^2) +
+    eps) * weight`` in fp32, rounded to bf16 once; shaped as ``x``. Where ``rows_available()``."""
+    lib = _library()[0]
+    if lib is None:
+        raise RuntimeError(f"the row kernels are unavailable: {rows_unavailable_reason()}")
+    D = weight_D.shape[0]
+    # NOTE: checks kept to a few attribute reads: a decode step calls this twice a layer
+    if x.dtype != torch.bfloat16 or weight_D.dtype != torch.bfloat16 or x.shape[-1] != D:
+        raise ValueError(f"rms_norm_bf16 takes bf16 rows [..., {D}] and weight [{D}], not {x.dtype} {list(x.shape)}")
+    if x.device.type != "cpu" or weight_D.device.type != "cpu" or not weight_D.is_contiguous():
+        raise ValueError("rms_norm_bf16 takes CPU tensors and a contiguous weight")
+    if (x.requires_grad or weight_D.requires_grad) and torch.is_grad_enabled():
+        raise RuntimeError("rms_norm_bf16 is for inference: it records no gradient")
+    rows = x.contiguous()
+    y = torch.empty_like(rows)
+    lib.moekit_rms_norm_bf16(
+        torch.get_num_threads(), rows.numel() // D, D, eps, rows.data_ptr(), weight_D.data_ptr(), y.data_ptr()
+    )
+    return y

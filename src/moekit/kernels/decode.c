@@ -2,16 +2,25 @@
  *
  * moekit_rows_bf16: y[m, n] = sum_k x[m, k] * w[n, k] for M rows x [M, K] and a bf16 weight w [N, K]
  * stored row-major (nn.Linear's layout, and the output-major layout inference keeps 16-bit experts in),
- * summed in fp32 by AVX512-BF16's pairwise dot products and rounded to bf16 once. Each thread takes an
- * equal contiguous part of the weight's rows and streams it in order, each weight row multiplied by
- * every row of x (two at a time); a call pays one parallel region. For one row oneDNN's prepacked
- * kernel reads its own copy of the weight at about 0.9x this speed, for two about as fast, for four
- * 1.7x faster (each row of x here meets each weight chunk apart): moekit.kernels has the figures.
+ * summed in fp32 and rounded to bf16 once. Each thread takes an equal contiguous part of the weight's
+ * rows and streams it in order, each weight row multiplied by every row of x (two at a time); a call
+ * pays one parallel region. For one row oneDNN's prepacked kernel reads its own copy of the weight at
+ * about 0.9x this speed, for two about as fast, for four 1.7x faster (each row of x here meets each
+ * weight chunk apart): moekit.kernels has the figures.
+ *
+ * moekit_rms_norm_bf16: RMSNorm of bf16 rows in fp32, one C loop where torch's composite pays about ten
+ * ops (37-60 us a call for one row of 1024 on a Zen 3, 17 calls a d1024 decode step).
  *
  * moekit_one_query_bf16: one query per head against a sequence's cached bf16 keys and values (its
- * decode step's attention, every key visible): scores in fp32 (bf16 pairs' dot products), softmax in
- * fp32 (exp by its Taylor series around a power of two), the weights times the values in fp32, the
- * output rounded to bf16 once; the heads split between the threads.
+ * decode step's attention, every key visible): scores in fp32, softmax in fp32 (exp by its Taylor
+ * series around a power of two), the weights times the values in fp32, the output rounded to bf16 once;
+ * the heads split between the threads.
+ *
+ * Two builds of this one source, by the instructions the compiler is given (moekit.kernels picks the
+ * best this CPU runs): AVX512-BF16, whose pairwise dot products take bf16 as it is; AVX2 with FMA,
+ * which widens bf16 to fp32 (exact: a shift) and sums with fp32 FMAs, for CPUs without native bf16,
+ * where torch has no fast 16-bit kernel. Products of bf16 values are exact in fp32 either way; only the
+ * order of the fp32 sums differs.
  *
  * Built at first use by moekit.kernels; callers check moekit_rows_supported() first. The thread count is
  * the caller's (torch's), the OpenMP runtime the one torch loaded (same soname).
@@ -24,18 +33,27 @@
 
 typedef uint16_t bf16;
 
-int moekit_rows_supported(void) {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
-}
-
 static inline bf16 to_bf16(float v) { /* round to nearest even; a NaN stays a (quiet) NaN */
     uint32_t b;
     memcpy(&b, &v, 4);
     if ((b & 0x7fffffffu) > 0x7f800000u) return (bf16)((b >> 16) | 0x40);
     b += 0x7fffu + ((b >> 16) & 1u);
     return (bf16)(b >> 16);
+}
+
+static inline float from_bf16(bf16 v) {
+    uint32_t b = (uint32_t)v << 16;
+    float f;
+    memcpy(&f, &b, 4);
+    return f;
+}
+
+#if defined(__AVX512BF16__)
+
+int moekit_rows_supported(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
 }
 
 /* R rows of x (1 or 2) against O weight rows (1 or 4), both constants once inlined: R * O accumulators.
@@ -81,19 +99,6 @@ static void rows(int64_t M, int64_t N, int64_t K, const bf16* x, const bf16* w, 
     if (r0 < M) SWEEP(1);
 }
 
-/* x [M, K], w [N, K], y [M, N], all contiguous bf16. */
-void moekit_rows_bf16(int threads, int64_t M, int64_t N, int64_t K, const bf16* x, const bf16* w, bf16* y) {
-#pragma omp parallel num_threads(threads)
-    {
-        /* equal contiguous parts of the weight's rows, each a multiple of 16 rows */
-        int64_t T = omp_get_num_threads(), t = omp_get_thread_num();
-        int64_t blocks = (N + 15) / 16, per = blocks / T, extra = blocks % T;
-        int64_t b0 = t * per + (t < extra ? t : extra), b1 = b0 + per + (t < extra ? 1 : 0);
-        int64_t n0 = b0 * 16 < N ? b0 * 16 : N, n1 = b1 * 16 < N ? b1 * 16 : N;
-        rows(M, N, K, x, w, y, n0, n1);
-    }
-}
-
 static inline __m512 widen_bf16(const bf16* p) { /* 16 bf16 -> fp32, exact */
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
 }
@@ -111,6 +116,171 @@ static inline __m512 exp_nonpositive(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
+/* One head: query qh [d] over S keys kg and values vg (position strides kps, vps): oh [d]; sc: S floats. */
+static void one_head(int64_t S, int64_t d, float scale, const bf16* qh, const bf16* kg, int64_t kps,
+                     const bf16* vg, int64_t vps, float* sc, bf16* oh) {
+    float top = -INFINITY;
+    for (int64_t s = 0; s < S; s++) {
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t j = 0; j < d; j += 32)
+            acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(kg + s * kps + j),
+                                   (__m512bh)_mm512_loadu_si512(qh + j));
+        sc[s] = _mm512_reduce_add_ps(acc) * scale;
+        top = sc[s] > top ? sc[s] : top;
+    }
+    __m512 vtop = _mm512_set1_ps(top), vsum = _mm512_setzero_ps();
+    for (int64_t s = 0; s < S; s += 16) {
+        __mmask16 m = S - s >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (S - s)) - 1);
+        __m512 e = _mm512_maskz_mov_ps(m, exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, sc + s), vtop)));
+        _mm512_mask_storeu_ps(sc + s, m, e);
+        vsum = _mm512_add_ps(vsum, e);
+    }
+    float inv = 1.f / _mm512_reduce_add_ps(vsum);
+    __m512 o[8];
+    for (int64_t j = 0; j < d / 16; j++) o[j] = _mm512_setzero_ps();
+    for (int64_t s = 0; s < S; s++) {
+        __m512 p = _mm512_set1_ps(sc[s] * inv);
+        for (int64_t j = 0; j < d / 16; j++) o[j] = _mm512_fmadd_ps(p, widen_bf16(vg + s * vps + j * 16), o[j]);
+    }
+    for (int64_t j = 0; j < d / 16; j++) {
+        float tmp[16];
+        _mm512_storeu_ps(tmp, o[j]);
+        for (int i = 0; i < 16; i++) oh[j * 16 + i] = to_bf16(tmp[i]);
+    }
+}
+
+#elif defined(__AVX2__) && defined(__FMA__)
+
+int moekit_rows_supported(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+}
+
+/* 16 bf16 loaded as 8 pairs: the even ones (low halves) and the odd ones as fp32, exact. */
+static inline __m256 even_bf16(__m256i pairs) { return _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16)); }
+static inline __m256 odd_bf16(__m256i pairs) {
+    return _mm256_castsi256_ps(_mm256_and_si256(pairs, _mm256_set1_epi32((int)0xffff0000u)));
+}
+
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+/* R rows of x (1 or 2) against one weight row, R a constant once inlined: 2 * R accumulators (even and
+ * odd positions apart); the last K % 16 columns in scalar.
+ * NOTE: one weight row at a time, streamed in order: four rows side by side as the AVX-512 build reads
+ * them ran at 0.74-1.12 ms per 1024 x 4096 weight against 0.70-0.76 (a Zen 3, 2 threads). */
+static inline __attribute__((always_inline)) void
+block(const int R, int64_t K, const bf16* x, const bf16* w, bf16* y, int64_t ldy) {
+    __m256 acc[2][2];
+    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    int64_t k = 0;
+    for (; k + 16 <= K; k += 16) {
+        __m256i wv = _mm256_loadu_si256((const __m256i*)(w + k));
+        __m256 we = even_bf16(wv), wo = odd_bf16(wv);
+        for (int r = 0; r < R; r++) {
+            __m256i xv = _mm256_loadu_si256((const __m256i*)(x + r * K + k));
+            acc[r][0] = _mm256_fmadd_ps(we, even_bf16(xv), acc[r][0]);
+            acc[r][1] = _mm256_fmadd_ps(wo, odd_bf16(xv), acc[r][1]);
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        float sum = hsum(_mm256_add_ps(acc[r][0], acc[r][1]));
+        for (int64_t j = k; j < K; j++) sum += from_bf16(x[r * K + j]) * from_bf16(w[j]);
+        y[r * ldy] = to_bf16(sum);
+    }
+}
+
+static void rows(int64_t M, int64_t N, int64_t K, const bf16* x, const bf16* w, bf16* y, int64_t n0, int64_t n1) {
+    int64_t r0 = 0;
+    for (; r0 + 2 <= M; r0 += 2)
+        for (int64_t n = n0; n < n1; n++) block(2, K, x + r0 * K, w + n * K, y + r0 * N + n, N);
+    if (r0 < M)
+        for (int64_t n = n0; n < n1; n++) block(1, K, x + r0 * K, w + n * K, y + r0 * N + n, N);
+}
+
+static inline __m256 widen_bf16(const bf16* p) { /* 8 bf16 -> fp32, exact, in order */
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+
+/* e^x for x <= 0, as the AVX-512 build computes it, but 0 below 2^-126 (no subnormal results: a weight
+ * under 1e-38 of the largest one is lost in its fp32 sum either way). A NaN stays NaN (max_ps returns its
+ * second operand when either is NaN, and a NaN compares false). */
+static inline __m256 exp_nonpositive(__m256 x) {
+    __m256 y = _mm256_max_ps(_mm256_set1_ps(-150.f), _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)));
+    __m256 n = _mm256_round_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 f = _mm256_mul_ps(_mm256_sub_ps(y, n), _mm256_set1_ps(0.69314718055994531f));
+    static const float c[8] = {1.f / 5040, 1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f};
+    __m256 p = _mm256_set1_ps(c[0]);
+    for (int i = 1; i < 8; i++) p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(c[i]));
+    __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    __m256 e = _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+    return _mm256_andnot_ps(_mm256_cmp_ps(n, _mm256_set1_ps(-126.f), _CMP_LT_OQ), e);
+}
+
+/* One head: query qh [d] over S keys kg and values vg (position strides kps, vps): oh [d]; sc: S floats. */
+static void one_head(int64_t S, int64_t d, float scale, const bf16* qh, const bf16* kg, int64_t kps,
+                     const bf16* vg, int64_t vps, float* sc, bf16* oh) {
+    float top = -INFINITY;
+    for (int64_t s = 0; s < S; s++) {
+        __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+        for (int64_t j = 0; j < d; j += 16) {
+            __m256i kv = _mm256_loadu_si256((const __m256i*)(kg + s * kps + j));
+            __m256i qv = _mm256_loadu_si256((const __m256i*)(qh + j));
+            acc0 = _mm256_fmadd_ps(even_bf16(kv), even_bf16(qv), acc0);
+            acc1 = _mm256_fmadd_ps(odd_bf16(kv), odd_bf16(qv), acc1);
+        }
+        sc[s] = hsum(_mm256_add_ps(acc0, acc1)) * scale;
+        top = sc[s] > top ? sc[s] : top;
+    }
+    __m256 vtop = _mm256_set1_ps(top), vsum = _mm256_setzero_ps();
+    int64_t s = 0;
+    for (; s + 8 <= S; s += 8) {
+        __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(sc + s), vtop));
+        _mm256_storeu_ps(sc + s, e);
+        vsum = _mm256_add_ps(vsum, e);
+    }
+    if (s < S) { /* the last S % 8 scores through a buffer padded with -inf (e^-inf = 0) */
+        float tail[8];
+        for (int i = 0; i < 8; i++) tail[i] = s + i < S ? sc[s + i] : -INFINITY;
+        __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(tail), vtop));
+        _mm256_storeu_ps(tail, e);
+        for (int i = 0; s + i < S; i++) sc[s + i] = tail[i];
+        vsum = _mm256_add_ps(vsum, e);
+    }
+    float inv = 1.f / hsum(vsum);
+    __m256 o[16];
+    for (int64_t j = 0; j < d / 8; j++) o[j] = _mm256_setzero_ps();
+    for (int64_t s = 0; s < S; s++) {
+        __m256 p = _mm256_set1_ps(sc[s] * inv);
+        for (int64_t j = 0; j < d / 8; j++) o[j] = _mm256_fmadd_ps(p, widen_bf16(vg + s * vps + j * 8), o[j]);
+    }
+    for (int64_t j = 0; j < d / 8; j++) {
+        float tmp[8];
+        _mm256_storeu_ps(tmp, o[j]);
+        for (int i = 0; i < 8; i++) oh[j * 8 + i] = to_bf16(tmp[i]);
+    }
+}
+
+#else
+#error "decode.c is built for AVX512-BF16 or for AVX2 with FMA (moekit.kernels.ISAS)"
+#endif
+
+/* x [M, K], w [N, K], y [M, N], all contiguous bf16. */
+void moekit_rows_bf16(int threads, int64_t M, int64_t N, int64_t K, const bf16* x, const bf16* w, bf16* y) {
+#pragma omp parallel num_threads(threads)
+    {
+        /* equal contiguous parts of the weight's rows, each a multiple of 16 rows */
+        int64_t T = omp_get_num_threads(), t = omp_get_thread_num();
+        int64_t blocks = (N + 15) / 16, per = blocks / T, extra = blocks % T;
+        int64_t b0 = t * per + (t < extra ? t : extra), b1 = b0 + per + (t < extra ? 1 : 0);
+        int64_t n0 = b0 * 16 < N ? b0 * 16 : N, n1 = b1 * 16 < N ? b1 * 16 : N;
+        rows(M, N, K, x, w, y, n0, n1);
+    }
+}
+
 /* q [H, d]; group g's key s at k + g * kgs + s * kps (values likewise); scores: H * S floats of scratch;
  * out [H, d]. d a multiple of 32, at most 128; H a multiple of G (query heads per key/value head). */
 void moekit_one_query_bf16(int threads, int64_t H, int64_t G, int64_t S, int64_t d, float scale, const bf16* q,
@@ -118,37 +288,20 @@ void moekit_one_query_bf16(int threads, int64_t H, int64_t G, int64_t S, int64_t
                            float* scores, bf16* out) {
     int64_t per_group = H / G;
 #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t h = 0; h < H; h++) {
-        const bf16* kg = k + (h / per_group) * kgs;
-        const bf16* vg = v + (h / per_group) * vgs;
-        float* sc = scores + h * S;
-        float top = -INFINITY;
-        for (int64_t s = 0; s < S; s++) {
-            __m512 acc = _mm512_setzero_ps();
-            for (int64_t j = 0; j < d; j += 32)
-                acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(kg + s * kps + j),
-                                       (__m512bh)_mm512_loadu_si512(q + h * d + j));
-            sc[s] = _mm512_reduce_add_ps(acc) * scale;
-            top = sc[s] > top ? sc[s] : top;
-        }
-        __m512 vtop = _mm512_set1_ps(top), vsum = _mm512_setzero_ps();
-        for (int64_t s = 0; s < S; s += 16) {
-            __mmask16 m = S - s >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (S - s)) - 1);
-            __m512 e = _mm512_maskz_mov_ps(m, exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, sc + s), vtop)));
-            _mm512_mask_storeu_ps(sc + s, m, e);
-            vsum = _mm512_add_ps(vsum, e);
-        }
-        float inv = 1.f / _mm512_reduce_add_ps(vsum);
-        __m512 o[8];
-        for (int64_t j = 0; j < d / 16; j++) o[j] = _mm512_setzero_ps();
-        for (int64_t s = 0; s < S; s++) {
-            __m512 p = _mm512_set1_ps(sc[s] * inv);
-            for (int64_t j = 0; j < d / 16; j++) o[j] = _mm512_fmadd_ps(p, widen_bf16(vg + s * vps + j * 16), o[j]);
-        }
-        for (int64_t j = 0; j < d / 16; j++) {
-            float tmp[16];
-            _mm512_storeu_ps(tmp, o[j]);
-            for (int i = 0; i < 16; i++) out[h * d + j * 16 + i] = to_bf16(tmp[i]);
-        }
+    for (int64_t h = 0; h < H; h++)
+        one_head(S, d, scale, q + h * d, k + (h / per_group) * kgs, kps, v + (h / per_group) * vgs, vps,
+                 scores + h * S, out + h * d);
+}
+
+/* x [M, D] -> y [M, D], all bf16, w [D]: y = x / sqrt(mean(x^2) + eps) * w per row, in fp32 (the squares
+ * summed in order), rounded to bf16 once; rows split between the threads from 16 rows on. */
+void moekit_rms_norm_bf16(int threads, int64_t M, int64_t D, float eps, const bf16* x, const bf16* w, bf16* y) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (M >= 16)
+    for (int64_t m = 0; m < M; m++) {
+        const bf16* xm = x + m * D;
+        float squares = 0.f;
+        for (int64_t j = 0; j < D; j++) squares += from_bf16(xm[j]) * from_bf16(xm[j]);
+        float rstd = 1.f / sqrtf(squares / (float)D + eps);
+        for (int64_t j = 0; j < D; j++) y[m * D + j] = to_bf16(from_bf16(xm[j]) * rstd * from_bf16(w[j]));
     }
 }
