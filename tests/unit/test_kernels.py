@@ -72,6 +72,27 @@ def test_a_nan_or_inf_reaches_only_its_own_row(kernel_isa: str) -> None:
     assert bool((y[0] == 40).all()) and bool(y[1].isnan().all()) and bool((y[2] == float("inf")).all())
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(("M", "N", "K"), [(1, 37, 70), (2, 130, 1024), (3, 5, 33), (1, 16, 15)])
+def test_int8_rows_equal_the_dequantized_sums(M: int, N: int, K: int, dtype, kernel_isa: str) -> None:
+    """``rows_int8`` against float64 sums of the rows times the weight dequantized (``q * scale[n]``, the
+    scales spread over four decades, so a scale applied to the wrong output shows): within half a bf16
+    unit plus fp32's error; integer rows and unit scales: the exact sum rounded to bf16, bit for bit. K
+    not a multiple of 16 takes the scalar tail; three rows a pair and a single."""
+    g = torch.Generator().manual_seed(M * 1000 + N * 10 + K)
+    x = torch.randn(M, K, generator=g).to(dtype)
+    q = torch.randint(-127, 128, (N, K), generator=g, dtype=torch.int8)
+    scale = torch.logspace(-3, 1, N)[torch.randperm(N, generator=g)]
+    exact = x.double() @ (q.double() * scale.double()[:, None]).t()
+    bound = 2.0**-8 * exact.abs() + K * 2.0**-24 * (x.double().abs() @ (q.double().abs() * scale.double()[:, None]).t())
+    got = kernels.rows_int8(x, q, scale)
+    assert got.dtype == torch.bfloat16 and bool(((got.double() - exact).abs() <= bound).all())
+    xi = torch.randint(-40, 41, (M, K), generator=g).to(dtype)  # |sum| < 40 * 127 * 1024 < 2^24
+    assert torch.equal(kernels.rows_int8(xi, q, torch.ones(N)), (xi.double() @ q.double().t()).bfloat16())
+    with pytest.raises(ValueError, match="an int8 weight \\[N, K\\] and scales \\[N\\]"):
+        kernels.rows_int8(x, q.float(), scale)
+
+
 @pytest.mark.parametrize("shape", [(1, 1, 1024), (3, 5, 64), (20, 33), (17, 8)])
 @pytest.mark.parametrize("eps", [1e-6, 0.25])
 def test_rms_norm_equals_the_written_out_formula(shape: tuple[int, ...], eps: float, kernel_isa: str) -> None:

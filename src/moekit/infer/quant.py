@@ -37,6 +37,7 @@ from torch import Tensor
 from moekit.experts.matmul import inference_layout, mm, unpacked_linear
 from moekit.fileio import write_atomic
 from moekit.infer.expert_store import ExpertStore, Key, expert_tensor_prefix
+from moekit.kernels import FEW_ROWS, rows_available, rows_int8
 from moekit.storage.aligned import aligned_empty
 
 QUANT_FORMATS = ("int8", "int4")
@@ -100,9 +101,14 @@ def int4_mm(x_MK: Tensor, packed: Tensor, scales_and_zeros: Tensor) -> Tensor:
 
 
 def int8_mm(x_MK: Tensor, q_NK: Tensor, scale_N: Tensor) -> Tensor:
-    """``x @ w`` for ``w = q.t() * scale``: torch's int8 kernel for few rows on a CPU (rows rounded to bf16
-    for it), else the weight dequantised into the rows' dtype and multiplied (``experts.matmul.mm``)."""
-    if x_MK.shape[0] <= INT8PACK_MAX_ROWS and x_MK.device.type == "cpu":
+    """``x @ w`` for ``w = q.t() * scale``: on a CPU, ``kernels.FEW_ROWS`` row (a batch-1 decode's) by
+    moekit's int8 row kernel where it runs (``kernels.rows_int8``, rounded to bf16), few rows by torch's
+    int8 kernel (rows rounded to bf16 for it), else the weight dequantised into the rows' dtype and
+    multiplied (``experts.matmul.mm``)."""
+    rows, cpu = x_MK.shape[0], x_MK.device.type == "cpu"
+    if rows <= FEW_ROWS and cpu and q_NK.is_contiguous() and rows_available():
+        return rows_int8(x_MK, q_NK, scale_N).to(x_MK.dtype)
+    if rows <= INT8PACK_MAX_ROWS and cpu:
         return torch._weight_int8pack_mm(x_MK.to(KERNEL_DTYPE), q_NK, scale_N.to(KERNEL_DTYPE)).to(x_MK.dtype)
     return mm(x_MK, dequantize_int8(q_NK, scale_N, x_MK.dtype))
 

@@ -8,7 +8,13 @@ benchmarks/cpu_matmul.py --threads 2 --rows 1 2 4 --rounds 3 --json``,
 ``benchmarks/measured/cpu-matmul-2-threads-rows.json``; ATen's GEMV over the plain weight with oneDNN
 off, 0.232 at one row, matched it in that loop but not in a decode step: d1024 7.77 ms against 6.59,
 d2048 13.92 against 12.03, ``python benchmarks/decode_layouts.py``). Inference keeps bf16 weights plain
-for it where a decode multiplies ``FEW_ROWS`` row (``infer.resident_experts``' row layout).
+for it where a decode multiplies ``FEW_ROWS`` row (``infer.resident_experts``' row layout). On a CPU
+without native bf16 (AVX2), where torch has no packed bf16 kernel at all: 0.87 ms against torch's 0.94-1.05
+at one row, 0.82 against 1.26-1.32 at two (``benchmarks/measured/cpu-matmul-2-threads-rows-avx2.json``).
+
+``rows_int8``: the same for an int8 weight with per-output scales (``infer.quant``'s int8), widened to
+fp32 in registers. ``rms_norm_bf16``: RMSNorm of bf16 rows in one call, where torch's composite pays
+about ten ops.
 
 ``one_query_bf16``: one sequence's one-token attention over its cached bf16 keys and values, read in
 place, where torch's path converts them to fp32 first and pays a dozen ops a layer (16 heads over 4
@@ -16,12 +22,14 @@ key/value heads of 64, 2 threads, a layer: 5.1 / 10.4 / 16.6 / 26.2 us against 2
 94.9 at 64 / 256 / 512 / 1024 positions, ad hoc). ``model.sdpa.one_query`` takes it for one sequence,
 every key visible (a contiguous ``KVCache``'s decode step; a server's paged steps pass a mask).
 
-The library is compiled once per source and compiler into the user's cache directory (``$MOEKIT_CACHE``,
-else ``$XDG_CACHE_HOME/moekit`` or ``~/.cache/moekit``) by ``$CC`` (default ``cc``) with OpenMP and the
-AVX-512 flags it needs, then loaded with ctypes. Where that fails (no compiler, another architecture) or
-the CPU lacks AVX512-BF16 (checked in /proc/cpuinfo before anything is loaded, and again by the library),
-``rows_available()`` is False and inference keeps oneDNN's kernels; ``rows_unavailable_reason()`` says
-why. The kernel sums as AVX512-BF16 does: subnormal inputs count as zero, subnormal sums are flushed.
+The library is compiled once per source, instruction set and compiler into the user's cache directory
+(``$MOEKIT_CACHE``, else ``$XDG_CACHE_HOME/moekit`` or ``~/.cache/moekit``) by ``$CC`` (default ``cc``)
+with OpenMP, for the best of ``ISAS`` this CPU runs (AVX512-BF16, else AVX2 with FMA: checked in
+/proc/cpuinfo before anything is loaded, and again by the library; ``$MOEKIT_MAX_CPU_ISA`` caps it), then
+loaded with ctypes. Where that fails (no compiler, another architecture) or the CPU runs neither build,
+``rows_available()`` is False and inference keeps torch's kernels; ``rows_unavailable_reason()`` says
+why. The AVX-512 build sums as AVX512-BF16 does: subnormal inputs count as zero, subnormal sums are
+flushed.
 """
 
 from __future__ import annotations
@@ -47,8 +55,8 @@ FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")  # every build's
 # they need (decode.c checks the same at run time, moekit_rows_supported).
 ISAS = {
     "avx512_bf16": (
-        ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"),
-        ("avx512f", "avx512bw", "avx512vl", "avx512_bf16"),
+        ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma"),
+        ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "fma"),
     ),
     "avx2": (("-mavx2", "-mfma"), ("avx2", "fma")),
 }
@@ -150,6 +158,8 @@ def load(library: Path) -> ctypes.CDLL | None:
     lib.moekit_rms_norm_bf16.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_float]
     lib.moekit_rms_norm_bf16.argtypes += [ctypes.c_void_p] * 3
     lib.moekit_rms_norm_bf16.restype = None
+    lib.moekit_rows_int8.argtypes = [ctypes.c_int, *[ctypes.c_int64] * 3, *[ctypes.c_void_p] * 4]
+    lib.moekit_rows_int8.restype = None
     return lib
 
 
@@ -208,6 +218,30 @@ def rows_bf16(x_MK: Tensor, w_NK: Tensor) -> Tensor:
     x = x_MK.contiguous()
     y = torch.empty(M, N, dtype=torch.bfloat16, device="cpu")
     lib.moekit_rows_bf16(torch.get_num_threads(), M, N, K, x.data_ptr(), w_NK.data_ptr(), y.data_ptr())
+    return y
+
+
+def rows_int8(x_MK: Tensor, q_NK: Tensor, scale_N: Tensor) -> Tensor:
+    """``x @ (q * scale[:, None]).t()`` for rows ``x`` [M, K] (any float dtype, widened to fp32), an int8
+    weight ``q`` [N, K] stored row-major and its fp32 per-output scales ``scale`` [N]: summed in fp32,
+    times the scale, rounded to bf16 once: ``[M, N]`` bf16. Any M; meant for ``FEW_ROWS`` or fewer."""
+    lib = _library()[0]
+    if lib is None:
+        raise RuntimeError(f"the row kernels are unavailable: {rows_unavailable_reason()}")
+    M, K = x_MK.shape
+    N = q_NK.shape[0]
+    if q_NK.dtype != torch.int8 or q_NK.shape[1] != K or scale_N.shape != (N,) or not x_MK.is_floating_point():
+        given = f"{x_MK.dtype} {list(x_MK.shape)}, {q_NK.dtype} {list(q_NK.shape)} and {list(scale_N.shape)}"
+        raise ValueError(f"rows_int8 takes rows [M, K], an int8 weight [N, K] and scales [N], not {given}")
+    if not q_NK.is_contiguous() or any(t.device.type != "cpu" for t in (x_MK, q_NK, scale_N)):
+        raise ValueError("rows_int8 takes a contiguous weight in CPU memory")
+    if x_MK.requires_grad and torch.is_grad_enabled():
+        raise RuntimeError("rows_int8 is for inference: it records no gradient")
+    x, scale = x_MK.float().contiguous(), scale_N.float().contiguous()
+    y = torch.empty(M, N, dtype=torch.bfloat16, device="cpu")
+    lib.moekit_rows_int8(
+        torch.get_num_threads(), M, N, K, x.data_ptr(), q_NK.data_ptr(), scale.data_ptr(), y.data_ptr()
+    )
     return y
 
 

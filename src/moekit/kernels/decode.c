@@ -53,7 +53,7 @@ static inline float from_bf16(bf16 v) {
 int moekit_rows_supported(void) {
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("fma");
 }
 
 /* R rows of x (1 or 2) against O weight rows (1 or 4), both constants once inlined: R * O accumulators.
@@ -303,5 +303,49 @@ void moekit_rms_norm_bf16(int threads, int64_t M, int64_t D, float eps, const bf
         for (int64_t j = 0; j < D; j++) squares += from_bf16(xm[j]) * from_bf16(xm[j]);
         float rstd = 1.f / sqrtf(squares / (float)D + eps);
         for (int64_t j = 0; j < D; j++) y[m * D + j] = to_bf16(from_bf16(xm[j]) * rstd * from_bf16(w[j]));
+    }
+}
+
+/* R rows of fp32 x (1 or 2, a constant once inlined) against one int8 weight row q [K] with its scale:
+ * int8 widened to fp32 (exact), fp32 FMAs in two chains, the sum times the scale rounded to bf16 once;
+ * the last K % 16 columns in scalar. AVX2 with FMA, which both builds ask for. */
+static inline __attribute__((always_inline)) void
+block_int8(const int R, int64_t K, const float* x, const int8_t* q, float scale, bf16* y, int64_t ldy) {
+    __m256 acc[2][2];
+    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    int64_t k = 0;
+    for (; k + 16 <= K; k += 16) {
+        __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(q + k))));
+        __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(q + k + 8))));
+        for (int r = 0; r < R; r++) {
+            acc[r][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + r * K + k), acc[r][0]);
+            acc[r][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + r * K + k + 8), acc[r][1]);
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        __m256 s = _mm256_add_ps(acc[r][0], acc[r][1]);
+        __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+        h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+        float sum = _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+        for (int64_t j = k; j < K; j++) sum += x[r * K + j] * (float)q[j];
+        y[r * ldy] = to_bf16(sum * scale);
+    }
+}
+
+/* x [M, K] fp32 (the rows widened by the caller), q [N, K] int8, scale [N] fp32, y [M, N] bf16: each
+ * thread streams an equal contiguous part of q's rows once, for every row of x (two at a time). */
+void moekit_rows_int8(int threads, int64_t M, int64_t N, int64_t K, const float* x, const int8_t* q,
+                      const float* scale, bf16* y) {
+#pragma omp parallel num_threads(threads)
+    {
+        int64_t T = omp_get_num_threads(), t = omp_get_thread_num();
+        int64_t blocks = (N + 15) / 16, per = blocks / T, extra = blocks % T;
+        int64_t b0 = t * per + (t < extra ? t : extra), b1 = b0 + per + (t < extra ? 1 : 0);
+        int64_t n0 = b0 * 16 < N ? b0 * 16 : N, n1 = b1 * 16 < N ? b1 * 16 : N;
+        int64_t r0 = 0;
+        for (; r0 + 2 <= M; r0 += 2)
+            for (int64_t n = n0; n < n1; n++) block_int8(2, K, x + r0 * K, q + n * K, scale[n], y + r0 * N + n, N);
+        if (r0 < M)
+            for (int64_t n = n0; n < n1; n++) block_int8(1, K, x + r0 * K, q + n * K, scale[n], y + r0 * N + n, N);
     }
 }
