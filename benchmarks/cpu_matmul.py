@@ -21,8 +21,9 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from _provenance import source_commit
 
-from moekit.experts.matmul import native_16bit, packed_linear, prepack, unpacked_linear
+from moekit.experts.matmul import mm, native_16bit, packed_linear, prepack, unpacked_linear
 from moekit.hostmem import keep_freed_memory
 from moekit.infer.quant import dequantize_int8, int4_mm, int8_mm, pack_int4_for_cpu, quantize_int8
 from moekit.kernels import rows_available, rows_bf16, rows_isa
@@ -55,6 +56,8 @@ def kernels(weights_NK: list[torch.Tensor]) -> dict[str, Callable[[torch.Tensor]
         "fp16 [N,K] mm": lambda x: [torch.mm(x.half(), w.t()) for w in fp16],
         "fp16 upcast": lambda x: [torch.mm(x, w.float().t()) for w in fp16],
         "int8 (int8_mm)": lambda x: [int8_mm(x.bfloat16(), q, s) for q, s in q8],
+        "int8 torch kernel": lambda x: [torch._weight_int8pack_mm(x.bfloat16(), q, s.bfloat16()) for q, s in q8],
+        "bf16 mm (upcast from 6 rows without native bf16)": lambda x: [mm(x.bfloat16(), w.t()) for w in bf16],
         "int8 dequantised + mm": lambda x: [
             torch.mm(x.bfloat16(), dequantize_int8(q, s, torch.bfloat16)) for q, s in q8
         ],
@@ -196,6 +199,7 @@ def main() -> None:
         "native bf16": native_16bit(torch.bfloat16),
         "native fp16": native_16bit(torch.float16),
         "row kernel build": rows_isa(),
+        "commit": source_commit(),
         "matmul ms per 1024 x 4096 weight": matmul_table(args),
         "attention ms per layer": attention_table(args),
         "decode step overhead ms": step_overhead(args),

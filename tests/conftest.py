@@ -28,6 +28,7 @@ import pytest
 import torch
 
 from moekit import runconfig
+from moekit.kernels import ISA_VARIABLE, ISAS
 from moekit.model import Transformer
 from moekit.run.checkpoint import save_checkpoint
 from moekit.tokenizer import ByteTokenizer
@@ -43,6 +44,7 @@ def pytest_configure(config: pytest.Config) -> None:
     # moekit.kernels builds into a directory of this test run's (children inherit it), not the user's cache
     config._kernel_cache = tempfile.mkdtemp(prefix="moekit-kernels-")
     os.environ["MOEKIT_CACHE"] = config._kernel_cache
+    os.environ.pop(ISA_VARIABLE, None)  # each test picks its build (kernel_isa), not the user's setting
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
@@ -68,16 +70,19 @@ def write_corpus(path: Path, n_lines: int = 600, seed: int = 0) -> Path:
     return path
 
 
-@pytest.fixture(params=["avx512_bf16", "avx2"])
+@pytest.fixture(params=list(ISAS))
 def kernel_isa(request, monkeypatch) -> str:
     """Each build of ``moekit.kernels`` this CPU runs, in turn (``$MOEKIT_MAX_CPU_ISA``, the library found
-    anew), so that a CPU with AVX-512 checks the AVX2 build too; a build it cannot run is skipped."""
+    anew), so that a CPU with AVX-512 checks the AVX2 build too; a build the CPU cannot run is skipped,
+    and so is every build where no compiler is found (a failed build with a compiler fails)."""
     from moekit import kernels
 
     if request.param not in kernels.runnable_isas():
         pytest.skip(f"this CPU does not run the {request.param} build")
     monkeypatch.setenv(kernels.ISA_VARIABLE, request.param)
     kernels._library.cache_clear()
+    if not kernels.rows_available() and shutil.which(os.environ.get("CC", "cc").split()[0]) is None:
+        pytest.skip(f"no C compiler: {kernels.rows_unavailable_reason()}")
     yield request.param
     monkeypatch.undo()
     kernels._library.cache_clear()

@@ -98,7 +98,7 @@ def test_prepacked_experts_and_linears_equal_the_plain_arithmetic(dtype, tokens:
     as it is elsewhere: the MoE layer stays within the dtype's rounding of a float64 per-token
     reference, the whole model's logits within it of the same model unpacked. ``few_rows``: bf16
     weights stay plain for the row kernel where it runs (one row; more by oneDNN, or on a CPU without
-    native bf16 up to five by the row kernel and more in fp32)."""
+    native bf16 fewer than 32 by the row kernel and more in fp32)."""
     from moekit import runconfig
     from moekit.model import Transformer
 
@@ -147,9 +147,10 @@ def test_an_unpacked_weight_takes_the_packed_kernel_bit_for_bit(dtype, rows: int
 
 @pytest.mark.parametrize("eps", [None, 1e-5, 0.5])
 def test_the_row_rms_norm_equals_torchs(eps: float | None) -> None:
-    """``RowRMSNorm`` computes what the ``nn.RMSNorm`` it replaces computes, within one bf16 unit: rows of
-    values around 0.01, whose mean square (1e-4) an eps of bf16's epsilon (0.0078) would swamp, so the
-    epsilon torch adds without one shows; and rows of around 100 under a large eps."""
+    """``RowRMSNorm`` computes what the ``nn.RMSNorm`` it replaces computes (torch 2.13's), each output
+    within one bf16 unit of torch's: rows of values around 0.01, whose mean square (1e-4) an eps of bf16's
+    epsilon (0.0078) would swamp, so the epsilon torch adds without one shows; and rows of around 100
+    under a large eps."""
     if not rows_available():
         pytest.skip("the row kernels do not run here")
     torch.manual_seed(0)
@@ -158,7 +159,7 @@ def test_the_row_rms_norm_equals_torchs(eps: float | None) -> None:
         norm.weight.copy_(torch.randn(64))
         x = (torch.randn(3, 2, 64) * torch.tensor([0.01, 100.0]).view(1, 2, 1)).bfloat16()
         want, got = norm(x).double(), RowRMSNorm(norm)(x).double()
-    assert float(((got - want).abs() / want.abs().amax(-1, keepdim=True)).amax()) <= 2.0**-7
+    assert bool(((got - want).abs() <= 2.0**-7 * want.abs()).all())
 
 
 _WITHOUT_NATIVE_BF16 = """
@@ -168,10 +169,11 @@ from moekit import kernels, runconfig
 from moekit.infer.resident_experts import RowExperts, RowLinear, RowRMSNorm, UpcastLinear, prepack_
 from moekit.model import Transformer
 few_rows = sys.argv[1] == "rows"
-cfg = runconfig.resolve("tiny", {"model.n_layers": "2", "moe.num_experts": "4", "model.tie_embeddings": "false"})
+overrides = {"model.n_layers": "2", "moe.num_experts": "4", "model.tie_embeddings": "false"}
+cfg = runconfig.resolve("tiny", {**overrides, "model.context_length": "128"})
 torch.manual_seed(0)
 model = Transformer(cfg.model, cfg.moe).bfloat16().eval()
-prompts = [torch.randint(0, cfg.model.vocab_size, (1, n)) for n in (1, 2, 5, 6, 24)]
+prompts = [torch.randint(0, cfg.model.vocab_size, (1, n)) for n in (1, 2, 31, 32, 80)]
 with torch.no_grad():
     plain = [model(ids).logits.double() for ids in prompts]
     prepack_(model, few_rows)
@@ -179,7 +181,8 @@ with torch.no_grad():
     assert isinstance(model.lm_head, linear) and isinstance(model.blocks[0].attn.qkv, linear)
     assert isinstance(model.moe_layers()[0].experts, experts)
     assert isinstance(model.norm, RowRMSNorm) == few_rows
-    assert kernels.rows_isa() == "avx2"
+    if few_rows:
+        assert kernels.rows_isa() == "avx2"
     got = [model(ids).logits.double() for ids in prompts]
 print(max(float((g - p).abs().amax() / p.abs().amax()) for g, p in zip(got, plain)))
 """
@@ -189,9 +192,9 @@ print(max(float((g - p).abs().amax() / p.abs().amax()) for g, p in zip(got, plai
 def test_a_cpu_without_native_bf16_upcasts_the_linears_and_keeps_the_logits(layout: str) -> None:
     """oneDNN limited to AVX2 and moekit's kernels to their AVX2 build, as on a CPU without native bf16:
     nothing is prepacked and the linears upcast their products to fp32; or, for a batch-1 decode
-    (``few_rows``), the weights stay plain, one to five rows by the AVX2 row kernel and six or more
-    upcast. The logits of prompts of 1, 2, 5, 6 and 24 tokens stay within bf16 rounding of the plain
-    model's."""
+    (``few_rows``), the weights stay plain, fewer than 32 rows by the AVX2 row kernel and more upcast.
+    The logits of prompts of 1, 2, 31, 32 and 80 tokens (the experts' rows of 80 upcast too) stay within
+    bf16 rounding of the plain model's."""
     import os
     import subprocess
     import sys

@@ -112,6 +112,17 @@ def test_a_token_step_equals_the_forward_bit_for_bit(family: str, fmt: str) -> N
     """Logits, the cached keys and values and the cache's length equal the forward's after each of 20
     steps (greedy tokens fed back, the prompt's 7 positions first); the token path is the one taken."""
     _needs_packed_bf16(fmt)
+    _steps_as_its_forward(family, fmt)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "olmoe"])
+def test_the_row_layout_of_each_build_steps_as_its_forward(family: str, kernel_isa: str) -> None:
+    """The same for the row layout under each build of the kernels this CPU runs (a CPU with AVX-512
+    checks the AVX2 build's kernels and RMSNorm too); OLMoE's QK norms over the whole projection."""
+    _steps_as_its_forward(family, "bf16-rows")
+
+
+def _steps_as_its_forward(family: str, fmt: str) -> None:
     model = _model(family, fmt)
     if fmt == "bf16-rows":  # the row kernel's layout, not oneDNN's, and its RMSNorm where the model has one
         assert all(type(moe.experts) is RowExperts for moe in model.moe_layers())

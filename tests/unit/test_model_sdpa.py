@@ -84,7 +84,8 @@ def test_one_query_attention_equals_the_written_out_softmax(
 
 
 @pytest.mark.parametrize(
-    ("H", "G", "S", "d"), [(4, 4, 1, 64), (8, 2, 17, 64), (16, 4, 300, 64), (6, 1, 33, 128), (2, 2, 5, 32)]
+    ("H", "G", "S", "d"),
+    [(4, 4, 1, 64), (8, 2, 17, 64), (16, 4, 300, 64), (6, 1, 33, 128), (2, 2, 5, 32), (4, 2, 16, 64)],
 )
 def test_one_sequences_attention_through_the_kernel_equals_the_written_out_softmax(
     H: int, G: int, S: int, d: int, monkeypatch, kernel_isa: str
@@ -93,7 +94,8 @@ def test_one_sequences_attention_through_the_kernel_equals_the_written_out_softm
     holds them (``[1, G, max_len, d]`` seen to ``S`` positions, position and group strides of their own):
     within half a bf16 unit of the output plus SDPA's own error of the float64 softmax written out per
     head, in each build this CPU runs; 300 and 17 positions take the softmax's 16- and 8-wide tails (the
-    AVX-512 and AVX2 builds'), 128 dims the kernel's widest rows. A NaN key
+    AVX-512 and AVX2 builds'), 16 none (the NaN below lands in the main loops), 128 dims the kernel's
+    widest rows. A NaN key
     makes its head's output NaN, as torch's path does, and no other head's."""
     gen = torch.Generator().manual_seed(H * S + d)
     calls = []

@@ -182,15 +182,22 @@ def unpacked_linear(x_MK: Tensor, w_NK: Tensor) -> Tensor:
     return packed_linear(x_MK, prepack(w_NK)) if w_NK.dtype == torch.float32 else _onednn_linear(x_MK, w_NK)
 
 
+# NOTE: rows below which the row kernel multiplies a plain bf16 weight on a CPU without native bf16
+# (AVX2), where torch's alternative is ``mm``'s upcast: per 1024 x 4096 weight, 2 threads, 7.67 against
+# 8.04 ms at 32 rows, 4.48 against 6.35 at 16, 2.99 against 7.22 at 8 (python benchmarks/cpu_matmul.py
+# --threads 2 --rows 1 2 8 16 32, benchmarks/measured/cpu-matmul-2-threads-rows-avx2.json).
+ROWS_WITHOUT_NATIVE = 32
+
+
 def plain_linear(x_MK: Tensor, w_NK: Tensor) -> Tensor:
     """``x @ w.t()`` for a bf16 weight kept in its plain ``[N, K]`` layout (a batch-1 decode's,
     ``infer.resident_experts``' row layout): up to ``kernels.FEW_ROWS`` rows by the row kernel, which
     reads it faster than oneDNN reads its prepacked copy; more (a prompt) by ``unpacked_linear`` on a CPU
-    with native bf16 kernels. Without them (AVX2) the row kernel takes up to ``UPCAST_MIN_ROWS - 1``
-    rows, where torch has only its scalar loop, and ``mm`` the rest, in fp32."""
+    with native bf16 kernels. Without them (AVX2) the row kernel takes fewer than ``ROWS_WITHOUT_NATIVE``
+    rows, and ``mm`` the rest, in fp32."""
     rows = x_MK.shape[0]
     native = native_16bit(w_NK.dtype)
-    if rows <= FEW_ROWS or (rows < UPCAST_MIN_ROWS and not native):
+    if rows <= FEW_ROWS or (rows < ROWS_WITHOUT_NATIVE and not native):
         return rows_bf16(x_MK, w_NK)
     return unpacked_linear(x_MK, w_NK) if native else mm(x_MK, w_NK.t())
 

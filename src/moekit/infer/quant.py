@@ -13,12 +13,13 @@ per 32). The cache keeps the quantized form, so a budget holds about as many tim
 Two places hold them: an offloaded run's quantized store (a file written once, read expert by expert into
 the cache), and experts quantized in memory at load (``infer.resident_experts``, no file).
 
-The products use torch's weight-only CPU kernels, which read the int8 / int4 weights and convert them
-inside the kernel: ``torch._weight_int8pack_mm`` for up to ``INT8PACK_MAX_ROWS`` rows of an expert
-(dequantise + matmul above), and ``torch._weight_int4pack_mm_for_cpu`` over torch's own int4 packing
-(experts held in memory; an offloaded int4 store keeps the packing above and is dequantised per
-product). Both kernels take bf16 activations: in fp32 they ran 10-30x slower, so their rows are
-rounded to bf16 whatever the model's dtype.
+The products use weight-only CPU kernels, which read the int8 / int4 weights and convert them inside
+the kernel: ``torch._weight_int8pack_mm`` for up to ``INT8PACK_MAX_ROWS`` rows of an expert
+(dequantise + matmul above; one row by ``moekit.kernels.rows_int8`` on AVX2, ``INT8_ROW_KERNEL_ISAS``),
+and ``torch._weight_int4pack_mm_for_cpu`` over torch's own int4 packing (experts held in memory; an
+offloaded int4 store keeps the packing above and is dequantised per product). torch's kernels take
+bf16 activations: in fp32 they ran 10-30x slower, so their rows are rounded to bf16 whatever the
+model's dtype (moekit's int8 row kernel is given the same bf16 rows and scales).
 
 NOTE: ``benchmarks/measured/cpu-matmul.json`` (``python benchmarks/cpu_matmul.py``: an AMD EPYC with
 AVX512-BF16, one thread, 1024 x 4096 weights streamed from memory, ms per weight): one row, bf16
@@ -37,13 +38,17 @@ from torch import Tensor
 from moekit.experts.matmul import inference_layout, mm, unpacked_linear
 from moekit.fileio import write_atomic
 from moekit.infer.expert_store import ExpertStore, Key, expert_tensor_prefix
-from moekit.kernels import FEW_ROWS, rows_available, rows_int8
+from moekit.kernels import FEW_ROWS, rows_int8, rows_isa
 from moekit.storage.aligned import aligned_empty
 
 QUANT_FORMATS = ("int8", "int4")
 INT4_GROUP = 32
 INT8PACK_MAX_ROWS = 32
 KERNEL_DTYPE = torch.bfloat16  # the activations torch's weight-only CPU kernels are fast in
+# NOTE: where moekit's int8 row kernel replaces torch's at one row: on AVX2 (a Zen 3, 2 threads, 1024 x 4096)
+# 0.50 ms against torch's 0.86 (``python benchmarks/cpu_matmul.py --threads 2 --rows 1``, the "int8"
+# columns); torch's AVX-512 int8 kernel was not measured against it, so that build keeps torch's.
+INT8_ROW_KERNEL_ISAS = ("avx2",)
 FULL_ROLES = ("w_in", "w_out")
 
 
@@ -102,12 +107,13 @@ def int4_mm(x_MK: Tensor, packed: Tensor, scales_and_zeros: Tensor) -> Tensor:
 
 def int8_mm(x_MK: Tensor, q_NK: Tensor, scale_N: Tensor) -> Tensor:
     """``x @ w`` for ``w = q.t() * scale``: on a CPU, ``kernels.FEW_ROWS`` row (a batch-1 decode's) by
-    moekit's int8 row kernel where it runs (``kernels.rows_int8``, rounded to bf16), few rows by torch's
-    int8 kernel (rows rounded to bf16 for it), else the weight dequantised into the rows' dtype and
-    multiplied (``experts.matmul.mm``)."""
+    moekit's int8 row kernel where its build is in ``INT8_ROW_KERNEL_ISAS``, few rows by torch's int8
+    kernel (both given the rows and scales rounded to bf16), else the weight dequantised into the rows'
+    dtype and multiplied (``experts.matmul.mm``)."""
     rows, cpu = x_MK.shape[0], x_MK.device.type == "cpu"
-    if rows <= FEW_ROWS and cpu and q_NK.is_contiguous() and rows_available():
-        return rows_int8(x_MK, q_NK, scale_N).to(x_MK.dtype)
+    if rows <= FEW_ROWS and cpu and q_NK.is_contiguous() and rows_isa() in INT8_ROW_KERNEL_ISAS:
+        # the inputs torch's kernel takes (bf16 rows and scales): only the order of the sums differs
+        return rows_int8(x_MK.to(KERNEL_DTYPE), q_NK, scale_N.to(KERNEL_DTYPE)).to(x_MK.dtype)
     if rows <= INT8PACK_MAX_ROWS and cpu:
         return torch._weight_int8pack_mm(x_MK.to(KERNEL_DTYPE), q_NK, scale_N.to(KERNEL_DTYPE)).to(x_MK.dtype)
     return mm(x_MK, dequantize_int8(q_NK, scale_N, x_MK.dtype))

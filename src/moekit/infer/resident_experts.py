@@ -174,7 +174,7 @@ class RowLinear(_PlainLinear):
 
 class RowRMSNorm(nn.Module):
     """An ``nn.RMSNorm`` of bf16 with a weight, for a batch-1 decode: ``kernels.rms_norm_bf16``, one call
-    where torch's composite pays about ten ops (37-60 us a row of 1024 on a Zen 3)."""
+    where torch's composite pays about ten ops (37-60 us a row of 1024 on a Zen 3, ad hoc)."""
 
     def __init__(self, norm: nn.RMSNorm) -> None:
         super().__init__()
@@ -310,10 +310,15 @@ def prepack_(model: nn.Module, few_rows: bool = False) -> nn.Module:
 
 
 def _weighted_rms_norms(model: nn.Module) -> list[tuple[nn.Module, str]]:
-    """(parent, name) of every ``nn.RMSNorm`` with a weight: the blocks', the final one, QK norms."""
+    """(parent, name) of every ``nn.RMSNorm`` over one dim with a bf16 weight in CPU memory: the blocks',
+    the final one, QK norms."""
     return [
         (parent, name)
         for parent in model.modules()
         for name, child in parent.named_children()
-        if type(child) is nn.RMSNorm and child.weight is not None
+        if type(child) is nn.RMSNorm
+        and child.weight is not None
+        and child.weight.dtype == torch.bfloat16
+        and child.weight.device.type == "cpu"
+        and len(child.normalized_shape) == 1
     ]

@@ -29,7 +29,7 @@ with OpenMP, for the best of ``ISAS`` this CPU runs (AVX512-BF16, else AVX2 with
 loaded with ctypes. Where that fails (no compiler, another architecture) or the CPU runs neither build,
 ``rows_available()`` is False and inference keeps torch's kernels; ``rows_unavailable_reason()`` says
 why. The AVX-512 build sums as AVX512-BF16 does: subnormal inputs count as zero, subnormal sums are
-flushed.
+flushed; the AVX2 build sums subnormal inputs as they are and its softmax's exp gives 0 below 2^-126.
 """
 
 from __future__ import annotations
@@ -164,17 +164,20 @@ def load(library: Path) -> ctypes.CDLL | None:
 
 
 @functools.cache
-def _library() -> tuple[ctypes.CDLL | None, str, bool]:
-    """The kernels of this process, built and loaded once; or None, why not, and whether the build failed
-    (something a user can mend: no compiler, an unwritable cache, a bad setting) rather than the CPU."""
+def _library() -> tuple[ctypes.CDLL | None, str, bool, str | None]:
+    """The kernels of this process, built and loaded once (``$MOEKIT_MAX_CPU_ISA`` is read then, not
+    after); or None, why not, and whether the build failed (something a user can mend: no compiler, an
+    unwritable cache, a bad setting) rather than the CPU; and the build loaded."""
     try:
         isa, why = chosen_isa()
         if isa is None:
-            return None, why, False
+            return None, why, False, None
         lib = load(build(SOURCE, cache_dir() / "kernels", os.environ.get("CC", "cc"), isa))
     except (OSError, ValueError, RuntimeError) as err:  # no compiler, a bad $CC, no home directory
-        return None, str(err), True
-    return (lib, "", False) if lib is not None else (None, f"this CPU does not run the {isa} build", False)
+        return None, str(err), True, None
+    if lib is None:
+        return None, f"this CPU does not run the {isa} build", False, None
+    return lib, "", False, isa
 
 
 def rows_available() -> bool:
@@ -183,8 +186,8 @@ def rows_available() -> bool:
 
 
 def rows_isa() -> str | None:
-    """The ``ISAS`` build the kernels run here, or None."""
-    return chosen_isa()[0] if rows_available() else None
+    """The ``ISAS`` build this process loaded, or None."""
+    return _library()[3]
 
 
 def rows_unavailable_reason() -> str:
@@ -196,13 +199,13 @@ def rows_build_failure() -> str:
     """Why the row kernel is unavailable on a CPU that runs one of its builds (no compiler, a failed or
     unwritable build, a ``$MOEKIT_MAX_CPU_ISA`` that names none: something a user can mend), or "" where
     it runs, the CPU could never run it or ``$MOEKIT_MAX_CPU_ISA=none`` turned it off."""
-    _, why, failed = _library()
+    _, why, failed, _ = _library()
     return why if failed else ""
 
 
 def rows_bf16(x_MK: Tensor, w_NK: Tensor) -> Tensor:
     """``x @ w.t()`` for bf16 rows ``x`` [M, K] and a bf16 weight ``w`` [N, K] stored row-major, summed in fp32
-    and rounded to bf16: ``[M, N]``. Any M; meant for ``FEW_ROWS`` or fewer."""
+    and rounded to bf16: ``[M, N]``. Any M; meant for a few (``experts.matmul.plain_linear`` says how many)."""
     lib = _library()[0]
     if lib is None:
         raise RuntimeError(f"the row kernels are unavailable: {rows_unavailable_reason()}")

@@ -9,7 +9,7 @@
  * weight chunk apart): moekit.kernels has the figures.
  *
  * moekit_rms_norm_bf16: RMSNorm of bf16 rows in fp32, one C loop where torch's composite pays about ten
- * ops (37-60 us a call for one row of 1024 on a Zen 3, 17 calls a d1024 decode step).
+ * ops (37-60 us a call for one row of 1024 on a Zen 3, ad hoc; 17 calls a d1024 decode step).
  *
  * moekit_one_query_bf16: one query per head against a sequence's cached bf16 keys and values (its
  * decode step's attention, every key visible): scores in fp32, softmax in fp32 (exp by its Taylor
@@ -171,7 +171,8 @@ static inline float hsum(__m256 v) {
 /* R rows of x (1 or 2) against one weight row, R a constant once inlined: 2 * R accumulators (even and
  * odd positions apart); the last K % 16 columns in scalar.
  * NOTE: one weight row at a time, streamed in order: four rows side by side as the AVX-512 build reads
- * them ran at 0.74-1.12 ms per 1024 x 4096 weight against 0.70-0.76 (a Zen 3, 2 threads). */
+ * them ran at 0.74-1.12 ms per 1024 x 4096 weight against 0.70-0.76 (a Zen 3, 2 threads, standalone C,
+ * ad hoc). */
 static inline __attribute__((always_inline)) void
 block(const int R, int64_t K, const bf16* x, const bf16* w, bf16* y, int64_t ldy) {
     __m256 acc[2][2];
@@ -253,9 +254,9 @@ static void one_head(int64_t S, int64_t d, float scale, const bf16* qh, const bf
     float inv = 1.f / hsum(vsum);
     __m256 o[16];
     for (int64_t j = 0; j < d / 8; j++) o[j] = _mm256_setzero_ps();
-    for (int64_t s = 0; s < S; s++) {
-        __m256 p = _mm256_set1_ps(sc[s] * inv);
-        for (int64_t j = 0; j < d / 8; j++) o[j] = _mm256_fmadd_ps(p, widen_bf16(vg + s * vps + j * 8), o[j]);
+    for (int64_t t = 0; t < S; t++) {
+        __m256 p = _mm256_set1_ps(sc[t] * inv);
+        for (int64_t j = 0; j < d / 8; j++) o[j] = _mm256_fmadd_ps(p, widen_bf16(vg + t * vps + j * 8), o[j]);
     }
     for (int64_t j = 0; j < d / 8; j++) {
         float tmp[8];
