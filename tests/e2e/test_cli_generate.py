@@ -38,6 +38,22 @@ def test_cli_generate_offloaded_batch(run_dir: Path, tmp_path: Path, capsys: pyt
     assert "--policy=mru: choose from" in capsys.readouterr().err
 
 
+def test_offloaded_bf16_at_batch_one_decodes_without_native_bf16(run_dir: Path, tmp_path: Path) -> None:
+    """``--dtype bf16 --memory-budget`` at batch 1 where the CPU has no native bf16 (oneDNN limited to
+    AVX2, moekit's kernels to their AVX2 build): the resident weights take the row layout and the
+    offloaded experts its kernel over their slots (oneDNN has no bf16 product there to pack for, and a
+    packed one raised), and it decodes."""
+    from moekit import kernels
+
+    if "avx2" not in kernels.runnable_isas():
+        pytest.skip("this CPU does not run the AVX2 build")
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2", "MOEKIT_MAX_CPU_ISA": "avx2", "MOEKIT_CACHE": str(tmp_path)}
+    argv = ["--dtype", "bf16", "--memory-budget", str(budget_for(run_dir, 2)), "--temperature", "0"]
+    proc = moekit_cli("generate", str(run_dir), "--prompt", "ab", "--max-new-tokens", "6", *argv, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("ab") and len(proc.stdout.splitlines()) == 1 and "hit rate" in proc.stderr
+
+
 @pytest.mark.slow
 def test_corrupt_checkpoint_is_named(corpus_file: Path, tmp_path: Path) -> None:
     run = tmp_path / "run"

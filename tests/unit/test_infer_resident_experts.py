@@ -97,8 +97,8 @@ def test_prepacked_experts_and_linears_equal_the_plain_arithmetic(dtype, tokens:
     where they take the dtype (fp32; 16 bits where the CPU has native kernels), and leaves the model
     as it is elsewhere: the MoE layer stays within the dtype's rounding of a float64 per-token
     reference, the whole model's logits within it of the same model unpacked. ``few_rows``: bf16
-    weights stay plain for the row kernel where it runs (one row; more by oneDNN, or on a CPU without
-    native bf16 fewer than 32 by the row kernel and more in fp32)."""
+    weights stay plain for the row kernel where it runs (one row; more by oneDNN), and on a CPU without
+    native bf16 whatever ``few_rows`` says (fewer than 32 rows by the row kernel, more in fp32)."""
     from moekit import runconfig
     from moekit.model import Transformer
 
@@ -108,7 +108,7 @@ def test_prepacked_experts_and_linears_equal_the_plain_arithmetic(dtype, tokens:
     ids = torch.randint(0, cfg.model.vocab_size, (1, tokens))
     moe = model.moe_layers()[0]
     x = torch.randn(tokens, cfg.model.d_model).to(dtype)
-    rows = few_rows and dtype == torch.bfloat16 and rows_available()
+    rows = (few_rows or not prepackable(model.lm_head.weight)) and dtype == torch.bfloat16 and rows_available()
     packs = prepackable(model.lm_head.weight) and not rows
     upcasts = not packs and not rows and dtype != torch.float32  # 16 bits without native kernels (fp16 on most CPUs)
     eps = 2.0**-20 if dtype == torch.float32 else 2.0**-6
@@ -168,7 +168,7 @@ import torch
 from moekit import kernels, runconfig
 from moekit.infer.resident_experts import RowExperts, RowLinear, RowRMSNorm, UpcastLinear, prepack_
 from moekit.model import Transformer
-few_rows = sys.argv[1] == "rows"
+kernels_on, few_rows = sys.argv[1] != "torch", sys.argv[1] == "rows, batch 1"
 overrides = {"model.n_layers": "2", "moe.num_experts": "4", "model.tie_embeddings": "false"}
 cfg = runconfig.resolve("tiny", {**overrides, "model.context_length": "128"})
 torch.manual_seed(0)
@@ -177,33 +177,34 @@ prompts = [torch.randint(0, cfg.model.vocab_size, (1, n)) for n in (1, 2, 31, 32
 with torch.no_grad():
     plain = [model(ids).logits.double() for ids in prompts]
     prepack_(model, few_rows)
-    linear, experts = (RowLinear, RowExperts) if few_rows else (UpcastLinear, torch.nn.Module)
+    linear, experts = (RowLinear, RowExperts) if kernels_on else (UpcastLinear, torch.nn.Module)
     assert isinstance(model.lm_head, linear) and isinstance(model.blocks[0].attn.qkv, linear)
     assert isinstance(model.moe_layers()[0].experts, experts)
-    assert isinstance(model.norm, RowRMSNorm) == few_rows
-    if few_rows:
-        assert kernels.rows_isa() == "avx2"
+    assert isinstance(model.norm, RowRMSNorm) == kernels_on
+    assert kernels.rows_isa() == ("avx2" if kernels_on else None)
     got = [model(ids).logits.double() for ids in prompts]
 print(max(float((g - p).abs().amax() / p.abs().amax()) for g, p in zip(got, plain)))
 """
 
 
-@pytest.mark.parametrize("layout", ["packed", "rows"])
-def test_a_cpu_without_native_bf16_upcasts_the_linears_and_keeps_the_logits(layout: str) -> None:
-    """oneDNN limited to AVX2 and moekit's kernels to their AVX2 build, as on a CPU without native bf16:
-    nothing is prepacked and the linears upcast their products to fp32; or, for a batch-1 decode
-    (``few_rows``), the weights stay plain, fewer than 32 rows by the AVX2 row kernel and more upcast.
-    The logits of prompts of 1, 2, 31, 32 and 80 tokens (the experts' rows of 80 upcast too) stay within
-    bf16 rounding of the plain model's."""
+@pytest.mark.parametrize("layout", ["torch", "rows", "rows, batch 1"])
+def test_a_cpu_without_native_bf16_keeps_the_logits(layout: str) -> None:
+    """oneDNN limited to AVX2, as on a CPU without native bf16. Without moekit's kernels
+    (``MOEKIT_MAX_CPU_ISA=none``) nothing is prepacked and the linears upcast their products to fp32;
+    with their AVX2 build the weights stay plain whether or not the load is for a batch-1 decode
+    (``few_rows``): fewer than 32 rows by the AVX2 row kernel, more upcast. The logits of prompts of 1, 2,
+    31, 32 and 80 tokens (the experts' rows of 80 upcast too) stay within bf16 rounding of the plain
+    model's."""
     import os
     import subprocess
     import sys
 
     from moekit import kernels
 
-    if layout == "rows" and "avx2" not in kernels.runnable_isas():
+    if layout != "torch" and "avx2" not in kernels.runnable_isas():
         pytest.skip("this CPU does not run the AVX2 build")
-    env = dict(os.environ, ONEDNN_MAX_CPU_ISA="AVX2", MOEKIT_MAX_CPU_ISA="avx2")
+    isa = "none" if layout == "torch" else "avx2"
+    env = dict(os.environ, ONEDNN_MAX_CPU_ISA="AVX2", MOEKIT_MAX_CPU_ISA=isa)
     argv = [sys.executable, "-c", _WITHOUT_NATIVE_BF16, layout]
     out = subprocess.run(argv, env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr

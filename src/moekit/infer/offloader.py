@@ -19,8 +19,9 @@ once for the cache's device) moves the bytes. Per layer and step:
    expert's bytes, a right one saves only the overlap), and keeps being scored while it is not;
 4. each expert's rows are computed with the resident model's kernel for them (plain matmuls, or
    oneDNN's prepacked experts' kernel over the slot's weight: 16-bit ones reordered on each call, fp32
-   ones once per read and kept beside the slot, ``use_packed_kernels``), the same arithmetic, so greedy
-   tokens match resident inference exactly in full precision.
+   ones once per read and kept beside the slot, ``use_packed_kernels``; or the row layout's,
+   ``use_row_kernels``), the same arithmetic, so greedy tokens match resident inference exactly in full
+   precision.
 
 When the budget holds fewer experts than a layer needs, the layer runs in chunks: resident
 experts first, then each missing one loaded into an evicted slot and computed at once.
@@ -151,7 +152,8 @@ class Offloader:
         self._predicted: tuple[int, set[int]] | None = None  # (block, experts) the router prefetch predicted
         self.loader = make_loader(store, cache)  # file reads on the CPU, copies from pinned memory on a GPU
         self.slots_in_budget = slots_in_budget
-        self.packed_kernels = False  # full-precision experts by the resident model's prepacked kernel
+        # full-precision experts by the resident model's kernel: "mm", "packed" (prepacked experts') or "rows"
+        self.kernel = "mm"
         self._reordered: dict[int, tuple[Key, dict[str, Tensor]]] | None = None  # slot -> its expert, prepacked
         self._reordered_bytes = 0  # one expert's, prepacked
 
@@ -166,7 +168,7 @@ class Offloader:
         so each cached fp32 expert is kept reordered beside its slot, made once as it is first computed:
         the cache holds fewer experts, so that slots and copies stay within what the budget pays for.
         ``dtype``: the model's, which full-precision experts are computed in. Before the first step."""
-        self.packed_kernels = True
+        self.kernel = "packed"
         if self.fmt != "fp" or dtype != torch.float32 or self._reordered is not None:
             return
         slot, self._reordered_bytes = self.cache.slot_bytes, max(map(_reordered_nbytes, self._expert_shapes))
@@ -174,6 +176,11 @@ class Offloader:
         if slots >= 1:
             self.cache.keep(slots)
             self._reordered = {}
+
+    def use_row_kernels(self) -> None:
+        """Multiply bf16 experts as the resident row layout does (``prepack_``'s ``RowExperts``,
+        ``experts.matmul.plain_linear``) over the slot's weight. Before the first step."""
+        self.kernel = "rows"
 
     def close(self) -> None:
         self.loader.close()
@@ -375,7 +382,7 @@ class Offloader:
             w_in, w_out = (lambda x, role=role: packed_linear(x, packed[role]) for role in ("w_in", "w_out"))
         else:
             w_in, w_out = (
-                lambda x, role=role: matmul(self.fmt, views, role, x, self.packed_kernels) for role in ("w_in", "w_out")
+                lambda x, role=role: matmul(self.fmt, views, role, x, self.kernel) for role in ("w_in", "w_out")
             )
         y_RD[rows] = compute(x_RD[rows], w_in, w_out, e)
         self.loader.after_compute(entry)  # before the unpin that lets the slot be loaded into again

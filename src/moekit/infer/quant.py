@@ -35,7 +35,7 @@ import torch
 from safetensors.torch import save
 from torch import Tensor
 
-from moekit.experts.matmul import inference_layout, mm, unpacked_linear
+from moekit.experts.matmul import inference_layout, mm, plain_linear, unpacked_linear
 from moekit.fileio import write_atomic
 from moekit.infer.expert_store import ExpertStore, Key, expert_tensor_prefix
 from moekit.kernels import FEW_ROWS, rows_int8, rows_isa
@@ -134,14 +134,17 @@ def dequantize_int4(packed: Tensor, scale_GN: Tensor, dtype: torch.dtype = torch
 QUANTIZERS = {"int8": quantize_int8, "int4": quantize_int4}
 
 
-def matmul(fmt: str, views: dict[str, Tensor], role: str, x_MK: Tensor, packed_kernel: bool = False) -> Tensor:
+def matmul(fmt: str, views: dict[str, Tensor], role: str, x_MK: Tensor, kernel: str = "mm") -> Tensor:
     """``x @ w`` for weight ``role`` (w_in or w_out) of one expert stored in format ``fmt``; a full-precision
-    one by the prepacked experts' kernel where the resident model has them (``packed_kernel``)."""
+    one by the resident model's kernel for its experts: ``mm``, the prepacked experts' (``packed``) or the
+    row layout's (``rows``)."""
     if fmt == "fp":
         # NOTE: the resident model's layout and kernel (``experts.matmul``), so the same numbers: a weight
         # stored otherwise (a 16-bit run's [in, out], or another dtype) is laid out anew for the product.
         w_KN = inference_layout(views[role], x_MK.dtype)
-        return unpacked_linear(x_MK, w_KN.t()) if packed_kernel else mm(x_MK, w_KN)
+        if kernel == "packed":
+            return unpacked_linear(x_MK, w_KN.t())
+        return plain_linear(x_MK, w_KN.t().contiguous()) if kernel == "rows" else mm(x_MK, w_KN)
     q, scale = views[f"{role}.q"], views[f"{role}.scale"]
     if fmt == "int8":
         return int8_mm(x_MK, q, scale)

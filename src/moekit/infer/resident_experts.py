@@ -30,7 +30,7 @@ from torch import Tensor, nn
 from moekit.errors import OptionError
 from moekit.experts import DenseFFN
 from moekit.experts.grouped import ExpertCompute, GroupedExperts
-from moekit.experts.matmul import SIXTEEN_BIT, mm, packed_linear, plain_linear, prepack, prepackable
+from moekit.experts.matmul import SIXTEEN_BIT, mm, native_16bit, packed_linear, plain_linear, prepack, prepackable
 from moekit.infer.offloader import OffloadedExperts
 from moekit.infer.quant import INT4_GROUP, QUANT_FORMATS, int4_mm, int8_mm, pack_int4_for_cpu, quantize_int8
 from moekit.kernels import rms_norm_bf16, rows_available
@@ -285,18 +285,30 @@ def prepack_(model: nn.Module, few_rows: bool = False) -> nn.Module:
     2 threads, in one process taking turns (``python benchmarks/decode_layouts.py``), a decode step after
     a 512-token prompt 1.17x faster on d1024 and 1.15x on d2048, the prompt itself 0.86x / 0.89x (its
     products reorder the plain weights for oneDNN on each call). Steps of two or more sequences keep the packed
-    layout, which oneDNN multiplies faster from two rows. Offloaded experts keep the packed experts'
+    layout, which oneDNN multiplies faster from two rows; on a CPU without native bf16 (AVX2), where
+    oneDNN has no packed bf16 kernel, every bf16 load takes the row layout: served d1024 in bf16, 2
+    threads, 1.43x at one client and 1.76x at 16 (``python benchmarks/serve_commits.py``,
+    ``benchmarks/measured/serve-commits-d1024-avx2-rows.json``). Offloaded experts keep the packed experts'
     kernel over their slots, so under ``few_rows`` they compute what packed resident experts would, not
-    what ``RowExperts`` do."""
+    what ``RowExperts`` do; on a CPU without native bf16 (no packed bf16 kernel) the row layout's
+    kernel, over their slots."""
     weight = model.embed.weight  # the head's dtype and device (the head may be quantized already)
-    rows = few_rows and weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and rows_available()
+    # NOTE: without native bf16 (AVX2) the row kernel beats torch's at every count of rows it takes
+    # (``experts.matmul.plain_linear``): the row layout then serves steps of several sequences too
+    many_rows = not native_16bit(torch.bfloat16)
+    rows = (
+        (few_rows or many_rows) and weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and rows_available()
+    )
     if rows or prepackable(weight):
         experts, linear = (RowExperts, RowLinear) if rows else (PackedExperts, PackedLinear)
         for moe in model.moe_layers():
             if type(moe.experts) is GroupedExperts:
                 moe.experts = experts(moe.experts)
             elif isinstance(moe.experts, OffloadedExperts):  # its slots are refilled: the kernel over them
-                moe.experts.offloader.use_packed_kernels(weight.dtype)
+                if prepackable(weight):
+                    moe.experts.offloader.use_packed_kernels(weight.dtype)
+                else:
+                    moe.experts.offloader.use_row_kernels()
     elif weight.device.type == "cpu" and weight.dtype in SIXTEEN_BIT:
         linear = UpcastLinear
     else:
