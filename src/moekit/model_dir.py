@@ -73,7 +73,7 @@ def load_for_inference(
     other linear weight (``quantize_dense_``). ``prepack``: 16-bit weights reordered for oneDNN's
     kernels where the CPU has native ones (``infer.resident_experts``: faster; False keeps the plain
     layout, whose numbers offloaded experts reproduce exactly); ``few_rows``: bf16 weights laid out for a
-    batch-1 decode instead (``prepack_``)."""
+    batch-1 decode instead (``prepack_``; on a CPU without native bf16 every bf16 load is)."""
     for field, fmt in (("expert_format", expert_format), ("dense_format", dense_format)):
         if fmt not in ("fp", *QUANT_FORMATS):
             raise OptionError(field, f"choose from fp, {', '.join(QUANT_FORMATS)}", fmt)

@@ -176,7 +176,9 @@ def load_for_inference(args: argparse.Namespace, few_rows: bool = False):
 
     import torch
 
+    from moekit.experts.matmul import native_16bit
     from moekit.infer.offload import OffloadOptions
+    from moekit.kernels import rows_build_failure
     from moekit.model_dir import load_for_inference as load
     from moekit.units import parse_bytes
 
@@ -199,4 +201,9 @@ def load_for_inference(args: argparse.Namespace, few_rows: bool = False):
     )
     if in_place is not None:
         print(in_place.describe(args.run_dir), file=sys.stderr)
+    weight = loaded.model.embed.weight
+    if weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and (few_rows or not native_16bit(weight.dtype)):
+        failure = rows_build_failure()  # where the row layout was asked for and moekit's kernels were not built
+        if failure:
+            print(f"note: decoding with torch's kernels, not moekit's row kernel: {failure}", file=sys.stderr)
     return loaded

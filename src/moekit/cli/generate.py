@@ -43,11 +43,10 @@ def _prompts(args: argparse.Namespace) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
 
     from moekit.hostmem import peak_rss
     from moekit.infer.generate import check_sampling, generate_texts
-    from moekit.kernels import FEW_ROWS, rows_build_failure
+    from moekit.kernels import FEW_ROWS
     from moekit.units import format_bytes
 
     check_sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p)
@@ -55,10 +54,6 @@ def run(args: argparse.Namespace) -> int:
     runtime = peak_rss()  # the interpreter and the libraries, before the model
     few_rows = args.batch_size <= FEW_ROWS
     loaded = load_for_inference(args, few_rows=few_rows)
-    weight = loaded.model.embed.weight
-    failure = few_rows and weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and rows_build_failure()
-    if failure:
-        print(f"note: decoding with torch's kernels, not moekit's row kernel: {failure}", file=sys.stderr)
     start = time.perf_counter()
     try:
         texts = generate_texts(

@@ -72,6 +72,8 @@ def _is_output_major(w: Tensor) -> bool:
 @functools.cache
 def native_16bit(dtype: torch.dtype) -> bool:
     """Whether this CPU multiplies ``dtype`` natively (oneDNN's AVX512-BF16 / AMX / AVX512-FP16 kernels)."""
+    if dtype in SIXTEEN_BIT and not torch.backends.mkldnn.is_available():  # a torch built without oneDNN
+        return False
     if dtype == torch.bfloat16:
         return torch.ops.mkldnn._is_mkldnn_bf16_supported()
     if dtype == torch.float16:

@@ -144,7 +144,11 @@ def matmul(fmt: str, views: dict[str, Tensor], role: str, x_MK: Tensor, kernel: 
         w_KN = inference_layout(views[role], x_MK.dtype)
         if kernel == "packed":
             return unpacked_linear(x_MK, w_KN.t())
-        return plain_linear(x_MK, w_KN.t().contiguous()) if kernel == "rows" else mm(x_MK, w_KN)
+        if kernel == "rows":
+            return plain_linear(x_MK, w_KN.t().contiguous())
+        if kernel != "mm":
+            raise ValueError(f"kernel {kernel!r}: choose from mm, packed, rows")
+        return mm(x_MK, w_KN)
     q, scale = views[f"{role}.q"], views[f"{role}.scale"]
     if fmt == "int8":
         return int8_mm(x_MK, q, scale)

@@ -9,9 +9,9 @@
 - ``PackedExperts`` and ``PackedLinear``: fp32 weights, and 16-bit ones on a CPU with native 16-bit
   kernels, reordered once into oneDNN's blocked layout (``experts.matmul.prepack``), which it reads
   up to 2.2x faster.
-- ``RowExperts`` and ``RowLinear``: for a batch-1 decode (``prepack_``'s ``few_rows``), bf16 weights kept
-  in their plain layout, where ``moekit.kernels``' row kernel reads them faster still; and ``RowRMSNorm``,
-  its RMSNorm in one C call.
+- ``RowExperts`` and ``RowLinear``: for a batch-1 decode (``prepack_``'s ``few_rows``), and for every
+  load on a CPU without native bf16, bf16 weights kept in their plain layout, where ``moekit.kernels``'
+  row kernel reads them faster still; and ``RowRMSNorm``, its RMSNorm in one C call.
 
 Each expert's rows are computed as the resident and offloaded paths compute them (``ExpertCompute``),
 only the two matmuls differ. None of these is for training or saving: they hold no parameters.
@@ -166,14 +166,14 @@ class UpcastLinear(_PlainLinear):
 
 
 class RowLinear(_PlainLinear):
-    """An ``nn.Linear`` of a bf16 weight kept as it is, for a batch-1 decode: ``plain_linear``."""
+    """An ``nn.Linear`` of a bf16 weight kept as it is, for the row layout: ``plain_linear``."""
 
     def product(self, rows_MK: Tensor) -> Tensor:
         return plain_linear(rows_MK, self.weight)
 
 
 class RowRMSNorm(nn.Module):
-    """An ``nn.RMSNorm`` of bf16 with a weight, for a batch-1 decode: ``kernels.rms_norm_bf16``, one call
+    """An ``nn.RMSNorm`` of bf16 with a weight, for the row layout: ``kernels.rms_norm_bf16``, one call
     where torch's composite pays about ten ops (37-60 us a row of 1024 on a Zen 3, ad hoc)."""
 
     def __init__(self, norm: nn.RMSNorm) -> None:
@@ -277,7 +277,8 @@ def prepack_(model: nn.Module, few_rows: bool = False) -> nn.Module:
     outside the memory budget's count); offloaded experts are multiplied by the packed experts' kernel,
     over their slots' weights (``Offloader.use_packed_kernels``), so they compute what resident ones do. Routers
     (computed in fp32) keep theirs; MLA's projections too (its absorbed decode reads their weights).
-    16-bit weights a CPU has no native kernels for get ``UpcastLinear`` (the experts already multiply by ``mm``).
+    16-bit weights a CPU has no native kernels for get ``UpcastLinear`` (the experts already multiply by ``mm``),
+    bf16 ones the row layout below where moekit's kernels run.
 
     ``few_rows`` (a batch-1 decode, ``moekit generate``'s default): bf16 weights stay in their plain
     layout instead (``RowExperts``, ``RowLinear``) and RMSNorms with a weight become ``RowRMSNorm``, where
@@ -295,10 +296,8 @@ def prepack_(model: nn.Module, few_rows: bool = False) -> nn.Module:
     weight = model.embed.weight  # the head's dtype and device (the head may be quantized already)
     # NOTE: without native bf16 (AVX2) the row kernel beats torch's at every count of rows it takes
     # (``experts.matmul.plain_linear``): the row layout then serves steps of several sequences too
-    many_rows = not native_16bit(torch.bfloat16)
-    rows = (
-        (few_rows or many_rows) and weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and rows_available()
-    )
+    bf16_cpu = weight.dtype == torch.bfloat16 and weight.device.type == "cpu"
+    rows = bf16_cpu and (few_rows or not native_16bit(torch.bfloat16)) and rows_available()
     if rows or prepackable(weight):
         experts, linear = (RowExperts, RowLinear) if rows else (PackedExperts, PackedLinear)
         for moe in model.moe_layers():

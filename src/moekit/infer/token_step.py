@@ -7,8 +7,9 @@ for bit (tests/unit/test_infer_token_step.py), through the model's own modules a
 attention (a ``KVCache`` or a serving step's ``PagedStep``), and leaves out what one token does not
 need: the dispatcher (its picks are its rows), the routing statistics, the modules' call wrappers.
 ``decode_step`` and the serving engine take it wherever ``takes`` says they may: prepacked experts (fp32,
-or 16 bits on a CPU with native kernels), bf16 ones kept plain for the row kernel, and quantized ones;
-plain grouped experts (16 bits on other CPUs, a GPU) and offloaded ones run the forward. What it saves:
+or 16 bits on a CPU with native kernels), bf16 ones kept plain for the row kernel (every bf16 load on
+a CPU without native bf16), and quantized ones; plain grouped experts (fp16 on other CPUs, a GPU) and
+offloaded ones run the forward. What it saves:
 ``python benchmarks/decode_split.py``.
 
 Legend: D model dim, K picks per token, V vocabulary.

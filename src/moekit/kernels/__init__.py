@@ -46,8 +46,9 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-# NOTE: rows up to which the row layout multiplies by rows_bf16: one. At two oneDNN's prepacked kernel is
-# already a little faster (0.245 against 0.260 ms above), so a decode of two sequences keeps the packed layout.
+# NOTE: rows up to which the row layout multiplies by rows_bf16 where oneDNN has native bf16: one. At two its
+# prepacked kernel is already a little faster (0.245 against 0.260 ms above), so a decode of two sequences
+# keeps the packed layout there; without native bf16 see experts.matmul.ROWS_WITHOUT_NATIVE.
 FEW_ROWS = 1
 SOURCE = Path(__file__).with_name("decode.c")
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")  # every build's
