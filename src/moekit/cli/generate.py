@@ -43,7 +43,6 @@ def _prompts(args: argparse.Namespace) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-
     from moekit.hostmem import peak_rss
     from moekit.infer.generate import check_sampling, generate_texts
     from moekit.kernels import FEW_ROWS

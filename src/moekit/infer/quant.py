@@ -46,8 +46,9 @@ INT4_GROUP = 32
 INT8PACK_MAX_ROWS = 32
 KERNEL_DTYPE = torch.bfloat16  # the activations torch's weight-only CPU kernels are fast in
 # NOTE: where moekit's int8 row kernel replaces torch's at one row: on AVX2 (a Zen 3, 2 threads, 1024 x 4096)
-# 0.50 ms against torch's 0.86 (``python benchmarks/cpu_matmul.py --threads 2 --rows 1``, the "int8"
-# columns); torch's AVX-512 int8 kernel was not measured against it, so that build keeps torch's.
+# 0.51 ms against torch's 0.70 (``python benchmarks/cpu_matmul.py --threads 2 --rows 1 2 8 16 32``, the
+# "int8" columns, benchmarks/measured/cpu-matmul-2-threads-rows-avx2.json); torch's AVX-512 int8 kernel
+# was not measured against it, so that build keeps torch's.
 INT8_ROW_KERNEL_ISAS = ("avx2",)
 FULL_ROLES = ("w_in", "w_out")
 
