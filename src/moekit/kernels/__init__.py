@@ -9,8 +9,8 @@ benchmarks/cpu_matmul.py --threads 2 --rows 1 2 4 --rounds 3 --json``,
 off, 0.232 at one row, matched it in that loop but not in a decode step: d1024 7.77 ms against 6.59,
 d2048 13.92 against 12.03, ``python benchmarks/decode_layouts.py``). Inference keeps bf16 weights plain
 for it where a decode multiplies ``FEW_ROWS`` row (``infer.resident_experts``' row layout). On a CPU
-without native bf16 (AVX2), where torch has no packed bf16 kernel at all: 0.87 ms against torch's 0.94-1.05
-at one row, 0.82 against 1.26-1.32 at two (``benchmarks/measured/cpu-matmul-2-threads-rows-avx2.json``).
+without native bf16 (AVX2), where torch has no packed bf16 kernel at all: 0.66 ms against torch's 0.87-0.89
+at one row, 0.81 against 1.25-1.31 at two (``benchmarks/measured/cpu-matmul-2-threads-rows-avx2.json``).
 
 ``rows_int8``: the same for an int8 weight with per-output scales (``infer.quant``'s int8), widened to
 fp32 in registers. ``rms_norm_bf16``: RMSNorm of bf16 rows in one call, where torch's composite pays
