@@ -14,7 +14,7 @@ from moekit import runconfig
 from moekit.experts.matmul import prepackable, single_token_kernels
 from moekit.infer.generate import decode_step, prefill
 from moekit.infer.resident_experts import RowExperts, RowRMSNorm, prepack_, quantize_dense_, quantize_experts_
-from moekit.infer.token_step import takes, token_step
+from moekit.infer.token_step import fuses, takes, token_step
 from moekit.kernels import rows_available, rows_unavailable_reason
 from moekit.model import KVCache, Transformer
 
@@ -116,10 +116,18 @@ def test_a_token_step_equals_the_forward_bit_for_bit(family: str, fmt: str) -> N
     _steps_as_its_forward(family, fmt)
 
 
-@pytest.mark.parametrize("family", ["mixtral", "olmoe"])
+@pytest.mark.parametrize("family", ["mixtral", "olmoe", "qwen2-moe", "deepseek-router"])
 def test_the_row_layout_of_each_build_steps_as_its_forward(family: str, kernel_isa: str) -> None:
     """The same for the row layout under each build of the kernels this CPU runs (a CPU with AVX-512
-    checks the AVX2 build's kernels and RMSNorm too); OLMoE's QK norms over the whole projection."""
+    checks the AVX2 build's kernels and RMSNorm too); OLMoE's QK norms over the whole projection. Its
+    MoE layers take one C call each (``fuses``) where the router is a softmax top-k and nothing dense
+    stands beside the experts: Mixtral's and OLMoE's; Qwen2-MoE's shared expert and DeepSeek's sigmoid
+    router keep the ops of the one-token path."""
+    model = _model(family, "bf16-rows")
+    one_token = torch.zeros(1, 1, model.cfg.d_model, dtype=torch.bfloat16)
+    assert [fuses(moe, one_token) for moe in model.moe_layers()] == [family in ("mixtral", "olmoe")] * len(
+        model.moe_layers()
+    )
     _steps_as_its_forward(family, "bf16-rows")
 
 

@@ -115,6 +115,74 @@ def test_rms_norm_equals_the_written_out_formula(shape: tuple[int, ...], eps: fl
         kernels.rms_norm_bf16(torch.ones(2, 64), torch.ones(64, dtype=torch.bfloat16), eps)
 
 
+def _moe_token_reference(x, residual, router, router_bias, selection_bias, top_k, normalize, scale, w_in, w_out):
+    """One token through softmax top-k routing and SwiGLU experts, written out in float64 with the
+    kernel's bf16 roundings: the picks (ascending) and ``residual + sum_k bf16(w_k) y_k``."""
+    logits = x.double() @ router.double().t() + (0 if router_bias is None else router_bias.double())
+    probs = torch.softmax(logits, -1)
+    picked = sorted((probs + selection_bias.double()).argsort(descending=True)[:top_k].tolist())
+    weights = probs[picked]  # the unbiased scores: the selection bias picks, it does not weigh
+    if normalize and top_k > 1:
+        weights = weights / weights.sum()
+    total = torch.zeros(x.shape[0], dtype=torch.float64)
+    for e, weight in zip(picked, weights * scale, strict=True):
+        gate, up = (x.double() @ w_in[e].double().t()).bfloat16().double().chunk(2)
+        a = ((gate * torch.sigmoid(gate)).bfloat16().double() * up).bfloat16()
+        y = (a.double() @ w_out[e].double().t()).bfloat16()
+        total += (y.double() * weight.bfloat16().double()).bfloat16().double()
+    return picked, residual.double() + total.bfloat16().double()
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize(
+    ("D", "F", "E", "top_k", "normalize", "scale", "biased"),
+    [(64, 48, 8, 2, True, 1.0, False), (70, 40, 6, 3, False, 2.5, True), (32, 16, 4, 1, True, 1.0, True)],
+)
+def test_a_moe_token_equals_the_written_out_routing_and_experts(
+    D: int, F: int, E: int, top_k: int, normalize: bool, scale: float, biased: bool, threads: int, kernel_isa: str
+) -> None:
+    """``moe_token_bf16`` against ``_moe_token_reference``: the same picks, and each output within a bf16
+    unit of the reference (the fp32 sums, in their order, may tip a rounding of the products or of the
+    activation: 2^-7 of the sum of the terms' sizes, plus 2^-8 of the result for its own rounding). A
+    router bias and a selection bias that forces the weakest expert in (weighed by its own score,
+    ``biased``); D = 70 takes the products' scalar tail; three threads split the rows unevenly."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        g = torch.Generator().manual_seed(D * 100 + E * 10 + top_k)
+        x, residual = torch.randn(D, generator=g).bfloat16(), torch.randn(D, generator=g).bfloat16()
+        router = torch.randn(E, D, generator=g) * D**-0.5
+        router_bias = torch.randn(E, generator=g) if biased else None
+        selection_bias = torch.zeros(E)
+        if biased:  # the weakest expert by score is picked all the same
+            logits = x.float() @ router.t() + router_bias
+            selection_bias[int(logits.argmin())] = 10.0
+        w_in = (torch.randn(E, 2 * F, D, generator=g) * D**-0.5).bfloat16()
+        w_out = (torch.randn(E, D, F, generator=g) * F**-0.5).bfloat16()
+        args = (x, residual, router, router_bias, selection_bias, top_k, normalize, scale, w_in, w_out)
+        out, picked = kernels.moe_token_bf16(*args)
+        want_picked, want = _moe_token_reference(*args)
+        assert picked.tolist() == want_picked
+        if biased:
+            assert int(selection_bias.argmax()) in want_picked
+        terms = (want - residual.double()).abs()
+        assert bool(((out.double() - want).abs() <= 2.0**-7 * terms + 2.0**-8 * want.abs()).all())
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_what_the_moe_token_kernel_refuses(kernel_isa: str) -> None:
+    x = torch.ones(8, dtype=torch.bfloat16)
+    w_in, w_out = torch.ones(4, 6, 8, dtype=torch.bfloat16), torch.ones(4, 8, 3, dtype=torch.bfloat16)
+    router, bias = torch.ones(4, 8), torch.zeros(4)
+    with pytest.raises(ValueError, match=r"w_in \[E, 2F, D\] and w_out \[E, D, F\], not \[4, 6, 8\]"):
+        kernels.moe_token_bf16(x, x, router, None, bias, 2, True, 1.0, w_in, w_out.float())
+    with pytest.raises(ValueError, match=r"an fp32 router \[4, 8\] and 1 to 4 picks, not 5"):
+        kernels.moe_token_bf16(x, x, router, None, bias, 5, True, 1.0, w_in, w_out)
+    with pytest.raises(ValueError, match="one token's x and residual"):
+        kernels.moe_token_bf16(x[:4], x, router, None, bias, 2, True, 1.0, w_in, w_out)
+
+
 @needs_rows
 def test_what_the_kernel_refuses() -> None:
     w = torch.ones(4, 8, dtype=torch.bfloat16)

@@ -52,6 +52,7 @@ from torch import Tensor
 FEW_ROWS = 1
 SOURCE = Path(__file__).with_name("decode.c")
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")  # every build's
+LIBRARIES = ("-lm",)  # linked after the source (expf)
 # The builds of decode.c, best first: the compiler's flags for each, and /proc/cpuinfo's names of what
 # they need (decode.c checks the same at run time, moekit_rows_supported).
 ISAS = {
@@ -109,7 +110,7 @@ def build(source: Path, directory: Path, compiler: str, isa: str) -> Path:
     ``directory`` unless a build of the same source and command is there already. Raises ``OSError`` with
     the compiler's first error line."""
     command = [*shlex.split(compiler), *FLAGS, *ISAS[isa][0]]
-    digest = hashlib.sha256(source.read_bytes() + " ".join(command).encode()).hexdigest()[:16]
+    digest = hashlib.sha256(source.read_bytes() + " ".join([*command, *LIBRARIES]).encode()).hexdigest()[:16]
     library = directory / f"{source.stem}-{isa}-{digest}.so"
     if library.exists():
         return library
@@ -120,7 +121,10 @@ def build(source: Path, directory: Path, compiler: str, isa: str) -> Path:
     try:
         try:
             done = subprocess.run(
-                [*command, str(source), "-o", partial], capture_output=True, text=True, timeout=BUILD_SECONDS
+                [*command, str(source), "-o", partial, *LIBRARIES],
+                capture_output=True,
+                text=True,
+                timeout=BUILD_SECONDS,
             )
         except OSError as err:
             raise OSError(f"{compiler}: {err.strerror}") from None
@@ -161,6 +165,9 @@ def load(library: Path) -> ctypes.CDLL | None:
     lib.moekit_rms_norm_bf16.restype = None
     lib.moekit_rows_int8.argtypes = [ctypes.c_int, *[ctypes.c_int64] * 3, *[ctypes.c_void_p] * 4]
     lib.moekit_rows_int8.restype = None
+    lib.moekit_moe_token_bf16.argtypes = [ctypes.c_int, *[ctypes.c_int64] * 4, *[ctypes.c_void_p] * 4, ctypes.c_int]
+    lib.moekit_moe_token_bf16.argtypes += [ctypes.c_float, *[ctypes.c_void_p] * 9]
+    lib.moekit_moe_token_bf16.restype = None
     return lib
 
 
@@ -296,3 +303,70 @@ def rms_norm_bf16(x: Tensor, weight_D: Tensor, eps: float) -> Tensor:
         torch.get_num_threads(), rows.numel() // D, D, eps, rows.data_ptr(), weight_D.data_ptr(), y.data_ptr()
     )
     return y
+
+
+def moe_token_bf16(
+    x_D: Tensor,
+    residual_D: Tensor,
+    router_ED: Tensor,
+    router_bias_E: Tensor | None,
+    selection_bias_E: Tensor,
+    top_k: int,
+    normalize: bool,
+    route_scale: float,
+    w_in_END: Tensor,
+    w_out_EDN: Tensor,
+) -> tuple[Tensor, Tensor]:
+    """One token through a MoE layer's routed SwiGLU experts and the residual around them, in one call
+    (``decode.c``'s ``moekit_moe_token_bf16``): fp32 router logits ``x @ router.t() + bias``, softmax, the
+    ``top_k`` best by score plus ``selection_bias``, renormalised when ``normalize``, times ``route_scale``;
+    each picked expert ``silu(gate) * up`` with ``w_in`` [E, 2F, D] (gate rows first) and ``w_out`` [E, D, F],
+    bf16 and output-major; returns ``residual + sum_k bf16(w_k) y_k`` [D] and the picked experts [top_k]
+    (ascending). Every product is summed in fp32 and rounded to bf16, as torch's ops round them; only the
+    order of the fp32 sums and the exp differ from torch's."""
+    lib = _library()[0]
+    if lib is None:
+        raise RuntimeError(f"the row kernels are unavailable: {rows_unavailable_reason()}")
+    E, N, D = w_in_END.shape
+    F = N // 2
+    bf16 = (x_D, residual_D, w_in_END, w_out_EDN)
+    if any(t.dtype != torch.bfloat16 for t in bf16) or w_out_EDN.shape != (E, D, F) or 2 * F != N:
+        raise ValueError(f"moe_token_bf16 takes bf16 w_in [E, 2F, D] and w_out [E, D, F], not {list(w_in_END.shape)}")
+    fp32 = (router_ED, selection_bias_E) if router_bias_E is None else (router_ED, selection_bias_E, router_bias_E)
+    if router_ED.shape != (E, D) or any(t.dtype != torch.float32 for t in fp32) or not 0 < top_k <= E:
+        raise ValueError(f"moe_token_bf16 takes an fp32 router [{E}, {D}] and 1 to {E} picks, not {top_k}")
+    if x_D.shape != (D,) or residual_D.shape != (D,):
+        raise ValueError(f"moe_token_bf16 takes one token's x and residual [{D}]")
+    tensors = (*bf16, *fp32)
+    if any(t.device.type != "cpu" or not t.is_contiguous() for t in tensors):
+        raise ValueError("moe_token_bf16 takes contiguous CPU tensors")
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        raise RuntimeError("moe_token_bf16 is for inference: it records no gradient")
+    scratch = torch.empty(N + F + top_k * D, dtype=torch.bfloat16)
+    h, a, y = scratch.split([N, F, top_k * D])
+    out = torch.empty(D, dtype=torch.bfloat16)
+    picked = torch.empty(top_k, dtype=torch.int64)
+    weights = torch.empty(top_k, dtype=torch.float32)
+    lib.moekit_moe_token_bf16(
+        torch.get_num_threads(),
+        D,
+        F,
+        E,
+        top_k,
+        x_D.data_ptr(),
+        router_ED.data_ptr(),
+        None if router_bias_E is None else router_bias_E.data_ptr(),
+        selection_bias_E.data_ptr(),
+        int(normalize),
+        route_scale,
+        w_in_END.data_ptr(),
+        w_out_EDN.data_ptr(),
+        residual_D.data_ptr(),
+        h.data_ptr(),
+        a.data_ptr(),
+        y.data_ptr(),
+        out.data_ptr(),
+        picked.data_ptr(),
+        weights.data_ptr(),
+    )
+    return out, picked

@@ -269,15 +269,21 @@ static void one_head(int64_t S, int64_t d, float scale, const bf16* qh, const bf
 #error "decode.c is built for AVX512-BF16 or for AVX2 with FMA (moekit.kernels.ISAS)"
 #endif
 
+/* This thread's equal contiguous part [n0, n1) of N weight rows, a multiple of 16 rows. */
+static void thread_part(int64_t N, int64_t* n0, int64_t* n1) {
+    int64_t T = omp_get_num_threads(), t = omp_get_thread_num();
+    int64_t blocks = (N + 15) / 16, per = blocks / T, extra = blocks % T;
+    int64_t b0 = t * per + (t < extra ? t : extra), b1 = b0 + per + (t < extra ? 1 : 0);
+    *n0 = b0 * 16 < N ? b0 * 16 : N;
+    *n1 = b1 * 16 < N ? b1 * 16 : N;
+}
+
 /* x [M, K], w [N, K], y [M, N], all contiguous bf16. */
 void moekit_rows_bf16(int threads, int64_t M, int64_t N, int64_t K, const bf16* x, const bf16* w, bf16* y) {
 #pragma omp parallel num_threads(threads)
     {
-        /* equal contiguous parts of the weight's rows, each a multiple of 16 rows */
-        int64_t T = omp_get_num_threads(), t = omp_get_thread_num();
-        int64_t blocks = (N + 15) / 16, per = blocks / T, extra = blocks % T;
-        int64_t b0 = t * per + (t < extra ? t : extra), b1 = b0 + per + (t < extra ? 1 : 0);
-        int64_t n0 = b0 * 16 < N ? b0 * 16 : N, n1 = b1 * 16 < N ? b1 * 16 : N;
+        int64_t n0, n1;
+        thread_part(N, &n0, &n1);
         rows(M, N, K, x, w, y, n0, n1);
     }
 }
@@ -339,14 +345,86 @@ void moekit_rows_int8(int threads, int64_t M, int64_t N, int64_t K, const float*
                       const float* scale, bf16* y) {
 #pragma omp parallel num_threads(threads)
     {
-        int64_t T = omp_get_num_threads(), t = omp_get_thread_num();
-        int64_t blocks = (N + 15) / 16, per = blocks / T, extra = blocks % T;
-        int64_t b0 = t * per + (t < extra ? t : extra), b1 = b0 + per + (t < extra ? 1 : 0);
-        int64_t n0 = b0 * 16 < N ? b0 * 16 : N, n1 = b1 * 16 < N ? b1 * 16 : N;
-        int64_t r0 = 0;
+        int64_t n0, n1, r0 = 0;
+        thread_part(N, &n0, &n1);
         for (; r0 + 2 <= M; r0 += 2)
             for (int64_t n = n0; n < n1; n++) block_int8(2, K, x + r0 * K, q + n * K, scale[n], y + r0 * N + n, N);
         if (r0 < M)
             for (int64_t n = n0; n < n1; n++) block_int8(1, K, x + r0 * K, q + n * K, scale[n], y + r0 * N + n, N);
+    }
+}
+
+/* The router of one token: fp32 logits of x [D] against router [E, D] (plus bias), softmax, the top_k
+ * experts by score (plus selection_bias, which picks but does not weigh), their scores renormalised to
+ * sum to 1 when normalize, times route_scale: picked [top_k] in ascending order, weights [top_k] beside. */
+static void route(int64_t D, int64_t E, int64_t top_k, const bf16* x, const float* router, const float* router_bias,
+                  const float* selection_bias, int normalize, float route_scale, int64_t* picked, float* weights) {
+    float scores[E], top = -INFINITY, sum = 0.f;
+    for (int64_t e = 0; e < E; e++) {
+        float part[8] = {0};
+        int64_t j = 0;
+        for (; j + 8 <= D; j += 8)
+            for (int i = 0; i < 8; i++) part[i] += from_bf16(x[j + i]) * router[e * D + j + i];
+        float logit = router_bias ? router_bias[e] : 0.f;
+        for (int i = 0; i < 8; i++) logit += part[i];
+        for (; j < D; j++) logit += from_bf16(x[j]) * router[e * D + j];
+        scores[e] = logit;
+        top = logit > top ? logit : top;
+    }
+    for (int64_t e = 0; e < E; e++) sum += scores[e] = expf(scores[e] - top);
+    for (int64_t e = 0; e < E; e++) scores[e] /= sum;
+    int taken[E];
+    memset(taken, 0, sizeof taken);
+    float total = 0.f;
+    for (int64_t k = 0; k < top_k; k++) { /* the best untaken expert; a tie goes to the lower index */
+        int64_t best = -1;
+        float best_score = -INFINITY;
+        for (int64_t e = 0; e < E; e++) {
+            float s = scores[e] + (selection_bias ? selection_bias[e] : 0.f);
+            if (!taken[e] && (best < 0 || s > best_score)) best = e, best_score = s;
+        }
+        taken[best] = 1;
+        total += scores[best];
+    }
+    for (int64_t e = 0, k = 0; e < E; e++)
+        if (taken[e]) {
+            picked[k] = e;
+            weights[k++] = (normalize && top_k > 1 ? scores[e] / total : scores[e]) * route_scale;
+        }
+}
+
+/* One token through a MoE layer's routed SwiGLU experts, bf16 and without biases, and the residual
+ * around it: route x [D] (route), then each picked expert's h = w_in[e] x ([2F]: gate rows, then up
+ * rows), a = silu(gate) * up and y_k = w_out[e] a ([D]), each product summed in fp32 and every result
+ * rounded to bf16 as torch's ops round it; out = residual + sum_k bf16(w_k) y_k. w_in [E, 2F, D] and
+ * w_out [E, D, F] output-major; scratch: h [2F], a [F], y [top_k, D]. One parallel region: each product
+ * split by weight rows as moekit_rows_bf16 splits it, the activation and the sum by position. */
+void moekit_moe_token_bf16(int threads, int64_t D, int64_t F, int64_t E, int64_t top_k, const bf16* x,
+                           const float* router, const float* router_bias, const float* selection_bias, int normalize,
+                           float route_scale, const bf16* w_in, const bf16* w_out, const bf16* residual, bf16* h,
+                           bf16* a, bf16* y, bf16* out, int64_t* picked, float* weights) {
+    route(D, E, top_k, x, router, router_bias, selection_bias, normalize, route_scale, picked, weights);
+#pragma omp parallel num_threads(threads)
+    {
+        int64_t n0, n1, T = omp_get_num_threads(), t = omp_get_thread_num();
+        int64_t f0 = F * t / T, f1 = F * (t + 1) / T, d0 = D * t / T, d1 = D * (t + 1) / T;
+        for (int64_t k = 0; k < top_k; k++) {
+            thread_part(2 * F, &n0, &n1);
+            rows(1, 2 * F, D, x, w_in + picked[k] * 2 * F * D, h, n0, n1);
+#pragma omp barrier
+            for (int64_t f = f0; f < f1; f++) {
+                float gate = from_bf16(h[f]);
+                a[f] = to_bf16(from_bf16(to_bf16(gate / (1.f + expf(-gate)))) * from_bf16(h[F + f]));
+            }
+#pragma omp barrier
+            thread_part(D, &n0, &n1);
+            rows(1, D, F, a, w_out + picked[k] * D * F, y + k * D, n0, n1);
+        }
+#pragma omp barrier
+        for (int64_t d = d0; d < d1; d++) {
+            float sum = 0.f;
+            for (int64_t k = 0; k < top_k; k++) sum += from_bf16(to_bf16(from_bf16(y[k * D + d]) * from_bf16(to_bf16(weights[k]))));
+            out[d] = to_bf16(from_bf16(residual[d]) + from_bf16(to_bf16(sum)));
+        }
     }
 }
