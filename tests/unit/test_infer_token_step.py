@@ -1,6 +1,6 @@
 """``token_step``: a decode step of one sequence computes what the model's forward through the cache
-computes, bit for bit, for every model shape it takes, and the steps it does not take are left to the
-forward."""
+computes, bit for bit, for every model shape it takes (the row layout's C calls within a stated
+tolerance), and the steps it does not take are left to the forward."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from moekit import runconfig
 from moekit.experts.matmul import prepackable, single_token_kernels
 from moekit.infer.generate import decode_step, prefill
 from moekit.infer.resident_experts import RowExperts, RowRMSNorm, prepack_, quantize_dense_, quantize_experts_
-from moekit.infer.token_step import fuses, takes, token_step
+from moekit.infer.token_step import fuses, fuses_attention, takes, token_step
 from moekit.kernels import rows_available, rows_unavailable_reason
 from moekit.model import KVCache, Transformer
 
@@ -53,6 +53,7 @@ FAMILIES = {
         "moe.activation": "clamped_swiglu",
         "model.tie_embeddings": "false",
     },
+    "biased": {"model.qkv_bias": "true", "model.attn_out_bias": "true", "moe.router_bias": "true"},
     "residual+capacity": {"moe.residual": "true", "moe.capacity_factor": "0.5", "model.norm": "layernorm"},
     # routers whose training-time randomness is off in eval, and dropout, an identity in eval
     "noisy+dropout": {"moe.router": "noisy_topk", "model.dropout": "0.5"},
@@ -72,8 +73,10 @@ FORMATS = {  # dtype, expert format, dense format: load_for_inference's resident
 
 
 def _model(family: str, fmt: str, seed: int = 0) -> Transformer:
-    """A tiny model of ``family`` in ``fmt``, its biases and selection biases drawn large (a dropped one shows)."""
-    cfg = runconfig.resolve("tiny", {"model.n_layers": "3", "model.context_length": "64", **FAMILIES[family]})
+    """A tiny model of ``family`` in ``fmt``, its biases and selection biases drawn large (a dropped one shows);
+    in the row layout heads of 32, the narrowest its C attention takes."""
+    width = {"model.d_model": "128"} if fmt == "bf16-rows" else {}
+    cfg = runconfig.resolve("tiny", {"model.n_layers": "3", "model.context_length": "64", **width, **FAMILIES[family]})
     torch.manual_seed(seed)
     model = Transformer(cfg.model, cfg.moe).eval()
     dtype, experts, dense = FORMATS[fmt]
@@ -111,27 +114,43 @@ def _forward_step(model: Transformer, token_11: torch.Tensor, cache: KVCache) ->
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_a_token_step_equals_the_forward_bit_for_bit(family: str, fmt: str) -> None:
     """Logits, the cached keys and values and the cache's length equal the forward's after each of 20
-    steps (greedy tokens fed back, the prompt's 7 positions first); the token path is the one taken."""
+    steps (greedy tokens fed back, the prompt's 7 positions first); the token path is the one taken.
+    The row layout's C calls: within ``FUSED_TOLERANCE``."""
     _needs_packed_bf16(fmt)
     _steps_as_its_forward(family, fmt)
 
 
-@pytest.mark.parametrize("family", ["mixtral", "olmoe", "qwen2-moe", "deepseek-router"])
+ROW_FUSED = {  # family: whether its attention halves and its MoE layers take one C call each in the row layout
+    "mixtral": (True, True),
+    "olmoe": (False, True),  # QK norms
+    "qwen2-moe": (True, False),  # a shared expert
+    "deepseek-router": (True, False),  # sigmoid scores, groups
+    "biased": (True, True),  # biases on the projections and the router
+    "gpt-oss": (False, False),  # sinks, windows, clamped SwiGLU, expert biases
+}
+
+
+@pytest.mark.parametrize("family", ROW_FUSED)
 def test_the_row_layout_of_each_build_steps_as_its_forward(family: str, kernel_isa: str) -> None:
     """The same for the row layout under each build of the kernels this CPU runs (a CPU with AVX-512
-    checks the AVX2 build's kernels and RMSNorm too); OLMoE's QK norms over the whole projection. Its
-    MoE layers take one C call each (``fuses``) where the router is a softmax top-k and nothing dense
-    stands beside the experts: Mixtral's and OLMoE's; Qwen2-MoE's shared expert and DeepSeek's sigmoid
-    router keep the ops of the one-token path."""
+    checks the AVX2 build's kernels and RMSNorm too). Where a block's attention half or MoE layer takes
+    one C call (``fuses_attention``, ``fuses``; ``ROW_FUSED`` says which), the step stays within
+    ``FUSED_TOLERANCE`` of the forward, cache included; the others keep the one-token path's ops."""
     model = _model(family, "bf16-rows")
+    prompt = torch.zeros(1, 3, dtype=torch.long)
+    _, cache = prefill(model, prompt)
     one_token = torch.zeros(1, 1, model.cfg.d_model, dtype=torch.bfloat16)
-    assert [fuses(moe, one_token) for moe in model.moe_layers()] == [family in ("mixtral", "olmoe")] * len(
-        model.moe_layers()
+    attention, moe = ROW_FUSED[family]
+    assert [fuses_attention(b, cache, i, one_token) for i, b in enumerate(model.blocks)] == [attention] * len(
+        model.blocks
     )
+    assert [fuses(m, one_token) for m in model.moe_layers()] == [moe] * len(model.moe_layers())
     _steps_as_its_forward(family, "bf16-rows")
 
 
 def _steps_as_its_forward(family: str, fmt: str) -> None:
+    """20 steps of ``decode_step`` against the forward, each fed the forward's greedy token: bit for bit,
+    logits and cache; where a block takes the row layout's C calls (``_fused``), within ``FUSED_TOLERANCE``."""
     model = _model(family, fmt)
     if fmt == "bf16-rows":  # the row kernel's layout, not oneDNN's, and its RMSNorm where the model has one
         assert all(type(moe.experts) is RowExperts for moe in model.moe_layers())
@@ -142,12 +161,32 @@ def _steps_as_its_forward(family: str, fmt: str) -> None:
     token = logits.argmax(-1, keepdim=True)
     for _ in range(20):
         assert takes(model, token)
+        same = _close if _fused(model, cache) else torch.equal
         got, want = decode_step(model, token, cache), _forward_step(model, token, reference)
-        assert torch.equal(got, want)
+        assert same(got, want)
         assert cache.length == reference.length
         for mine, theirs in zip([*cache.keys, *cache.values], [*reference.keys, *reference.values], strict=True):
-            assert torch.equal(mine, theirs)
-        token = got.argmax(-1, keepdim=True)
+            assert same(mine, theirs)
+        token = want.argmax(-1, keepdim=True)
+
+
+# NOTE: the row layout's C calls (infer/token_step.py) sum the router's fp32 logits in their own order and
+# take silu's exp from the C library: where that tips a bf16 rounding (a combine weight, an activation:
+# 2^-8 of one term), the step and its cache part from the forward's by a few such units; Mixtral's
+# family here reaches 0.0056 of its largest logit over 40 steps. Anything wrong (an expert, a weight, a
+# position) moves them by far more than this bound.
+FUSED_TOLERANCE = 2.0**-5
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
+    return bool((got.float() - want.float()).abs().max() <= FUSED_TOLERANCE * want.float().abs().max())
+
+
+def _fused(model: Transformer, cache: KVCache) -> bool:
+    """Whether any block of this step takes one of the row layout's C calls."""
+    one_token = torch.zeros(1, 1, model.cfg.d_model, dtype=torch.bfloat16)
+    attention = any(fuses_attention(b, cache, i, one_token) for i, b in enumerate(model.blocks))
+    return attention or any(fuses(moe, one_token) for moe in model.moe_layers())
 
 
 def test_what_a_token_step_hands_back_is_outside_inference_mode() -> None:

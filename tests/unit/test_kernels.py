@@ -183,6 +183,95 @@ def test_what_the_moe_token_kernel_refuses(kernel_isa: str) -> None:
         kernels.moe_token_bf16(x[:4], x, router, None, bias, 2, True, 1.0, w_in, w_out)
 
 
+def _attention_token_reference(x, norm, eps, qkv, qkv_bias, rope, keys, values, position, heads, out, out_bias):
+    """One token through RMSNorm, the grouped qkv projection, RoPE on (x[2j], x[2j+1]) pairs, attention
+    over the cached positions and this one, the output projection and the residual, in float64 with the
+    kernel's bf16 roundings: the block's output and this position's key and value per group."""
+    G, _, d = keys.shape
+    Q = heads // G
+    normed = (x.double() / (x.double().pow(2).mean() + eps).sqrt() * norm.double()).bfloat16()
+    h = (normed.double() @ qkv.double().t()).bfloat16()
+    if qkv_bias is not None:
+        h = (h.double() + qkv_bias.double()).bfloat16()
+    cos, sin = rope.double().unbind(-1)
+
+    def rotate(v):  # [n, d]
+        a, b = v.double().unflatten(-1, (-1, 2)).unbind(-1)
+        return torch.stack([a * cos - b * sin, a * sin + b * cos], -1).flatten(-2).bfloat16()
+
+    groups = h.view(G, Q + 2, d)
+    q = rotate(groups[:, :Q]).view(heads, d)
+    k_new, v_new = rotate(groups[:, Q]), groups[:, Q + 1]
+    k = torch.cat([keys[:, :position], k_new.unsqueeze(1)], 1).double()  # [G, position + 1, d]
+    v = torch.cat([values[:, :position], v_new.unsqueeze(1)], 1).double()
+    kh, vh = k.repeat_interleave(Q, 0), v.repeat_interleave(Q, 0)
+    weights = torch.softmax((q.double().unsqueeze(1) * kh).sum(-1) * d**-0.5, -1)  # [heads, position + 1]
+    attended = (weights.unsqueeze(-1) * vh).sum(1).bfloat16().view(-1)
+    y = (attended.double() @ out.double().t()).bfloat16()
+    if out_bias is not None:
+        y = (y.double() + out_bias.double()).bfloat16()
+    return (x.double() + y.double()).bfloat16(), y.double(), k_new, v_new
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize(("heads", "G", "d", "biased"), [(4, 2, 32, False), (6, 3, 64, True), (2, 1, 128, False)])
+def test_an_attention_token_equals_the_written_out_block_half(
+    heads: int, G: int, d: int, biased: bool, threads: int, kernel_isa: str
+) -> None:
+    """``attention_token_bf16`` against ``_attention_token_reference``: its output within a bf16 unit of
+    the reference (2^-8 of it, plus 2^-6 of the attention's part for a rounding the fp32 sums tip on the
+    way); this position's key and value written in place within a unit (a rounding the sums tip), the
+    other positions left as they were. Query heads grouped over their key/value heads; biases on both projections; three
+    threads split the rows and the heads unevenly."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        g = torch.Generator().manual_seed(heads * 100 + d)
+        D, S, position = 96, 9, 5
+        x, norm = torch.randn(D, generator=g).bfloat16(), (1 + torch.randn(D, generator=g) / 4).bfloat16()
+        qkv = (torch.randn((heads + 2 * G) * d, D, generator=g) * D**-0.5).bfloat16()
+        out = (torch.randn(D, heads * d, generator=g) * (heads * d) ** -0.5).bfloat16()
+        qkv_bias = torch.randn((heads + 2 * G) * d, generator=g).bfloat16() if biased else None
+        out_bias = torch.randn(D, generator=g).bfloat16() if biased else None
+        angles = torch.rand(d // 2, generator=g) * 6.28
+        rope = torch.stack([angles.cos(), angles.sin()], -1)
+        keys, values = torch.randn(2, G, S, d, generator=g).bfloat16().unbind(0)
+        keys, values = keys.contiguous(), values.contiguous()
+        args = (x, norm, 1e-5, qkv, qkv_bias, rope, keys.clone(), values.clone(), position, heads, out, out_bias)
+        want, part, k_new, v_new = _attention_token_reference(*args)
+        got = kernels.attention_token_bf16(*args)
+        bound = 2.0**-8 * want.double().abs() + 2.0**-6 * part.abs().max()
+        assert bool(((got.double() - want.double()).abs() <= bound).all())
+        written_k, written_v = args[6], args[7]
+        for written, new in ((written_k, k_new), (written_v, v_new)):
+            assert bool(((written[:, position].double() - new.double()).abs() <= 2.0**-8 * new.double().abs()).all())
+        others = [p for p in range(S) if p != position]
+        assert torch.equal(written_k[:, others], keys[:, others]) and torch.equal(
+            written_v[:, others], values[:, others]
+        )
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_what_the_attention_token_kernel_refuses(kernel_isa: str) -> None:
+    x, qkv, out = (
+        torch.ones(64, dtype=torch.bfloat16),
+        torch.ones(256, 64, dtype=torch.bfloat16),
+        torch.ones(64, 128, dtype=torch.bfloat16),
+    )
+    keys, rope = torch.zeros(2, 8, 32, dtype=torch.bfloat16), torch.zeros(16, 2)
+    args = (x, x, 1e-5, qkv, None, rope, keys, keys.clone())
+    kernels.attention_token_bf16(*args, 7, 4, out, None)  # 4 heads of 32 over 2 groups, the last position
+    with pytest.raises(ValueError, match="at a cached position: 8"):
+        kernels.attention_token_bf16(*args, 8, 4, out, None)
+    with pytest.raises(ValueError, match="bf16 weights for 3 heads over 2 groups of 32"):
+        kernels.attention_token_bf16(*args, 0, 3, out, None)
+    with pytest.raises(ValueError, match="a cache of contiguous positions"):
+        kernels.attention_token_bf16(
+            x, x, 1e-5, qkv, None, rope, keys.transpose(0, 1).contiguous().transpose(0, 1), keys, 0, 4, out, None
+        )
+
+
 @needs_rows
 def test_what_the_kernel_refuses() -> None:
     w = torch.ones(4, 8, dtype=torch.bfloat16)

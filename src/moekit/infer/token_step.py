@@ -3,21 +3,24 @@
 At batch 1 on a CPU every op and module call around the weight products costs microseconds, and the
 MoE layer's general path (built for thousands of tokens) routes, sorts, counts, gathers, computes and
 scatters one token's two rows. ``token_step`` computes what ``model(token, cache=cache)`` computes, bit
-for bit (tests/unit/test_infer_token_step.py), through the model's own modules and the cache's own
-attention (a ``KVCache`` or a serving step's ``PagedStep``), and leaves out what one token does not
-need: the dispatcher (its picks are its rows), the routing statistics, the modules' call wrappers.
+for bit (tests/unit/test_infer_token_step.py; the row layout's C calls below aside), through the
+model's own modules and the cache's own attention (a ``KVCache`` or a serving step's ``PagedStep``), and
+leaves out what one token does not need: the dispatcher (its picks are its rows), the routing
+statistics, the modules' call wrappers.
 ``decode_step`` and the serving engine take it wherever ``takes`` says they may: prepacked experts (fp32,
 or 16 bits on a CPU with native kernels), bf16 ones kept plain for the row kernel (every bf16 load on
 a CPU without native bf16), and quantized ones; plain grouped experts (fp16 on other CPUs, a GPU) and
 offloaded ones run the forward. What it saves:
 ``python benchmarks/decode_split.py``.
 
-In the row layout a MoE layer with a softmax top-k router and SwiGLU experts (``fuses``) is one C call,
-routing, experts and residual (``kernels.moe_token_bf16``), where the ops above cost about 0.5 ms a
-layer. It multiplies with the same kernel as the forward and rounds where torch's ops round; the
-router's fp32 sums run in its own order and silu's exp is the C library's, so the step equals the
-forward wherever those tip no bf16 rounding: every step of the tests' models, and 200 of 200 random
-tokens through a d1024 layer (ad hoc).
+In the row layout a block's attention half (``fuses_attention``) and a MoE layer with a softmax top-k
+router and SwiGLU experts (``fuses``) are one C call each, residual included
+(``kernels.attention_token_bf16``, ``kernels.moe_token_bf16``), where the ops above cost about 0.3 and
+0.5 ms a layer (a d1024 bf16 step on a Zen 3: 30.7 ms with neither, 26.2 with the MoE call, 24-25.5
+with both; ad hoc). They multiply with the forward's kernels and round where torch's ops round, but
+sum the router's fp32 logits in their own order and take silu's exp from the C library: where that
+tips a bf16 rounding, the step parts from the forward's by a few bf16 units
+(tests/unit/test_infer_token_step.py bounds it); elsewhere it equals the forward bit for bit.
 
 Legend: D model dim, K picks per token, V vocabulary.
 """
@@ -28,10 +31,10 @@ import torch
 from torch import Tensor
 
 from moekit.dispatch import LocalDispatcher
-from moekit.infer.resident_experts import PerExpert, RowExperts
-from moekit.kernels import moe_token_bf16, rows_available
+from moekit.infer.resident_experts import PerExpert, RowExperts, RowLinear, RowRMSNorm
+from moekit.kernels import attention_token_bf16, moe_token_bf16, rows_available
 from moekit.layer import MoE
-from moekit.model.transformer import Attention, Block, Cache, Transformer
+from moekit.model.transformer import Attention, Block, Cache, KVCache, Transformer
 from moekit.routing import TopKRouter
 
 
@@ -54,6 +57,7 @@ def token_step(model: Transformer, token_11: Tensor, cache: Cache, loads: list[T
     between layers through them); a block whose pre-hooks return new arguments runs its own forward
     on them."""
     freqs = cache.rope(model.rope_freqs, 1)
+    rope_d2 = torch.view_as_real(freqs[0]) if freqs.dtype == torch.complex64 else None  # (cos, sin) for C
     x = model.embed(token_11)  # [1, 1, D]
     for i, block in enumerate(model.blocks):
         given = args = (x, freqs, cache, i, token_11, False)
@@ -67,7 +71,10 @@ def token_step(model: Transformer, token_11: Tensor, cache: Cache, loads: list[T
                 loads.append(stats.tokens_per_expert)
             continue
         # Block.forward in eval mode (its dropout an identity), the attention's own forward unwrapped
-        x = x + block.attn.forward(block.attn_norm(x), freqs, cache, i)
+        if rope_d2 is not None and fuses_attention(block, cache, i, x):
+            x = _fused_attention(block, x, rope_d2, cache, i)
+        else:
+            x = x + block.attn.forward(block.attn_norm(x), freqs, cache, i)
         h = block.ffn_norm(x)
         if not isinstance(block.ffn, MoE):
             x = x + block.ffn(h)
@@ -177,4 +184,43 @@ def _fused_moe(moe: MoE, h_11D: Tensor, x_11D: Tensor, loads: list[Tensor] | Non
     )
     if loads is not None:
         loads.append(torch.bincount(picked_K, minlength=moe.cfg.num_experts))
+    return y_D.view_as(x_11D)
+
+
+def fuses_attention(block: Block, cache: Cache, layer: int, x_11D: Tensor) -> bool:
+    """Whether ``block``'s attention half and the residual around it take one C call at this token
+    (``kernels.attention_token_bf16``): the row layout's RMSNorm and projections, unhooked, no QK norm,
+    sinks or window, heads of 32 to 128 (``kernels.one_query_bf16``'s) over one sequence's contiguous bf16
+    ``KVCache`` whose every position is its own."""
+    attn = block.attn
+    if type(cache) is not KVCache or cache.left_pad is not None or cache.mla_expanded:
+        return False
+    modules = (block.attn_norm, attn.qkv, attn.out)
+    kinds = (RowRMSNorm, RowLinear, RowLinear)
+    if any(type(m) is not kind or _hooked(m) for m, kind in zip(modules, kinds, strict=True)):
+        return False
+    keys, d = cache.keys[layer], attn.head_dim
+    plain = attn.qk_norm is None and attn.sinks is None and not attn.window and d % 32 == 0 and d <= 128
+    return plain and x_11D.dtype == keys.dtype == torch.bfloat16 and keys.shape[0] == 1 and keys.is_contiguous()
+
+
+def _fused_attention(block: Block, x_11D: Tensor, rope_d2: Tensor, cache: KVCache, layer: int) -> Tensor:
+    """``x + attn(attn_norm(x))`` for one token where ``fuses_attention``, in one C call; this token's key
+    and value land in ``cache`` at its length, as ``KVCache.append`` puts them."""
+    attn, norm = block.attn, block.attn_norm
+    heads = attn.qkv.weight.shape[0] // attn.head_dim - 2 * cache.keys[layer].shape[1]
+    y_D = attention_token_bf16(
+        x_11D.view(-1),
+        norm.weight,
+        norm.eps,
+        attn.qkv.weight,
+        attn.qkv.bias,
+        rope_d2,
+        cache.keys[layer][0],
+        cache.values[layer][0],
+        cache.length,
+        heads,
+        attn.out.weight,
+        attn.out.bias,
+    )
     return y_D.view_as(x_11D)

@@ -16,6 +16,11 @@ at one row, 0.81 against 1.25-1.31 at two (``benchmarks/measured/cpu-matmul-2-th
 fp32 in registers. ``rms_norm_bf16``: RMSNorm of bf16 rows in one call, where torch's composite pays
 about ten ops.
 
+``moe_token_bf16`` and ``attention_token_bf16``: a decode step's MoE layer (routing, SwiGLU experts,
+combine) and attention half (RMSNorm, projections, RoPE, the cache's new position, attention), each
+with its residual, in one call where the ops between the products cost about 0.5 and 0.3 ms a layer
+(``infer.token_step`` takes them in the row layout).
+
 ``one_query_bf16``: one sequence's one-token attention over its cached bf16 keys and values, read in
 place, where torch's path converts them to fp32 first and pays a dozen ops a layer (16 heads over 4
 key/value heads of 64, 2 threads, a layer: 5.1 / 10.4 / 16.6 / 26.2 us against 27.2 / 41.5 / 58.8 /
@@ -51,7 +56,7 @@ from torch import Tensor
 # keeps the packed layout there; without native bf16 see experts.matmul.ROWS_WITHOUT_NATIVE.
 FEW_ROWS = 1
 SOURCE = Path(__file__).with_name("decode.c")
-FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")  # every build's
+FLAGS = ("-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")  # every build's: FMAs only where written
 LIBRARIES = ("-lm",)  # linked after the source (expf)
 # The builds of decode.c, best first: the compiler's flags for each, and /proc/cpuinfo's names of what
 # they need (decode.c checks the same at run time, moekit_rows_supported).
@@ -168,6 +173,9 @@ def load(library: Path) -> ctypes.CDLL | None:
     lib.moekit_moe_token_bf16.argtypes = [ctypes.c_int, *[ctypes.c_int64] * 4, *[ctypes.c_void_p] * 4, ctypes.c_int]
     lib.moekit_moe_token_bf16.argtypes += [ctypes.c_float, *[ctypes.c_void_p] * 9]
     lib.moekit_moe_token_bf16.restype = None
+    lib.moekit_attention_token_bf16.argtypes = [ctypes.c_int, *[ctypes.c_int64] * 5, ctypes.c_float, ctypes.c_float]
+    lib.moekit_attention_token_bf16.argtypes += [*[ctypes.c_void_p] * 7, ctypes.c_int64, *[ctypes.c_void_p] * 5]
+    lib.moekit_attention_token_bf16.restype = None
     return lib
 
 
@@ -370,3 +378,70 @@ def moe_token_bf16(
         weights.data_ptr(),
     )
     return out, picked
+
+
+def attention_token_bf16(
+    x_D: Tensor,
+    norm_D: Tensor,
+    eps: float,
+    qkv_ND: Tensor,
+    qkv_bias_N: Tensor | None,
+    rope_d2: Tensor,
+    keys_GSd: Tensor,
+    values_GSd: Tensor,
+    position: int,
+    heads: int,
+    out_DN: Tensor,
+    out_bias_D: Tensor | None,
+) -> Tensor:
+    """One token through a block's attention half and the residual around it, in one call (``decode.c``'s
+    ``moekit_attention_token_bf16``): ``x + out(attend(rope(qkv(rms_norm(x)))))`` [D], ``qkv`` laid out per
+    key/value group as moekit's ``Attention`` lays it out, ``heads`` query heads over the G groups of the
+    cache ``keys``/``values`` [G, S, d] (a ``KVCache`` layer's, written in place at ``position``, attended up
+    to it), ``rope`` [d/2, 2] this position's (cos, sin) in fp32. Rounded to bf16 where torch's ops round;
+    the products and the attention are ``rows_bf16``'s and ``one_query_bf16``'s."""
+    lib = _library()[0]
+    if lib is None:
+        raise RuntimeError(f"the row kernels are unavailable: {rows_unavailable_reason()}")
+    (D,), (G, S, d) = x_D.shape, keys_GSd.shape
+    bf16 = [x_D, norm_D, qkv_ND, keys_GSd, values_GSd, out_DN, *(b for b in (qkv_bias_N, out_bias_D) if b is not None)]
+    shapes = qkv_ND.shape == ((heads + 2 * G) * d, D) and out_DN.shape == (D, heads * d) and norm_D.shape == (D,)
+    if any(t.dtype != torch.bfloat16 for t in bf16) or not shapes or values_GSd.shape != keys_GSd.shape:
+        raise ValueError(f"attention_token_bf16 takes bf16 weights for {heads} heads over {G} groups of {d}")
+    rope = rope_d2.shape == (d // 2, 2) and rope_d2.dtype == torch.float32
+    if heads % G or d % 32 or d > 128 or not 0 <= position < S or not rope:
+        raise ValueError(f"attention_token_bf16 takes heads of 32 to 128, not {d}, at a cached position: {position}")
+    laid_out = all(t.is_contiguous() for t in bf16[:3] + bf16[5:]) and rope_d2.is_contiguous()
+    cached = (keys_GSd, values_GSd)
+    positions = all(t.stride(1) == d and t.stride(2) == 1 and t.stride(0) == keys_GSd.stride(0) for t in cached)
+    if not laid_out or not positions or any(t.device.type != "cpu" for t in bf16):
+        raise ValueError("attention_token_bf16 takes contiguous CPU weights and a cache of contiguous positions")
+    if torch.is_grad_enabled() and any(t.requires_grad for t in bf16):
+        raise RuntimeError("attention_token_bf16 is for inference: it records no gradient")
+    scratch = torch.empty(D + (3 * heads + 2 * G) * d, dtype=torch.bfloat16)  # normed, qkv, queries, attended
+    scores = torch.empty(heads * (position + 1), dtype=torch.float32)
+    out = torch.empty(D, dtype=torch.bfloat16)
+    lib.moekit_attention_token_bf16(
+        torch.get_num_threads(),
+        D,
+        heads,
+        G,
+        d,
+        position,
+        eps,
+        d**-0.5,
+        x_D.data_ptr(),
+        norm_D.data_ptr(),
+        qkv_ND.data_ptr(),
+        None if qkv_bias_N is None else qkv_bias_N.data_ptr(),
+        rope_d2.data_ptr(),
+        keys_GSd.data_ptr(),
+        values_GSd.data_ptr(),
+        keys_GSd.stride(0),
+        out_DN.data_ptr(),
+        None if out_bias_D is None else out_bias_D.data_ptr(),
+        scratch.data_ptr(),
+        scores.data_ptr(),
+        out.data_ptr(),
+    )
+    return out

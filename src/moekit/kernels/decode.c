@@ -16,6 +16,11 @@
  * series around a power of two), the weights times the values in fp32, the output rounded to bf16 once;
  * the heads split between the threads.
  *
+ * moekit_moe_token_bf16, moekit_attention_token_bf16: one token through a MoE layer's routed experts
+ * and through a block's attention half, each with its residual, in one call: the products by rows(),
+ * the attention by one_head(), the rest in scalar C rounded to bf16 where torch's ops round (built with
+ * -ffp-contract=off, so no product and sum written apart is fused into one FMA).
+ *
  * Two builds of this one source, by the instructions the compiler is given (moekit.kernels picks the
  * best this CPU runs): AVX512-BF16, whose pairwise dot products take bf16 as it is; AVX2 with FMA,
  * which widens bf16 to fp32 (exact: a shift) and sums with fp32 FMAs, for CPUs without native bf16,
@@ -302,15 +307,16 @@ void moekit_one_query_bf16(int threads, int64_t H, int64_t G, int64_t S, int64_t
 
 /* x [M, D] -> y [M, D], all bf16, w [D]: y = x / sqrt(mean(x^2) + eps) * w per row, in fp32 (the squares
  * summed in order), rounded to bf16 once; rows split between the threads from 16 rows on. */
+static void rms_norm_row(int64_t D, float eps, const bf16* x, const bf16* w, bf16* y) {
+    float squares = 0.f;
+    for (int64_t j = 0; j < D; j++) squares += from_bf16(x[j]) * from_bf16(x[j]);
+    float rstd = 1.f / sqrtf(squares / (float)D + eps);
+    for (int64_t j = 0; j < D; j++) y[j] = to_bf16(from_bf16(x[j]) * rstd * from_bf16(w[j]));
+}
+
 void moekit_rms_norm_bf16(int threads, int64_t M, int64_t D, float eps, const bf16* x, const bf16* w, bf16* y) {
 #pragma omp parallel for num_threads(threads) schedule(static) if (M >= 16)
-    for (int64_t m = 0; m < M; m++) {
-        const bf16* xm = x + m * D;
-        float squares = 0.f;
-        for (int64_t j = 0; j < D; j++) squares += from_bf16(xm[j]) * from_bf16(xm[j]);
-        float rstd = 1.f / sqrtf(squares / (float)D + eps);
-        for (int64_t j = 0; j < D; j++) y[m * D + j] = to_bf16(from_bf16(xm[j]) * rstd * from_bf16(w[j]));
-    }
+    for (int64_t m = 0; m < M; m++) rms_norm_row(D, eps, x + m * D, w, y + m * D);
 }
 
 /* R rows of fp32 x (1 or 2, a constant once inlined) against one int8 weight row q [K] with its scale:
@@ -427,4 +433,55 @@ void moekit_moe_token_bf16(int threads, int64_t D, int64_t F, int64_t E, int64_t
             out[d] = to_bf16(from_bf16(residual[d]) + from_bf16(to_bf16(sum)));
         }
     }
+}
+
+/* rows_bf16 of one row in a parallel region of its own, plus a bias (bf16, or NULL) rounded once more. */
+static void row_product(int threads, int64_t N, int64_t K, const bf16* x, const bf16* w, const bf16* bias, bf16* y) {
+#pragma omp parallel num_threads(threads)
+    {
+        int64_t n0, n1;
+        thread_part(N, &n0, &n1);
+        rows(1, N, K, x, w, y, n0, n1);
+    }
+    if (bias)
+        for (int64_t n = 0; n < N; n++) y[n] = to_bf16(from_bf16(y[n]) + from_bf16(bias[n]));
+}
+
+/* v rotated pair by pair (v[2j], v[2j+1]) by rope[j] = (cos, sin) in fp32 as torch multiplies complex
+ * numbers (each product rounded, then summed: the library is built without contracting them into FMAs),
+ * rounded to bf16. */
+static void rotate(int64_t d, const bf16* v, const float* rope, bf16* out) {
+    for (int64_t j = 0; j < d / 2; j++) {
+        float a = from_bf16(v[2 * j]), b = from_bf16(v[2 * j + 1]), c = rope[2 * j], s = rope[2 * j + 1];
+        out[2 * j] = to_bf16(a * c - b * s);
+        out[2 * j + 1] = to_bf16(a * s + b * c);
+    }
+}
+
+/* One token through a block's attention half, the residual around it: x + out(attend(rope(qkv(norm(x))))).
+ * x [D]; norm_w [D] (RMSNorm); qkv_w [(H + 2G) d, D] laid out per key/value group (its Q = H / G query
+ * heads, its key, its value: moekit's Attention), qkv_b its bias or NULL; rope [d/2, 2] this position's
+ * (cos, sin); keys and values: group g's position s at + g * gs + s * d, this token's written at
+ * position S, every position up to it attended (one_head); out_w [D, H d], out_b or NULL. Each result
+ * rounded to bf16 where torch's ops round it. scratch: D + (3H + 2G) d bf16 and H (S + 1) floats. */
+void moekit_attention_token_bf16(int threads, int64_t D, int64_t H, int64_t G, int64_t d, int64_t S, float eps,
+                                 float scale, const bf16* x, const bf16* norm_w, const bf16* qkv_w, const bf16* qkv_b,
+                                 const float* rope, bf16* keys, bf16* values, int64_t gs, const bf16* out_w,
+                                 const bf16* out_b, bf16* scratch, float* scores, bf16* out) {
+    int64_t Q = H / G;
+    bf16 *normed = scratch, *qkv = normed + D, *q = qkv + (H + 2 * G) * d, *attended = q + H * d;
+    rms_norm_row(D, eps, x, norm_w, normed);
+    row_product(threads, (H + 2 * G) * d, D, normed, qkv_w, qkv_b, qkv);
+    for (int64_t g = 0; g < G; g++) {
+        const bf16* group = qkv + g * (Q + 2) * d;
+        for (int64_t i = 0; i < Q; i++) rotate(d, group + i * d, rope, q + (g * Q + i) * d);
+        rotate(d, group + Q * d, rope, keys + g * gs + S * d);
+        memcpy(values + g * gs + S * d, group + (Q + 1) * d, d * sizeof(bf16));
+    }
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t h = 0; h < H; h++)
+        one_head(S + 1, d, scale, q + h * d, keys + (h / Q) * gs, d, values + (h / Q) * gs, d, scores + h * (S + 1),
+                 attended + h * d);
+    row_product(threads, D, H * d, attended, out_w, out_b, out);
+    for (int64_t j = 0; j < D; j++) out[j] = to_bf16(from_bf16(x[j]) + from_bf16(out[j]));
 }
