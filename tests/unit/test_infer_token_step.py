@@ -74,8 +74,8 @@ FORMATS = {  # dtype, expert format, dense format: load_for_inference's resident
 
 def _model(family: str, fmt: str, seed: int = 0) -> Transformer:
     """A tiny model of ``family`` in ``fmt``, its biases and selection biases drawn large (a dropped one shows);
-    in the row layout heads of 32, the narrowest its C attention takes."""
-    width = {"model.d_model": "128"} if fmt == "bf16-rows" else {}
+    in the row layout and in int8 heads of 32, the narrowest the C attention takes."""
+    width = {"model.d_model": "128"} if fmt in ("bf16-rows", "int8") else {}
     cfg = runconfig.resolve("tiny", {"model.n_layers": "3", "model.context_length": "64", **width, **FAMILIES[family]})
     torch.manual_seed(seed)
     model = Transformer(cfg.model, cfg.moe).eval()

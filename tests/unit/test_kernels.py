@@ -115,6 +115,17 @@ def test_rms_norm_equals_the_written_out_formula(shape: tuple[int, ...], eps: fl
         kernels.rms_norm_bf16(torch.ones(2, 64), torch.ones(64, dtype=torch.bfloat16), eps)
 
 
+def _in_format(w: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """A bf16 weight [..., N, K] as the one-token calls take it in ``fmt`` (bf16, or int8 with absmax / 127
+    scales per output) and as the references multiply it (int8: dequantised with its scales rounded to
+    bf16, as the kernels round them)."""
+    if fmt == "bf16":
+        return w, None, w
+    scale = w.float().abs().amax(-1) / 127
+    q = torch.round(w.float() / scale.unsqueeze(-1)).to(torch.int8)
+    return q, scale, q.double() * scale.bfloat16().double().unsqueeze(-1)
+
+
 def _moe_token_reference(x, residual, router, router_bias, selection_bias, top_k, normalize, scale, w_in, w_out):
     """One token through softmax top-k routing and SwiGLU experts, written out in float64 with the
     kernel's bf16 roundings: the picks (ascending) and ``residual + sum_k bf16(w_k) y_k``."""
@@ -133,19 +144,30 @@ def _moe_token_reference(x, residual, router, router_bias, selection_bias, top_k
     return picked, residual.double() + total.bfloat16().double()
 
 
+@pytest.mark.parametrize("fmt", ["bf16", "int8"])
 @pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize(
     ("D", "F", "E", "top_k", "normalize", "scale", "biased"),
     [(64, 48, 8, 2, True, 1.0, False), (70, 40, 6, 3, False, 2.5, True), (32, 16, 4, 1, True, 1.0, True)],
 )
 def test_a_moe_token_equals_the_written_out_routing_and_experts(
-    D: int, F: int, E: int, top_k: int, normalize: bool, scale: float, biased: bool, threads: int, kernel_isa: str
+    D: int,
+    F: int,
+    E: int,
+    top_k: int,
+    normalize: bool,
+    scale: float,
+    biased: bool,
+    threads: int,
+    fmt: str,
+    kernel_isa: str,
 ) -> None:
     """``moe_token_bf16`` against ``_moe_token_reference``: the same picks, and each output within a bf16
     unit of the reference (the fp32 sums, in their order, may tip a rounding of the products or of the
     activation: 2^-7 of the sum of the terms' sizes, plus 2^-8 of the result for its own rounding). A
     router bias and a selection bias that forces the weakest expert in (weighed by its own score,
-    ``biased``); D = 70 takes the products' scalar tail; three threads split the rows unevenly."""
+    ``biased``); D = 70 takes the products' scalar tail; three threads split the rows unevenly; the
+    experts in bf16 and in int8 (``_in_format``)."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -157,11 +179,11 @@ def test_a_moe_token_equals_the_written_out_routing_and_experts(
         if biased:  # the weakest expert by score is picked all the same
             logits = x.float() @ router.t() + router_bias
             selection_bias[int(logits.argmin())] = 10.0
-        w_in = (torch.randn(E, 2 * F, D, generator=g) * D**-0.5).bfloat16()
-        w_out = (torch.randn(E, D, F, generator=g) * F**-0.5).bfloat16()
-        args = (x, residual, router, router_bias, selection_bias, top_k, normalize, scale, w_in, w_out)
-        out, picked = kernels.moe_token_bf16(*args)
-        want_picked, want = _moe_token_reference(*args)
+        w_in, w_in_scale, w_in_ref = _in_format((torch.randn(E, 2 * F, D, generator=g) * D**-0.5).bfloat16(), fmt)
+        w_out, w_out_scale, w_out_ref = _in_format((torch.randn(E, D, F, generator=g) * F**-0.5).bfloat16(), fmt)
+        args = (x, residual, router, router_bias, selection_bias, top_k, normalize, scale)
+        out, picked = kernels.moe_token_bf16(*args, w_in, w_out, w_in_scale, w_out_scale)
+        want_picked, want = _moe_token_reference(*args, w_in_ref, w_out_ref)
         assert picked.tolist() == want_picked
         if biased:
             assert int(selection_bias.argmax()) in want_picked
@@ -176,10 +198,16 @@ def test_what_the_moe_token_kernel_refuses(kernel_isa: str) -> None:
     w_in, w_out = torch.ones(4, 6, 8, dtype=torch.bfloat16), torch.ones(4, 8, 3, dtype=torch.bfloat16)
     router, bias = torch.ones(4, 8), torch.zeros(4)
     with pytest.raises(ValueError, match=r"w_in \[E, 2F, D\] and w_out \[E, D, F\], not \[4, 6, 8\]"):
+        kernels.moe_token_bf16(x, x, router, None, bias, 2, True, 1.0, w_in, w_out[:, :4])
+    with pytest.raises(
+        ValueError, match=r"w_out: a bf16 weight, or int8 with fp32 scales per output, not torch.float32"
+    ):
         kernels.moe_token_bf16(x, x, router, None, bias, 2, True, 1.0, w_in, w_out.float())
+    with pytest.raises(ValueError, match=r"w_in: .*, not torch.int8 \[4, 6, 8\] and \[4, 8\] scales"):
+        kernels.moe_token_bf16(x, x, router, None, bias, 2, True, 1.0, w_in.to(torch.int8), w_out, torch.ones(4, 8))
     with pytest.raises(ValueError, match=r"an fp32 router \[4, 8\] and 1 to 4 picks, not 5"):
         kernels.moe_token_bf16(x, x, router, None, bias, 5, True, 1.0, w_in, w_out)
-    with pytest.raises(ValueError, match="one token's x and residual"):
+    with pytest.raises(ValueError, match="one token's bf16 x and residual"):
         kernels.moe_token_bf16(x[:4], x, router, None, bias, 2, True, 1.0, w_in, w_out)
 
 
@@ -213,36 +241,44 @@ def _attention_token_reference(x, norm, eps, qkv, qkv_bias, rope, keys, values, 
     return (x.double() + y.double()).bfloat16(), y.double(), k_new, v_new
 
 
+@pytest.mark.parametrize("fmt", ["bf16", "int8"])
 @pytest.mark.parametrize("threads", [1, 3])
 @pytest.mark.parametrize(("heads", "G", "d", "biased"), [(4, 2, 32, False), (6, 3, 64, True), (2, 1, 128, False)])
 def test_an_attention_token_equals_the_written_out_block_half(
-    heads: int, G: int, d: int, biased: bool, threads: int, kernel_isa: str
+    heads: int, G: int, d: int, biased: bool, threads: int, fmt: str, kernel_isa: str
 ) -> None:
     """``attention_token_bf16`` against ``_attention_token_reference``: its output within a bf16 unit of
     the reference (2^-8 of it, plus 2^-6 of the attention's part for a rounding the fp32 sums tip on the
     way); this position's key and value written in place within a unit (a rounding the sums tip), the
-    other positions left as they were. Query heads grouped over their key/value heads; biases on both projections; three
-    threads split the rows and the heads unevenly."""
+    other positions left as they were. Query heads grouped over their key/value heads; biases on both
+    projections; three threads split the rows and the heads unevenly; the projections in bf16 and in
+    int8 (``_in_format``)."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         g = torch.Generator().manual_seed(heads * 100 + d)
         D, S, position = 96, 9, 5
         x, norm = torch.randn(D, generator=g).bfloat16(), (1 + torch.randn(D, generator=g) / 4).bfloat16()
-        qkv = (torch.randn((heads + 2 * G) * d, D, generator=g) * D**-0.5).bfloat16()
-        out = (torch.randn(D, heads * d, generator=g) * (heads * d) ** -0.5).bfloat16()
+        qkv, qkv_scale, qkv_ref = _in_format(
+            (torch.randn((heads + 2 * G) * d, D, generator=g) * D**-0.5).bfloat16(), fmt
+        )
+        out, out_scale, out_ref = _in_format(
+            (torch.randn(D, heads * d, generator=g) * (heads * d) ** -0.5).bfloat16(), fmt
+        )
         qkv_bias = torch.randn((heads + 2 * G) * d, generator=g).bfloat16() if biased else None
         out_bias = torch.randn(D, generator=g).bfloat16() if biased else None
         angles = torch.rand(d // 2, generator=g) * 6.28
         rope = torch.stack([angles.cos(), angles.sin()], -1)
         keys, values = torch.randn(2, G, S, d, generator=g).bfloat16().unbind(0)
         keys, values = keys.contiguous(), values.contiguous()
-        args = (x, norm, 1e-5, qkv, qkv_bias, rope, keys.clone(), values.clone(), position, heads, out, out_bias)
-        want, part, k_new, v_new = _attention_token_reference(*args)
-        got = kernels.attention_token_bf16(*args)
+        cache = (rope, keys.clone(), values.clone(), position, heads)
+        want, part, k_new, v_new = _attention_token_reference(
+            x, norm, 1e-5, qkv_ref, qkv_bias, *cache, out_ref, out_bias
+        )
+        got = kernels.attention_token_bf16(x, norm, 1e-5, qkv, qkv_bias, *cache, out, out_bias, qkv_scale, out_scale)
         bound = 2.0**-8 * want.double().abs() + 2.0**-6 * part.abs().max()
         assert bool(((got.double() - want.double()).abs() <= bound).all())
-        written_k, written_v = args[6], args[7]
+        written_k, written_v = cache[1], cache[2]
         for written, new in ((written_k, k_new), (written_v, v_new)):
             assert bool(((written[:, position].double() - new.double()).abs() <= 2.0**-8 * new.double().abs()).all())
         others = [p for p in range(S) if p != position]

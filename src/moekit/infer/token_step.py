@@ -31,8 +31,16 @@ import torch
 from torch import Tensor
 
 from moekit.dispatch import LocalDispatcher
-from moekit.infer.resident_experts import PerExpert, RowExperts, RowLinear, RowRMSNorm
-from moekit.kernels import attention_token_bf16, moe_token_bf16, rows_available
+from moekit.infer.quant import INT8_ROW_KERNEL_ISAS
+from moekit.infer.resident_experts import (
+    PerExpert,
+    QuantizedExperts,
+    QuantizedLinear,
+    RowExperts,
+    RowLinear,
+    RowRMSNorm,
+)
+from moekit.kernels import attention_token_bf16, moe_token_bf16, rows_available, rows_isa
 from moekit.layer import MoE
 from moekit.model.transformer import Attention, Block, Cache, KVCache, Transformer
 from moekit.routing import TopKRouter
@@ -146,10 +154,11 @@ def _moe(moe: MoE, h_11D: Tensor, loads: list[Tensor] | None) -> Tensor:
 
 def fuses(moe: MoE, h_11D: Tensor) -> bool:
     """Whether ``moe``'s routed experts and the residual around them take one C call at this token
-    (``kernels.moe_token_bf16``): bf16 SwiGLU experts without biases in the row layout, a softmax top-k
-    router without groups, noise or a DTS schedule under way, and nothing dense beside the experts."""
+    (``kernels.moe_token_bf16``): SwiGLU experts without biases in the row layout or in int8
+    (``_c_weights``), a softmax top-k router without groups, noise or a DTS schedule under way, and
+    nothing dense beside the experts."""
     experts, router = moe.experts, moe.router
-    if not (type(experts) is RowExperts and h_11D.dtype == torch.bfloat16 and rows_available()):
+    if not (_c_weights(experts) and h_11D.dtype == torch.bfloat16):
         return False
     cfg = router.cfg
     plain_router = cfg.score_func == "softmax" and cfg.softmax_before_topk and router.noise is None
@@ -170,6 +179,7 @@ def _fused_moe(moe: MoE, h_11D: Tensor, x_11D: Tensor, loads: list[Tensor] | Non
     """``x + moe(h)`` for one token where ``fuses``, in one C call."""
     router, experts = moe.router, moe.experts
     bias = router.gate.bias
+    (w_in, w_in_scale), (w_out, w_out_scale) = (_weight_and_scale(experts, role) for role in ("w_in", "w_out"))
     y_D, picked_K = moe_token_bf16(
         h_11D.view(-1),
         x_11D.view(-1),
@@ -179,8 +189,10 @@ def _fused_moe(moe: MoE, h_11D: Tensor, x_11D: Tensor, loads: list[Tensor] | Non
         router.cfg.top_k,
         router.cfg.normalize_topk,
         router.cfg.route_scale,
-        experts.w_in,
-        experts.w_out,
+        w_in,
+        w_out,
+        w_in_scale,
+        w_out_scale,
     )
     if loads is not None:
         loads.append(torch.bincount(picked_K, minlength=moe.cfg.num_experts))
@@ -196,8 +208,7 @@ def fuses_attention(block: Block, cache: Cache, layer: int, x_11D: Tensor) -> bo
     if type(cache) is not KVCache or cache.left_pad is not None or cache.mla_expanded:
         return False
     modules = (block.attn_norm, attn.qkv, attn.out)
-    kinds = (RowRMSNorm, RowLinear, RowLinear)
-    if any(type(m) is not kind or _hooked(m) for m, kind in zip(modules, kinds, strict=True)):
+    if type(block.attn_norm) is not RowRMSNorm or not all(map(_c_weights, modules[1:])) or any(map(_hooked, modules)):
         return False
     keys, d = cache.keys[layer], attn.head_dim
     plain = attn.qk_norm is None and attn.sinks is None and not attn.window and d % 32 == 0 and d <= 128
@@ -208,19 +219,42 @@ def _fused_attention(block: Block, x_11D: Tensor, rope_d2: Tensor, cache: KVCach
     """``x + attn(attn_norm(x))`` for one token where ``fuses_attention``, in one C call; this token's key
     and value land in ``cache`` at its length, as ``KVCache.append`` puts them."""
     attn, norm = block.attn, block.attn_norm
-    heads = attn.qkv.weight.shape[0] // attn.head_dim - 2 * cache.keys[layer].shape[1]
+    qkv, qkv_scale = _weight_and_scale(attn.qkv, "weight")
+    out, out_scale = _weight_and_scale(attn.out, "weight")  # [D, H d]
+    heads = out.shape[1] // attn.head_dim
     y_D = attention_token_bf16(
         x_11D.view(-1),
         norm.weight,
         norm.eps,
-        attn.qkv.weight,
+        qkv,
         attn.qkv.bias,
         rope_d2,
         cache.keys[layer][0],
         cache.values[layer][0],
         cache.length,
         heads,
-        attn.out.weight,
+        out,
         attn.out.bias,
+        qkv_scale,
+        out_scale,
     )
     return y_D.view_as(x_11D)
+
+
+def _c_weights(module: torch.nn.Module) -> bool:
+    """Whether the one-token C calls multiply ``module``'s weights: bf16 ones in the row layout (``RowExperts``,
+    ``RowLinear``), or int8 ones (``QuantizedExperts``, ``QuantizedLinear``) where the int8 row kernel runs
+    (``quant.INT8_ROW_KERNEL_ISAS``, as ``quant.int8_mm`` takes it)."""
+    kind = type(module)
+    if kind in (RowExperts, RowLinear):
+        return rows_available()
+    return kind in (QuantizedExperts, QuantizedLinear) and module.fmt == "int8" and rows_isa() in INT8_ROW_KERNEL_ISAS
+
+
+def _weight_and_scale(module: torch.nn.Module, role: str) -> tuple[Tensor, Tensor | None]:
+    """A ``_c_weights`` module's weight ``role`` (``w_in``, ``w_out``, ``weight``) and its int8 scales (None: bf16)."""
+    if isinstance(module, RowExperts | RowLinear):
+        return getattr(module, role), None
+    if isinstance(module, QuantizedLinear):
+        return module.q, module.scale
+    return getattr(module, f"{role}_q"), getattr(module, f"{role}_scale")

@@ -171,10 +171,10 @@ def load(library: Path) -> ctypes.CDLL | None:
     lib.moekit_rows_int8.argtypes = [ctypes.c_int, *[ctypes.c_int64] * 3, *[ctypes.c_void_p] * 4]
     lib.moekit_rows_int8.restype = None
     lib.moekit_moe_token_bf16.argtypes = [ctypes.c_int, *[ctypes.c_int64] * 4, *[ctypes.c_void_p] * 4, ctypes.c_int]
-    lib.moekit_moe_token_bf16.argtypes += [ctypes.c_float, *[ctypes.c_void_p] * 9]
+    lib.moekit_moe_token_bf16.argtypes += [ctypes.c_float, *[ctypes.c_void_p] * 12]
     lib.moekit_moe_token_bf16.restype = None
     lib.moekit_attention_token_bf16.argtypes = [ctypes.c_int, *[ctypes.c_int64] * 5, ctypes.c_float, ctypes.c_float]
-    lib.moekit_attention_token_bf16.argtypes += [*[ctypes.c_void_p] * 7, ctypes.c_int64, *[ctypes.c_void_p] * 5]
+    lib.moekit_attention_token_bf16.argtypes += [*[ctypes.c_void_p] * 8, ctypes.c_int64, *[ctypes.c_void_p] * 6]
     lib.moekit_attention_token_bf16.restype = None
     return lib
 
@@ -313,6 +313,19 @@ def rms_norm_bf16(x: Tensor, weight_D: Tensor, eps: float) -> Tensor:
     return y
 
 
+def _weight(name: str, w: Tensor, scale: Tensor | None) -> tuple[int, int | None]:
+    """A one-token call's weight: bf16 (``scale`` None) or int8 with fp32 per-output scales [..., N]
+    (``infer.quant``'s int8), contiguous in CPU memory: its and its scales' addresses."""
+    if scale is None and w.dtype == torch.bfloat16:
+        pass
+    elif w.dtype != torch.int8 or scale is None or scale.dtype != torch.float32 or scale.shape != w.shape[:-1]:
+        given = f"{w.dtype} {list(w.shape)} and {None if scale is None else list(scale.shape)} scales"
+        raise ValueError(f"{name}: a bf16 weight, or int8 with fp32 scales per output, not {given}")
+    if w.device.type != "cpu" or not w.is_contiguous() or (scale is not None and not scale.is_contiguous()):
+        raise ValueError(f"{name}: a contiguous weight in CPU memory")
+    return w.data_ptr(), None if scale is None else scale.data_ptr()
+
+
 def moe_token_bf16(
     x_D: Tensor,
     residual_D: Tensor,
@@ -324,34 +337,38 @@ def moe_token_bf16(
     route_scale: float,
     w_in_END: Tensor,
     w_out_EDN: Tensor,
+    w_in_scale_EN: Tensor | None = None,
+    w_out_scale_ED: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """One token through a MoE layer's routed SwiGLU experts and the residual around them, in one call
     (``decode.c``'s ``moekit_moe_token_bf16``): fp32 router logits ``x @ router.t() + bias``, softmax, the
     ``top_k`` best by score plus ``selection_bias``, renormalised when ``normalize``, times ``route_scale``;
     each picked expert ``silu(gate) * up`` with ``w_in`` [E, 2F, D] (gate rows first) and ``w_out`` [E, D, F],
-    bf16 and output-major; returns ``residual + sum_k bf16(w_k) y_k`` [D] and the picked experts [top_k]
-    (ascending). Every product is summed in fp32 and rounded to bf16, as torch's ops round them; only the
-    order of the fp32 sums and the exp differ from torch's."""
+    output-major, bf16 or int8 with their scales (``_weight``); returns ``residual + sum_k bf16(w_k) y_k``
+    [D] and the picked experts [top_k] (ascending). Every product is summed in fp32 and rounded to bf16, as
+    torch's ops round them; only the order of the fp32 sums and the exp differ from torch's."""
     lib = _library()[0]
     if lib is None:
         raise RuntimeError(f"the row kernels are unavailable: {rows_unavailable_reason()}")
     E, N, D = w_in_END.shape
     F = N // 2
-    bf16 = (x_D, residual_D, w_in_END, w_out_EDN)
-    if any(t.dtype != torch.bfloat16 for t in bf16) or w_out_EDN.shape != (E, D, F) or 2 * F != N:
-        raise ValueError(f"moe_token_bf16 takes bf16 w_in [E, 2F, D] and w_out [E, D, F], not {list(w_in_END.shape)}")
+    if w_out_EDN.shape != (E, D, F) or 2 * F != N:
+        raise ValueError(f"moe_token_bf16 takes w_in [E, 2F, D] and w_out [E, D, F], not {list(w_in_END.shape)}")
+    w_in = _weight("w_in", w_in_END, w_in_scale_EN)
+    w_out = _weight("w_out", w_out_EDN, w_out_scale_ED)
     fp32 = (router_ED, selection_bias_E) if router_bias_E is None else (router_ED, selection_bias_E, router_bias_E)
     if router_ED.shape != (E, D) or any(t.dtype != torch.float32 for t in fp32) or not 0 < top_k <= E:
         raise ValueError(f"moe_token_bf16 takes an fp32 router [{E}, {D}] and 1 to {E} picks, not {top_k}")
-    if x_D.shape != (D,) or residual_D.shape != (D,):
-        raise ValueError(f"moe_token_bf16 takes one token's x and residual [{D}]")
-    tensors = (*bf16, *fp32)
+    if x_D.shape != (D,) or residual_D.shape != (D,) or x_D.dtype != torch.bfloat16 != residual_D.dtype:
+        raise ValueError(f"moe_token_bf16 takes one token's bf16 x and residual [{D}]")
+    tensors = (x_D, residual_D, *fp32)
     if any(t.device.type != "cpu" or not t.is_contiguous() for t in tensors):
         raise ValueError("moe_token_bf16 takes contiguous CPU tensors")
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         raise RuntimeError("moe_token_bf16 is for inference: it records no gradient")
     scratch = torch.empty(N + F + top_k * D, dtype=torch.bfloat16)
     h, a, y = scratch.split([N, F, top_k * D])
+    widened = torch.empty(D + F, dtype=torch.float32)
     out = torch.empty(D, dtype=torch.bfloat16)
     picked = torch.empty(top_k, dtype=torch.int64)
     weights = torch.empty(top_k, dtype=torch.float32)
@@ -367,12 +384,13 @@ def moe_token_bf16(
         selection_bias_E.data_ptr(),
         int(normalize),
         route_scale,
-        w_in_END.data_ptr(),
-        w_out_EDN.data_ptr(),
+        *w_in,
+        *w_out,
         residual_D.data_ptr(),
         h.data_ptr(),
         a.data_ptr(),
         y.data_ptr(),
+        widened.data_ptr(),
         out.data_ptr(),
         picked.data_ptr(),
         weights.data_ptr(),
@@ -393,25 +411,30 @@ def attention_token_bf16(
     heads: int,
     out_DN: Tensor,
     out_bias_D: Tensor | None,
+    qkv_scale_N: Tensor | None = None,
+    out_scale_D: Tensor | None = None,
 ) -> Tensor:
     """One token through a block's attention half and the residual around it, in one call (``decode.c``'s
     ``moekit_attention_token_bf16``): ``x + out(attend(rope(qkv(rms_norm(x)))))`` [D], ``qkv`` laid out per
     key/value group as moekit's ``Attention`` lays it out, ``heads`` query heads over the G groups of the
     cache ``keys``/``values`` [G, S, d] (a ``KVCache`` layer's, written in place at ``position``, attended up
-    to it), ``rope`` [d/2, 2] this position's (cos, sin) in fp32. Rounded to bf16 where torch's ops round;
-    the products and the attention are ``rows_bf16``'s and ``one_query_bf16``'s."""
+    to it), ``rope`` [d/2, 2] this position's (cos, sin) in fp32. The projections bf16 or int8 with their
+    scales (``_weight``). Rounded to bf16 where torch's ops round; the products and the attention are
+    ``rows_bf16``'s (``rows_int8``'s) and ``one_query_bf16``'s."""
     lib = _library()[0]
     if lib is None:
         raise RuntimeError(f"the row kernels are unavailable: {rows_unavailable_reason()}")
     (D,), (G, S, d) = x_D.shape, keys_GSd.shape
-    bf16 = [x_D, norm_D, qkv_ND, keys_GSd, values_GSd, out_DN, *(b for b in (qkv_bias_N, out_bias_D) if b is not None)]
+    qkv = _weight("qkv", qkv_ND, qkv_scale_N)
+    out_w = _weight("out", out_DN, out_scale_D)
+    bf16 = [x_D, norm_D, keys_GSd, values_GSd, *(b for b in (qkv_bias_N, out_bias_D) if b is not None)]
     shapes = qkv_ND.shape == ((heads + 2 * G) * d, D) and out_DN.shape == (D, heads * d) and norm_D.shape == (D,)
     if any(t.dtype != torch.bfloat16 for t in bf16) or not shapes or values_GSd.shape != keys_GSd.shape:
         raise ValueError(f"attention_token_bf16 takes bf16 weights for {heads} heads over {G} groups of {d}")
     rope = rope_d2.shape == (d // 2, 2) and rope_d2.dtype == torch.float32
     if heads % G or d % 32 or d > 128 or not 0 <= position < S or not rope:
         raise ValueError(f"attention_token_bf16 takes heads of 32 to 128, not {d}, at a cached position: {position}")
-    laid_out = all(t.is_contiguous() for t in bf16[:3] + bf16[5:]) and rope_d2.is_contiguous()
+    laid_out = all(t.is_contiguous() for t in bf16[:2] + bf16[4:]) and rope_d2.is_contiguous()
     cached = (keys_GSd, values_GSd)
     positions = all(t.stride(1) == d and t.stride(2) == 1 and t.stride(0) == keys_GSd.stride(0) for t in cached)
     if not laid_out or not positions or any(t.device.type != "cpu" for t in bf16):
@@ -419,7 +442,7 @@ def attention_token_bf16(
     if torch.is_grad_enabled() and any(t.requires_grad for t in bf16):
         raise RuntimeError("attention_token_bf16 is for inference: it records no gradient")
     scratch = torch.empty(D + (3 * heads + 2 * G) * d, dtype=torch.bfloat16)  # normed, qkv, queries, attended
-    scores = torch.empty(heads * (position + 1), dtype=torch.float32)
+    scores = torch.empty(heads * (position + 1) + D + heads * d, dtype=torch.float32)  # and the widened rows
     out = torch.empty(D, dtype=torch.bfloat16)
     lib.moekit_attention_token_bf16(
         torch.get_num_threads(),
@@ -432,13 +455,13 @@ def attention_token_bf16(
         d**-0.5,
         x_D.data_ptr(),
         norm_D.data_ptr(),
-        qkv_ND.data_ptr(),
+        *qkv,
         None if qkv_bias_N is None else qkv_bias_N.data_ptr(),
         rope_d2.data_ptr(),
         keys_GSd.data_ptr(),
         values_GSd.data_ptr(),
         keys_GSd.stride(0),
-        out_DN.data_ptr(),
+        *out_w,
         None if out_bias_D is None else out_bias_D.data_ptr(),
         scratch.data_ptr(),
         scores.data_ptr(),

@@ -360,6 +360,47 @@ void moekit_rows_int8(int threads, int64_t M, int64_t N, int64_t K, const float*
     }
 }
 
+/* A weight of the one-token calls: bf16 [N, K], or int8 [N, K] with fp32 per-output scales (scale not
+ * NULL; each rounded to bf16 first, as infer.quant's int8 product hands them to its kernels). */
+typedef struct {
+    const void* data;
+    const float* scale;
+} weight;
+
+/* Matrix e of a stack of E [N, K] weights. */
+static inline weight nth(weight w, int64_t e, int64_t N, int64_t K) {
+    if (!w.scale) return (weight){(const bf16*)w.data + e * N * K, NULL};
+    return (weight){(const int8_t*)w.data + e * N * K, w.scale + e * N};
+}
+
+/* Outputs [n0, n1) of one row's product with w: x [K] in bf16 for a bf16 weight, xf the same in fp32 for
+ * an int8 one (block_int8's input). */
+static void product_part(int64_t N, int64_t K, const bf16* x, const float* xf, weight w, bf16* y, int64_t n0,
+                         int64_t n1) {
+    if (!w.scale) {
+        rows(1, N, K, x, (const bf16*)w.data, y, n0, n1);
+        return;
+    }
+    for (int64_t n = n0; n < n1; n++)
+        block_int8(1, K, xf, (const int8_t*)w.data + n * K, from_bf16(to_bf16(w.scale[n])), y + n, N);
+}
+
+/* One row's product with w in a parallel region of its own, plus a bias (bf16, or NULL) rounded once
+ * more; xf: x widened to fp32 here for an int8 weight. */
+static void row_product(int threads, int64_t N, int64_t K, const bf16* x, float* xf, weight w, const bf16* bias,
+                        bf16* y) {
+    if (w.scale)
+        for (int64_t k = 0; k < K; k++) xf[k] = from_bf16(x[k]);
+#pragma omp parallel num_threads(threads)
+    {
+        int64_t n0, n1;
+        thread_part(N, &n0, &n1);
+        product_part(N, K, x, xf, w, y, n0, n1);
+    }
+    if (bias)
+        for (int64_t n = 0; n < N; n++) y[n] = to_bf16(from_bf16(y[n]) + from_bf16(bias[n]));
+}
+
 /* The router of one token: fp32 logits of x [D] against router [E, D] (plus bias), softmax, the top_k
  * experts by score (plus selection_bias, which picks but does not weigh), their scores renormalised to
  * sum to 1 when normalize, times route_scale: picked [top_k] in ascending order, weights [top_k] beside. */
@@ -399,52 +440,47 @@ static void route(int64_t D, int64_t E, int64_t top_k, const bf16* x, const floa
         }
 }
 
-/* One token through a MoE layer's routed SwiGLU experts, bf16 and without biases, and the residual
- * around it: route x [D] (route), then each picked expert's h = w_in[e] x ([2F]: gate rows, then up
- * rows), a = silu(gate) * up and y_k = w_out[e] a ([D]), each product summed in fp32 and every result
- * rounded to bf16 as torch's ops round it; out = residual + sum_k bf16(w_k) y_k. w_in [E, 2F, D] and
- * w_out [E, D, F] output-major; scratch: h [2F], a [F], y [top_k, D]. One parallel region: each product
- * split by weight rows as moekit_rows_bf16 splits it, the activation and the sum by position. */
+/* One token through a MoE layer's routed SwiGLU experts, without biases, and the residual around it:
+ * route x [D] (route), then each picked expert's h = w_in[e] x ([2F]: gate rows, then up rows),
+ * a = silu(gate) * up and y_k = w_out[e] a ([D]), each product summed in fp32 and every result rounded
+ * to bf16 as torch's ops round it; out = residual + sum_k bf16(w_k) y_k. w_in [E, 2F, D] and w_out
+ * [E, D, F] output-major, bf16 or int8 with scales [E, 2F] and [E, D] (NULL: bf16); scratch: h [2F],
+ * a [F], y [top_k, D] bf16 and D + F floats. One parallel region: each product split by weight rows as
+ * moekit_rows_bf16 splits it, the activation and the sum by position. */
 void moekit_moe_token_bf16(int threads, int64_t D, int64_t F, int64_t E, int64_t top_k, const bf16* x,
                            const float* router, const float* router_bias, const float* selection_bias, int normalize,
-                           float route_scale, const bf16* w_in, const bf16* w_out, const bf16* residual, bf16* h,
-                           bf16* a, bf16* y, bf16* out, int64_t* picked, float* weights) {
+                           float route_scale, const void* w_in, const float* w_in_scale, const void* w_out,
+                           const float* w_out_scale, const bf16* residual, bf16* h, bf16* a, bf16* y, float* widened,
+                           bf16* out, int64_t* picked, float* weights) {
     route(D, E, top_k, x, router, router_bias, selection_bias, normalize, route_scale, picked, weights);
+    weight ins = {w_in, w_in_scale}, outs = {w_out, w_out_scale};
+    float *xf = widened, *af = widened + D; /* the int8 kernel's fp32 inputs */
+    for (int64_t j = 0; j < D; j++) xf[j] = from_bf16(x[j]);
 #pragma omp parallel num_threads(threads)
     {
         int64_t n0, n1, T = omp_get_num_threads(), t = omp_get_thread_num();
         int64_t f0 = F * t / T, f1 = F * (t + 1) / T, d0 = D * t / T, d1 = D * (t + 1) / T;
         for (int64_t k = 0; k < top_k; k++) {
             thread_part(2 * F, &n0, &n1);
-            rows(1, 2 * F, D, x, w_in + picked[k] * 2 * F * D, h, n0, n1);
+            product_part(2 * F, D, x, xf, nth(ins, picked[k], 2 * F, D), h, n0, n1);
 #pragma omp barrier
             for (int64_t f = f0; f < f1; f++) {
                 float gate = from_bf16(h[f]);
                 a[f] = to_bf16(from_bf16(to_bf16(gate / (1.f + expf(-gate)))) * from_bf16(h[F + f]));
+                af[f] = from_bf16(a[f]);
             }
 #pragma omp barrier
             thread_part(D, &n0, &n1);
-            rows(1, D, F, a, w_out + picked[k] * D * F, y + k * D, n0, n1);
+            product_part(D, F, a, af, nth(outs, picked[k], D, F), y + k * D, n0, n1);
         }
 #pragma omp barrier
         for (int64_t d = d0; d < d1; d++) {
             float sum = 0.f;
-            for (int64_t k = 0; k < top_k; k++) sum += from_bf16(to_bf16(from_bf16(y[k * D + d]) * from_bf16(to_bf16(weights[k]))));
+            for (int64_t k = 0; k < top_k; k++)
+                sum += from_bf16(to_bf16(from_bf16(y[k * D + d]) * from_bf16(to_bf16(weights[k]))));
             out[d] = to_bf16(from_bf16(residual[d]) + from_bf16(to_bf16(sum)));
         }
     }
-}
-
-/* rows_bf16 of one row in a parallel region of its own, plus a bias (bf16, or NULL) rounded once more. */
-static void row_product(int threads, int64_t N, int64_t K, const bf16* x, const bf16* w, const bf16* bias, bf16* y) {
-#pragma omp parallel num_threads(threads)
-    {
-        int64_t n0, n1;
-        thread_part(N, &n0, &n1);
-        rows(1, N, K, x, w, y, n0, n1);
-    }
-    if (bias)
-        for (int64_t n = 0; n < N; n++) y[n] = to_bf16(from_bf16(y[n]) + from_bf16(bias[n]));
 }
 
 /* v rotated pair by pair (v[2j], v[2j+1]) by rope[j] = (cos, sin) in fp32 as torch multiplies complex
@@ -462,16 +498,19 @@ static void rotate(int64_t d, const bf16* v, const float* rope, bf16* out) {
  * x [D]; norm_w [D] (RMSNorm); qkv_w [(H + 2G) d, D] laid out per key/value group (its Q = H / G query
  * heads, its key, its value: moekit's Attention), qkv_b its bias or NULL; rope [d/2, 2] this position's
  * (cos, sin); keys and values: group g's position s at + g * gs + s * d, this token's written at
- * position S, every position up to it attended (one_head); out_w [D, H d], out_b or NULL. Each result
- * rounded to bf16 where torch's ops round it. scratch: D + (3H + 2G) d bf16 and H (S + 1) floats. */
+ * position S, every position up to it attended (one_head); out_w [D, H d], out_b or NULL. The two
+ * weights bf16, or int8 with per-output scales (NULL: bf16). Each result rounded to bf16 where torch's
+ * ops round it. scratch: D + (3H + 2G) d bf16, H (S + 1) + D + H d floats. */
 void moekit_attention_token_bf16(int threads, int64_t D, int64_t H, int64_t G, int64_t d, int64_t S, float eps,
-                                 float scale, const bf16* x, const bf16* norm_w, const bf16* qkv_w, const bf16* qkv_b,
-                                 const float* rope, bf16* keys, bf16* values, int64_t gs, const bf16* out_w,
+                                 float scale, const bf16* x, const bf16* norm_w, const void* qkv_w,
+                                 const float* qkv_scale, const bf16* qkv_b, const float* rope, bf16* keys,
+                                 bf16* values, int64_t gs, const void* out_w, const float* out_scale,
                                  const bf16* out_b, bf16* scratch, float* scores, bf16* out) {
     int64_t Q = H / G;
     bf16 *normed = scratch, *qkv = normed + D, *q = qkv + (H + 2 * G) * d, *attended = q + H * d;
+    float* widened = scores + H * (S + 1); /* D, then H d: the int8 kernel's fp32 inputs */
     rms_norm_row(D, eps, x, norm_w, normed);
-    row_product(threads, (H + 2 * G) * d, D, normed, qkv_w, qkv_b, qkv);
+    row_product(threads, (H + 2 * G) * d, D, normed, widened, (weight){qkv_w, qkv_scale}, qkv_b, qkv);
     for (int64_t g = 0; g < G; g++) {
         const bf16* group = qkv + g * (Q + 2) * d;
         for (int64_t i = 0; i < Q; i++) rotate(d, group + i * d, rope, q + (g * Q + i) * d);
@@ -482,6 +521,6 @@ void moekit_attention_token_bf16(int threads, int64_t D, int64_t H, int64_t G, i
     for (int64_t h = 0; h < H; h++)
         one_head(S + 1, d, scale, q + h * d, keys + (h / Q) * gs, d, values + (h / Q) * gs, d, scores + h * (S + 1),
                  attended + h * d);
-    row_product(threads, D, H * d, attended, out_w, out_b, out);
+    row_product(threads, D, H * d, attended, widened + D, (weight){out_w, out_scale}, out_b, out);
     for (int64_t j = 0; j < D; j++) out[j] = to_bf16(from_bf16(x[j]) + from_bf16(out[j]));
 }
