@@ -9,7 +9,9 @@ that step, the head) over that time is the bandwidth they reach, beside the same
 weight streamed from memory in turn, as ``cpu_matmul.py`` times them). A third kind of block runs the
 step through the model's forward instead of ``decode_step``'s one-token path (``infer/token_step.py``):
 what that path saves; a fourth runs the one-token path under ``no_grad`` instead of ``decode_step``'s
-inference mode: what that mode saves.
+inference mode: what that mode saves. The products are those of the one-token path's ops: the row
+layout's C calls (a block's attention half and MoE layer in one call each, ``token_step.C_CALLS``) are
+off in those blocks, and a fifth kind times the step with them, as ``moekit generate`` runs it.
 
     python benchmarks/decode_split.py MODEL_DIR [--layout rows|packed] [--threads 2] [--steps 40]
         [--rounds 4] [--json]
@@ -27,6 +29,7 @@ from _provenance import source_commit
 from _spread import alternate_blocks, show, spread
 
 import moekit.infer.resident_experts as resident
+import moekit.infer.token_step as ops
 from moekit.experts.matmul import single_token_kernels
 from moekit.infer.generate import decode_step, prefill
 from moekit.infer.token_step import takes, token_step
@@ -78,10 +81,12 @@ def main(argv: list[str] | None = None) -> int:
     def use(product) -> None:
         setattr(resident, hooked, product)
 
-    def step(product) -> None:
+    def step(product, c_calls: bool = False) -> None:
         use(product)
         counting[0] = True
+        ops.C_CALLS = c_calls
         token[0] = decode_step(model, token[0], cache).argmax(-1, keepdim=True)
+        ops.C_CALLS = True
 
     @torch.no_grad()
     def forward() -> None:
@@ -94,14 +99,17 @@ def main(argv: list[str] | None = None) -> int:
     def grad_mode() -> None:  # decode_step's one-token path, not in inference mode
         use(counted)
         counting[0] = False
+        ops.C_CALLS = False
         with single_token_kernels(1):
             assert takes(model, token[0]), "a model the one-token path takes"
             token[0] = token_step(model, token[0], cache).clone().argmax(-1, keepdim=True)
+        ops.C_CALLS = True
 
     step(counted)  # every weight's first output, for the replay
     read[0] = 0
     kinds = {"real": lambda: step(counted), "replayed": lambda: step(replayed), "forward": forward}
     kinds["no_grad"] = grad_mode
+    kinds["c_calls"] = lambda: step(real, c_calls=True)
     ms = alternate_blocks(kinds, args.steps, args.rounds)
     use(real)
     gb_per_step = read[0] / (args.steps * args.rounds) / 1e9
@@ -118,9 +126,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  their bandwidth, GB/s       {show(rates, '.1f')} (the same weights alone: {show(alone, '.1f')})")
     print(f"  through the forward         {show(ms['forward'], '.2f')}")
     print(f"  under no_grad               {show(ms['no_grad'], '.2f')} (not inference mode)")
+    print(f"  with the C calls            {show(ms['c_calls'], '.2f')} (as moekit generate steps)")
     if args.json:
         figures = {"step_ms": ms["real"], "replayed_ms": ms["replayed"], "products_ms": products}
-        figures["forward_ms"], figures["no_grad_ms"] = ms["forward"], ms["no_grad"]
+        figures["forward_ms"], figures["no_grad_ms"], figures["c_calls_ms"] = (
+            ms["forward"],
+            ms["no_grad"],
+            ms["c_calls"],
+        )
         out = {k: spread(v, 3) for k, v in figures.items()} | {"mb_per_step": round(gb_per_step * 1e3, 1)}
         out |= {"gb_s": spread(rates, 2), "gb_s_alone": spread(alone, 2), "threads": args.threads}
         out |= {"layout": "rows" if rows else "packed"}

@@ -152,13 +152,18 @@ def _moe(moe: MoE, h_11D: Tensor, loads: list[Tensor] | None) -> Tensor:
     return moe.add_dense(x_1D, y_1D).to(h_11D.dtype).view_as(h_11D)
 
 
+# Whether the row layout's one-token C calls are taken where they may be (benchmarks/decode_split.py turns
+# them off to split the time of the ops they replace).
+C_CALLS = True
+
+
 def fuses(moe: MoE, h_11D: Tensor) -> bool:
     """Whether ``moe``'s routed experts and the residual around them take one C call at this token
     (``kernels.moe_token_bf16``): SwiGLU experts without biases in the row layout or in int8
     (``_c_weights``), a softmax top-k router without groups, noise or a DTS schedule under way, and
     nothing dense beside the experts."""
     experts, router = moe.experts, moe.router
-    if not (_c_weights(experts) and h_11D.dtype == torch.bfloat16):
+    if not (C_CALLS and _c_weights(experts) and h_11D.dtype == torch.bfloat16):
         return False
     cfg = router.cfg
     plain_router = cfg.score_func == "softmax" and cfg.softmax_before_topk and router.noise is None
@@ -205,7 +210,7 @@ def fuses_attention(block: Block, cache: Cache, layer: int, x_11D: Tensor) -> bo
     sinks or window, heads of 32 to 128 (``kernels.one_query_bf16``'s) over one sequence's contiguous bf16
     ``KVCache`` whose every position is its own."""
     attn = block.attn
-    if type(cache) is not KVCache or cache.left_pad is not None or cache.mla_expanded:
+    if not C_CALLS or type(cache) is not KVCache or cache.left_pad is not None or cache.mla_expanded:
         return False
     modules = (block.attn_norm, attn.qkv, attn.out)
     if type(block.attn_norm) is not RowRMSNorm or not all(map(_c_weights, modules[1:])) or any(map(_hooked, modules)):
