@@ -10,11 +10,12 @@ import functools
 import pytest
 import torch
 
+import moekit.infer.token_step as ops
 from moekit import runconfig
 from moekit.experts.matmul import prepackable, single_token_kernels
 from moekit.infer.generate import decode_step, prefill
 from moekit.infer.resident_experts import RowExperts, RowRMSNorm, prepack_, quantize_dense_, quantize_experts_
-from moekit.infer.token_step import fuses, fuses_attention, takes, token_step
+from moekit.infer.token_step import fuses, takes, token_step
 from moekit.kernels import rows_available, rows_unavailable_reason
 from moekit.model import KVCache, Transformer
 
@@ -54,6 +55,8 @@ FAMILIES = {
         "model.tie_embeddings": "false",
     },
     "biased": {"model.qkv_bias": "true", "model.attn_out_bias": "true", "moe.router_bias": "true"},
+    # unnormalised top-3 weights times a route scale
+    "scaled": {"moe.route_scale": "2.5", "moe.normalize_topk": "false", "moe.top_k": "3", "moe.num_experts": "8"},
     "residual+capacity": {"moe.residual": "true", "moe.capacity_factor": "0.5", "model.norm": "layernorm"},
     # routers whose training-time randomness is off in eval, and dropout, an identity in eval
     "noisy+dropout": {"moe.router": "noisy_topk", "model.dropout": "0.5"},
@@ -120,6 +123,7 @@ def test_a_token_step_equals_the_forward_bit_for_bit(family: str, fmt: str) -> N
     _steps_as_its_forward(family, fmt)
 
 
+MOE_FUSED = ["mixtral", "olmoe", "biased", "scaled", "switch"]  # families whose MoE layers take the C call
 ROW_FUSED = {  # family: whether its attention halves and its MoE layers take one C call each in the row layout
     "mixtral": (True, True),
     "olmoe": (False, True),  # QK norms
@@ -131,21 +135,46 @@ ROW_FUSED = {  # family: whether its attention halves and its MoE layers take on
 
 
 @pytest.mark.parametrize("family", ROW_FUSED)
-def test_the_row_layout_of_each_build_steps_as_its_forward(family: str, kernel_isa: str) -> None:
+def test_the_row_layout_of_each_build_steps_as_its_forward(family: str, kernel_isa: str, monkeypatch) -> None:
     """The same for the row layout under each build of the kernels this CPU runs (a CPU with AVX-512
     checks the AVX2 build's kernels and RMSNorm too). Where a block's attention half or MoE layer takes
-    one C call (``fuses_attention``, ``fuses``; ``ROW_FUSED`` says which), the step stays within
-    ``FUSED_TOLERANCE`` of the forward, cache included; the others keep the one-token path's ops."""
+    one C call (``fuses_attention``, ``fuses``; ``ROW_FUSED`` says which, and the calls are counted),
+    the step equals the forward, within ``FUSED_TOLERANCE`` where a MoE layer takes one; the others keep
+    the one-token path's ops."""
     model = _model(family, "bf16-rows")
-    prompt = torch.zeros(1, 3, dtype=torch.long)
-    _, cache = prefill(model, prompt)
-    one_token = torch.zeros(1, 1, model.cfg.d_model, dtype=torch.bfloat16)
     attention, moe = ROW_FUSED[family]
-    assert [fuses_attention(b, cache, i, one_token) for i, b in enumerate(model.blocks)] == [attention] * len(
-        model.blocks
-    )
-    assert [fuses(m, one_token) for m in model.moe_layers()] == [moe] * len(model.moe_layers())
+    calls = {"attention": 0, "moe": 0}
+    for name, kernel in (("attention", ops.attention_token_bf16), ("moe", ops.moe_token_bf16)):
+        monkeypatch.setattr(ops, kernel.__name__, functools.partial(_counted, kernel, calls, name))
     _steps_as_its_forward(family, "bf16-rows")
+    steps = 20
+    assert calls == {"attention": steps * len(model.blocks) * attention, "moe": steps * len(model.moe_layers()) * moe}
+
+
+def _counted(kernel, calls: dict[str, int], name: str, *args):
+    calls[name] += 1
+    return kernel(*args)
+
+
+@pytest.mark.parametrize(("family", "fmt"), [(f, "bf16-rows") for f in MOE_FUSED] + [("mixtral", "int8")])
+def test_a_fused_moe_layer_equals_its_ops(family: str, fmt: str) -> None:
+    """Each MoE layer's one C call (``_fused_moe``) against the one-token path's ops (``_moe``) on random
+    rows large enough that the experts' output is all there is (a zero residual): the same picks, and
+    each output within a bf16 unit of the largest (a rounding the C sums tip); Mixtral's, OLMoE's top 3
+    of 8, a router bias (``biased``), unnormalised weights times a route scale (``scaled``), top 1
+    (``switch``), every family's selection biases drawn large; int8 experts too."""
+    model = _model(family, fmt)
+    g = torch.Generator().manual_seed(5)
+    with torch.inference_mode():
+        for moe in model.moe_layers():
+            for _ in range(8):
+                h = torch.randn(1, 1, model.cfg.d_model, generator=g).bfloat16()
+                zero = torch.zeros_like(h)
+                assert fuses(moe, h)
+                picked, want_picked = [], []
+                got, want = ops._fused_moe(moe, h, zero, picked), ops._moe(moe, h, want_picked)
+                assert torch.equal(picked[0], want_picked[0])
+                assert bool(((got.float() - want.float()).abs() <= 2.0**-7 * want.float().abs().max()).all())
 
 
 def _steps_as_its_forward(family: str, fmt: str) -> None:
@@ -161,7 +190,7 @@ def _steps_as_its_forward(family: str, fmt: str) -> None:
     token = logits.argmax(-1, keepdim=True)
     for _ in range(20):
         assert takes(model, token)
-        same = _close if _fused(model, cache) else torch.equal
+        same = _close if _moe_fused(model) else torch.equal
         got, want = decode_step(model, token, cache), _forward_step(model, token, reference)
         assert same(got, want)
         assert cache.length == reference.length
@@ -170,11 +199,12 @@ def _steps_as_its_forward(family: str, fmt: str) -> None:
         token = want.argmax(-1, keepdim=True)
 
 
-# NOTE: the row layout's C calls (infer/token_step.py) sum the router's fp32 logits in their own order and
-# take silu's exp from the C library: where that tips a bf16 rounding (a combine weight, an activation:
-# 2^-8 of one term), the step and its cache part from the forward's by a few such units; Mixtral's
-# family here reaches 0.0056 of its largest logit over 40 steps. Anything wrong (an expert, a weight, a
-# position) moves them by far more than this bound.
+# NOTE: the MoE layer's C call (infer/token_step.py) sums the router's fp32 logits in its own order and
+# takes silu's and the softmax's exp from the C library: where that tips a bf16 rounding (a combine
+# weight, an activation: 2^-8 of one term), the step and its cache part from the forward's by a few
+# such units (Mixtral's family here: up to 0.006 of the largest logit over 40 steps); each layer's call
+# is held to a bf16 unit of its ops by test_a_fused_moe_layer_equals_its_ops. The attention's call
+# rounds as the forward does and must equal it.
 FUSED_TOLERANCE = 2.0**-5
 
 
@@ -182,11 +212,11 @@ def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
     return bool((got.float() - want.float()).abs().max() <= FUSED_TOLERANCE * want.float().abs().max())
 
 
-def _fused(model: Transformer, cache: KVCache) -> bool:
-    """Whether any block of this step takes one of the row layout's C calls."""
+@torch.inference_mode()
+def _moe_fused(model: Transformer) -> bool:
+    """Whether any MoE layer of this step takes its C call."""
     one_token = torch.zeros(1, 1, model.cfg.d_model, dtype=torch.bfloat16)
-    attention = any(fuses_attention(b, cache, i, one_token) for i, b in enumerate(model.blocks))
-    return attention or any(fuses(moe, one_token) for moe in model.moe_layers())
+    return any(fuses(moe, one_token) for moe in model.moe_layers())
 
 
 def test_what_a_token_step_hands_back_is_outside_inference_mode() -> None:

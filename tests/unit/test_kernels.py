@@ -164,7 +164,7 @@ def test_a_moe_token_equals_the_written_out_routing_and_experts(
 ) -> None:
     """``moe_token_bf16`` against ``_moe_token_reference``: the same picks, and each output within a bf16
     unit of the reference (the fp32 sums, in their order, may tip a rounding of the products or of the
-    activation: 2^-7 of the sum of the terms' sizes, plus 2^-8 of the result for its own rounding). A
+    activation: 2^-7 of the size of their sum, plus 2^-8 of the result for its own rounding). A
     router bias and a selection bias that forces the weakest expert in (weighed by its own score,
     ``biased``); D = 70 takes the products' scalar tail; three threads split the rows unevenly; the
     experts in bf16 and in int8 (``_in_format``)."""
@@ -205,8 +205,12 @@ def test_what_the_moe_token_kernel_refuses(kernel_isa: str) -> None:
         kernels.moe_token_bf16(x, x, router, None, bias, 2, True, 1.0, w_in, w_out.float())
     with pytest.raises(ValueError, match=r"w_in: .*, not torch.int8 \[4, 6, 8\] and \[4, 8\] scales"):
         kernels.moe_token_bf16(x, x, router, None, bias, 2, True, 1.0, w_in.to(torch.int8), w_out, torch.ones(4, 8))
-    with pytest.raises(ValueError, match=r"an fp32 router \[4, 8\] and 1 to 4 picks, not 5"):
+    with pytest.raises(ValueError, match=r"an fp32 router \[4, 8\], biases \[4\] and 1 to 4 picks, not 5"):
         kernels.moe_token_bf16(x, x, router, None, bias, 5, True, 1.0, w_in, w_out)
+    with pytest.raises(ValueError, match=r"biases \[4\]"):  # a bias too short would be read past its end
+        kernels.moe_token_bf16(x, x, router, bias[:1], bias, 2, True, 1.0, w_in, w_out)
+    with pytest.raises(ValueError, match="one token's bf16 x and residual"):
+        kernels.moe_token_bf16(x, x.float(), router, None, bias, 2, True, 1.0, w_in, w_out)
     with pytest.raises(ValueError, match="one token's bf16 x and residual"):
         kernels.moe_token_bf16(x[:4], x, router, None, bias, 2, True, 1.0, w_in, w_out)
 
@@ -302,6 +306,8 @@ def test_what_the_attention_token_kernel_refuses(kernel_isa: str) -> None:
         kernels.attention_token_bf16(*args, 8, 4, out, None)
     with pytest.raises(ValueError, match="bf16 weights for 3 heads over 2 groups of 32"):
         kernels.attention_token_bf16(*args, 0, 3, out, None)
+    with pytest.raises(ValueError, match="bf16 weights for 4 heads over 2 groups of 32"):  # a bias too short
+        kernels.attention_token_bf16(*args, 0, 4, out, x[:8])
     with pytest.raises(ValueError, match="a cache of contiguous positions"):
         kernels.attention_token_bf16(
             x, x, 1e-5, qkv, None, rope, keys.transpose(0, 1).contiguous().transpose(0, 1), keys, 0, 4, out, None

@@ -96,7 +96,7 @@ def prefill(model: Transformer, tokens_BL: Tensor, left_pad_B: Tensor | None = N
 
 def decode_step(model: Transformer, token_B1: Tensor, cache: KVCache) -> Tensor:
     """One new position per row through the cache (which grows by one): its logits [B, V]. One token of
-    one sequence goes through ``token_step`` where it computes the model exactly (``takes``).
+    one sequence goes through ``token_step`` where it computes what the model does (``takes``).
 
     In inference mode, its ops skip autograd's dispatch: a d1024 bf16 step of one sequence 5-8% shorter
     than under ``no_grad`` (``python benchmarks/decode_split.py``: 8.20 against 8.96 ms), of a batch of

@@ -13,14 +13,16 @@ a CPU without native bf16), and quantized ones; plain grouped experts (fp16 on o
 offloaded ones run the forward. What it saves:
 ``python benchmarks/decode_split.py``.
 
-In the row layout a block's attention half (``fuses_attention``) and a MoE layer with a softmax top-k
-router and SwiGLU experts (``fuses``) are one C call each, residual included
-(``kernels.attention_token_bf16``, ``kernels.moe_token_bf16``), where the ops above cost about 0.3 and
-0.5 ms a layer (a d1024 bf16 step on a Zen 3: 30.7 ms with neither, 26.2 with the MoE call, 24-25.5
-with both; ad hoc). They multiply with the forward's kernels and round where torch's ops round, but
-sum the router's fp32 logits in their own order and take silu's exp from the C library: where that
-tips a bf16 rounding, the step parts from the forward's by a few bf16 units
-(tests/unit/test_infer_token_step.py bounds it); elsewhere it equals the forward bit for bit.
+In the row layout, and for int8 weights where the int8 row kernel runs, a block's attention half
+(``fuses_attention``) and a MoE layer with a softmax top-k router and SwiGLU experts (``fuses``) are one
+C call each, residual included (``kernels.attention_token_bf16``, ``kernels.moe_token_bf16``): the ops
+they replace cost more than the products around them on a CPU without AVX-512 (``python
+benchmarks/decode_split.py DIR``'s "with the C calls"). The attention's call rounds as the forward
+does and equals it bit for bit. The MoE call sums the router's fp32 logits in its own order and takes
+silu's and the softmax's exp from the C library: where that tips a bf16 rounding, the step parts from
+the forward's by a few bf16 units (tests/unit/test_infer_token_step.py bounds it); where it tips a
+near-tie between two experts' scores, it picks the other expert, as a different batch of the forward
+could. ``C_CALLS`` turns both off.
 
 Legend: D model dim, K picks per token, V vocabulary.
 """
@@ -47,7 +49,8 @@ from moekit.routing import TopKRouter
 
 
 def takes(model: Transformer, token_B1: Tensor) -> bool:
-    """Whether ``token_step`` computes this step exactly: one token of one sequence, a model in eval mode
+    """Whether ``token_step`` computes this step as the forward does (bit for bit, the row layout's MoE call
+    aside: module docstring): one token of one sequence, a model in eval mode
     whose every block it handles (standard attention; token-choice routers over experts computed one at
     a time from memory, prepacked, kept plain or quantized: ``PerExpert``) and in which no module it does
     not call has hooks (blocks' forward pre-hooks excepted: it runs them) or a replaced forward (a compiled
@@ -121,10 +124,14 @@ def _computes_exactly(block: Block) -> bool:
 
 
 def _plain(module: torch.nn.Module, kind: type) -> bool:
-    """A module of exactly ``kind``, in eval mode, running its class's forward: none of its own (as
-    ``torch.compile(module.forward)`` sets) and not compiled (``module.compile()``)."""
-    own = "forward" in vars(module) or module._compiled_call_impl is not None
-    return type(module) is kind and not module.training and not own
+    """A module of exactly ``kind``, in eval mode, running its class's forward (``_replaced``)."""
+    return type(module) is kind and not module.training and not _replaced(module)
+
+
+def _replaced(module: torch.nn.Module) -> bool:
+    """Whether a module runs a forward of its own (as ``torch.compile(module.forward)`` sets) or is
+    compiled (``module.compile()``)."""
+    return "forward" in vars(module) or module._compiled_call_impl is not None
 
 
 def _inactive(drop: torch.nn.Module) -> bool:
@@ -152,8 +159,8 @@ def _moe(moe: MoE, h_11D: Tensor, loads: list[Tensor] | None) -> Tensor:
     return moe.add_dense(x_1D, y_1D).to(h_11D.dtype).view_as(h_11D)
 
 
-# Whether the row layout's one-token C calls are taken where they may be (benchmarks/decode_split.py turns
-# them off to split the time of the ops they replace).
+# Whether the one-token C calls are taken where they may be (benchmarks/decode_split.py turns them off
+# to split the time of the ops they replace).
 C_CALLS = True
 
 
@@ -163,7 +170,7 @@ def fuses(moe: MoE, h_11D: Tensor) -> bool:
     (``_c_weights``), a softmax top-k router without groups, noise or a DTS schedule under way, and
     nothing dense beside the experts."""
     experts, router = moe.experts, moe.router
-    if not (C_CALLS and _c_weights(experts) and h_11D.dtype == torch.bfloat16):
+    if not (C_CALLS and _c_weights(experts) and h_11D.dtype == torch.bfloat16) or torch.is_grad_enabled():
         return False
     cfg = router.cfg
     plain_router = cfg.score_func == "softmax" and cfg.softmax_before_topk and router.noise is None
@@ -188,7 +195,7 @@ def _fused_moe(moe: MoE, h_11D: Tensor, x_11D: Tensor, loads: list[Tensor] | Non
     y_D, picked_K = moe_token_bf16(
         h_11D.view(-1),
         x_11D.view(-1),
-        router.gate.weight.float(),
+        router.gate.weight.float().contiguous(),
         None if bias is None else bias.float(),
         router.expert_bias.float(),
         router.cfg.top_k,
@@ -213,11 +220,17 @@ def fuses_attention(block: Block, cache: Cache, layer: int, x_11D: Tensor) -> bo
     if not C_CALLS or type(cache) is not KVCache or cache.left_pad is not None or cache.mla_expanded:
         return False
     modules = (block.attn_norm, attn.qkv, attn.out)
-    if type(block.attn_norm) is not RowRMSNorm or not all(map(_c_weights, modules[1:])) or any(map(_hooked, modules)):
+    norm = type(block.attn_norm) is RowRMSNorm and not _replaced(block.attn_norm)
+    if not norm or not all(map(_c_weights, modules[1:])) or any(map(_hooked, modules)):
         return False
-    keys, d = cache.keys[layer], attn.head_dim
+    keys, values, d = cache.keys[layer], cache.values[layer], attn.head_dim
     plain = attn.qk_norm is None and attn.sinks is None and not attn.window and d % 32 == 0 and d <= 128
-    return plain and x_11D.dtype == keys.dtype == torch.bfloat16 and keys.shape[0] == 1 and keys.is_contiguous()
+    cached = keys.shape[0] == 1 and keys.is_contiguous() and values.is_contiguous() and keys.shape == values.shape
+    qkv, out = _weight_and_scale(attn.qkv, "weight")[0], _weight_and_scale(attn.out, "weight")[0]
+    widths = qkv.shape[0] == out.shape[1] + 2 * keys.shape[1] * d and out.shape[1] % d == 0
+    biases = all(m.bias is None or m.bias.dtype == torch.bfloat16 for m in modules[1:])
+    bf16 = x_11D.dtype == keys.dtype == torch.bfloat16 and not torch.is_grad_enabled()
+    return plain and cached and widths and biases and bf16
 
 
 def _fused_attention(block: Block, x_11D: Tensor, rope_d2: Tensor, cache: KVCache, layer: int) -> Tensor:
@@ -251,6 +264,8 @@ def _c_weights(module: torch.nn.Module) -> bool:
     ``RowLinear``), or int8 ones (``QuantizedExperts``, ``QuantizedLinear``) where the int8 row kernel runs
     (``quant.INT8_ROW_KERNEL_ISAS``, as ``quant.int8_mm`` takes it)."""
     kind = type(module)
+    if _replaced(module):  # a forward the C calls would skip (their modules hold no dropout: any mode will do)
+        return False
     if kind in (RowExperts, RowLinear):
         return rows_available()
     return kind in (QuantizedExperts, QuantizedLinear) and module.fmt == "int8" and rows_isa() in INT8_ROW_KERNEL_ISAS

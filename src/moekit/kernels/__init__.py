@@ -18,8 +18,8 @@ about ten ops.
 
 ``moe_token_bf16`` and ``attention_token_bf16``: a decode step's MoE layer (routing, SwiGLU experts,
 combine) and attention half (RMSNorm, projections, RoPE, the cache's new position, attention), each
-with its residual, in one call where the ops between the products cost about 0.5 and 0.3 ms a layer
-(``infer.token_step`` takes them in the row layout).
+with its residual, in one call instead of dozens of torch ops (``infer.token_step`` takes them; what
+they save: ``python benchmarks/decode_split.py DIR``).
 
 ``one_query_bf16``: one sequence's one-token attention over its cached bf16 keys and values, read in
 place, where torch's path converts them to fp32 first and pays a dozen ops a layer (16 heads over 4
@@ -58,6 +58,7 @@ FEW_ROWS = 1
 SOURCE = Path(__file__).with_name("decode.c")
 FLAGS = ("-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")  # every build's: FMAs only where written
 LIBRARIES = ("-lm",)  # linked after the source (expf)
+MAX_EXPERTS = 4096  # moe_token_bf16's experts at most (the router's scores live on the calling thread's stack)
 # The builds of decode.c, best first: the compiler's flags for each, and /proc/cpuinfo's names of what
 # they need (decode.c checks the same at run time, moekit_rows_supported).
 ISAS = {
@@ -346,7 +347,9 @@ def moe_token_bf16(
     each picked expert ``silu(gate) * up`` with ``w_in`` [E, 2F, D] (gate rows first) and ``w_out`` [E, D, F],
     output-major, bf16 or int8 with their scales (``_weight``); returns ``residual + sum_k bf16(w_k) y_k``
     [D] and the picked experts [top_k] (ascending). Every product is summed in fp32 and rounded to bf16, as
-    torch's ops round them; only the order of the fp32 sums and the exp differ from torch's."""
+    torch's ops round them. What differs from torch's ops: the order of the fp32 sums, silu's and the
+    softmax's exp (the C library's; the softmax divides by the sum), and ties between scores, which go
+    to the lower index."""
     lib = _library()[0]
     if lib is None:
         raise RuntimeError(f"the row kernels are unavailable: {rows_unavailable_reason()}")
@@ -357,9 +360,12 @@ def moe_token_bf16(
     w_in = _weight("w_in", w_in_END, w_in_scale_EN)
     w_out = _weight("w_out", w_out_EDN, w_out_scale_ED)
     fp32 = (router_ED, selection_bias_E) if router_bias_E is None else (router_ED, selection_bias_E, router_bias_E)
-    if router_ED.shape != (E, D) or any(t.dtype != torch.float32 for t in fp32) or not 0 < top_k <= E:
-        raise ValueError(f"moe_token_bf16 takes an fp32 router [{E}, {D}] and 1 to {E} picks, not {top_k}")
-    if x_D.shape != (D,) or residual_D.shape != (D,) or x_D.dtype != torch.bfloat16 != residual_D.dtype:
+    shapes = router_ED.shape == (E, D) and all(t.shape == (E,) for t in fp32[1:])
+    if not shapes or any(t.dtype != torch.float32 for t in fp32) or not 0 < top_k <= E <= MAX_EXPERTS:
+        raise ValueError(
+            f"moe_token_bf16 takes an fp32 router [{E}, {D}], biases [{E}] and 1 to {E} picks, not {top_k}"
+        )
+    if any(t.shape != (D,) or t.dtype != torch.bfloat16 for t in (x_D, residual_D)):
         raise ValueError(f"moe_token_bf16 takes one token's bf16 x and residual [{D}]")
     tensors = (x_D, residual_D, *fp32)
     if any(t.device.type != "cpu" or not t.is_contiguous() for t in tensors):
@@ -429,6 +435,9 @@ def attention_token_bf16(
     out_w = _weight("out", out_DN, out_scale_D)
     bf16 = [x_D, norm_D, keys_GSd, values_GSd, *(b for b in (qkv_bias_N, out_bias_D) if b is not None)]
     shapes = qkv_ND.shape == ((heads + 2 * G) * d, D) and out_DN.shape == (D, heads * d) and norm_D.shape == (D,)
+    shapes &= (qkv_bias_N is None or qkv_bias_N.shape == qkv_ND.shape[:1]) and (
+        out_bias_D is None or out_bias_D.shape == (D,)
+    )
     if any(t.dtype != torch.bfloat16 for t in bf16) or not shapes or values_GSd.shape != keys_GSd.shape:
         raise ValueError(f"attention_token_bf16 takes bf16 weights for {heads} heads over {G} groups of {d}")
     rope = rope_d2.shape == (d // 2, 2) and rope_d2.dtype == torch.float32

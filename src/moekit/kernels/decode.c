@@ -19,7 +19,8 @@
  * moekit_moe_token_bf16, moekit_attention_token_bf16: one token through a MoE layer's routed experts
  * and through a block's attention half, each with its residual, in one call: the products by rows(),
  * the attention by one_head(), the rest in scalar C rounded to bf16 where torch's ops round (built with
- * -ffp-contract=off, so no product and sum written apart is fused into one FMA).
+ * -ffp-contract=off, so no product and sum written apart is fused into one FMA; rounded() where the
+ * vectorizer would fuse them anyway).
  *
  * Two builds of this one source, by the instructions the compiler is given (moekit.kernels picks the
  * best this CPU runs): AVX512-BF16, whose pairwise dot products take bf16 as it is; AVX2 with FMA,
@@ -483,14 +484,20 @@ void moekit_moe_token_bf16(int threads, int64_t D, int64_t F, int64_t E, int64_t
     }
 }
 
+/* A product kept as rounded: the compiler may neither fuse it into an FMA with the sum it feeds nor
+ * vectorize it into one (GCC turns the complex multiply below into vfmaddsub even without contraction). */
+static inline float rounded(float v) {
+    __asm__("" : "+x"(v));
+    return v;
+}
+
 /* v rotated pair by pair (v[2j], v[2j+1]) by rope[j] = (cos, sin) in fp32 as torch multiplies complex
- * numbers (each product rounded, then summed: the library is built without contracting them into FMAs),
- * rounded to bf16. */
+ * numbers (each product rounded, then summed), rounded to bf16. */
 static void rotate(int64_t d, const bf16* v, const float* rope, bf16* out) {
     for (int64_t j = 0; j < d / 2; j++) {
         float a = from_bf16(v[2 * j]), b = from_bf16(v[2 * j + 1]), c = rope[2 * j], s = rope[2 * j + 1];
-        out[2 * j] = to_bf16(a * c - b * s);
-        out[2 * j + 1] = to_bf16(a * s + b * c);
+        out[2 * j] = to_bf16(rounded(a * c) - rounded(b * s));
+        out[2 * j + 1] = to_bf16(rounded(a * s) + rounded(b * c));
     }
 }
 

@@ -302,7 +302,7 @@ class Engine:
     def _forward(self, ids: list[int], step: PagedStep, at: Tensor, one_token: bool) -> tuple[Tensor, list[Tensor]]:
         """The logits of the positions ``at`` ``[P, V]`` and each MoE layer's tokens per expert. A step of
         ``one_token`` (one sequence's, sampled from, nothing scored or recorded) takes ``token_step``
-        where it computes the model exactly."""
+        where it computes what the model does (``takes``)."""
         model, tokens = self.run.model, torch.tensor([ids], device=self.device)
         with single_token_kernels(len(ids)):
             if one_token and takes(model, tokens):
