@@ -268,6 +268,7 @@ def _optimizer_settings(run: Path) -> list[tuple[float, tuple[float, float]]]:
     ]
 
 
+@pytest.mark.slow
 def test_settings_changed_on_resume_take_effect(corpus_file: Path, tmp_path: Path) -> None:
     """--train.weight_decay and --train.beta1 given to a resume are what its optimizer runs with (the
     checkpoint brings the moments, not the old settings) and what config.json records; a longer
