@@ -68,5 +68,6 @@ def _compare(rank: int, world: int, tmp: Path) -> None:
         offload.close()
 
 
+@pytest.mark.slow
 def test_each_rank_builds_its_ep_shard_into_its_file(tmp_path: Path) -> None:
     run_ranks(_compare, 2, tmp_path, tmp_path=tmp_path, preload=MOEKIT)

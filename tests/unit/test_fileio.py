@@ -23,6 +23,7 @@ def test_replace_dir_swaps_in_the_new_directory(tmp_path: Path, monkeypatch, exc
     assert [p.name for p in tmp_path.iterdir()] == ["step_000004"]  # the old one is gone, nothing aside
 
 
+@pytest.mark.slow
 def test_replacing_a_checkpoint_never_leaves_it_missing(tmp_path: Path) -> None:
     """A reader polling the checkpoint while it is replaced 50 times always finds its manifest
     (delete-then-rename fails this within a few replacements)."""

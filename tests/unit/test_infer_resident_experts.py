@@ -187,7 +187,10 @@ print(max(float((g - p).abs().amax() / p.abs().amax()) for g, p in zip(got, plai
 """
 
 
-@pytest.mark.parametrize("layout", ["torch", "rows", "rows, batch 1"])
+@pytest.mark.parametrize(
+    "layout",
+    [pytest.param("torch", marks=pytest.mark.slow), pytest.param("rows", marks=pytest.mark.slow), "rows, batch 1"],
+)
 def test_a_cpu_without_native_bf16_keeps_the_logits(layout: str) -> None:
     """oneDNN limited to AVX2, as on a CPU without native bf16. Without moekit's kernels
     (``MOEKIT_MAX_CPU_ISA=none``) nothing is prepacked and the linears upcast their products to fp32;

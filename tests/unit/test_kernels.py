@@ -327,6 +327,7 @@ def test_what_the_kernel_refuses() -> None:
         rows_bf16(torch.ones(1, 8, dtype=torch.bfloat16, requires_grad=True), w)
 
 
+@pytest.mark.slow
 @can_build
 def test_a_build_is_kept_per_source_isa_and_compiler(tmp_path: Path) -> None:
     """Built once, then found: the same file, untouched, readable by others; another compiler command

@@ -114,6 +114,7 @@ print(before, after, threads())
 """
 
 
+@pytest.mark.slow
 def test_a_passing_thread_takes_its_openmp_workers_with_it() -> None:
     """What ``moekit serve`` loads on a passing thread leaves no OpenMP worker behind (counted in
     /proc), where the same work on the main thread leaves one; its errors reach the caller."""
