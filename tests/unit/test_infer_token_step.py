@@ -139,16 +139,68 @@ def test_the_row_layout_of_each_build_steps_as_its_forward(family: str, kernel_i
     """The same for the row layout under each build of the kernels this CPU runs (a CPU with AVX-512
     checks the AVX2 build's kernels and RMSNorm too). Where a block's attention half or MoE layer takes
     one C call (``fuses_attention``, ``fuses``; ``ROW_FUSED`` says which, and the calls are counted),
-    the step equals the forward, within ``FUSED_TOLERANCE`` where a MoE layer takes one; the others keep
-    the one-token path's ops."""
+    the step equals the forward, within ``FUSED_TOLERANCE`` where a MoE layer takes one; where every
+    block takes both, the blocks take one call together (``fuses_every_block``); the others keep the
+    one-token path's ops."""
     model = _model(family, "bf16-rows")
     attention, moe = ROW_FUSED[family]
-    calls = {"attention": 0, "moe": 0}
-    for name, kernel in (("attention", ops.attention_token_bf16), ("moe", ops.moe_token_bf16)):
+    calls = {"attention": 0, "moe": 0, "blocks": 0}
+    kernels = {"attention": ops.attention_token_bf16, "moe": ops.moe_token_bf16, "blocks": ops.blocks_token_bf16}
+    for name, kernel in kernels.items():
         monkeypatch.setattr(ops, kernel.__name__, functools.partial(_counted, kernel, calls, name))
     _steps_as_its_forward(family, "bf16-rows")
-    steps = 20
-    assert calls == {"attention": steps * len(model.blocks) * attention, "moe": steps * len(model.moe_layers()) * moe}
+    steps, blocks, moe_layers = 20, len(model.blocks), len(model.moe_layers())
+    whole = attention and moe and moe_layers == blocks
+    assert calls == {
+        "attention": 0 if whole else steps * blocks * attention,
+        "moe": 0 if whole else steps * moe_layers * moe,
+        "blocks": steps * whole,
+    }
+
+
+@pytest.mark.parametrize(
+    ("family", "fmt"), [(f, "bf16-rows") for f, fused in ROW_FUSED.items() if all(fused)] + [("mixtral", "int8")]
+)
+def test_the_blocks_in_one_call_equal_their_calls_one_by_one(
+    family: str, fmt: str, kernel_isa: str, monkeypatch
+) -> None:
+    """``blocks_token_bf16`` (one C call for every block) against the same step with each block's attention
+    half and MoE layer called one by one (each held to the forward above): logits, cache and each
+    layer's tokens per expert bit for bit over 12 steps, the tokens fed back; int8 weights too."""
+    model = _model(family, fmt)
+    prompt = torch.randint(0, model.cfg.vocab_size, (1, 7), generator=torch.Generator().manual_seed(2))
+    logits, cache = prefill(model, prompt)
+    one_by_one = copy.deepcopy(cache)
+    token = logits.argmax(-1, keepdim=True)
+    with single_token_kernels(1), torch.inference_mode():
+        for _ in range(12):
+            x = model.embed(token)
+            assert ops.fuses_every_block(model, x, cache)
+            loads, want_loads = [], []
+            got = token_step(model, token, cache, loads)
+            with monkeypatch.context() as patch:
+                patch.setattr(ops, "fuses_every_block", lambda *_: False)
+                want = token_step(model, token, one_by_one, want_loads)
+            assert torch.equal(got, want) and cache.length == one_by_one.length
+            for mine, theirs in zip([*cache.keys, *cache.values], [*one_by_one.keys, *one_by_one.values], strict=True):
+                assert torch.equal(mine, theirs)
+            assert len(loads) == len(model.moe_layers()) and all(map(torch.equal, loads, want_loads))
+            token = got.argmax(-1, keepdim=True)
+
+
+def test_a_hooked_norm_or_a_block_pre_hook_keeps_the_blocks_apart(kernel_isa: str) -> None:
+    """The one call for every block skips the modules it replaces: a hook on a feed-forward RMSNorm, or a
+    block's forward pre-hook (it runs between blocks), sends the step back to a call per block half."""
+    model = _model("mixtral", "bf16-rows")
+    _, cache = prefill(model, torch.zeros(1, 3, dtype=torch.long))
+    with torch.inference_mode():
+        x = model.embed(torch.zeros(1, 1, dtype=torch.long))
+        assert ops.fuses_every_block(model, x, cache)
+        for module in (model.blocks[1].ffn_norm, model.blocks[2]):
+            handle = module.register_forward_pre_hook(lambda *_: None)
+            assert not ops.fuses_every_block(model, x, cache)
+            handle.remove()
+        assert ops.fuses_every_block(model, x, cache)
 
 
 def _counted(kernel, calls: dict[str, int], name: str, *args):

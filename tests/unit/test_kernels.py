@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from moekit import kernels
-from moekit.kernels import ISAS, build, rows_available, rows_bf16, rows_unavailable_reason
+from moekit.kernels import ISAS, AttentionWeights, MoEWeights, build, rows_available, rows_bf16, rows_unavailable_reason
 
 needs_rows = pytest.mark.skipif(
     not rows_available(), reason=f"the row kernel does not run here: {rows_unavailable_reason()}"
@@ -182,7 +182,7 @@ def test_a_moe_token_equals_the_written_out_routing_and_experts(
         w_in, w_in_scale, w_in_ref = _in_format((torch.randn(E, 2 * F, D, generator=g) * D**-0.5).bfloat16(), fmt)
         w_out, w_out_scale, w_out_ref = _in_format((torch.randn(E, D, F, generator=g) * F**-0.5).bfloat16(), fmt)
         args = (x, residual, router, router_bias, selection_bias, top_k, normalize, scale)
-        out, picked = kernels.moe_token_bf16(*args, w_in, w_out, w_in_scale, w_out_scale)
+        out, picked = kernels.moe_token_bf16(x, residual, MoEWeights(*args[2:], w_in, w_out, w_in_scale, w_out_scale))
         want_picked, want = _moe_token_reference(*args, w_in_ref, w_out_ref)
         assert picked.tolist() == want_picked
         if biased:
@@ -197,22 +197,24 @@ def test_what_the_moe_token_kernel_refuses(kernel_isa: str) -> None:
     x = torch.ones(8, dtype=torch.bfloat16)
     w_in, w_out = torch.ones(4, 6, 8, dtype=torch.bfloat16), torch.ones(4, 8, 3, dtype=torch.bfloat16)
     router, bias = torch.ones(4, 8), torch.zeros(4)
-    with pytest.raises(ValueError, match=r"w_in \[E, 2F, D\] and w_out \[E, D, F\], not \[4, 6, 8\]"):
-        kernels.moe_token_bf16(x, x, router, None, bias, 2, True, 1.0, w_in, w_out[:, :4])
+    with pytest.raises(ValueError, match=r"w_in \[E, 2F, 8\] and w_out \[E, 8, F\], not \[4, 6, 8\]"):
+        kernels.moe_token_bf16(x, x, MoEWeights(router, None, bias, 2, True, 1.0, w_in, w_out[:, :4]))
     with pytest.raises(
         ValueError, match=r"w_out: a bf16 weight, or int8 with fp32 scales per output, not torch.float32"
     ):
-        kernels.moe_token_bf16(x, x, router, None, bias, 2, True, 1.0, w_in, w_out.float())
+        kernels.moe_token_bf16(x, x, MoEWeights(router, None, bias, 2, True, 1.0, w_in, w_out.float()))
     with pytest.raises(ValueError, match=r"w_in: .*, not torch.int8 \[4, 6, 8\] and \[4, 8\] scales"):
-        kernels.moe_token_bf16(x, x, router, None, bias, 2, True, 1.0, w_in.to(torch.int8), w_out, torch.ones(4, 8))
+        kernels.moe_token_bf16(
+            x, x, MoEWeights(router, None, bias, 2, True, 1.0, w_in.to(torch.int8), w_out, torch.ones(4, 8))
+        )
     with pytest.raises(ValueError, match=r"an fp32 router \[4, 8\], biases \[4\] and 1 to 4 picks, not 5"):
-        kernels.moe_token_bf16(x, x, router, None, bias, 5, True, 1.0, w_in, w_out)
+        kernels.moe_token_bf16(x, x, MoEWeights(router, None, bias, 5, True, 1.0, w_in, w_out))
     with pytest.raises(ValueError, match=r"biases \[4\]"):  # a bias too short would be read past its end
-        kernels.moe_token_bf16(x, x, router, bias[:1], bias, 2, True, 1.0, w_in, w_out)
-    with pytest.raises(ValueError, match="one token's bf16 x and residual"):
-        kernels.moe_token_bf16(x, x.float(), router, None, bias, 2, True, 1.0, w_in, w_out)
-    with pytest.raises(ValueError, match="one token's bf16 x and residual"):
-        kernels.moe_token_bf16(x[:4], x, router, None, bias, 2, True, 1.0, w_in, w_out)
+        kernels.moe_token_bf16(x, x, MoEWeights(router, bias[:1], bias, 2, True, 1.0, w_in, w_out))
+    with pytest.raises(ValueError, match="one token's bf16"):
+        kernels.moe_token_bf16(x, x.float(), MoEWeights(router, None, bias, 2, True, 1.0, w_in, w_out))
+    with pytest.raises(ValueError, match="one token's bf16"):
+        kernels.moe_token_bf16(x[:4], x, MoEWeights(router, None, bias, 2, True, 1.0, w_in, w_out))
 
 
 def _attention_token_reference(x, norm, eps, qkv, qkv_bias, rope, keys, values, position, heads, out, out_bias):
@@ -279,7 +281,10 @@ def test_an_attention_token_equals_the_written_out_block_half(
         want, part, k_new, v_new = _attention_token_reference(
             x, norm, 1e-5, qkv_ref, qkv_bias, *cache, out_ref, out_bias
         )
-        got = kernels.attention_token_bf16(x, norm, 1e-5, qkv, qkv_bias, *cache, out, out_bias, qkv_scale, out_scale)
+        weights = AttentionWeights(
+            norm, 1e-5, qkv, qkv_bias, cache[1], cache[2], heads, out, out_bias, qkv_scale, out_scale
+        )
+        got = kernels.attention_token_bf16(x, rope, position, weights)
         bound = 2.0**-8 * want.double().abs() + 2.0**-6 * part.abs().max()
         assert bool(((got.double() - want.double()).abs() <= bound).all())
         written_k, written_v = cache[1], cache[2]
@@ -300,18 +305,19 @@ def test_what_the_attention_token_kernel_refuses(kernel_isa: str) -> None:
         torch.ones(64, 128, dtype=torch.bfloat16),
     )
     keys, rope = torch.zeros(2, 8, 32, dtype=torch.bfloat16), torch.zeros(16, 2)
-    args = (x, x, 1e-5, qkv, None, rope, keys, keys.clone())
-    kernels.attention_token_bf16(*args, 7, 4, out, None)  # 4 heads of 32 over 2 groups, the last position
+    weights = AttentionWeights(x, 1e-5, qkv, None, keys, keys.clone(), 4, out, None)
+    kernels.attention_token_bf16(x, rope, 7, weights)  # 4 heads of 32 over 2 groups, the last position
     with pytest.raises(ValueError, match="at a cached position: 8"):
-        kernels.attention_token_bf16(*args, 8, 4, out, None)
+        kernels.attention_token_bf16(x, rope, 8, weights)
     with pytest.raises(ValueError, match="bf16 weights for 3 heads over 2 groups of 32"):
-        kernels.attention_token_bf16(*args, 0, 3, out, None)
+        kernels.attention_token_bf16(x, rope, 0, weights._replace(heads=3))
     with pytest.raises(ValueError, match="bf16 weights for 4 heads over 2 groups of 32"):  # a bias too short
-        kernels.attention_token_bf16(*args, 0, 4, out, x[:8])
-    with pytest.raises(ValueError, match="a cache of contiguous positions"):
-        kernels.attention_token_bf16(
-            x, x, 1e-5, qkv, None, rope, keys.transpose(0, 1).contiguous().transpose(0, 1), keys, 0, 4, out, None
-        )
+        kernels.attention_token_bf16(x, rope, 0, weights._replace(out_bias_D=x[:8]))
+    with pytest.raises(ValueError, match="contiguous CPU tensors"):
+        strided = keys.transpose(0, 1).contiguous().transpose(0, 1)
+        kernels.attention_token_bf16(x, rope, 0, weights._replace(keys_GSd=strided))
+    with pytest.raises(ValueError, match=r"one token's bf16 activations \[D\], not torch.float32"):
+        kernels.attention_token_bf16(x.float(), rope, 0, weights)
 
 
 @needs_rows

@@ -42,7 +42,15 @@ from moekit.infer.resident_experts import (
     RowLinear,
     RowRMSNorm,
 )
-from moekit.kernels import attention_token_bf16, moe_token_bf16, rows_available, rows_isa
+from moekit.kernels import (
+    AttentionWeights,
+    MoEWeights,
+    attention_token_bf16,
+    blocks_token_bf16,
+    moe_token_bf16,
+    rows_available,
+    rows_isa,
+)
 from moekit.layer import MoE
 from moekit.model.transformer import Attention, Block, Cache, KVCache, Transformer
 from moekit.routing import TopKRouter
@@ -70,6 +78,24 @@ def token_step(model: Transformer, token_11: Tensor, cache: Cache, loads: list[T
     freqs = cache.rope(model.rope_freqs, 1)
     rope_d2 = torch.view_as_real(freqs[0]) if freqs.dtype == torch.complex64 else None  # (cos, sin) for C
     x = model.embed(token_11)  # [1, 1, D]
+    if rope_d2 is not None and fuses_every_block(model, x, cache):
+        x = _fused_blocks(model, x, rope_d2, cache, loads)
+    else:
+        x = _blocks(model, x, freqs, rope_d2, cache, token_11, loads)
+    cache.advance(1)
+    return model.lm_head(model.norm(x))[:, -1]
+
+
+def _blocks(
+    model: Transformer,
+    x: Tensor,
+    freqs: Tensor,
+    rope_d2: Tensor | None,
+    cache: Cache,
+    token_11: Tensor,
+    loads: list[Tensor] | None,
+) -> Tensor:
+    """The residual stream after every block, block by block (each block's pre-hooks first)."""
     for i, block in enumerate(model.blocks):
         given = args = (x, freqs, cache, i, token_11, False)
         for hook in block._forward_pre_hooks.values():
@@ -93,8 +119,7 @@ def token_step(model: Transformer, token_11: Tensor, cache: Cache, loads: list[T
             x = _fused_moe(block.ffn, h, x, loads)
         else:
             x = x + _moe(block.ffn, h, loads)
-    cache.advance(1)
-    return model.lm_head(model.norm(x))[:, -1]
+    return x
 
 
 def _global_hooks() -> bool:
@@ -189,26 +214,31 @@ def fuses(moe: MoE, h_11D: Tensor) -> bool:
 
 def _fused_moe(moe: MoE, h_11D: Tensor, x_11D: Tensor, loads: list[Tensor] | None) -> Tensor:
     """``x + moe(h)`` for one token where ``fuses``, in one C call."""
+    y_D, picked_K = moe_token_bf16(h_11D.view(-1), x_11D.view(-1), _moe_weights(moe))
+    if loads is not None:
+        loads.append(torch.bincount(picked_K, minlength=moe.cfg.num_experts))
+    return y_D.view_as(x_11D)
+
+
+def _moe_weights(moe: MoE) -> MoEWeights:
+    """A ``fuses`` MoE layer's weights as the C calls take them (the router's in fp32, as it computes)."""
     router, experts = moe.router, moe.experts
-    bias = router.gate.bias
+    bias, cfg = router.gate.bias, router.cfg
     (w_in, w_in_scale), (w_out, w_out_scale) = (_weight_and_scale(experts, role) for role in ("w_in", "w_out"))
-    y_D, picked_K = moe_token_bf16(
-        h_11D.view(-1),
-        x_11D.view(-1),
-        router.gate.weight.float().contiguous(),
-        None if bias is None else bias.float(),
-        router.expert_bias.float(),
-        router.cfg.top_k,
-        router.cfg.normalize_topk,
-        router.cfg.route_scale,
+    router_bias = None if bias is None else bias.float()
+    router_ED, selection_bias = router.gate.weight.float().contiguous(), router.expert_bias.float()
+    return MoEWeights(
+        router_ED,
+        router_bias,
+        selection_bias,
+        cfg.top_k,
+        cfg.normalize_topk,
+        cfg.route_scale,
         w_in,
         w_out,
         w_in_scale,
         w_out_scale,
     )
-    if loads is not None:
-        loads.append(torch.bincount(picked_K, minlength=moe.cfg.num_experts))
-    return y_D.view_as(x_11D)
 
 
 def fuses_attention(block: Block, cache: Cache, layer: int, x_11D: Tensor) -> bool:
@@ -236,26 +266,48 @@ def fuses_attention(block: Block, cache: Cache, layer: int, x_11D: Tensor) -> bo
 def _fused_attention(block: Block, x_11D: Tensor, rope_d2: Tensor, cache: KVCache, layer: int) -> Tensor:
     """``x + attn(attn_norm(x))`` for one token where ``fuses_attention``, in one C call; this token's key
     and value land in ``cache`` at its length, as ``KVCache.append`` puts them."""
+    weights = _attention_weights(block, cache, layer)
+    return attention_token_bf16(x_11D.view(-1), rope_d2, cache.length, weights).view_as(x_11D)
+
+
+def _attention_weights(block: Block, cache: KVCache, layer: int) -> AttentionWeights:
+    """A ``fuses_attention`` block's attention half as the C calls take it."""
     attn, norm = block.attn, block.attn_norm
     qkv, qkv_scale = _weight_and_scale(attn.qkv, "weight")
     out, out_scale = _weight_and_scale(attn.out, "weight")  # [D, H d]
-    heads = out.shape[1] // attn.head_dim
-    y_D = attention_token_bf16(
-        x_11D.view(-1),
-        norm.weight,
-        norm.eps,
-        qkv,
-        attn.qkv.bias,
-        rope_d2,
-        cache.keys[layer][0],
-        cache.values[layer][0],
-        cache.length,
-        heads,
-        out,
-        attn.out.bias,
-        qkv_scale,
-        out_scale,
+    keys, values, heads = cache.keys[layer][0], cache.values[layer][0], out.shape[1] // attn.head_dim
+    return AttentionWeights(
+        norm.weight, norm.eps, qkv, attn.qkv.bias, keys, values, heads, out, attn.out.bias, qkv_scale, out_scale
     )
+
+
+def fuses_every_block(model: Transformer, x_11D: Tensor, cache: Cache) -> bool:
+    """Whether every block takes one C call together (``kernels.blocks_token_bf16``): each block's attention
+    half ``fuses_attention`` and its feed-forward is a MoE layer that ``fuses`` after the row layout's
+    RMSNorm, unhooked; no block has forward pre-hooks (they run between blocks)."""
+    return all(
+        not block._forward_pre_hooks
+        and type(block.ffn_norm) is RowRMSNorm
+        and not (_replaced(block.ffn_norm) or _hooked(block.ffn_norm))
+        and isinstance(block.ffn, MoE)
+        and fuses_attention(block, cache, i, x_11D)
+        and fuses(block.ffn, x_11D)
+        for i, block in enumerate(model.blocks)
+    )
+
+
+def _fused_blocks(
+    model: Transformer, x_11D: Tensor, rope_d2: Tensor, cache: KVCache, loads: list[Tensor] | None
+) -> Tensor:
+    """The residual stream after every block for one token where ``fuses_every_block``, in one C call."""
+    blocks = [
+        (_attention_weights(block, cache, i), block.ffn_norm.weight, block.ffn_norm.eps, _moe_weights(block.ffn))
+        for i, block in enumerate(model.blocks)
+    ]
+    y_D, picks = blocks_token_bf16(x_11D.view(-1), blocks, rope_d2, cache.length)
+    if loads is not None:
+        for picked, block in zip(picks, model.blocks, strict=True):
+            loads.append(torch.bincount(picked, minlength=block.ffn.cfg.num_experts))
     return y_D.view_as(x_11D)
 
 

@@ -46,7 +46,9 @@ import os
 import shlex
 import subprocess
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -171,12 +173,12 @@ def load(library: Path) -> ctypes.CDLL | None:
     lib.moekit_rms_norm_bf16.restype = None
     lib.moekit_rows_int8.argtypes = [ctypes.c_int, *[ctypes.c_int64] * 3, *[ctypes.c_void_p] * 4]
     lib.moekit_rows_int8.restype = None
-    lib.moekit_moe_token_bf16.argtypes = [ctypes.c_int, *[ctypes.c_int64] * 4, *[ctypes.c_void_p] * 4, ctypes.c_int]
-    lib.moekit_moe_token_bf16.argtypes += [ctypes.c_float, *[ctypes.c_void_p] * 12]
-    lib.moekit_moe_token_bf16.restype = None
-    lib.moekit_attention_token_bf16.argtypes = [ctypes.c_int, *[ctypes.c_int64] * 5, ctypes.c_float, ctypes.c_float]
-    lib.moekit_attention_token_bf16.argtypes += [*[ctypes.c_void_p] * 8, ctypes.c_int64, *[ctypes.c_void_p] * 6]
-    lib.moekit_attention_token_bf16.restype = None
+    layers = [ctypes.c_void_p, ctypes.c_void_p]  # decode.c's attention_layer and moe_layer arrays
+    lib.moekit_moe_token_bf16.argtypes = [ctypes.c_int, ctypes.c_int64, *[ctypes.c_void_p] * 6]
+    lib.moekit_attention_token_bf16.argtypes = [ctypes.c_int, *[ctypes.c_int64] * 2, *[ctypes.c_void_p] * 6]
+    lib.moekit_blocks_token_bf16.argtypes = [ctypes.c_int, *[ctypes.c_int64] * 3, *layers, *[ctypes.c_void_p] * 4]
+    for name in ("moekit_moe_token_bf16", "moekit_attention_token_bf16", "moekit_blocks_token_bf16"):
+        getattr(lib, name).restype = None
     return lib
 
 
@@ -314,9 +316,81 @@ def rms_norm_bf16(x: Tensor, weight_D: Tensor, eps: float) -> Tensor:
     return y
 
 
-def _weight(name: str, w: Tensor, scale: Tensor | None) -> tuple[int, int | None]:
+class _Weight(ctypes.Structure):  # decode.c's weight
+    _fields_ = [("data", ctypes.c_void_p), ("scale", ctypes.c_void_p)]
+
+
+class _AttentionLayer(ctypes.Structure):  # decode.c's attention_layer
+    _fields_ = [
+        ("norm", ctypes.c_void_p),
+        ("eps", ctypes.c_float),
+        ("qkv", _Weight),
+        ("qkv_b", ctypes.c_void_p),
+        ("keys", ctypes.c_void_p),
+        ("values", ctypes.c_void_p),
+        *((name, ctypes.c_int64) for name in ("gs", "heads", "groups", "head_dim")),
+        ("out", _Weight),
+        ("out_b", ctypes.c_void_p),
+        ("scale", ctypes.c_float),
+    ]
+
+
+class _MoELayer(ctypes.Structure):  # decode.c's moe_layer
+    _fields_ = [
+        ("norm", ctypes.c_void_p),
+        ("eps", ctypes.c_float),
+        *((name, ctypes.c_void_p) for name in ("router", "router_bias", "selection_bias")),
+        *((name, ctypes.c_int64) for name in ("experts", "hidden", "top_k")),
+        ("normalize", ctypes.c_int),
+        ("route_scale", ctypes.c_float),
+        ("w_in", _Weight),
+        ("w_out", _Weight),
+        ("picked", ctypes.c_void_p),
+        ("weights", ctypes.c_void_p),
+    ]
+
+
+class AttentionWeights(NamedTuple):
+    """A block's attention half for the one-token calls: its RMSNorm ``norm`` [D] and ``eps``; ``qkv`` [(H +
+    2G) d, D] laid out per key/value group as moekit's ``Attention`` lays it out, its bias [(H + 2G) d] or
+    None; one sequence's cached ``keys`` and ``values`` [G, S, d] (a ``KVCache`` layer's, written in place);
+    ``heads`` (H) query heads; ``out`` [D, H d], its bias [D] or None. The projections bf16, or int8 with
+    fp32 per-output scales (``qkv_scale`` [(H + 2G) d], ``out_scale`` [D]; None: bf16)."""
+
+    norm_D: Tensor
+    eps: float
+    qkv_ND: Tensor
+    qkv_bias_N: Tensor | None
+    keys_GSd: Tensor
+    values_GSd: Tensor
+    heads: int
+    out_DN: Tensor
+    out_bias_D: Tensor | None
+    qkv_scale_N: Tensor | None = None
+    out_scale_D: Tensor | None = None
+
+
+class MoEWeights(NamedTuple):
+    """A MoE layer's routed SwiGLU experts for the one-token calls: an fp32 ``router`` [E, D], its bias [E] or
+    None, an fp32 ``selection_bias`` [E] (it picks, it does not weigh), ``top_k`` picks renormalised when
+    ``normalize``, times ``route_scale``; ``w_in`` [E, 2F, D] (gate rows first) and ``w_out`` [E, D, F],
+    output-major, bf16 or int8 with fp32 scales [E, 2F] and [E, D] (None: bf16)."""
+
+    router_ED: Tensor
+    router_bias_E: Tensor | None
+    selection_bias_E: Tensor
+    top_k: int
+    normalize: bool
+    route_scale: float
+    w_in_END: Tensor
+    w_out_EDN: Tensor
+    w_in_scale_EN: Tensor | None = None
+    w_out_scale_ED: Tensor | None = None
+
+
+def _weight(name: str, w: Tensor, scale: Tensor | None) -> _Weight:
     """A one-token call's weight: bf16 (``scale`` None) or int8 with fp32 per-output scales [..., N]
-    (``infer.quant``'s int8), contiguous in CPU memory: its and its scales' addresses."""
+    (``infer.quant``'s int8), contiguous in CPU memory."""
     if scale is None and w.dtype == torch.bfloat16:
         pass
     elif w.dtype != torch.int8 or scale is None or scale.dtype != torch.float32 or scale.shape != w.shape[:-1]:
@@ -324,156 +398,155 @@ def _weight(name: str, w: Tensor, scale: Tensor | None) -> tuple[int, int | None
         raise ValueError(f"{name}: a bf16 weight, or int8 with fp32 scales per output, not {given}")
     if w.device.type != "cpu" or not w.is_contiguous() or (scale is not None and not scale.is_contiguous()):
         raise ValueError(f"{name}: a contiguous weight in CPU memory")
-    return w.data_ptr(), None if scale is None else scale.data_ptr()
+    return _Weight(w.data_ptr(), None if scale is None else scale.data_ptr())
 
 
-def moe_token_bf16(
-    x_D: Tensor,
-    residual_D: Tensor,
-    router_ED: Tensor,
-    router_bias_E: Tensor | None,
-    selection_bias_E: Tensor,
-    top_k: int,
-    normalize: bool,
-    route_scale: float,
-    w_in_END: Tensor,
-    w_out_EDN: Tensor,
-    w_in_scale_EN: Tensor | None = None,
-    w_out_scale_ED: Tensor | None = None,
-) -> tuple[Tensor, Tensor]:
-    """One token through a MoE layer's routed SwiGLU experts and the residual around them, in one call
-    (``decode.c``'s ``moekit_moe_token_bf16``): fp32 router logits ``x @ router.t() + bias``, softmax, the
-    ``top_k`` best by score plus ``selection_bias``, renormalised when ``normalize``, times ``route_scale``;
-    each picked expert ``silu(gate) * up`` with ``w_in`` [E, 2F, D] (gate rows first) and ``w_out`` [E, D, F],
-    output-major, bf16 or int8 with their scales (``_weight``); returns ``residual + sum_k bf16(w_k) y_k``
-    [D] and the picked experts [top_k] (ascending). Every product is summed in fp32 and rounded to bf16, as
-    torch's ops round them. What differs from torch's ops: the order of the fp32 sums, silu's and the
-    softmax's exp (the C library's; the softmax divides by the sum), and ties between scores, which go
-    to the lower index."""
-    lib = _library()[0]
-    if lib is None:
-        raise RuntimeError(f"the row kernels are unavailable: {rows_unavailable_reason()}")
-    E, N, D = w_in_END.shape
-    F = N // 2
-    if w_out_EDN.shape != (E, D, F) or 2 * F != N:
-        raise ValueError(f"moe_token_bf16 takes w_in [E, 2F, D] and w_out [E, D, F], not {list(w_in_END.shape)}")
-    w_in = _weight("w_in", w_in_END, w_in_scale_EN)
-    w_out = _weight("w_out", w_out_EDN, w_out_scale_ED)
-    fp32 = (router_ED, selection_bias_E) if router_bias_E is None else (router_ED, selection_bias_E, router_bias_E)
-    shapes = router_ED.shape == (E, D) and all(t.shape == (E,) for t in fp32[1:])
-    if not shapes or any(t.dtype != torch.float32 for t in fp32) or not 0 < top_k <= E <= MAX_EXPERTS:
-        raise ValueError(
-            f"moe_token_bf16 takes an fp32 router [{E}, {D}], biases [{E}] and 1 to {E} picks, not {top_k}"
-        )
-    if any(t.shape != (D,) or t.dtype != torch.bfloat16 for t in (x_D, residual_D)):
-        raise ValueError(f"moe_token_bf16 takes one token's bf16 x and residual [{D}]")
-    tensors = (x_D, residual_D, *fp32)
+def _address(t: Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _inference(tensors: list[Tensor], name: str) -> None:
     if any(t.device.type != "cpu" or not t.is_contiguous() for t in tensors):
-        raise ValueError("moe_token_bf16 takes contiguous CPU tensors")
+        raise ValueError(f"{name} takes contiguous CPU tensors")
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        raise RuntimeError("moe_token_bf16 is for inference: it records no gradient")
-    scratch = torch.empty(N + F + top_k * D, dtype=torch.bfloat16)
-    h, a, y = scratch.split([N, F, top_k * D])
-    widened = torch.empty(D + F, dtype=torch.float32)
-    out = torch.empty(D, dtype=torch.bfloat16)
-    picked = torch.empty(top_k, dtype=torch.int64)
-    weights = torch.empty(top_k, dtype=torch.float32)
-    lib.moekit_moe_token_bf16(
-        torch.get_num_threads(),
-        D,
-        F,
-        E,
-        top_k,
-        x_D.data_ptr(),
-        router_ED.data_ptr(),
-        None if router_bias_E is None else router_bias_E.data_ptr(),
-        selection_bias_E.data_ptr(),
-        int(normalize),
-        route_scale,
-        *w_in,
-        *w_out,
-        residual_D.data_ptr(),
-        h.data_ptr(),
-        a.data_ptr(),
-        y.data_ptr(),
-        widened.data_ptr(),
-        out.data_ptr(),
-        picked.data_ptr(),
-        weights.data_ptr(),
-    )
-    return out, picked
+        raise RuntimeError(f"{name} is for inference: it records no gradient")
 
 
-def attention_token_bf16(
-    x_D: Tensor,
-    norm_D: Tensor,
-    eps: float,
-    qkv_ND: Tensor,
-    qkv_bias_N: Tensor | None,
-    rope_d2: Tensor,
-    keys_GSd: Tensor,
-    values_GSd: Tensor,
-    position: int,
-    heads: int,
-    out_DN: Tensor,
-    out_bias_D: Tensor | None,
-    qkv_scale_N: Tensor | None = None,
-    out_scale_D: Tensor | None = None,
-) -> Tensor:
-    """One token through a block's attention half and the residual around it, in one call (``decode.c``'s
-    ``moekit_attention_token_bf16``): ``x + out(attend(rope(qkv(rms_norm(x)))))`` [D], ``qkv`` laid out per
-    key/value group as moekit's ``Attention`` lays it out, ``heads`` query heads over the G groups of the
-    cache ``keys``/``values`` [G, S, d] (a ``KVCache`` layer's, written in place at ``position``, attended up
-    to it), ``rope`` [d/2, 2] this position's (cos, sin) in fp32. The projections bf16 or int8 with their
-    scales (``_weight``). Rounded to bf16 where torch's ops round; the products and the attention are
-    ``rows_bf16``'s (``rows_int8``'s) and ``one_query_bf16``'s."""
-    lib = _library()[0]
-    if lib is None:
-        raise RuntimeError(f"the row kernels are unavailable: {rows_unavailable_reason()}")
-    (D,), (G, S, d) = x_D.shape, keys_GSd.shape
-    qkv = _weight("qkv", qkv_ND, qkv_scale_N)
-    out_w = _weight("out", out_DN, out_scale_D)
-    bf16 = [x_D, norm_D, keys_GSd, values_GSd, *(b for b in (qkv_bias_N, out_bias_D) if b is not None)]
-    shapes = qkv_ND.shape == ((heads + 2 * G) * d, D) and out_DN.shape == (D, heads * d) and norm_D.shape == (D,)
-    shapes &= (qkv_bias_N is None or qkv_bias_N.shape == qkv_ND.shape[:1]) and (
-        out_bias_D is None or out_bias_D.shape == (D,)
-    )
-    if any(t.dtype != torch.bfloat16 for t in bf16) or not shapes or values_GSd.shape != keys_GSd.shape:
+def _token(x_D: Tensor, name: str) -> int:
+    """One token's bf16 activations [D]: D."""
+    if x_D.dim() != 1 or x_D.dtype != torch.bfloat16:
+        raise ValueError(f"{name} takes one token's bf16 activations [D], not {x_D.dtype} {list(x_D.shape)}")
+    _inference([x_D], name)
+    return x_D.shape[0]
+
+
+def _moe_layer(m: MoEWeights, D: int, norm_D: Tensor | None = None, eps: float = 0.0) -> tuple[_MoELayer, Tensor]:
+    """``m`` checked for tokens of width ``D`` as decode.c's ``moe_layer``, with the RMSNorm before it (None:
+    none); and the buffer its picks land in (``top_k`` int64, then as many fp32 weights)."""
+    E, N, D_in = m.w_in_END.shape
+    F = N // 2
+    if m.w_out_EDN.shape != (E, D, F) or 2 * F != N or D_in != D:
+        raise ValueError(f"moe_token_bf16 takes w_in [E, 2F, {D}] and w_out [E, {D}, F], not {list(m.w_in_END.shape)}")
+    w_in, w_out = _weight("w_in", m.w_in_END, m.w_in_scale_EN), _weight("w_out", m.w_out_EDN, m.w_out_scale_ED)
+    fp32 = [m.router_ED, m.selection_bias_E, *([] if m.router_bias_E is None else [m.router_bias_E])]
+    shapes = m.router_ED.shape == (E, D) and all(t.shape == (E,) for t in fp32[1:])
+    if not shapes or any(t.dtype != torch.float32 for t in fp32) or not 0 < m.top_k <= E <= MAX_EXPERTS:
+        raise ValueError(
+            f"moe_token_bf16 takes an fp32 router [{E}, {D}], biases [{E}] and 1 to {E} picks, not {m.top_k}"
+        )
+    if norm_D is not None and (norm_D.shape != (D,) or norm_D.dtype != torch.bfloat16):
+        raise ValueError(f"the MoE layer's RMSNorm takes a bf16 weight [{D}]")
+    _inference(fp32 + ([] if norm_D is None else [norm_D]), "moe_token_bf16")
+    picks = torch.empty(2 * m.top_k, dtype=torch.int64)  # the picks, then their fp32 weights in the second half
+    layer = _MoELayer(_address(norm_D), eps, m.router_ED.data_ptr(), _address(m.router_bias_E))
+    layer.selection_bias, layer.experts, layer.hidden, layer.top_k = m.selection_bias_E.data_ptr(), E, F, m.top_k
+    layer.normalize, layer.route_scale, layer.w_in, layer.w_out = int(m.normalize), m.route_scale, w_in, w_out
+    layer.picked, layer.weights = picks.data_ptr(), picks[m.top_k :].data_ptr()
+    return layer, picks
+
+
+def _moe_scratch(m: MoEWeights, D: int) -> tuple[int, int]:
+    """decode.c's ``moe_token``'s scratch: bf16 values, floats."""
+    F = m.w_out_EDN.shape[-1]
+    return 3 * F + m.top_k * D, D + F
+
+
+def _attention_layer(a: AttentionWeights, D: int, position: int, rope_d2: Tensor) -> _AttentionLayer:
+    """``a`` checked for a token of width ``D`` at ``position`` with this position's ``rope`` [d/2, 2], as
+    decode.c's ``attention_layer``."""
+    (G, S, d), heads = a.keys_GSd.shape, a.heads
+    qkv, out = _weight("qkv", a.qkv_ND, a.qkv_scale_N), _weight("out", a.out_DN, a.out_scale_D)
+    biases = [b for b in (a.qkv_bias_N, a.out_bias_D) if b is not None]
+    bf16 = [a.norm_D, a.keys_GSd, a.values_GSd, *biases]
+    shapes = a.qkv_ND.shape == ((heads + 2 * G) * d, D) and a.out_DN.shape == (D, heads * d)
+    shapes &= a.norm_D.shape == (D,) and a.values_GSd.shape == a.keys_GSd.shape
+    shapes &= a.qkv_bias_N is None or a.qkv_bias_N.shape == a.qkv_ND.shape[:1]
+    shapes &= a.out_bias_D is None or a.out_bias_D.shape == (D,)
+    if any(t.dtype != torch.bfloat16 for t in bf16) or not shapes:
         raise ValueError(f"attention_token_bf16 takes bf16 weights for {heads} heads over {G} groups of {d}")
-    rope = rope_d2.shape == (d // 2, 2) and rope_d2.dtype == torch.float32
+    rope = rope_d2.shape == (d // 2, 2) and rope_d2.dtype == torch.float32 and rope_d2.is_contiguous()
     if heads % G or d % 32 or d > 128 or not 0 <= position < S or not rope:
         raise ValueError(f"attention_token_bf16 takes heads of 32 to 128, not {d}, at a cached position: {position}")
-    laid_out = all(t.is_contiguous() for t in bf16[:2] + bf16[4:]) and rope_d2.is_contiguous()
-    cached = (keys_GSd, values_GSd)
-    positions = all(t.stride(1) == d and t.stride(2) == 1 and t.stride(0) == keys_GSd.stride(0) for t in cached)
-    if not laid_out or not positions or any(t.device.type != "cpu" for t in bf16):
-        raise ValueError("attention_token_bf16 takes contiguous CPU weights and a cache of contiguous positions")
-    if torch.is_grad_enabled() and any(t.requires_grad for t in bf16):
-        raise RuntimeError("attention_token_bf16 is for inference: it records no gradient")
-    scratch = torch.empty(D + (3 * heads + 2 * G) * d, dtype=torch.bfloat16)  # normed, qkv, queries, attended
-    scores = torch.empty(heads * (position + 1) + D + heads * d, dtype=torch.float32)  # and the widened rows
+    _inference(bf16, "attention_token_bf16")
+    layer = _AttentionLayer(a.norm_D.data_ptr(), a.eps, qkv, _address(a.qkv_bias_N))
+    layer.keys, layer.values, layer.gs = a.keys_GSd.data_ptr(), a.values_GSd.data_ptr(), S * d
+    layer.heads, layer.groups, layer.head_dim = heads, G, d
+    layer.out, layer.out_b, layer.scale = out, _address(a.out_bias_D), d**-0.5
+    return layer
+
+
+def _attention_scratch(a: AttentionWeights, D: int, position: int) -> tuple[int, int]:
+    """decode.c's ``attention_token``'s scratch: bf16 values, floats."""
+    (G, _, d), H = a.keys_GSd.shape, a.heads
+    return D + (3 * H + 2 * G) * d, H * (position + 1) + D + H * d
+
+
+def _library_or_raise() -> ctypes.CDLL:
+    lib = _library()[0]
+    if lib is None:
+        raise RuntimeError(f"the row kernels are unavailable: {rows_unavailable_reason()}")
+    return lib
+
+
+def moe_token_bf16(x_D: Tensor, residual_D: Tensor, m: MoEWeights) -> tuple[Tensor, Tensor]:
+    """One token through a MoE layer's routed SwiGLU experts and the residual around it, in one call
+    (``decode.c``'s ``moe_token``) with the weights ``m``: fp32 router logits ``x @
+    router.t() + bias``, softmax, the ``top_k`` best by score plus ``selection_bias``, renormalised when
+    ``normalize``, times ``route_scale``; each picked expert ``silu(gate) * up``; returns ``residual +
+    sum_k bf16(w_k) y_k`` [D] and the picked experts [top_k] (ascending). Every product is summed in fp32
+    and rounded to bf16, as torch's ops round them. What differs from torch's ops: the order of the fp32
+    sums, silu's and the softmax's exp (the C library's; the softmax divides by the sum), and ties between
+    scores, which go to the lower index."""
+    lib = _library_or_raise()
+    D = _token(x_D, "moe_token_bf16")
+    if _token(residual_D, "moe_token_bf16") != D:
+        raise ValueError(f"moe_token_bf16 takes one token's bf16 x and residual [{D}]")
+    layer, picks = _moe_layer(m, D)
+    bf16, floats = _moe_scratch(m, D)
     out = torch.empty(D, dtype=torch.bfloat16)
-    lib.moekit_attention_token_bf16(
-        torch.get_num_threads(),
-        D,
-        heads,
-        G,
-        d,
-        position,
-        eps,
-        d**-0.5,
-        x_D.data_ptr(),
-        norm_D.data_ptr(),
-        *qkv,
-        None if qkv_bias_N is None else qkv_bias_N.data_ptr(),
-        rope_d2.data_ptr(),
-        keys_GSd.data_ptr(),
-        values_GSd.data_ptr(),
-        keys_GSd.stride(0),
-        *out_w,
-        None if out_bias_D is None else out_bias_D.data_ptr(),
-        scratch.data_ptr(),
-        scores.data_ptr(),
-        out.data_ptr(),
-    )
+    scratch, widened = torch.empty(bf16, dtype=torch.bfloat16), torch.empty(floats, dtype=torch.float32)
+    args = (x_D.data_ptr(), residual_D.data_ptr(), scratch.data_ptr(), widened.data_ptr(), out.data_ptr())
+    lib.moekit_moe_token_bf16(torch.get_num_threads(), D, ctypes.byref(layer), *args)
+    return out, picks[: m.top_k]
+
+
+def attention_token_bf16(x_D: Tensor, rope_d2: Tensor, position: int, a: AttentionWeights) -> Tensor:
+    """One token through a block's attention half and the residual around it, in one call (``decode.c``'s
+    ``attention_token``) with the weights ``a``: ``x + out(attend(rope(qkv(rms_norm(x)))))``
+    [D], ``rope`` [d/2, 2] this position's (cos, sin) in fp32, the cache written in place at ``position``
+    and attended up to it. Rounded to bf16 where torch's ops round; the products and the attention are
+    ``rows_bf16``'s (``rows_int8``'s) and ``one_query_bf16``'s."""
+    lib = _library_or_raise()
+    D = _token(x_D, "attention_token_bf16")
+    layer = _attention_layer(a, D, position, rope_d2)
+    bf16, floats = _attention_scratch(a, D, position)
+    scratch, scores = torch.empty(bf16, dtype=torch.bfloat16), torch.empty(floats, dtype=torch.float32)
+    out = torch.empty(D, dtype=torch.bfloat16)
+    args = (rope_d2.data_ptr(), x_D.data_ptr(), scratch.data_ptr(), scores.data_ptr(), out.data_ptr())
+    lib.moekit_attention_token_bf16(torch.get_num_threads(), D, position, ctypes.byref(layer), *args)
     return out
+
+
+def blocks_token_bf16(
+    x_D: Tensor, blocks: Sequence[tuple[AttentionWeights, Tensor, float, MoEWeights]], rope_d2: Tensor, position: int
+) -> tuple[Tensor, list[Tensor]]:
+    """One token at ``position`` through every block in ``blocks`` (its attention half, then its MoE layer
+    on the RMSNorm (weight, eps) of the residual stream), in one call (``decode.c``'s
+    ``moekit_blocks_token_bf16``): the residual stream after the last block [D] and each MoE layer's picks.
+    What ``attention_token_bf16``, ``rms_norm_bf16`` and ``moe_token_bf16`` compute block after block, bit
+    for bit, with no Python between them."""
+    lib = _library_or_raise()
+    D = _token(x_D, "blocks_token_bf16")
+    attention, moe = (_AttentionLayer * len(blocks))(), (_MoELayer * len(blocks))()
+    picks, bf16, floats = [], 0, 0
+    for i, (a, ffn_norm, ffn_eps, m) in enumerate(blocks):
+        attention[i] = _attention_layer(a, D, position, rope_d2)
+        moe[i], picked = _moe_layer(m, D, ffn_norm, ffn_eps)
+        picks.append(picked[: m.top_k])
+        scratch = _attention_scratch(a, D, position), _moe_scratch(m, D)
+        bf16, floats = max(bf16, *(s[0] for s in scratch)), max(floats, *(s[1] for s in scratch))
+    x = x_D.clone()
+    scratch, scores = torch.empty(2 * D + bf16, dtype=torch.bfloat16), torch.empty(floats, dtype=torch.float32)
+    args = (rope_d2.data_ptr(), x.data_ptr(), scratch.data_ptr(), scores.data_ptr())
+    lib.moekit_blocks_token_bf16(torch.get_num_threads(), len(blocks), D, position, attention, moe, *args)
+    return x, picks

@@ -441,20 +441,39 @@ static void route(int64_t D, int64_t E, int64_t top_k, const bf16* x, const floa
         }
 }
 
-/* One token through a MoE layer's routed SwiGLU experts, without biases, and the residual around it:
- * route x [D] (route), then each picked expert's h = w_in[e] x ([2F]: gate rows, then up rows),
- * a = silu(gate) * up and y_k = w_out[e] a ([D]), each product summed in fp32 and every result rounded
- * to bf16 as torch's ops round it; out = residual + sum_k bf16(w_k) y_k. w_in [E, 2F, D] and w_out
- * [E, D, F] output-major, bf16 or int8 with scales [E, 2F] and [E, D] (NULL: bf16); scratch: h [2F],
- * a [F], y [top_k, D] bf16 and D + F floats. One parallel region: each product split by weight rows as
- * moekit_rows_bf16 splits it, the activation and the sum by position. */
-void moekit_moe_token_bf16(int threads, int64_t D, int64_t F, int64_t E, int64_t top_k, const bf16* x,
-                           const float* router, const float* router_bias, const float* selection_bias, int normalize,
-                           float route_scale, const void* w_in, const float* w_in_scale, const void* w_out,
-                           const float* w_out_scale, const bf16* residual, bf16* h, bf16* a, bf16* y, float* widened,
-                           bf16* out, int64_t* picked, float* weights) {
-    route(D, E, top_k, x, router, router_bias, selection_bias, normalize, route_scale, picked, weights);
-    weight ins = {w_in, w_in_scale}, outs = {w_out, w_out_scale};
+/* A MoE layer of the one-token calls: its RMSNorm (norm [D], eps; the whole-step call's, which normalises
+ * the residual stream first), its router (fp32 router [E, D], router_bias [E] or NULL, selection_bias [E]
+ * or NULL; route), top_k picks renormalised when normalize, times route_scale, and its SwiGLU experts
+ * without biases: w_in [E, 2F, D] (gate rows, then up rows) and w_out [E, D, F] output-major, bf16 or
+ * int8 with scales [E, 2F] and [E, D]. picked [top_k] and weights [top_k]: where the call writes its
+ * routing. */
+typedef struct {
+    const bf16* norm;
+    float eps;
+    const float* router;
+    const float* router_bias;
+    const float* selection_bias;
+    int64_t experts, hidden, top_k;
+    int normalize;
+    float route_scale;
+    weight w_in, w_out;
+    int64_t* picked;
+    float* weights;
+} moe_layer;
+
+/* One token through a MoE layer's routed experts and the residual around it: route x [D] (route), then
+ * each picked expert's h = w_in[e] x ([2F]: gate rows, then up rows), a = silu(gate) * up and y_k = w_out[e]
+ * a ([D]), each product summed in fp32 and every result rounded to bf16 as torch's ops round it; out =
+ * residual + sum_k bf16(w_k) y_k. scratch: 3F + top_k D bf16 and D + F floats. One parallel region: each
+ * product split by weight rows as moekit_rows_bf16 splits it, the activation and the sum by position. */
+static void moe_token(int threads, int64_t D, const moe_layer* m, const bf16* x, const bf16* residual, bf16* scratch,
+                      float* widened, bf16* out) {
+    const int64_t F = m->hidden, top_k = m->top_k;
+    const int64_t* picked = m->picked;
+    const float* weights = m->weights;
+    bf16 *h = scratch, *a = h + 2 * F, *y = a + F;
+    route(D, m->experts, top_k, x, m->router, m->router_bias, m->selection_bias, m->normalize, m->route_scale,
+          m->picked, m->weights);
     float *xf = widened, *af = widened + D; /* the int8 kernel's fp32 inputs */
     for (int64_t j = 0; j < D; j++) xf[j] = from_bf16(x[j]);
 #pragma omp parallel num_threads(threads)
@@ -463,7 +482,7 @@ void moekit_moe_token_bf16(int threads, int64_t D, int64_t F, int64_t E, int64_t
         int64_t f0 = F * t / T, f1 = F * (t + 1) / T, d0 = D * t / T, d1 = D * (t + 1) / T;
         for (int64_t k = 0; k < top_k; k++) {
             thread_part(2 * F, &n0, &n1);
-            product_part(2 * F, D, x, xf, nth(ins, picked[k], 2 * F, D), h, n0, n1);
+            product_part(2 * F, D, x, xf, nth(m->w_in, picked[k], 2 * F, D), h, n0, n1);
 #pragma omp barrier
             for (int64_t f = f0; f < f1; f++) {
                 float gate = from_bf16(h[f]);
@@ -472,7 +491,7 @@ void moekit_moe_token_bf16(int threads, int64_t D, int64_t F, int64_t E, int64_t
             }
 #pragma omp barrier
             thread_part(D, &n0, &n1);
-            product_part(D, F, a, af, nth(outs, picked[k], D, F), y + k * D, n0, n1);
+            product_part(D, F, a, af, nth(m->w_out, picked[k], D, F), y + k * D, n0, n1);
         }
 #pragma omp barrier
         for (int64_t d = d0; d < d1; d++) {
@@ -482,6 +501,11 @@ void moekit_moe_token_bf16(int threads, int64_t D, int64_t F, int64_t E, int64_t
             out[d] = to_bf16(from_bf16(residual[d]) + from_bf16(to_bf16(sum)));
         }
     }
+}
+
+void moekit_moe_token_bf16(int threads, int64_t D, const moe_layer* m, const bf16* x, const bf16* residual,
+                           bf16* scratch, float* widened, bf16* out) {
+    moe_token(threads, D, m, x, residual, scratch, widened, out);
 }
 
 /* A product kept as rounded: the compiler may neither fuse it into an FMA with the sum it feeds nor
@@ -501,33 +525,64 @@ static void rotate(int64_t d, const bf16* v, const float* rope, bf16* out) {
     }
 }
 
-/* One token through a block's attention half, the residual around it: x + out(attend(rope(qkv(norm(x))))).
- * x [D]; norm_w [D] (RMSNorm); qkv_w [(H + 2G) d, D] laid out per key/value group (its Q = H / G query
- * heads, its key, its value: moekit's Attention), qkv_b its bias or NULL; rope [d/2, 2] this position's
- * (cos, sin); keys and values: group g's position s at + g * gs + s * d, this token's written at
- * position S, every position up to it attended (one_head); out_w [D, H d], out_b or NULL. The two
- * weights bf16, or int8 with per-output scales (NULL: bf16). Each result rounded to bf16 where torch's
- * ops round it. scratch: D + (3H + 2G) d bf16, H (S + 1) + D + H d floats. */
-void moekit_attention_token_bf16(int threads, int64_t D, int64_t H, int64_t G, int64_t d, int64_t S, float eps,
-                                 float scale, const bf16* x, const bf16* norm_w, const void* qkv_w,
-                                 const float* qkv_scale, const bf16* qkv_b, const float* rope, bf16* keys,
-                                 bf16* values, int64_t gs, const void* out_w, const float* out_scale,
-                                 const bf16* out_b, bf16* scratch, float* scores, bf16* out) {
-    int64_t Q = H / G;
+/* A block's attention half of the one-token calls: its RMSNorm (norm [D], eps); qkv [(H + 2G) d, D] laid
+ * out per key/value group (its Q = H / G query heads, its key, its value: moekit's Attention), qkv_b its
+ * bias or NULL; the cache's keys and values (group g's position s at + g * gs + s * d); out [D, H d],
+ * out_b or NULL; scale: the scores' (d^-0.5). The two weights bf16, or int8 with per-output scales. */
+typedef struct {
+    const bf16* norm;
+    float eps;
+    weight qkv;
+    const bf16* qkv_b;
+    bf16* keys;
+    bf16* values;
+    int64_t gs, heads, groups, head_dim;
+    weight out;
+    const bf16* out_b;
+    float scale;
+} attention_layer;
+
+/* One token at position S through a block's attention half, the residual around it: x [D] +
+ * out(attend(rope(qkv(norm(x))))), rope [d/2, 2] this position's (cos, sin), this token's key and value
+ * written at position S, every position up to it attended (one_head). Each result rounded to bf16 where
+ * torch's ops round it. scratch: D + (3H + 2G) d bf16, H (S + 1) + D + H d floats. */
+static void attention_token(int threads, int64_t D, int64_t S, const attention_layer* l, const float* rope,
+                            const bf16* x, bf16* scratch, float* scores, bf16* out) {
+    const int64_t H = l->heads, G = l->groups, d = l->head_dim, Q = H / G, gs = l->gs;
     bf16 *normed = scratch, *qkv = normed + D, *q = qkv + (H + 2 * G) * d, *attended = q + H * d;
     float* widened = scores + H * (S + 1); /* D, then H d: the int8 kernel's fp32 inputs */
-    rms_norm_row(D, eps, x, norm_w, normed);
-    row_product(threads, (H + 2 * G) * d, D, normed, widened, (weight){qkv_w, qkv_scale}, qkv_b, qkv);
+    rms_norm_row(D, l->eps, x, l->norm, normed);
+    row_product(threads, (H + 2 * G) * d, D, normed, widened, l->qkv, l->qkv_b, qkv);
     for (int64_t g = 0; g < G; g++) {
         const bf16* group = qkv + g * (Q + 2) * d;
         for (int64_t i = 0; i < Q; i++) rotate(d, group + i * d, rope, q + (g * Q + i) * d);
-        rotate(d, group + Q * d, rope, keys + g * gs + S * d);
-        memcpy(values + g * gs + S * d, group + (Q + 1) * d, d * sizeof(bf16));
+        rotate(d, group + Q * d, rope, l->keys + g * gs + S * d);
+        memcpy(l->values + g * gs + S * d, group + (Q + 1) * d, d * sizeof(bf16));
     }
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t h = 0; h < H; h++)
-        one_head(S + 1, d, scale, q + h * d, keys + (h / Q) * gs, d, values + (h / Q) * gs, d, scores + h * (S + 1),
-                 attended + h * d);
-    row_product(threads, D, H * d, attended, widened + D, (weight){out_w, out_scale}, out_b, out);
+        one_head(S + 1, d, l->scale, q + h * d, l->keys + (h / Q) * gs, d, l->values + (h / Q) * gs, d,
+                 scores + h * (S + 1), attended + h * d);
+    row_product(threads, D, H * d, attended, widened + D, l->out, l->out_b, out);
     for (int64_t j = 0; j < D; j++) out[j] = to_bf16(from_bf16(x[j]) + from_bf16(out[j]));
+}
+
+void moekit_attention_token_bf16(int threads, int64_t D, int64_t S, const attention_layer* l, const float* rope,
+                                 const bf16* x, bf16* scratch, float* scores, bf16* out) {
+    attention_token(threads, D, S, l, rope, x, scratch, scores, out);
+}
+
+/* One token at position S through L blocks: attention[i], then moe[i] on its RMSNorm of the residual
+ * stream, block after block; x [D] in, the residual stream after the last block out. scratch: 2D bf16
+ * beside the largest layer's scratch (attention_token's, moe_token's); scores: the largest layer's
+ * floats. A decode step's blocks in one call: no Python runs between them while their weights stream
+ * through the caches. */
+void moekit_blocks_token_bf16(int threads, int64_t L, int64_t D, int64_t S, const attention_layer* attention,
+                              const moe_layer* moe, const float* rope, bf16* x, bf16* scratch, float* scores) {
+    bf16 *mid = scratch, *normed = mid + D, *rest = normed + D;
+    for (int64_t i = 0; i < L; i++) {
+        attention_token(threads, D, S, &attention[i], rope, x, rest, scores, mid);
+        rms_norm_row(D, moe[i].eps, mid, moe[i].norm, normed);
+        moe_token(threads, D, &moe[i], normed, mid, rest, scores, x);
+    }
 }
