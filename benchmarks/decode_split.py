@@ -10,8 +10,10 @@ weight streamed from memory in turn, as ``cpu_matmul.py`` times them). A third k
 step through the model's forward instead of ``decode_step``'s one-token path (``infer/token_step.py``):
 what that path saves; a fourth runs the one-token path under ``no_grad`` instead of ``decode_step``'s
 inference mode: what that mode saves. The products are those of the one-token path's ops: the row
-layout's C calls (a block's attention half and MoE layer in one call each, ``token_step.C_CALLS``) are
-off in those blocks, and a fifth kind times the step with them, as ``moekit generate`` runs it.
+layout's C calls (a block's attention half and MoE layer, or every block, in one call:
+``token_step.C_CALLS``) are off in those blocks, and a fifth kind times the step with them, as ``moekit
+generate`` runs it; a sixth with a call per block half where every block could take one call together
+(``token_step.ONE_CALL`` off).
 
     python benchmarks/decode_split.py MODEL_DIR [--layout rows|packed] [--threads 2] [--steps 40]
         [--rounds 4] [--json]
@@ -81,12 +83,12 @@ def main(argv: list[str] | None = None) -> int:
     def use(product) -> None:
         setattr(resident, hooked, product)
 
-    def step(product, c_calls: bool = False) -> None:
+    def step(product, c_calls: bool = False, one_call: bool = True) -> None:
         use(product)
         counting[0] = True
-        ops.C_CALLS = c_calls
+        ops.C_CALLS, ops.ONE_CALL = c_calls, one_call
         token[0] = decode_step(model, token[0], cache).argmax(-1, keepdim=True)
-        ops.C_CALLS = True
+        ops.C_CALLS = ops.ONE_CALL = True
 
     @torch.no_grad()
     def forward() -> None:
@@ -110,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     kinds = {"real": lambda: step(counted), "replayed": lambda: step(replayed), "forward": forward}
     kinds["no_grad"] = grad_mode
     kinds["c_calls"] = lambda: step(real, c_calls=True)
+    kinds["block_calls"] = lambda: step(real, c_calls=True, one_call=False)
     ms = alternate_blocks(kinds, args.steps, args.rounds)
     use(real)
     gb_per_step = read[0] / (args.steps * args.rounds) / 1e9
@@ -127,13 +130,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  through the forward         {show(ms['forward'], '.2f')}")
     print(f"  under no_grad               {show(ms['no_grad'], '.2f')} (not inference mode)")
     print(f"  with the C calls            {show(ms['c_calls'], '.2f')} (as moekit generate steps)")
+    print(f"  with a C call per half      {show(ms['block_calls'], '.2f')} (not every block in one)")
     if args.json:
         figures = {"step_ms": ms["real"], "replayed_ms": ms["replayed"], "products_ms": products}
-        figures["forward_ms"], figures["no_grad_ms"], figures["c_calls_ms"] = (
-            ms["forward"],
-            ms["no_grad"],
-            ms["c_calls"],
-        )
+        figures["forward_ms"], figures["no_grad_ms"] = ms["forward"], ms["no_grad"]
+        figures["c_calls_ms"], figures["block_calls_ms"] = ms["c_calls"], ms["block_calls"]
         out = {k: spread(v, 3) for k, v in figures.items()} | {"mb_per_step": round(gb_per_step * 1e3, 1)}
         out |= {"gb_s": spread(rates, 2), "gb_s_alone": spread(alone, 2), "threads": args.threads}
         out |= {"layout": "rows" if rows else "packed"}

@@ -12,11 +12,12 @@ import torch
 
 import moekit.infer.token_step as ops
 from moekit import runconfig
-from moekit.experts.matmul import prepackable, single_token_kernels
+from moekit.experts.matmul import native_16bit, prepackable, single_token_kernels
 from moekit.infer.generate import decode_step, prefill
+from moekit.infer.quant import INT8_ROW_KERNEL_ISAS
 from moekit.infer.resident_experts import RowExperts, RowRMSNorm, prepack_, quantize_dense_, quantize_experts_
 from moekit.infer.token_step import fuses, takes, token_step
-from moekit.kernels import rows_available, rows_unavailable_reason
+from moekit.kernels import rows_available, rows_isa, rows_unavailable_reason
 from moekit.model import KVCache, Transformer
 
 FAMILIES = {
@@ -167,6 +168,7 @@ def test_the_blocks_in_one_call_equal_their_calls_one_by_one(
     """``blocks_token_bf16`` (one C call for every block) against the same step with each block's attention
     half and MoE layer called one by one (each held to the forward above): logits, cache and each
     layer's tokens per expert bit for bit over 12 steps, the tokens fed back; int8 weights too."""
+    _needs_int8_calls(fmt, norms=True)
     model = _model(family, fmt)
     prompt = torch.randint(0, model.cfg.vocab_size, (1, 7), generator=torch.Generator().manual_seed(2))
     logits, cache = prefill(model, prompt)
@@ -179,7 +181,7 @@ def test_the_blocks_in_one_call_equal_their_calls_one_by_one(
             loads, want_loads = [], []
             got = token_step(model, token, cache, loads)
             with monkeypatch.context() as patch:
-                patch.setattr(ops, "fuses_every_block", lambda *_: False)
+                patch.setattr(ops, "ONE_CALL", False)
                 want = token_step(model, token, one_by_one, want_loads)
             assert torch.equal(got, want) and cache.length == one_by_one.length
             for mine, theirs in zip([*cache.keys, *cache.values], [*one_by_one.keys, *one_by_one.values], strict=True):
@@ -188,19 +190,44 @@ def test_the_blocks_in_one_call_equal_their_calls_one_by_one(
             token = got.argmax(-1, keepdim=True)
 
 
-def test_a_hooked_norm_or_a_block_pre_hook_keeps_the_blocks_apart(kernel_isa: str) -> None:
-    """The one call for every block skips the modules it replaces: a hook on a feed-forward RMSNorm, or a
-    block's forward pre-hook (it runs between blocks), sends the step back to a call per block half."""
+def test_what_keeps_the_blocks_apart(kernel_isa: str, monkeypatch) -> None:
+    """The one call for every block skips the modules it replaces: a forward pre-hook or hook on a
+    feed-forward RMSNorm, a replaced RMSNorm forward, a block's forward pre-hook (it runs between blocks),
+    a dense feed-forward block, or ``ONE_CALL`` off sends the step back to a call per block half."""
     model = _model("mixtral", "bf16-rows")
     _, cache = prefill(model, torch.zeros(1, 3, dtype=torch.long))
     with torch.inference_mode():
         x = model.embed(torch.zeros(1, 1, dtype=torch.long))
         assert ops.fuses_every_block(model, x, cache)
-        for module in (model.blocks[1].ffn_norm, model.blocks[2]):
-            handle = module.register_forward_pre_hook(lambda *_: None)
+        norm = model.blocks[1].ffn_norm
+        for hook in (
+            norm.register_forward_pre_hook,
+            norm.register_forward_hook,
+            model.blocks[2].register_forward_pre_hook,
+        ):
+            handle = hook(lambda *_: None)
             assert not ops.fuses_every_block(model, x, cache)
             handle.remove()
+        with monkeypatch.context() as patch:
+            patch.setattr(norm, "forward", norm.forward)
+            assert not ops.fuses_every_block(model, x, cache)
+        moe, model.blocks[0].ffn = model.blocks[0].ffn, torch.nn.Identity()
+        assert not ops.fuses_every_block(model, x, cache)
+        model.blocks[0].ffn = moe
+        with monkeypatch.context() as patch:
+            patch.setattr(ops, "ONE_CALL", False)
+            assert not ops.fuses_every_block(model, x, cache)
         assert ops.fuses_every_block(model, x, cache)
+
+
+def _needs_int8_calls(fmt: str, norms: bool = False) -> None:
+    """int8 weights take the C calls where the int8 row kernel runs (the AVX2 build), and an int8 model's
+    RMSNorms are the row layout's (which the attention call and the blocks' call need) where the CPU has
+    no native bf16."""
+    if fmt == "int8" and rows_isa() not in INT8_ROW_KERNEL_ISAS:
+        pytest.skip(f"int8 takes the C calls in the {', '.join(INT8_ROW_KERNEL_ISAS)} build, not {rows_isa()}")
+    if fmt == "int8" and norms and native_16bit(torch.bfloat16):
+        pytest.skip("an int8 model keeps torch's RMSNorm on a CPU with native bf16")
 
 
 def _counted(kernel, calls: dict[str, int], name: str, *args):
@@ -215,6 +242,7 @@ def test_a_fused_moe_layer_equals_its_ops(family: str, fmt: str) -> None:
     each output within a bf16 unit of the largest (a rounding the C sums tip); Mixtral's, OLMoE's top 3
     of 8, a router bias (``biased``), unnormalised weights times a route scale (``scaled``), top 1
     (``switch``), every family's selection biases drawn large; int8 experts too."""
+    _needs_int8_calls(fmt)
     model = _model(family, fmt)
     g = torch.Generator().manual_seed(5)
     with torch.inference_mode():

@@ -320,6 +320,90 @@ def test_what_the_attention_token_kernel_refuses(kernel_isa: str) -> None:
         kernels.attention_token_bf16(x.float(), rope, 0, weights)
 
 
+def _block(g: torch.Generator, D: int, heads: int, G: int, F: int, E: int, top_k: int, S: int) -> dict:
+    """A block's random bf16 weights, a cache of ``S`` positions and a norm for each half."""
+    d = 32
+    return {
+        "norm": (1 + torch.randn(D, generator=g) / 4).bfloat16(),
+        "qkv": (torch.randn((heads + 2 * G) * d, D, generator=g) * D**-0.5).bfloat16(),
+        "keys": torch.randn(G, S, d, generator=g).bfloat16(),
+        "values": torch.randn(G, S, d, generator=g).bfloat16(),
+        "heads": heads,
+        "out": (torch.randn(D, heads * d, generator=g) * (heads * d) ** -0.5).bfloat16(),
+        "ffn_norm": (1 + torch.randn(D, generator=g) / 4).bfloat16(),
+        "router": torch.randn(E, D, generator=g) * D**-0.5,
+        "selection_bias": torch.zeros(E),
+        "top_k": top_k,
+        "w_in": (torch.randn(E, 2 * F, D, generator=g) * D**-0.5).bfloat16(),
+        "w_out": (torch.randn(E, D, F, generator=g) * F**-0.5).bfloat16(),
+    }
+
+
+def _weights(b: dict) -> kernels.BlockWeights:
+    attention = AttentionWeights(b["norm"], 1e-5, b["qkv"], None, b["keys"], b["values"], b["heads"], b["out"], None)
+    moe = MoEWeights(b["router"], None, b["selection_bias"], b["top_k"], True, 1.0, b["w_in"], b["w_out"])
+    return kernels.BlockWeights(attention, b["ffn_norm"], 1e-5, moe)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_blocks_in_one_call_equal_the_written_out_blocks(threads: int, kernel_isa: str) -> None:
+    """``blocks_token_bf16`` over three blocks of different shapes (query heads 4/2/6 over 2/1/3 groups, 8
+    experts of 40 / 6 of 24 / 4 of 64, top 2/3/1: the scratch is the largest block's) against
+    ``_attention_token_reference``, a written-out RMSNorm and ``_moe_token_reference`` chained block after
+    block in float64 with the kernels' bf16 roundings: the same picks in each layer, the output within
+    2^-6 of its largest value (a rounding the fp32 sums tip in one block moves the next block's input by
+    a bf16 unit), each cache's new position written and the others left as they were."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        g = torch.Generator().manual_seed(7)
+        D, S, position = 96, 9, 6
+        shapes = [(4, 2, 40, 8, 2), (2, 1, 24, 6, 3), (6, 3, 64, 4, 1)]
+        blocks = [_block(g, D, heads, G, F, E, top_k, S) for heads, G, F, E, top_k in shapes]
+        angles = torch.rand(16, generator=g) * 6.28
+        rope = torch.stack([angles.cos(), angles.sin()], -1)
+        x = torch.randn(D, generator=g).bfloat16()
+        before_keys = [b["keys"].clone() for b in blocks]
+        got, picks = kernels.blocks_token_bf16(x, [_weights(b) for b in blocks], rope, position)
+        want, want_picks = x, []
+        for b, keys in zip(blocks, before_keys, strict=True):
+            mid, _, k_new, _ = _attention_token_reference(
+                want, b["norm"], 1e-5, b["qkv"], None, rope, keys, b["values"], position, b["heads"], b["out"], None
+            )
+            assert bool(
+                ((b["keys"][:, position].double() - k_new.double()).abs() <= 2.0**-7 * k_new.double().abs()).all()
+            )
+            others = [p for p in range(S) if p != position]
+            assert torch.equal(b["keys"][:, others], keys[:, others])
+            normed = (mid.double() / (mid.double().pow(2).mean() + 1e-5).sqrt() * b["ffn_norm"].double()).bfloat16()
+            args = (b["router"], None, b["selection_bias"], b["top_k"], True, 1.0, b["w_in"], b["w_out"])
+            picked, out = _moe_token_reference(normed, mid, *args)
+            want_picks.append(picked)
+            want = out.bfloat16()
+        assert [p.tolist() for p in picks] == want_picks
+        assert float((got.double() - want.double()).abs().max()) <= 2.0**-6 * float(want.double().abs().max())
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_what_the_blocks_call_refuses(kernel_isa: str) -> None:
+    g = torch.Generator().manual_seed(3)
+    block = _block(g, 64, 4, 2, 16, 4, 2, 8)
+    rope, x = torch.zeros(16, 2), torch.ones(64, dtype=torch.bfloat16)
+    kernels.blocks_token_bf16(x, [_weights(block)], rope, 7)
+    with pytest.raises(ValueError, match=r"the MoE layer's RMSNorm takes a bf16 weight \[64\]"):
+        kernels.blocks_token_bf16(x, [_weights(block)._replace(norm_D=block["ffn_norm"][:32])], rope, 0)
+    with pytest.raises(ValueError, match=r"a MoE layer's call takes w_in \[E, 2F, 64\]"):  # experts of another width
+        narrow = _weights(block).moe._replace(w_in_END=block["w_in"][:, :, :32].contiguous())
+        kernels.blocks_token_bf16(x, [_weights(block)._replace(moe=narrow)], rope, 0)
+    with pytest.raises(ValueError, match="an attention half's call takes bf16 weights"):  # a token of another width
+        kernels.blocks_token_bf16(x[:32], [_weights(block)], rope, 0)
+    with pytest.raises(ValueError, match="at a cached position: 8"):
+        kernels.blocks_token_bf16(x, [_weights(block)], rope, 8)
+    with pytest.raises(ValueError, match="one token's bf16 activations"):
+        kernels.blocks_token_bf16(x.float(), [_weights(block)], rope, 0)
+
+
 @needs_rows
 def test_what_the_kernel_refuses() -> None:
     w = torch.ones(4, 8, dtype=torch.bfloat16)

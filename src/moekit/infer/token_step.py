@@ -22,7 +22,11 @@ does and equals it bit for bit. The MoE call sums the router's fp32 logits in it
 silu's and the softmax's exp from the C library: where that tips a bf16 rounding, the step parts from
 the forward's by a few bf16 units (tests/unit/test_infer_token_step.py bounds it); where it tips a
 near-tie between two experts' scores, it picks the other expert, as a different batch of the forward
-could. ``C_CALLS`` turns both off.
+could. Where every block takes both calls (``fuses_every_block``: MoE layers only, no block pre-hooks),
+the blocks take one call together (``kernels.blocks_token_bf16``), the feed-forward RMSNorms inside it:
+the same sums, and no Python between the blocks, whose weights stream through the CPU's caches and
+leave the next Python cold (the calls one by one spent about 5 ms of a 25 ms d1024 step between them).
+``C_CALLS`` turns them all off.
 
 Legend: D model dim, K picks per token, V vocabulary.
 """
@@ -43,7 +47,9 @@ from moekit.infer.resident_experts import (
     RowRMSNorm,
 )
 from moekit.kernels import (
+    MAX_EXPERTS,
     AttentionWeights,
+    BlockWeights,
     MoEWeights,
     attention_token_bf16,
     blocks_token_bf16,
@@ -185,8 +191,10 @@ def _moe(moe: MoE, h_11D: Tensor, loads: list[Tensor] | None) -> Tensor:
 
 
 # Whether the one-token C calls are taken where they may be (benchmarks/decode_split.py turns them off
-# to split the time of the ops they replace).
+# to split the time of the ops they replace), and whether every block takes one call together where each
+# may (it times them block by block without).
 C_CALLS = True
+ONE_CALL = True
 
 
 def fuses(moe: MoE, h_11D: Tensor) -> bool:
@@ -202,6 +210,7 @@ def fuses(moe: MoE, h_11D: Tensor) -> bool:
     scheduled = cfg.dts_steps and router.step is not None
     return (
         plain_router
+        and cfg.num_experts <= MAX_EXPERTS
         and cfg.n_group == 1
         and not scheduled
         and experts.compute.activation.name == "swiglu"
@@ -284,15 +293,19 @@ def _attention_weights(block: Block, cache: KVCache, layer: int) -> AttentionWei
 def fuses_every_block(model: Transformer, x_11D: Tensor, cache: Cache) -> bool:
     """Whether every block takes one C call together (``kernels.blocks_token_bf16``): each block's attention
     half ``fuses_attention`` and its feed-forward is a MoE layer that ``fuses`` after the row layout's
-    RMSNorm, unhooked; no block has forward pre-hooks (they run between blocks)."""
-    return all(
-        not block._forward_pre_hooks
-        and type(block.ffn_norm) is RowRMSNorm
-        and not (_replaced(block.ffn_norm) or _hooked(block.ffn_norm))
-        and isinstance(block.ffn, MoE)
-        and fuses_attention(block, cache, i, x_11D)
-        and fuses(block.ffn, x_11D)
-        for i, block in enumerate(model.blocks)
+    RMSNorm, unhooked; no block has forward pre-hooks (they run between blocks). ``ONE_CALL`` turns it off."""
+    return (
+        ONE_CALL
+        and bool(model.blocks)
+        and all(
+            not block._forward_pre_hooks
+            and type(block.ffn_norm) is RowRMSNorm
+            and not (_replaced(block.ffn_norm) or _hooked(block.ffn_norm))
+            and isinstance(block.ffn, MoE)
+            and fuses_attention(block, cache, i, x_11D)
+            and fuses(block.ffn, x_11D)
+            for i, block in enumerate(model.blocks)
+        )
     )
 
 
@@ -301,7 +314,9 @@ def _fused_blocks(
 ) -> Tensor:
     """The residual stream after every block for one token where ``fuses_every_block``, in one C call."""
     blocks = [
-        (_attention_weights(block, cache, i), block.ffn_norm.weight, block.ffn_norm.eps, _moe_weights(block.ffn))
+        BlockWeights(
+            _attention_weights(block, cache, i), block.ffn_norm.weight, block.ffn_norm.eps, _moe_weights(block.ffn)
+        )
         for i, block in enumerate(model.blocks)
     ]
     y_D, picks = blocks_token_bf16(x_11D.view(-1), blocks, rope_d2, cache.length)

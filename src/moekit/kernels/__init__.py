@@ -18,8 +18,9 @@ about ten ops.
 
 ``moe_token_bf16`` and ``attention_token_bf16``: a decode step's MoE layer (routing, SwiGLU experts,
 combine) and attention half (RMSNorm, projections, RoPE, the cache's new position, attention), each
-with its residual, in one call instead of dozens of torch ops (``infer.token_step`` takes them; what
-they save: ``python benchmarks/decode_split.py DIR``).
+with its residual, in one call instead of dozens of torch ops; ``blocks_token_bf16``: every block of a
+decode step in one call (``infer.token_step`` takes them; what they save: ``python
+benchmarks/decode_split.py DIR``).
 
 ``one_query_bf16``: one sequence's one-token attention over its cached bf16 keys and values, read in
 place, where torch's path converts them to fp32 first and pays a dozen ops a layer (16 heads over 4
@@ -388,6 +389,16 @@ class MoEWeights(NamedTuple):
     w_out_scale_ED: Tensor | None = None
 
 
+class BlockWeights(NamedTuple):
+    """A block of the one-call decode step (``blocks_token_bf16``): its attention half, the RMSNorm (weight
+    [D] in bf16, eps) its MoE layer takes the residual stream through, and the MoE layer."""
+
+    attention: AttentionWeights
+    norm_D: Tensor
+    eps: float
+    moe: MoEWeights
+
+
 def _weight(name: str, w: Tensor, scale: Tensor | None) -> _Weight:
     """A one-token call's weight: bf16 (``scale`` None) or int8 with fp32 per-output scales [..., N]
     (``infer.quant``'s int8), contiguous in CPU memory."""
@@ -396,7 +407,8 @@ def _weight(name: str, w: Tensor, scale: Tensor | None) -> _Weight:
     elif w.dtype != torch.int8 or scale is None or scale.dtype != torch.float32 or scale.shape != w.shape[:-1]:
         given = f"{w.dtype} {list(w.shape)} and {None if scale is None else list(scale.shape)} scales"
         raise ValueError(f"{name}: a bf16 weight, or int8 with fp32 scales per output, not {given}")
-    if w.device.type != "cpu" or not w.is_contiguous() or (scale is not None and not scale.is_contiguous()):
+    scales = scale is None or (scale.is_contiguous() and scale.device.type == "cpu")
+    if w.device.type != "cpu" or not w.is_contiguous() or not scales:
         raise ValueError(f"{name}: a contiguous weight in CPU memory")
     return _Weight(w.data_ptr(), None if scale is None else scale.data_ptr())
 
@@ -426,13 +438,15 @@ def _moe_layer(m: MoEWeights, D: int, norm_D: Tensor | None = None, eps: float =
     E, N, D_in = m.w_in_END.shape
     F = N // 2
     if m.w_out_EDN.shape != (E, D, F) or 2 * F != N or D_in != D:
-        raise ValueError(f"moe_token_bf16 takes w_in [E, 2F, {D}] and w_out [E, {D}, F], not {list(m.w_in_END.shape)}")
+        raise ValueError(
+            f"a MoE layer's call takes w_in [E, 2F, {D}] and w_out [E, {D}, F], not {list(m.w_in_END.shape)}"
+        )
     w_in, w_out = _weight("w_in", m.w_in_END, m.w_in_scale_EN), _weight("w_out", m.w_out_EDN, m.w_out_scale_ED)
     fp32 = [m.router_ED, m.selection_bias_E, *([] if m.router_bias_E is None else [m.router_bias_E])]
     shapes = m.router_ED.shape == (E, D) and all(t.shape == (E,) for t in fp32[1:])
     if not shapes or any(t.dtype != torch.float32 for t in fp32) or not 0 < m.top_k <= E <= MAX_EXPERTS:
         raise ValueError(
-            f"moe_token_bf16 takes an fp32 router [{E}, {D}], biases [{E}] and 1 to {E} picks, not {m.top_k}"
+            f"a MoE layer's call takes an fp32 router [{E}, {D}], biases [{E}] and 1 to {E} picks, not {m.top_k}"
         )
     if norm_D is not None and (norm_D.shape != (D,) or norm_D.dtype != torch.bfloat16):
         raise ValueError(f"the MoE layer's RMSNorm takes a bf16 weight [{D}]")
@@ -463,10 +477,13 @@ def _attention_layer(a: AttentionWeights, D: int, position: int, rope_d2: Tensor
     shapes &= a.qkv_bias_N is None or a.qkv_bias_N.shape == a.qkv_ND.shape[:1]
     shapes &= a.out_bias_D is None or a.out_bias_D.shape == (D,)
     if any(t.dtype != torch.bfloat16 for t in bf16) or not shapes:
-        raise ValueError(f"attention_token_bf16 takes bf16 weights for {heads} heads over {G} groups of {d}")
+        raise ValueError(f"an attention half's call takes bf16 weights for {heads} heads over {G} groups of {d}")
     rope = rope_d2.shape == (d // 2, 2) and rope_d2.dtype == torch.float32 and rope_d2.is_contiguous()
+    rope &= rope_d2.device.type == "cpu"
     if heads % G or d % 32 or d > 128 or not 0 <= position < S or not rope:
-        raise ValueError(f"attention_token_bf16 takes heads of 32 to 128, not {d}, at a cached position: {position}")
+        raise ValueError(
+            f"an attention half's call takes heads of 32 to 128, not {d}, at a cached position: {position}"
+        )
     _inference(bf16, "attention_token_bf16")
     layer = _AttentionLayer(a.norm_D.data_ptr(), a.eps, qkv, _address(a.qkv_bias_N))
     layer.keys, layer.values, layer.gs = a.keys_GSd.data_ptr(), a.values_GSd.data_ptr(), S * d
@@ -528,10 +545,10 @@ def attention_token_bf16(x_D: Tensor, rope_d2: Tensor, position: int, a: Attenti
 
 
 def blocks_token_bf16(
-    x_D: Tensor, blocks: Sequence[tuple[AttentionWeights, Tensor, float, MoEWeights]], rope_d2: Tensor, position: int
+    x_D: Tensor, blocks: Sequence[BlockWeights], rope_d2: Tensor, position: int
 ) -> tuple[Tensor, list[Tensor]]:
     """One token at ``position`` through every block in ``blocks`` (its attention half, then its MoE layer
-    on the RMSNorm (weight, eps) of the residual stream), in one call (``decode.c``'s
+    on its RMSNorm of the residual stream), in one call (``decode.c``'s
     ``moekit_blocks_token_bf16``): the residual stream after the last block [D] and each MoE layer's picks.
     What ``attention_token_bf16``, ``rms_norm_bf16`` and ``moe_token_bf16`` compute block after block, bit
     for bit, with no Python between them."""

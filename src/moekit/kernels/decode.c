@@ -20,7 +20,8 @@
  * and through a block's attention half, each with its residual, in one call: the products by rows(),
  * the attention by one_head(), the rest in scalar C rounded to bf16 where torch's ops round (built with
  * -ffp-contract=off, so no product and sum written apart is fused into one FMA; rounded() where the
- * vectorizer would fuse them anyway).
+ * vectorizer would fuse them anyway). moekit_blocks_token_bf16: both, block after block, for every
+ * block of a decode step at once.
  *
  * Two builds of this one source, by the instructions the compiler is given (moekit.kernels picks the
  * best this CPU runs): AVX512-BF16, whose pairwise dot products take bf16 as it is; AVX2 with FMA,
