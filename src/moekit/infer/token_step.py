@@ -24,9 +24,10 @@ the forward's by a few bf16 units (tests/unit/test_infer_token_step.py bounds it
 near-tie between two experts' scores, it picks the other expert, as a different batch of the forward
 could. Where every block takes both calls (``fuses_every_block``: MoE layers only, no block pre-hooks),
 the blocks take one call together (``kernels.blocks_token_bf16``), the feed-forward RMSNorms inside it:
-the same sums, and no Python between the blocks, whose weights stream through the CPU's caches and
-leave the next Python cold (the calls one by one spent about 5 ms of a 25 ms d1024 step between them).
-``C_CALLS`` turns them all off.
+the same sums, and no Python between the blocks (a d1024 bf16 step 21.1 ms against 22.5 with a call
+per block half: ``python benchmarks/decode_split.py DIR``,
+``benchmarks/measured/decode-split-d1024-avx2-blocks.json``). ``ONE_CALL`` turns that off, ``C_CALLS``
+all of them.
 
 Legend: D model dim, K picks per token, V vocabulary.
 """
