@@ -259,16 +259,15 @@ def fuses_attention(block: Block, cache: Cache, layer: int, x_11D: Tensor) -> bo
     attn = block.attn
     if not C_CALLS or type(cache) is not KVCache or cache.left_pad is not None or cache.mla_expanded:
         return False
-    modules = (block.attn_norm, attn.qkv, attn.out)
-    norm = type(block.attn_norm) is RowRMSNorm and not _replaced(block.attn_norm)
-    if not norm or not all(map(_c_weights, modules[1:])) or any(map(_hooked, modules)):
+    projections = (attn.qkv, attn.out)
+    if not _row_norm(block.attn_norm) or not all(map(_c_weights, projections)) or any(map(_hooked, projections)):
         return False
     keys, values, d = cache.keys[layer], cache.values[layer], attn.head_dim
     plain = attn.qk_norm is None and attn.sinks is None and not attn.window and d % 32 == 0 and d <= 128
     cached = keys.shape[0] == 1 and keys.is_contiguous() and values.is_contiguous() and keys.shape == values.shape
     qkv, out = _weight_and_scale(attn.qkv, "weight")[0], _weight_and_scale(attn.out, "weight")[0]
     widths = qkv.shape[0] == out.shape[1] + 2 * keys.shape[1] * d and out.shape[1] % d == 0
-    biases = all(m.bias is None or m.bias.dtype == torch.bfloat16 for m in modules[1:])
+    biases = all(m.bias is None or m.bias.dtype == torch.bfloat16 for m in projections)
     bf16 = x_11D.dtype == keys.dtype == torch.bfloat16 and not torch.is_grad_enabled()
     return plain and cached and widths and biases and bf16
 
@@ -300,8 +299,7 @@ def fuses_every_block(model: Transformer, x_11D: Tensor, cache: Cache) -> bool:
         and bool(model.blocks)
         and all(
             not block._forward_pre_hooks
-            and type(block.ffn_norm) is RowRMSNorm
-            and not (_replaced(block.ffn_norm) or _hooked(block.ffn_norm))
+            and _row_norm(block.ffn_norm)
             and isinstance(block.ffn, MoE)
             and fuses_attention(block, cache, i, x_11D)
             and fuses(block.ffn, x_11D)
@@ -325,6 +323,11 @@ def _fused_blocks(
         for picked, block in zip(picks, model.blocks, strict=True):
             loads.append(torch.bincount(picked, minlength=block.ffn.cfg.num_experts))
     return y_D.view_as(x_11D)
+
+
+def _row_norm(norm: torch.nn.Module) -> bool:
+    """The row layout's RMSNorm, unhooked, running its own forward: one the C calls may compute instead."""
+    return type(norm) is RowRMSNorm and not (_replaced(norm) or _hooked(norm))
 
 
 def _c_weights(module: torch.nn.Module) -> bool:

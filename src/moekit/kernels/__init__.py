@@ -223,12 +223,18 @@ def rows_build_failure() -> str:
     return why if failed else ""
 
 
-def rows_bf16(x_MK: Tensor, w_NK: Tensor) -> Tensor:
-    """``x @ w.t()`` for bf16 rows ``x`` [M, K] and a bf16 weight ``w`` [N, K] stored row-major, summed in fp32
-    and rounded to bf16: ``[M, N]``. Any M; meant for a few (``experts.matmul.plain_linear`` says how many)."""
+def _library_or_raise() -> ctypes.CDLL:
+    """The loaded kernels, or a RuntimeError that says why there are none."""
     lib = _library()[0]
     if lib is None:
         raise RuntimeError(f"the row kernels are unavailable: {rows_unavailable_reason()}")
+    return lib
+
+
+def rows_bf16(x_MK: Tensor, w_NK: Tensor) -> Tensor:
+    """``x @ w.t()`` for bf16 rows ``x`` [M, K] and a bf16 weight ``w`` [N, K] stored row-major, summed in fp32
+    and rounded to bf16: ``[M, N]``. Any M; meant for a few (``experts.matmul.plain_linear`` says how many)."""
+    lib = _library_or_raise()
     M, K = x_MK.shape
     N = w_NK.shape[0]
     if x_MK.dtype != torch.bfloat16 or w_NK.dtype != torch.bfloat16 or w_NK.shape[1] != K:
@@ -248,9 +254,7 @@ def rows_int8(x_MK: Tensor, q_NK: Tensor, scale_N: Tensor) -> Tensor:
     """``x @ (q * scale[:, None]).t()`` for rows ``x`` [M, K] (any float dtype, widened to fp32), an int8
     weight ``q`` [N, K] stored row-major and its fp32 per-output scales ``scale`` [N]: summed in fp32,
     times the scale, rounded to bf16 once: ``[M, N]`` bf16. Any M; meant for ``FEW_ROWS`` or fewer."""
-    lib = _library()[0]
-    if lib is None:
-        raise RuntimeError(f"the row kernels are unavailable: {rows_unavailable_reason()}")
+    lib = _library_or_raise()
     M, K = x_MK.shape
     N = q_NK.shape[0]
     if q_NK.dtype != torch.int8 or q_NK.shape[1] != K or scale_N.shape != (N,) or not x_MK.is_floating_point():
@@ -298,9 +302,7 @@ def one_query_bf16(q_Hd: Tensor, k_GSd: Tensor, v_GSd: Tensor, scale: float) -> 
 def rms_norm_bf16(x: Tensor, weight_D: Tensor, eps: float) -> Tensor:
     """RMSNorm over the last dim of bf16 ``x`` with a contiguous bf16 ``weight`` [D]: ``x / sqrt(mean(x^2) +
     eps) * weight`` in fp32, rounded to bf16 once; shaped as ``x``. Where ``rows_available()``."""
-    lib = _library()[0]
-    if lib is None:
-        raise RuntimeError(f"the row kernels are unavailable: {rows_unavailable_reason()}")
+    lib = _library_or_raise()
     D = weight_D.shape[0]
     # NOTE: checks kept to a few attribute reads: a decode step calls this twice a layer
     if x.dtype != torch.bfloat16 or weight_D.dtype != torch.bfloat16 or x.shape[-1] != D:
@@ -496,13 +498,6 @@ def _attention_scratch(a: AttentionWeights, D: int, position: int) -> tuple[int,
     """decode.c's ``attention_token``'s scratch: bf16 values, floats."""
     (G, _, d), H = a.keys_GSd.shape, a.heads
     return D + (3 * H + 2 * G) * d, H * (position + 1) + D + H * d
-
-
-def _library_or_raise() -> ctypes.CDLL:
-    lib = _library()[0]
-    if lib is None:
-        raise RuntimeError(f"the row kernels are unavailable: {rows_unavailable_reason()}")
-    return lib
 
 
 def moe_token_bf16(x_D: Tensor, residual_D: Tensor, m: MoEWeights) -> tuple[Tensor, Tensor]:
