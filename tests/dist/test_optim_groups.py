@@ -57,6 +57,7 @@ def _groups(rank: int, world: int, overrides: dict[str, str]) -> None:
     opt.step()  # the fused kernel accepts every group
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overrides", [{"parallel.dp": "2"}, {"parallel.ep": "2", "parallel.dp": "1"}])
 def test_sharded_parameters_keep_their_names_and_decay(overrides: dict[str, str], tmp_path: Path) -> None:
     run_ranks(_groups, 2, overrides, tmp_path=tmp_path, preload=MOEKIT)

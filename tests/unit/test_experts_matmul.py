@@ -114,6 +114,7 @@ print(float((y.double() - ref.double()).abs().max()), float(ref.double().abs().m
 """
 
 
+@pytest.mark.slow
 def test_a_cpu_without_native_bf16_upcasts_many_rows_and_stays_exact_to_rounding() -> None:
     """oneDNN limited to AVX2 (no AVX512-BF16, no AMX), as on many laptops: ``native_16bit`` says so and
     ``mm`` upcasts; its result is the float64 product rounded to bf16, within one bf16 ulp."""

@@ -99,6 +99,7 @@ print(returned, dropped_on_free())
 """
 
 
+@pytest.mark.slow
 @glibc_allocator
 def test_large_blocks_go_back_to_the_os_while_asked():
     """An 8 MiB block freed inside ``large_blocks_returned`` leaves RSS at once (its own mmap); the same

@@ -155,11 +155,13 @@ def test_help_and_the_package_load_no_torch() -> None:
     assert "moekit.layer" in _loaded_after("from moekit import MoE")  # the public names still load on use
 
 
+@pytest.mark.slow
 def test_a_single_device_layer_loads_no_dtensor() -> None:
     """``torch.distributed.tensor`` (a second of imports) loads only where expert parallelism uses it."""
     assert "torch.distributed.tensor" not in _loaded_after("import moekit.layer, moekit.model")
 
 
+@pytest.mark.slow
 def test_loading_a_model_to_generate_imports_no_compiler(tmp_path: Path) -> None:
     """A model loaded for inference (the command line's error handling, a run built on the meta device
     and allocated, a Hugging Face layout joined on meta for its shape check) imports neither

@@ -456,6 +456,7 @@ def test_build_failures_name_the_compiler_and_its_error(tmp_path: Path) -> None:
     assert not any((tmp_path / "out").iterdir()), "a failed build leaves no file behind"
 
 
+@pytest.mark.slow
 def test_without_the_kernel_the_row_layout_falls_back_to_onednn(tmp_path: Path) -> None:
     """A process whose compiler is missing: the kernels say why, and a batch-1 load keeps oneDNN's packed
     layout (run in a child, as the library is found once per process)."""

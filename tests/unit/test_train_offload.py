@@ -118,9 +118,8 @@ def test_offloaded_training_equals_in_memory_bitwise(corpus: Path, tmp_path: Pat
     assert not offload_dir.exists(), "the offloaded state and the directory made for it are removed at the end"
 
 
-@pytest.mark.parametrize(
-    "host", [pytest.param({}, marks=pytest.mark.slow), {"train.host_budget": HOST}], ids=["disk", "host_tier"]
-)
+@pytest.mark.slow
+@pytest.mark.parametrize("host", [{}, {"train.host_budget": HOST}], ids=["disk", "host_tier"])
 def test_deferred_updates_follow_the_schedule_evaluations_and_checkpoints(
     corpus: Path, tmp_path: Path, host: dict[str, str]
 ) -> None:

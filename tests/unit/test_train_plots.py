@@ -70,6 +70,7 @@ def test_compare_runs_draws_one_png(tmp_path: Path) -> None:
         compare_runs({}, tmp_path / "x.png", "nothing")
 
 
+@pytest.mark.slow
 def test_plot_run_of_an_expert_parallel_run_adds_placement(tmp_path: Path) -> None:
     with MetricsLogger(tmp_path, tensorboard=False) as logger:
         for step in range(1, 31):
