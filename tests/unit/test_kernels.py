@@ -43,7 +43,10 @@ def test_the_kernel_runs_where_it_can() -> None:
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
-@pytest.mark.parametrize(("M", "N", "K"), [(1, 1, 1), (1, 37, 70), (2, 130, 1024), (3, 5, 33), (5, 64, 32), (1, 4, 31)])
+@pytest.mark.parametrize(
+    ("M", "N", "K"),
+    [(1, 1, 1), (1, 37, 70), (2, 130, 1024), (3, 5, 33), (5, 64, 32), (1, 4, 31), (7, 33, 1000), (16, 130, 48)],
+)
 def test_rows_equal_the_exact_sums_rounded(M: int, N: int, K: int, threads: int, kernel_isa: str) -> None:
     """Random bf16 rows and weights: within the bound above; integer ones (sums exact in fp32, of any
     size up to 2^24): the exact sum rounded to bf16, bit for bit. Row counts past two and odd weight
@@ -61,6 +64,24 @@ def test_rows_equal_the_exact_sums_rounded(M: int, N: int, K: int, threads: int,
         xi = torch.randint(-40, 41, (M, K), generator=g).bfloat16()  # |sum| < 40 * 40 * 1024 < 2^24
         wi = torch.randint(-40, 41, (N, K), generator=g).bfloat16()
         assert torch.equal(rows_bf16(xi, wi), (xi.double() @ wi.double().t()).bfloat16())
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_row_gets_the_same_bits_whatever_rows_come_with_it(threads: int, kernel_isa: str) -> None:
+    """A serving step's sequence, one row among many, gets what it would alone (a batch-1 decode): from
+    three rows the AVX2 build widens them once and takes two weight rows at a time, the sums in the same
+    order. Every count of rows up to 8 (each remainder of the tiles of three) and 31, over an odd count of
+    weight rows and a K with a scalar tail."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        g = torch.Generator().manual_seed(threads)
+        x, w = torch.randn(31, 1000, generator=g).bfloat16(), torch.randn(37, 1000, generator=g).bfloat16()
+        alone = torch.cat([rows_bf16(x[i : i + 1], w) for i in range(len(x))])
+        for M in [*range(2, 9), 31]:
+            assert torch.equal(rows_bf16(x[:M], w).view(torch.int16), alone[:M].view(torch.int16)), M
     finally:
         torch.set_num_threads(before)
 
