@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -60,26 +61,37 @@ def test_expert_parallel_virtual_pipelines_checkpoint_and_resume(corpus_file, tm
     """The README's ep x interleaved pipeline command saves its checkpoints, and a resume of it at the
     other virtual-stage schedule (``looped_bfs``) loads one and trains on as the same run uninterrupted
     would (loss and gradient norm within 1e-6 relative, weights within 1e-6): both schedules hold two
-    stage modules per rank, which expert-parallel checkpointing reads expert by expert."""
-    run_dir = tmp_path / "run"
-    flags = ["--preset", "tiny", "--data", str(corpus_file), "--run-dir", str(run_dir), "--quiet"]
+    stage modules per rank, which expert-parallel checkpointing reads expert by expert.
+
+    Two launches: the uninterrupted run (3 steps, a checkpoint after each) is also the one whose step-2
+    checkpoint the resume loads, from a copy of the run directory cut back to that step."""
+    straight_dir, run_dir = tmp_path / "straight", tmp_path / "run"
+    flags = ["--preset", "tiny", "--data", str(corpus_file), "--quiet", "--train.sample_tokens", "0"]
     flags += ["--parallel.ep", "2", "--parallel.pp", "2", "--model.tie_embeddings", "false", "--model.n_layers", "4"]
-    flags += ["--train.eval_every", "100", "--train.ckpt_every", "1"]
-    first = _moekit("train", "--nproc", "4", *flags, "--parallel.pp_schedule", "interleaved_1f1b", "--train.steps", "2")
-    assert first.returncode == 0, first.stderr[-3000:]
-    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_000002"
+    flags += ["--train.eval_every", "100", "--train.ckpt_every", "1", "--train.steps", "3"]
+    done = _moekit(
+        "train", "--nproc", "4", *flags, "--run-dir", str(straight_dir), "--parallel.pp_schedule", "interleaved_1f1b"
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    checkpoints = straight_dir / "checkpoints"
+    assert (checkpoints / "latest").read_text().strip() == "step_000003"
+    assert sorted(p.name for p in checkpoints.glob("step_*")) == ["step_000002", "step_000003"]  # keep_checkpoints=2
+    straight = [json.loads(line) for line in (straight_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in straight] == [1, 2, 3]
+
+    # The run as it stood after step 2: its checkpoint latest, the later one and step 3's record gone.
+    shutil.copytree(straight_dir, run_dir, ignore=shutil.ignore_patterns("step_000003"))
+    (run_dir / "checkpoints" / "latest").write_text("step_000002")
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in straight[:2]))
     resumed = _moekit(
-        "train", "--nproc", "4", *flags, "--resume", "--parallel.pp_schedule", "looped_bfs", "--train.steps", "3"
+        "train", "--nproc", "4", *flags, "--run-dir", str(run_dir), "--resume", "--parallel.pp_schedule", "looped_bfs"
     )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
+    step_2 = run_dir / "checkpoints" / "step_000002"
+    assert f"resuming at step 2 from {step_2}" in resumed.stderr, resumed.stderr[-3000:]
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3]
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_000003"
-    straight_dir = tmp_path / "straight"  # the same 3 steps uninterrupted: the resume continued it exactly
-    straight_flags = [str(straight_dir) if f == str(run_dir) else f for f in flags]
-    done = _moekit("train", "--nproc", "4", *straight_flags, "--parallel.pp_schedule", "interleaved_1f1b", "--train.steps", "3")
-    assert done.returncode == 0, done.stderr[-3000:]
-    straight = [json.loads(line) for line in (straight_dir / "metrics.jsonl").read_text().splitlines()]
     for key in ("loss", "grad_norm"):
         assert abs(records[2][key] - straight[2][key]) <= 1e-6 * abs(straight[2][key]), (key, records[2], straight[2])
     mine, want = load_run(run_dir).model.state_dict(), load_run(straight_dir).model.state_dict()
