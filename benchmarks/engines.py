@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -162,7 +163,7 @@ class VllmServer:
         started = time.perf_counter()
         self.log = work / f"vllm-{model_dir.name}-{dtype}.log"  # its settings (max_num_seqs, ...) are logged there
         with open(self.log, "w") as log:
-            self.proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         self.host, self.port = "127.0.0.1", port
         self.fields = {"model": "m", "ignore_eos": True}
         while True:
@@ -179,8 +180,31 @@ class VllmServer:
         self.startup_s = time.perf_counter() - started
 
     def close(self) -> None:
-        self.proc.terminate()
+        """Stop the server and every process it started (its engine core, its workers), and wait until
+        they are gone: one left spinning would slow the engine measured next."""
+        os.killpg(self.proc.pid, signal.SIGTERM)
         self.proc.wait(timeout=120)
+        deadline = time.perf_counter() + 60
+        while _group_alive(self.proc.pid):
+            if time.perf_counter() > deadline:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            time.sleep(0.5)
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether a process of group ``pgid`` is still running (not yet reaped zombies aside)."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            return True
+    return False
 
 
 def peak_rss_mb(pid: int) -> float:
