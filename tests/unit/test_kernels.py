@@ -45,13 +45,17 @@ def test_the_kernel_runs_where_it_can() -> None:
 @pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize(
     ("M", "N", "K"),
-    [(1, 1, 1), (1, 37, 70), (2, 130, 1024), (3, 5, 33), (5, 64, 32), (1, 4, 31), (7, 33, 1000), (16, 130, 48)],
+    [
+        *[(1, 1, 1), (1, 37, 70), (2, 130, 1024), (3, 5, 33), (5, 64, 32), (1, 4, 31), (7, 33, 1000)],
+        *[(16, 130, 48), (5, 301, 4100), (3, 4, 0), (4, 9, 15)],
+    ],
 )
 def test_rows_equal_the_exact_sums_rounded(M: int, N: int, K: int, threads: int, kernel_isa: str) -> None:
     """Random bf16 rows and weights: within the bound above; integer ones (sums exact in fp32, of any
     size up to 2^24): the exact sum rounded to bf16, bit for bit. Row counts past two and odd weight
     widths take the kernel's remainder paths (K not a multiple of 16 or 32: the AVX2 build's scalar tail,
-    the AVX-512 build's masked loads); three threads split 130 rows unevenly."""
+    the AVX-512 build's masked loads); three threads split 130 rows unevenly; 301 rows of 4100 span
+    several of the AVX2 build's chunks of weight rows; no columns, or fewer than 16, from three rows."""
     assert kernels.rows_isa() == kernel_isa
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -73,15 +77,17 @@ def test_a_row_gets_the_same_bits_whatever_rows_come_with_it(threads: int, kerne
     """A serving step's sequence, one row among many, gets what it would alone (a batch-1 decode): from
     three rows the AVX2 build widens them once and takes two weight rows at a time, the sums in the same
     order. Every count of rows up to 8 (each remainder of the tiles of three) and 31, over an odd count of
-    weight rows and a K with a scalar tail."""
+    weight rows and a K with a scalar tail, in one chunk of weight rows and in several (K = 4100: 14 rows
+    a chunk, the next one prefetched)."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         g = torch.Generator().manual_seed(threads)
-        x, w = torch.randn(31, 1000, generator=g).bfloat16(), torch.randn(37, 1000, generator=g).bfloat16()
-        alone = torch.cat([rows_bf16(x[i : i + 1], w) for i in range(len(x))])
-        for M in [*range(2, 9), 31]:
-            assert torch.equal(rows_bf16(x[:M], w).view(torch.int16), alone[:M].view(torch.int16)), M
+        for N, K in ((37, 1000), (301, 4100)):
+            x, w = torch.randn(31, K, generator=g).bfloat16(), torch.randn(N, K, generator=g).bfloat16()
+            alone = torch.cat([rows_bf16(x[i : i + 1], w) for i in range(len(x))])
+            for M in [*range(2, 9), 31]:
+                assert torch.equal(rows_bf16(x[:M], w).view(torch.int16), alone[:M].view(torch.int16)), (N, M)
     finally:
         torch.set_num_threads(before)
 

@@ -7,7 +7,7 @@
  * row as it streams by. From three (a serving step's several sequences) the AVX2 build widens x to fp32
  * once and takes the weight in chunks that stay in L2, each met by every three rows of x from L1
  * while the next chunk is prefetched: the same sums in the same order, so a row gets the same bits
- * whatever rows come with it. For one row oneDNN's prepacked kernel reads its own copy of the weight at
+ * whatever rows come with it (up to the 32 rows experts.matmul.plain_linear gives it on AVX2). For one row oneDNN's prepacked kernel reads its own copy of the weight at
  * about 0.9x this speed, for two about as fast (AVX-512 build): moekit.kernels has the figures.
  *
  * moekit_rms_norm_bf16: RMSNorm of bf16 rows in fp32, one C loop where torch's composite pays about ten
@@ -264,8 +264,8 @@ sweep(const int R, int64_t r0, int64_t N, int64_t K, const float* xf, const bf16
  * 16 rows (2 threads, a Zen 3), bound by widening x again for every weight row; every row of x against
  * each weight pair in turn, at about 60, by reading x from L2. */
 static void rows(int64_t M, int64_t N, int64_t K, const bf16* x, const bf16* w, bf16* y, int64_t n0, int64_t n1) {
-    float* xf = M > 2 ? malloc((size_t)(M * K) * sizeof(float)) : NULL;
-    if (xf == NULL) { /* one or two rows, or no memory for the widened ones: the same sums either way */
+    float* xf = M > 2 && K >= 16 ? malloc((size_t)(M * K) * sizeof(float)) : NULL;
+    if (xf == NULL) { /* one or two rows, rows too short to tile, or no memory: the same sums either way */
         int64_t r0 = 0;
         for (; r0 + 2 <= M; r0 += 2)
             for (int64_t n = n0; n < n1; n++) block(2, K, x + r0 * K, w + n * K, y + r0 * N + n, N);
