@@ -41,6 +41,7 @@ def _records(run_dir: Path) -> list[dict]:
 
 def _launch_compiled(corpus: Path, run_dir: Path) -> list[dict]:
     args = ["train", "--nproc", "2", "--preset", "tiny", "--data", str(corpus), "--run-dir", str(run_dir), "--quiet"]
+    args += ["--device", "cpu"]  # as train() trains the reference (the device is not in config.json)
     flags = [arg for key, value in FLAGS.items() for arg in (f"--{key}", value)] + ["--train.compile", "true"]
     done = subprocess.run(
         [sys.executable, "-m", "moekit", *args, *flags], capture_output=True, text=True, env=ENV, timeout=900
