@@ -33,6 +33,7 @@ never in moekit's; an engine whose environment is missing is skipped with a note
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -166,29 +167,46 @@ class VllmServer:
             self.proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         self.host, self.port = "127.0.0.1", port
         self.fields = {"model": "m", "ignore_eos": True}
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"vLLM exited with {self.proc.returncode} before serving (see {self.log})")
-            if time.perf_counter() - started > 900:
-                self.close()
-                raise RuntimeError(f"vLLM did not serve within 900 s (see {self.log})")
-            try:
-                urllib.request.urlopen(f"http://{self.host}:{port}/v1/models", timeout=2)
-                break
-            except OSError:
-                time.sleep(1)
+        try:
+            while True:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"vLLM exited with {self.proc.returncode} before serving (see {self.log})")
+                if time.perf_counter() - started > 900:
+                    raise RuntimeError(f"vLLM did not serve within 900 s (see {self.log})")
+                try:
+                    urllib.request.urlopen(f"http://{self.host}:{port}/v1/models", timeout=2)
+                    break
+                except OSError:
+                    time.sleep(1)
+        except BaseException:  # Ctrl-C included: its own session does not get the terminal's signal
+            self.close()
+            raise
         self.startup_s = time.perf_counter() - started
 
     def close(self) -> None:
         """Stop the server and every process it started (its engine core, its workers), and wait until
-        they are gone: one left spinning would slow the engine measured next."""
-        os.killpg(self.proc.pid, signal.SIGTERM)
-        self.proc.wait(timeout=120)
-        deadline = time.perf_counter() + 60
+        they are gone: one left spinning would slow the engine measured next. SIGTERM, then after 60 s
+        SIGKILL; an error if any is still there 30 s later."""
+        _signal_group(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            _signal_group(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=30)
+        started = time.perf_counter()
         while _group_alive(self.proc.pid):
-            if time.perf_counter() > deadline:
-                os.killpg(self.proc.pid, signal.SIGKILL)
+            waited = time.perf_counter() - started
+            if waited > 90:
+                raise RuntimeError(f"vLLM's processes (group {self.proc.pid}) outlived SIGKILL")
+            if waited > 60:
+                _signal_group(self.proc.pid, signal.SIGKILL)
             time.sleep(0.5)
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    """``sig`` to every process of group ``pgid``, if any is left."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, sig)
 
 
 def _group_alive(pgid: int) -> bool:
