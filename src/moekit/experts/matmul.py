@@ -186,9 +186,10 @@ def unpacked_linear(x_MK: Tensor, w_NK: Tensor) -> Tensor:
 
 # NOTE: rows below which the row kernel multiplies a plain bf16 weight on a CPU without native bf16
 # (AVX2), where torch's alternative is ``mm``'s upcast (oneDNN's fp32 GEMM over the weight converted):
-# per 1024 x 4096 weight, 2 threads, the row kernel 2.64 against 3.71 ms at 16 rows, 4.65 against 5.03
-# at 32, 6.40 against 5.99 at 48, 9.26 against 7.84 at 64; over the other d1024 shapes (1536 x 1024,
-# 8192 x 1024, 1024 x 2048) the crossover also lies between 32 and 48 rows (ad hoc, interleaved, a Zen 3).
+# per 1024 x 4096 weight, 2 threads, in one ad hoc run (interleaved, a Zen 3), the row kernel 2.64
+# against 3.71 ms at 16 rows, 4.65 against 5.03 at 32, 6.40 against 5.99 at 48, 9.26 against 7.84 at 64;
+# over the other d1024 shapes (1536 x 1024, 8192 x 1024, 1024 x 2048) the crossover also lies between 32
+# and 48 rows.
 ROWS_WITHOUT_NATIVE = 32
 
 
