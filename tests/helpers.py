@@ -154,6 +154,28 @@ def moekit_cli(*args: str, preexec=None, timeout: float = 600, env: dict | None 
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, preexec_fn=preexec, env=env)
 
 
+def moekit_clis(*argvs: list[str], timeout: float = 600) -> list[subprocess.CompletedProcess]:
+    """Several independent ``python -m moekit`` commands, each as ``moekit_cli`` runs it, started at once
+    (most of a short command is importing torch: side by side they share the cores); their results in order."""
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "moekit", *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for argv in argvs
+    ]
+    try:
+        done = []
+        for proc in procs:
+            out, err = proc.communicate(timeout=timeout)
+            done.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
+        return done
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
 SERVE_ENV = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src")}
 
 

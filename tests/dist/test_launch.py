@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import write_corpus
 
 from moekit import runconfig
 from moekit.parallel.mesh import LayoutError
@@ -38,13 +39,41 @@ def _moekit(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[subprocess.CompletedProcess, Path]]:
+    """Two ``moekit train --nproc 2`` runs, each in its own run directory with its own token cache: "ep"
+    (expert parallel, 4 steps) and "dp" (data parallel, 2 steps), launched side by side (importing torch
+    in a launcher and its two ranks is most of a launch: two launches share the cores better)."""
+    tmp = tmp_path_factory.mktemp("launched")
+    corpus = write_corpus(tmp / "corpus.txt")
+    more = {"ep": ["--parallel.ep", "2", "--train.steps", "4"], "dp": ["--train.steps", "2"]}
+    procs = {}
+    for name, flags in more.items():
+        flags = [*flags, "--train.eval_every", "2", "--data.cache_dir", str(tmp / f"cache-{name}")]
+        argv = ["train", "--nproc", "2", "--preset", "tiny", "--data", str(corpus), "--run-dir", str(tmp / name)]
+        procs[name] = subprocess.Popen(
+            [sys.executable, "-m", "moekit", *argv, "--quiet", *flags],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=ENV,
+        )
+    try:
+        done = {}
+        for name, proc in procs.items():
+            out, err = proc.communicate(timeout=300)
+            done[name] = (subprocess.CompletedProcess(proc.args, proc.returncode, out, err), tmp / name)
+        return done
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
 @pytest.mark.slow
-def test_nproc_launches_an_expert_parallel_run(corpus_file, tmp_path) -> None:
-    run_dir = tmp_path / "run"
-    flags = ["--preset", "tiny", "--data", str(corpus_file), "--run-dir", str(run_dir), "--quiet"]
-    done = _moekit(
-        "train", "--nproc", "2", *flags, "--parallel.ep", "2", "--train.steps", "4", "--train.eval_every", "2"
-    )
+def test_nproc_launches_an_expert_parallel_run(launched) -> None:
+    done, run_dir = launched["ep"]
     assert done.returncode == 0, done.stderr[-3000:]
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3, 4]
@@ -99,12 +128,10 @@ def test_expert_parallel_virtual_pipelines_checkpoint_and_resume(corpus_file, tm
 
 
 @pytest.mark.slow
-def test_a_data_parallel_run_raises_no_fsdp_view_warning(corpus_file, tmp_path) -> None:
+def test_a_data_parallel_run_raises_no_fsdp_view_warning(launched) -> None:
     """FSDP2 warns when a sharded module returns a view (an in-place op on it would skip the module's
     pre-backward all-gather); the experts' grouped GEMM output and the blocks' outputs must not be one."""
-    run_dir = tmp_path / "run"
-    flags = ["--preset", "tiny", "--data", str(corpus_file), "--run-dir", str(run_dir), "--quiet"]
-    done = _moekit("train", "--nproc", "2", *flags, "--train.steps", "2", "--train.eval_every", "2")
+    done, run_dir = launched["dp"]
     assert done.returncode == 0, done.stderr[-3000:]
     logs = [done.stderr] + [log.read_text() for log in (run_dir / "logs").rglob("stderr.log")]
     assert len(logs) == 3 and "moekit rank 1/2" in "".join(logs)
@@ -220,7 +247,9 @@ def test_a_hung_rank_ends_the_run_with_one_clear_error(corpus_file, tmp_path) ->
     # exit code 1, not a traceback or an abort from gloo's threads, and the launcher must exit 1.
     run_dir, token = tmp_path / "run", uuid.uuid4().hex
     flags = ["--preset", "tiny", "--data", str(corpus_file), "--run-dir", str(run_dir), "--quiet"]
-    flags += ["--train.steps", "100000", "--parallel.timeout_s", "10", "--train.ckpt_every", "0"]
+    # 5 s: the waits of a healthy run (start-up, steps, evaluation) pass with 1 s on 2 cores; the hang is
+    # what outlasts it.
+    flags += ["--train.steps", "100000", "--parallel.timeout_s", "5", "--train.ckpt_every", "0"]
     env = {**ENV, "HUNG_RANK_TEST": token}
     launcher = subprocess.Popen(
         [sys.executable, "-m", "moekit", "train", "--nproc", "2", *flags],
@@ -249,7 +278,7 @@ def test_a_hung_rank_ends_the_run_with_one_clear_error(corpus_file, tmp_path) ->
     errors = [line for line in rank0.splitlines() if "error:" in line]
     assert len(errors) == 1 and re.fullmatch(
         r".*moekit train \(rank 0\): error: rank 0: a collective failed, so another rank died or hung longer "
-        r"than parallel.timeout_s=10s \(.+\)",
+        r"than parallel.timeout_s=5s \(.+\)",
         errors[0],
     ), rank0[-3000:]
     assert launcher.returncode == 1, stderr[-3000:]

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import budget_for, moekit_cli, tiny
+from helpers import budget_for, moekit_cli, moekit_clis, tiny
 
 from moekit.experts.matmul import prepack, prepackable
 from moekit.infer.offload import OffloadOptions, model_bytes
@@ -113,18 +113,26 @@ def test_cli_generates_with_weights_quantized_in_memory(write_run, tmp_path: Pat
 
 @pytest.mark.slow
 def test_cli_refuses_a_bad_expert_format_and_a_dense_run(run_dir: Path, write_run, tmp_path: Path) -> None:
-    proc = moekit_cli("generate", str(run_dir), "--expert-format", "int3")
+    dense = write_run(tmp_path / "dense", **{"model.moe_every": "0"})
+    # Five separate commands, started side by side (each is its own process, as a user runs it).
+    bad_expert, dense_expert, dense_offload, bad_dense, dense_offloaded = moekit_clis(
+        ["generate", str(run_dir), "--expert-format", "int3"],
+        ["generate", str(dense), "--expert-format", "int8"],
+        ["generate", str(dense), "--memory-budget", "1GB"],  # load_run(offload=...) is --memory-budget
+        ["generate", str(run_dir), "--dense-format", "int3"],
+        ["generate", str(run_dir), "--dense-format", "int8", "--memory-budget", "1GB"],
+    )
+    proc = bad_expert
     assert (
         proc.returncode == 2 and "--expert-format=int3: choose from" in proc.stderr and "Traceback" not in proc.stderr
     )
-    dense = write_run(tmp_path / "dense", **{"model.moe_every": "0"})
-    proc = moekit_cli("generate", str(dense), "--expert-format", "int8")
+    proc = dense_expert
     assert proc.returncode == 2 and "--expert-format=int8: " in proc.stderr and "dense model" in proc.stderr
-    proc = moekit_cli("generate", str(dense), "--memory-budget", "1GB")  # load_run(offload=...) is --memory-budget
+    proc = dense_offload
     assert proc.returncode == 2 and "error: --memory-budget: " in proc.stderr and "no experts to offload" in proc.stderr
-    proc = moekit_cli("generate", str(run_dir), "--dense-format", "int3")
+    proc = bad_dense
     assert proc.returncode == 2 and "--dense-format=int3: choose from fp, int8, int4" in proc.stderr
-    proc = moekit_cli("generate", str(run_dir), "--dense-format", "int8", "--memory-budget", "1GB")
+    proc = dense_offloaded
     assert proc.returncode == 2 and "--dense-format=int8: offloaded models keep" in proc.stderr
     assert "Traceback" not in proc.stderr
 

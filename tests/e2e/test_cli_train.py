@@ -14,11 +14,12 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import moekit_cli
+from helpers import moekit_cli, moekit_clis, tiny
 
 from moekit.run.layout import latest_checkpoint
 from moekit.run.load import load_run
 from moekit.run.manifest import read_manifest
+from moekit.train.loop import train
 from moekit.train.metrics import read_metrics
 
 
@@ -239,14 +240,16 @@ def test_a_failed_resume_keeps_the_runs_config_and_tokenizer(corpus_file: Path, 
     resume still runs. The new text is encoded with the run's tokenizer, never a rebuilt one."""
     run = tmp_path / "run"
     base = ["train", "--preset", "tiny", "--run-dir", str(run), "--quiet", "--data.cache_dir", str(tmp_path / "c")]
-    first = moekit_cli(*base, "--data", str(corpus_file), "--data.tokenizer", "char", "--train.steps", "2")
-    assert first.returncode == 0, first.stderr
+    # The run to resume, trained in this process (the resumes below are the commands under test).
+    train(tiny(corpus_file, tmp_path / "c", **{"data.tokenizer": "char", "train.steps": "2"}), run, progress=False)
     kept = {name: (run / name).read_bytes() for name in ("config.json", "tokenizer.json")}
     other = tmp_path / "other.txt"
     other.write_text(corpus_file.read_text() + "QXZ!\n")
-    reshaped = moekit_cli(*base, "--resume", "--model.n_layers", "5", "--train.steps", "4")
+    reshaped, new_text = moekit_clis(  # two separate commands, started side by side
+        [*base, "--resume", "--model.n_layers", "5", "--train.steps", "4"],
+        [*base, "--resume", "--data", str(other), "--train.steps", "4"],
+    )
     assert reshaped.returncode == 2 and "does not fit" in reshaped.stderr, reshaped.stderr
-    new_text = moekit_cli(*base, "--resume", "--data", str(other), "--train.steps", "4")
     assert new_text.returncode == 2 and "'Q'" in new_text.stderr, new_text.stderr  # not in the run's alphabet
     assert {name: (run / name).read_bytes() for name in kept} == kept
     again = moekit_cli(*base, "--resume", "--train.steps", "3")
@@ -277,23 +280,15 @@ def test_settings_changed_on_resume_take_effect(corpus_file: Path, tmp_path: Pat
     from moekit.train.optim import lr_at
 
     run, plain = tmp_path / "run", tmp_path / "plain"
-    base = ["train", "--preset", "tiny", "--data", str(corpus_file), "--quiet", "--data.cache_dir", str(tmp_path / "c")]
-    first = moekit_cli(*base, "--run-dir", str(run), "--train.steps", "2", "--train.sample_tokens", "0")
-    assert first.returncode == 0, first.stderr
+    base = ["train", "--preset", "tiny", "--data", str(corpus_file), "--quiet", "--resume", "--train.steps", "4"]
+    # The run to resume, trained in this process (the resumes below are the commands under test).
+    train(tiny(corpus_file, tmp_path / "c", **{"train.steps": "2", "train.sample_tokens": "0"}), run, progress=False)
     shutil.copytree(run, plain)
-    changed = moekit_cli(
-        *base,
-        "--run-dir",
-        str(run),
-        "--resume",
-        "--train.steps",
-        "4",
-        "--train.weight_decay",
-        "10",
-        "--train.beta1",
-        "0",
+    changed, kept = moekit_clis(  # two separate runs, started side by side, each with its own token cache
+        [*base, "--run-dir", str(run), "--data.cache_dir", str(tmp_path / "c")]
+        + ["--train.weight_decay", "10", "--train.beta1", "0"],
+        [*base, "--run-dir", str(plain), "--data.cache_dir", str(tmp_path / "c-plain")],
     )
-    kept = moekit_cli(*base, "--run-dir", str(plain), "--resume", "--train.steps", "4")
     assert changed.returncode == 0 and kept.returncode == 0, changed.stderr + kept.stderr
     assert sorted(_optimizer_settings(run)) == [(0.0, (0.0, 0.95)), (10.0, (0.0, 0.95))]  # no decay on biases, norms
     assert sorted(_optimizer_settings(plain)) == [(0.0, (0.9, 0.95)), (0.1, (0.9, 0.95))]
