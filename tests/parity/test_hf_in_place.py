@@ -162,8 +162,8 @@ def test_offloaded_experts_compute_exactly_what_resident_ones_compute(dtype, sou
     expert's rows with the same kernel over the same weights: plain, or oneDNN's prepacked experts'
     kernel, which the offloaded ones call on their slot's weight (16-bit: reordered on each call; fp32:
     reordered once per read and kept, the budget's 2 slots becoming 1 and its copy), or, for bf16 on a
-    CPU without native bf16, the row layout's kernel."""
-    from moekit.experts.matmul import prepackable
+    CPU without native bf16 and fp32 on one without AVX-512, the row layout's kernels."""
+    from moekit.experts.matmul import plain_fp32, prepackable
     from moekit.infer.generate import decode_step, prefill
     from moekit.kernels import rows_available
 
@@ -178,8 +178,9 @@ def test_offloaded_experts_compute_exactly_what_resident_ones_compute(dtype, sou
     assert resident.model.embed.weight.dtype == dtype
     budget = _budget(path) + (0 if slots else 1 << 30)
     offloaded, _ = load_for_inference(path, offload=OffloadOptions(budget, prefetch="off"), prepack=prepack)
-    packs = prepack and prepackable(resident.model.embed.weight)
-    rows = prepack and not packs and dtype == torch.bfloat16 and rows_available()  # the row layout (AVX2)
+    fp32_rows = prepack and dtype == torch.float32 and plain_fp32()  # fp32 plain on a CPU without AVX-512
+    packs = prepack and prepackable(resident.model.embed.weight) and not fp32_rows
+    rows = fp32_rows or (prepack and not packs and dtype == torch.bfloat16 and rows_available())  # (AVX2)
     assert offloaded.offloader.kernel == ("packed" if packs else "rows" if rows else "mm")
     assert any(type(m).__name__ == "PackedExperts" for m in resident.model.modules()) == packs
     try:

@@ -13,7 +13,7 @@ import pytest
 import torch
 from helpers import budget_for
 
-from moekit.infer import offloader
+from moekit.infer import offloader, resident_experts
 from moekit.infer.expert_store import (
     ExpertStoreError,
     expert_tensor_prefix,
@@ -69,6 +69,8 @@ def test_fp32_experts_are_kept_reordered_for_the_packed_kernel_within_the_budget
 
     if not prepackable(torch.empty(1)):
         pytest.skip("this CPU's torch has no oneDNN")
+    # fp32 prepacked, as on a CPU with AVX-512 (without it, fp32 weights are kept plain for the row kernel)
+    monkeypatch.setattr(resident_experts, "plain_fp32", lambda: False)
     resident = prepack_(load_run(run_dir).model)
     run = load_run(run_dir, offload=OffloadOptions(memory_budget=budget_for(run_dir, experts), prefetch="off"))
     off = run.offloader

@@ -11,7 +11,14 @@ import pytest
 import torch
 
 from moekit.config import MoEConfig
-from moekit.experts.matmul import packed_linear, prepack, prepackable, single_token_kernels, unpacked_linear
+from moekit.experts.matmul import (
+    packed_linear,
+    plain_fp32,
+    prepack,
+    prepackable,
+    single_token_kernels,
+    unpacked_linear,
+)
 from moekit.infer.resident_experts import (
     PackedExperts,
     PackedLinear,
@@ -98,7 +105,8 @@ def test_prepacked_experts_and_linears_equal_the_plain_arithmetic(dtype, tokens:
     as it is elsewhere: the MoE layer stays within the dtype's rounding of a float64 per-token
     reference, the whole model's logits within it of the same model unpacked. ``few_rows``: bf16
     weights stay plain for the row kernel where it runs (one row; more by oneDNN), and on a CPU without
-    native bf16 whatever ``few_rows`` says (fewer than 32 rows by the row kernel, more in fp32)."""
+    native bf16 whatever ``few_rows`` says (fewer than 32 rows by the row kernel, more in fp32); fp32 weights
+    plain for the fp32 row kernel on a CPU without AVX-512 (up to 16 rows; more by oneDNN, reordered)."""
     from moekit import runconfig
     from moekit.model import Transformer
 
@@ -108,7 +116,8 @@ def test_prepacked_experts_and_linears_equal_the_plain_arithmetic(dtype, tokens:
     ids = torch.randint(0, cfg.model.vocab_size, (1, tokens))
     moe = model.moe_layers()[0]
     x = torch.randn(tokens, cfg.model.d_model).to(dtype)
-    rows = (few_rows or not prepackable(model.lm_head.weight)) and dtype == torch.bfloat16 and rows_available()
+    bf16_rows = (few_rows or not prepackable(model.lm_head.weight)) and dtype == torch.bfloat16 and rows_available()
+    rows = bf16_rows or (dtype == torch.float32 and plain_fp32())  # fp32 too on a CPU without AVX-512
     packs = prepackable(model.lm_head.weight) and not rows
     upcasts = not packs and not rows and dtype != torch.float32  # 16 bits without native kernels (fp16 on most CPUs)
     eps = 2.0**-20 if dtype == torch.float32 else 2.0**-6
@@ -119,7 +128,8 @@ def test_prepacked_experts_and_linears_equal_the_plain_arithmetic(dtype, tokens:
         assert isinstance(model.blocks[0].attn.qkv, PackedLinear) == packs
         assert isinstance(model.blocks[0].attn.qkv, UpcastLinear) == upcasts
         assert isinstance(moe.experts, RowExperts) == rows and isinstance(model.lm_head, RowLinear) == rows
-        assert isinstance(model.norm, RowRMSNorm) == rows and isinstance(model.blocks[1].ffn_norm, RowRMSNorm) == rows
+        assert isinstance(model.norm, RowRMSNorm) == bf16_rows
+        assert isinstance(model.blocks[1].ffn_norm, RowRMSNorm) == bf16_rows
         got = moe(x).double()
         logits = model(ids).logits.double()
     assert float((got - ref).abs().amax()) <= eps * float(ref.abs().amax())
@@ -272,8 +282,8 @@ def test_prepacked_models_of_every_shape_keep_their_logits(dtype, family: str) -
         prepack_(model)
         packed = logits()
     assert model_bytes(model) == plain_bytes
-    if prepackable(model.embed.weight):
-        assert any(isinstance(m, PackedLinear) for m in model.modules())
+    if prepackable(model.embed.weight):  # prepacked, or kept plain for a row kernel
+        assert any(isinstance(m, PackedLinear | RowLinear) for m in model.modules())
         assert (type(model.lm_head) is torch.nn.Linear) == cfg.model.tie_embeddings
         if cfg.model.tie_embeddings:
             assert model.lm_head.weight is model.embed.weight

@@ -92,6 +92,48 @@ def test_a_row_gets_the_same_bits_whatever_rows_come_with_it(threads: int, kerne
         torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize(
+    ("M", "N", "K"), [(1, 1, 1), (1, 37, 70), (4, 130, 1024), (7, 33, 1000), (5, 301, 4100), (3, 4, 0)]
+)
+def test_fp32_rows_equal_the_exact_sums(M: int, N: int, K: int, threads: int, kernel_isa: str) -> None:
+    """The fp32 row kernel: random rows within fp32's summation bound of the float64 sums; integer ones
+    (exact in fp32) equal them. Remainders of its tiles of four rows by three weight rows, a K with a
+    scalar tail, several chunks of weight rows (301 of 4100), no columns."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        g = torch.Generator().manual_seed(M * 1000 + N * 10 + K)
+        x, w = torch.randn(M, K, generator=g), torch.randn(N, K, generator=g)
+        exact = x.double() @ w.double().t()
+        bound = (K + 2) * 2.0**-24 * (x.double().abs() @ w.double().abs().t())
+        assert bool(((kernels.rows_f32(x, w).double() - exact).abs() <= bound).all())
+        xi, wi = (
+            torch.randint(-40, 41, (M, K), generator=g).float(),
+            torch.randint(-40, 41, (N, K), generator=g).float(),
+        )
+        assert torch.equal(kernels.rows_f32(xi, wi), (xi.double() @ wi.double().t()).float())
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_an_fp32_row_gets_the_same_bits_whatever_rows_come_with_it(threads: int, kernel_isa: str) -> None:
+    """As the bf16 kernel: each output summed in one order at every count of rows (1 to 9, 16), in one
+    chunk of weight rows and in several."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        g = torch.Generator().manual_seed(threads)
+        for N, K in ((37, 1000), (301, 4100)):
+            x, w = torch.randn(16, K, generator=g), torch.randn(N, K, generator=g)
+            alone = torch.cat([kernels.rows_f32(x[i : i + 1], w) for i in range(len(x))])
+            for M in [*range(2, 10), 16]:
+                assert torch.equal(kernels.rows_f32(x[:M], w), alone[:M]), (N, M)
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_a_nan_or_inf_reaches_only_its_own_row(kernel_isa: str) -> None:
     x, w = torch.ones(3, 40, dtype=torch.bfloat16), torch.ones(6, 40, dtype=torch.bfloat16)
     x[1, 7], x[2, 39] = float("nan"), float("inf")
@@ -442,6 +484,11 @@ def test_what_the_kernel_refuses() -> None:
         rows_bf16(torch.ones(1, 4, dtype=torch.bfloat16), w.t())
     with pytest.raises(RuntimeError, match="records no gradient"):
         rows_bf16(torch.ones(1, 8, dtype=torch.bfloat16, requires_grad=True), w)
+    fp32_and_bf16 = r"rows_f32 takes fp32 rows \[M, K\] and an fp32 weight \[N, K\], not torch.float32 \[1, 8\] and"
+    with pytest.raises(ValueError, match=fp32_and_bf16):
+        kernels.rows_f32(torch.ones(1, 8), w)
+    with pytest.raises(ValueError, match="rows_f32 takes a contiguous weight"):
+        kernels.rows_f32(torch.ones(1, 4), torch.ones(4, 8).t())
 
 
 @pytest.mark.slow

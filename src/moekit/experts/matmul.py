@@ -42,7 +42,7 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor
 
-from moekit.kernels import FEW_ROWS, rows_bf16
+from moekit.kernels import FEW_ROWS, rows_available, rows_bf16, rows_f32
 
 SIXTEEN_BIT = (torch.bfloat16, torch.float16)
 UPCAST_MIN_ROWS = 6  # from 6 rows (the crossover lies between 4 and 8: cpu_matmul.py, fp16 rows)
@@ -193,13 +193,36 @@ def unpacked_linear(x_MK: Tensor, w_NK: Tensor) -> Tensor:
 ROWS_WITHOUT_NATIVE = 32
 
 
+# NOTE: rows up to which the fp32 row kernel multiplies a plain fp32 weight (``plain_fp32``), per 1024 x 4096
+# weight, 2 threads, a Zen 3, ad hoc, against oneDNN's prepacked kernel: 0.98 against 1.41 ms at 1 row,
+# 1.21 against 1.75 at 4, 1.65 against 2.20 at 8, 2.51 against 2.67 at 16, 4.48 against 3.64 at 32.
+F32_ROWS = 16
+
+
+@functools.cache
+def plain_fp32() -> bool:
+    """Whether inference keeps fp32 weights plain for the fp32 row kernel (``kernels.rows_f32``) rather than
+    prepacked for oneDNN: on a CPU whose best torch kernels are AVX2 (no AVX-512), where oneDNN's fp32
+    kernel reads a weight for a few rows at about 12 GB/s and the row kernel at the memory's 17 (a Zen 3,
+    2 threads, ad hoc); the kernels built."""
+    cpu = torch.backends.cpu.get_cpu_capability() == "AVX2"
+    return cpu and rows_available() and torch.backends.mkldnn.is_available()
+
+
 def plain_linear(x_MK: Tensor, w_NK: Tensor) -> Tensor:
-    """``x @ w.t()`` for a bf16 weight kept in its plain ``[N, K]`` layout (a batch-1 decode's,
-    ``infer.resident_experts``' row layout): up to ``kernels.FEW_ROWS`` rows by the row kernel, which
-    reads it faster than oneDNN reads its prepacked copy; more (a prompt) by ``unpacked_linear`` on a CPU
-    with native bf16 kernels. Without them (AVX2) the row kernel takes fewer than ``ROWS_WITHOUT_NATIVE``
-    rows, and ``mm`` the rest, in fp32."""
+    """``x @ w.t()`` for a weight kept in its plain ``[N, K]`` layout (``infer.resident_experts``' row
+    layout). bf16 (a batch-1 decode's): up to ``kernels.FEW_ROWS`` rows by the row kernel, which reads it
+    faster than oneDNN reads its prepacked copy; more (a prompt) by ``unpacked_linear`` on a CPU with
+    native bf16 kernels. Without them (AVX2) the row kernel takes fewer than ``ROWS_WITHOUT_NATIVE`` rows,
+    and ``mm`` the rest, in fp32. fp32 (``plain_fp32``): up to ``F32_ROWS`` rows by the fp32 row kernel,
+    more by oneDNN over the weight reordered for the call (``_onednn_linear``: 0.84-1.04x the prepacked
+    weight's speed from 17 to 512 rows over d1024's shapes, ad hoc); rows that record a graph (a decoded
+    rollout scored for learning) by ``mm``, which autograd follows."""
     rows = x_MK.shape[0]
+    if w_NK.dtype == torch.float32:
+        if torch.is_grad_enabled() and x_MK.requires_grad:
+            return torch.mm(x_MK, w_NK.t())
+        return rows_f32(x_MK, w_NK) if rows <= F32_ROWS else _onednn_linear(x_MK, w_NK)
     native = native_16bit(w_NK.dtype)
     if rows <= FEW_ROWS or (rows < ROWS_WITHOUT_NATIVE and not native):
         return rows_bf16(x_MK, w_NK)

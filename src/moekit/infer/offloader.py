@@ -178,7 +178,7 @@ class Offloader:
             self._reordered = {}
 
     def use_row_kernels(self) -> None:
-        """Multiply bf16 experts as the resident row layout does (``prepack_``'s ``RowExperts``,
+        """Multiply full-precision experts as the resident row layout does (``prepack_``'s ``RowExperts``,
         ``experts.matmul.plain_linear``) over the slot's weight. Before the first step."""
         self.kernel = "rows"
 

@@ -11,7 +11,8 @@
   up to 2.2x faster.
 - ``RowExperts`` and ``RowLinear``: for a batch-1 decode (``prepack_``'s ``few_rows``), and for every
   load on a CPU without native bf16, bf16 weights kept in their plain layout, where ``moekit.kernels``'
-  row kernel reads them faster still; and ``RowRMSNorm``, its RMSNorm in one C call.
+  row kernel reads them faster still (fp32 ones too on a CPU without AVX-512); and ``RowRMSNorm``, its
+  RMSNorm in one C call.
 
 Each expert's rows are computed as the resident and offloaded paths compute them (``ExpertCompute``),
 only the two matmuls differ. None of these is for training or saving: they hold no parameters.
@@ -30,7 +31,16 @@ from torch import Tensor, nn
 from moekit.errors import OptionError
 from moekit.experts import DenseFFN
 from moekit.experts.grouped import ExpertCompute, GroupedExperts
-from moekit.experts.matmul import SIXTEEN_BIT, mm, native_16bit, packed_linear, plain_linear, prepack, prepackable
+from moekit.experts.matmul import (
+    SIXTEEN_BIT,
+    mm,
+    native_16bit,
+    packed_linear,
+    plain_fp32,
+    plain_linear,
+    prepack,
+    prepackable,
+)
 from moekit.infer.offloader import OffloadedExperts
 from moekit.infer.quant import INT4_GROUP, QUANT_FORMATS, int4_mm, int8_mm, pack_int4_for_cpu, quantize_int8
 from moekit.kernels import rms_norm_bf16, rows_available
@@ -113,9 +123,9 @@ class PackedExperts(PerExpert):
 
 
 class RowExperts(PerExpert):
-    """The bf16 experts of one ``GroupedExperts`` kept in their plain output-major layout (``[E, N, K]``
-    storage: no copy where inference loaded them so, as it does), multiplied by ``plain_linear``: a batch-1
-    decode's row by the row kernel."""
+    """The bf16 (or fp32, ``experts.matmul.plain_fp32``) experts of one ``GroupedExperts`` kept in their plain
+    output-major layout (``[E, N, K]`` storage: no copy where inference loaded bf16 ones so, as it does; a
+    copy of fp32 ones, loaded ``[E, K, N]``), multiplied by ``plain_linear``: a few rows by a row kernel."""
 
     def __init__(self, experts: GroupedExperts) -> None:
         super().__init__(experts)
@@ -166,7 +176,7 @@ class UpcastLinear(_PlainLinear):
 
 
 class RowLinear(_PlainLinear):
-    """An ``nn.Linear`` of a bf16 weight kept as it is, for the row layout: ``plain_linear``."""
+    """An ``nn.Linear`` of a bf16 (or fp32) weight kept as it is, for the row layout: ``plain_linear``."""
 
     def product(self, rows_MK: Tensor) -> Tensor:
         return plain_linear(rows_MK, self.weight)
@@ -292,19 +302,25 @@ def prepack_(model: nn.Module, few_rows: bool = False) -> nn.Module:
     ``benchmarks/measured/serve-commits-d1024-avx2-rows.json``). Offloaded experts keep the packed experts'
     kernel over their slots, so under ``few_rows`` they compute what packed resident experts would, not
     what ``RowExperts`` do; on a CPU without native bf16 (no packed bf16 kernel) the row layout's
-    kernel, over their slots."""
+    kernel, over their slots.
+
+    fp32 weights take the row layout too where ``experts.matmul.plain_fp32`` says (a CPU without AVX-512,
+    where the fp32 row kernel reads a few rows' weights faster than oneDNN's prepacked kernel), offloaded
+    ones the row kernel over their slots (each product copies its weight into the ``[N, K]`` layout)."""
     weight = model.embed.weight  # the head's dtype and device (the head may be quantized already)
     # NOTE: without native bf16 (AVX2) the row kernel beats torch's at every count of rows it takes
     # (``experts.matmul.plain_linear``): the row layout then serves steps of several sequences too
-    bf16_cpu = weight.dtype == torch.bfloat16 and weight.device.type == "cpu"
-    rows = bf16_cpu and (few_rows or not native_16bit(torch.bfloat16)) and rows_available()
+    cpu = weight.device.type == "cpu"
+    bf16_rows = cpu and weight.dtype == torch.bfloat16 and (few_rows or not native_16bit(torch.bfloat16))
+    fp32_rows = cpu and weight.dtype == torch.float32 and plain_fp32()
+    rows = (bf16_rows and rows_available()) or fp32_rows
     if rows or prepackable(weight):
         experts, linear = (RowExperts, RowLinear) if rows else (PackedExperts, PackedLinear)
         for moe in model.moe_layers():
             if type(moe.experts) is GroupedExperts:
                 moe.experts = experts(moe.experts)
             elif isinstance(moe.experts, OffloadedExperts):  # its slots are refilled: the kernel over them
-                if prepackable(weight):
+                if prepackable(weight) and not fp32_rows:
                     moe.experts.offloader.use_packed_kernels(weight.dtype)
                 else:
                     moe.experts.offloader.use_row_kernels()
@@ -314,7 +330,7 @@ def prepack_(model: nn.Module, few_rows: bool = False) -> nn.Module:
         return model
     for parent, name in _dense_linears(model):
         setattr(parent, name, linear(getattr(parent, name)))
-    if rows:
+    if rows and weight.dtype == torch.bfloat16:
         for parent, name in _weighted_rms_norms(model):
             setattr(parent, name, RowRMSNorm(getattr(parent, name)))
     return model

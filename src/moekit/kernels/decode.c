@@ -10,6 +10,10 @@
  * whatever rows come with it (up to the 32 rows experts.matmul.plain_linear gives it on AVX2). For one row oneDNN's prepacked kernel reads its own copy of the weight at
  * about 0.9x this speed, for two about as fast (AVX-512 build): moekit.kernels has the figures.
  *
+ * moekit_rows_f32: the same for fp32 rows and an fp32 weight [N, K], the sums in fp32, for CPUs without
+ * AVX-512, where oneDNN's fp32 kernels read a weight for a few rows slower than this does (moekit.kernels
+ * has the figures); every count of rows sums each output in the same order.
+ *
  * moekit_rms_norm_bf16: RMSNorm of bf16 rows in fp32, one C loop where torch's composite pays about ten
  * ops (37-60 us a call for one row of 1024 on a Zen 3, ad hoc; 17 calls a d1024 decode step).
  *
@@ -42,6 +46,8 @@
 #include <string.h>
 
 typedef uint16_t bf16;
+
+#define CHUNK_BYTES (128 << 10) /* the weight rows a chunk of the many-row kernels holds: half a Zen 3's L2 */
 
 static inline bf16 to_bf16(float v) { /* round to nearest even; a NaN stays a (quiet) NaN */
     uint32_t b;
@@ -255,8 +261,6 @@ sweep(const int R, int64_t r0, int64_t N, int64_t K, const float* xf, const bf16
     if (n < c1) tile(R, 1, K, xf + r0 * K, x + r0 * K, w + n * K, y + r0 * N + n, N, NULL);
 }
 
-#define CHUNK_BYTES (128 << 10) /* weight rows a chunk holds: half this machine's L2 per core */
-
 /* One or two rows: each weight row streamed once, x read as it is. More: x widened once (widen_rows),
  * then the weight in chunks of CHUNK_BYTES, each read from memory once and kept in L2 while every three
  * rows of x, from L1, meet it two weight rows at a time.
@@ -368,6 +372,70 @@ void moekit_rows_bf16(int threads, int64_t M, int64_t N, int64_t K, const bf16* 
         int64_t n0, n1;
         thread_part(N, &n0, &n1);
         rows(M, N, K, x, w, y, n0, n1);
+    }
+}
+
+/* fp32 rows (both builds: AVX2 with FMA, which AVX-512 includes). Each output one 8-lane fp32 accumulator
+ * over K in order, its horizontal sum and the scalar tail: the same sums for any count of rows. */
+static inline float hsum_f32(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+/* R rows of x (1 to 4) against W weight rows side by side (1 or 3), constants once inlined: R * W
+ * accumulators (at most 12), x read from L1, each weight vector loaded once for R rows; ``ahead``: rows
+ * to prefetch into L2 as these stream by (or NULL). */
+static inline __attribute__((always_inline)) void
+tile_f32(const int R, const int W, int64_t K, const float* x, const float* w, float* y, int64_t ldy,
+         const float* ahead) {
+    __m256 acc[4][3];
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < W; j++) acc[r][j] = _mm256_setzero_ps();
+    int64_t k = 0;
+    for (; k + 8 <= K; k += 8)
+        for (int j = 0; j < W; j++) {
+            __m256 wv = _mm256_loadu_ps(w + j * K + k);
+            if (ahead && (k & 15) == 0) _mm_prefetch((const char*)(ahead + j * K + k), _MM_HINT_T1);
+            for (int r = 0; r < R; r++) acc[r][j] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + r * K + k), acc[r][j]);
+        }
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < W; j++) {
+            float sum = hsum_f32(acc[r][j]);
+            for (int64_t i = k; i < K; i++) sum += x[r * K + i] * w[j * K + i];
+            y[r * ldy + j] = sum;
+        }
+}
+
+/* R rows of x from r0 against weight rows [c0, c1), three at a time; the first rows prefetch the next
+ * chunk (up to n1). */
+static inline __attribute__((always_inline)) void
+sweep_f32(const int R, int64_t r0, int64_t N, int64_t K, const float* x, const float* w, float* y, int64_t c0,
+          int64_t c1, int64_t n1) {
+    int64_t n = c0, next = c1 - c0;
+    for (; n + 3 <= c1; n += 3) {
+        const float* ahead = r0 == 0 && n + next + 3 <= n1 ? w + (n + next) * K : NULL;
+        tile_f32(R, 3, K, x + r0 * K, w + n * K, y + r0 * N + n, N, ahead);
+    }
+    for (; n < c1; n++) tile_f32(R, 1, K, x + r0 * K, w + n * K, y + r0 * N + n, N, NULL);
+}
+
+/* x [M, K], w [N, K], y [M, N], all contiguous fp32: the weight in chunks of CHUNK_BYTES that stay in L2,
+ * each met by every four rows of x in turn. */
+void moekit_rows_f32(int threads, int64_t M, int64_t N, int64_t K, const float* x, const float* w, float* y) {
+#pragma omp parallel num_threads(threads)
+    {
+        int64_t n0, n1;
+        thread_part(N, &n0, &n1);
+        int64_t chunk = K > 0 ? CHUNK_BYTES / (K * (int64_t)sizeof(float)) : 3;
+        chunk = chunk < 3 ? 3 : chunk - chunk % 3;
+        for (int64_t c0 = n0; c0 < n1; c0 += chunk) {
+            int64_t c1 = c0 + chunk < n1 ? c0 + chunk : n1, r0 = 0;
+            for (; r0 + 4 <= M; r0 += 4) sweep_f32(4, r0, N, K, x, w, y, c0, c1, n1);
+            if (M - r0 == 3) sweep_f32(3, r0, N, K, x, w, y, c0, c1, n1);
+            if (M - r0 == 2) sweep_f32(2, r0, N, K, x, w, y, c0, c1, n1);
+            if (M - r0 == 1) sweep_f32(1, r0, N, K, x, w, y, c0, c1, n1);
+        }
     }
 }
 
