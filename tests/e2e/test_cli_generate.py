@@ -12,7 +12,7 @@ import pytest
 import torch
 from helpers import budget_for, moekit_cli, moekit_clis, tiny
 
-from moekit.experts.matmul import plain_fp32, prepack, prepackable
+from moekit.experts.matmul import prepack, prepackable
 from moekit.infer.offload import OffloadOptions, model_bytes
 from moekit.run.layout import CheckpointError, latest_checkpoint
 from moekit.run.load import load_run
@@ -157,8 +157,8 @@ def test_threads_flag_sets_torchs_threads_and_refuses_zero(run_dir: Path, capsys
 @pytest.mark.slow
 def test_offloaded_generate_says_what_the_budget_holds_and_prints_the_peak_rss(run_dir: Path, tmp_path: Path) -> None:
     """``--memory-budget`` holds the resident weights (the non-expert weights and the expert slots, as
-    counted here from the model; fp32 experts multiplied by oneDNN's prepacked kernel, on a CPU with
-    AVX-512, are kept reordered beside their slots, so fewer slots: one slot and its copy); activations,
+    counted here from the model; fp32 experts multiplied by oneDNN's prepacked kernel are kept reordered
+    beside their slots, so fewer slots: one slot and its copy); activations,
     the KV cache and the runtime are beside it, and the peak RSS printed is the one the OS reports for
     the process (``wait4``), within 3%."""
     probe = load_run(run_dir, offload=OffloadOptions(memory_budget=1 << 40))
@@ -175,7 +175,7 @@ def test_offloaded_generate_says_what_the_budget_holds_and_prints_the_peak_rss(r
     assert os.waitstatus_to_exitcode(status) == 0, stderr
     line = stderr.strip().splitlines()[-1]
     held, total = f"2 expert slots of {format_bytes(slot)}", budget
-    if prepackable(torch.empty(1)) and not plain_fp32():  # fp32 experts kept reordered beside their slots
+    if prepackable(torch.empty(1)):  # fp32 experts kept reordered beside their slots: one slot and its copy
         experts = load_run(run_dir).model.moe_layers()[0].experts
         copy = sum(torch.ops.mkldnn._nbytes(prepack(w[0].t())) for w in (experts.w_in, experts.w_out))
         reordered = f"their experts reordered for the kernel, {format_bytes(copy)}"

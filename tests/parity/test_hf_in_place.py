@@ -22,6 +22,7 @@ from test_hf_parity import tokens  # noqa: E402
 
 from moekit.cli import main  # noqa: E402
 from moekit.convert import ConversionError  # noqa: E402
+from moekit.infer import resident_experts  # noqa: E402
 from moekit.infer.generate import generate  # noqa: E402
 from moekit.infer.offload import OffloadOptions, model_bytes  # noqa: E402
 from moekit.model_dir import load_for_inference  # noqa: E402
@@ -155,15 +156,18 @@ def test_experts_in_another_dtype_than_the_run_are_refused(tmp_path: Path) -> No
     ],
 )
 @pytest.mark.parametrize("slots", [2, None])
-def test_offloaded_experts_compute_exactly_what_resident_ones_compute(dtype, source, prepack, slots, tmp_path) -> None:
+def test_offloaded_experts_compute_exactly_what_resident_ones_compute(
+    dtype, source, prepack, slots, tmp_path, monkeypatch
+) -> None:
     """A Hugging Face directory read in place, or its conversion to a run (16-bit experts stored [in,
     out]): offloaded experts (a budget of 2 slots, evicting in every layer, or one holding them all) give
     the resident model's logits bit for bit, prefill and decode, prepacked or not. Both multiply each
     expert's rows with the same kernel over the same weights: plain, or oneDNN's prepacked experts'
     kernel, which the offloaded ones call on their slot's weight (16-bit: reordered on each call; fp32:
     reordered once per read and kept, the budget's 2 slots becoming 1 and its copy), or, for bf16 on a
-    CPU without native bf16 and fp32 on one without AVX-512, the row layout's kernels."""
-    from moekit.experts.matmul import plain_fp32, prepackable
+    CPU without native bf16, the row layout's kernel. An offloaded fp32 model keeps the packed layout
+    everywhere, so the resident one compared is loaded packed too (where fp32 is otherwise kept plain)."""
+    from moekit.experts.matmul import prepackable
     from moekit.infer.generate import decode_step, prefill
     from moekit.kernels import rows_available
 
@@ -174,13 +178,13 @@ def test_offloaded_experts_compute_exactly_what_resident_ones_compute(dtype, sou
     path = tmp_path / source
     if source == "run":
         assert main(["convert", str(tmp_path / "hf"), "--out", str(path)]) == 0
+    monkeypatch.setattr(resident_experts, "plain_fp32", lambda: False)  # as an offloaded fp32 model
     resident, _ = load_for_inference(path, prepack=prepack)
     assert resident.model.embed.weight.dtype == dtype
     budget = _budget(path) + (0 if slots else 1 << 30)
     offloaded, _ = load_for_inference(path, offload=OffloadOptions(budget, prefetch="off"), prepack=prepack)
-    fp32_rows = prepack and dtype == torch.float32 and plain_fp32()  # fp32 plain on a CPU without AVX-512
-    packs = prepack and prepackable(resident.model.embed.weight) and not fp32_rows
-    rows = fp32_rows or (prepack and not packs and dtype == torch.bfloat16 and rows_available())  # (AVX2)
+    packs = prepack and prepackable(resident.model.embed.weight)
+    rows = prepack and not packs and dtype == torch.bfloat16 and rows_available()  # the row layout (AVX2)
     assert offloaded.offloader.kernel == ("packed" if packs else "rows" if rows else "mm")
     assert any(type(m).__name__ == "PackedExperts" for m in resident.model.modules()) == packs
     try:

@@ -305,14 +305,17 @@ def prepack_(model: nn.Module, few_rows: bool = False) -> nn.Module:
     kernel, over their slots.
 
     fp32 weights take the row layout too where ``experts.matmul.plain_fp32`` says (a CPU without AVX-512,
-    where the fp32 row kernel reads a few rows' weights faster than oneDNN's prepacked kernel), offloaded
-    ones the row kernel over their slots (each product copies its weight into the ``[N, K]`` layout)."""
+    where the fp32 row kernel reads a few rows' weights faster than oneDNN's prepacked kernel), unless the
+    experts are offloaded: their slots hold fp32 weights ``[K, N]``, which the row kernel would need
+    transposed at every product (5x the packed kernel's time over a kept reordered copy, ad hoc), so an
+    offloaded fp32 model keeps the packed layout, as before."""
     weight = model.embed.weight  # the head's dtype and device (the head may be quantized already)
     # NOTE: without native bf16 (AVX2) the row kernel beats torch's at every count of rows it takes
     # (``experts.matmul.plain_linear``): the row layout then serves steps of several sequences too
     cpu = weight.device.type == "cpu"
     bf16_rows = cpu and weight.dtype == torch.bfloat16 and (few_rows or not native_16bit(torch.bfloat16))
-    fp32_rows = cpu and weight.dtype == torch.float32 and plain_fp32()
+    offloaded = any(isinstance(moe.experts, OffloadedExperts) for moe in model.moe_layers())
+    fp32_rows = cpu and weight.dtype == torch.float32 and plain_fp32() and not offloaded
     rows = (bf16_rows and rows_available()) or fp32_rows
     if rows or prepackable(weight):
         experts, linear = (RowExperts, RowLinear) if rows else (PackedExperts, PackedLinear)
